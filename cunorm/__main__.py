@@ -1,0 +1,129 @@
+"""python -m cunorm [check | precompile]
+
+check (the default): on a GPU, run every op on random data against the
+float64 reference and print errors and timings; without a GPU, say so and
+compile every kernel instantiation with NVRTC for sm_80 and sm_90.
+precompile: build every kernel for the current GPU ahead of time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+
+def _gpu_name():
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+        return props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    except Exception:
+        return None
+
+
+def _check_cases():
+    from . import _dtypes
+
+    bf16, f32 = _dtypes.bfloat16, _dtypes.float32
+    return [
+        # op, shape, dtype, axis, weight
+        ("rms_norm", (1, 4096), bf16, -1, True),
+        ("rms_norm", (4096, 4096), bf16, -1, True),
+        ("rms_norm", (1024, 32768), bf16, -1, True),
+        ("rms_norm", (8192, 1024), f32, -1, True),
+        ("rms_norm", (4, 1 << 20), f32, -1, False),
+        ("rms_norm", (1000, 4097), _dtypes.float16, -1, True),
+        ("rms_norm", (16, 64, 128, 128), f32, 1, False),
+        ("rms_norm", (64, 760), _dtypes.float64, -1, True),
+    ]
+
+
+def check_gpu(name: str) -> int:
+    import cupy
+
+    import cunorm
+
+    from . import reference
+
+    print(f"cunorm {cunorm.__version__} on {name}: every op against the float64 NumPy reference")
+    print(f"{'op':10} {'shape':>20} {'dtype':>9} {'axis':>4} {'max rel err':>12} {'ms':>9}")
+    rng = np.random.default_rng()
+    failures = 0
+    tolerance = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 5e-5, "float64": 1e-12}
+    for op, shape, dtype, axis, has_weight in _check_cases():
+        x_np = rng.standard_normal(shape).astype(dtype)
+        w_np = rng.standard_normal(shape[axis]).astype(dtype) if has_weight else None
+        x = cupy.asarray(x_np)
+        w = None if w_np is None else cupy.asarray(w_np)
+        fn = getattr(cunorm, op)
+        y = fn(x, w, axis=axis)
+        ref = getattr(reference, op)(x_np, w_np, axis=axis, exact=True)
+        got = cupy.asnumpy(y).astype(np.float64)
+        err = np.abs(got - ref) / np.maximum(np.abs(ref), 1e-3)
+        worst = float(np.max(err)) if np.all(np.isfinite(got)) else float("nan")
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(10):
+            start.record()
+            fn(x, w, axis=axis)
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop))
+        ok = worst <= tolerance[np.dtype(dtype).name]
+        failures += not ok
+        print(f"{op:10} {str(shape):>20} {np.dtype(dtype).name:>9} {axis:>4} {worst:12.2e} {np.median(times):9.4f}"
+              f"{'' if ok else '  FAIL'}")
+    print("all ops match the reference" if not failures else f"{failures} case(s) off the reference")
+    return 1 if failures else 0
+
+
+def check_compile() -> int:
+    from . import _dispatch, _loader
+
+    kernels = _dispatch.all_kernels()
+    print("No CUDA GPU found: nothing can run here. Checking what can be checked without one:")
+    print(f"compiling all {len(kernels)} kernel instantiations with NVRTC (no spills allowed)")
+    bad = 0
+    for arch in ("sm_80", "sm_90"):
+        start = time.perf_counter()
+        try:
+            results = _loader.compile_offline(arch, kernels)
+        except Exception as err:  # report and fail, don't traceback
+            print(f"  {arch}: FAILED\n{err}")
+            bad += 1
+            continue
+        spilled = [r["expression"] for r in results if r["stack"] or r["spill_stores"] or r["spill_loads"]]
+        regs = max(r["registers"] for r in results)
+        status = "ok" if not spilled else f"{len(spilled)} spill, e.g. {spilled[0]}"
+        print(f"  {arch}: {len(results)} kernels in {time.perf_counter() - start:.1f} s, "
+              f"at most {regs} registers, {status}")
+        bad += bool(spilled)
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cunorm", description=__doc__.splitlines()[0])
+    parser.add_argument("command", nargs="?", default="check", choices=["check", "precompile"])
+    args = parser.parse_args(argv)
+    name = _gpu_name()
+    if args.command == "precompile":
+        if name is None:
+            print("No CUDA GPU found: precompile builds for the current GPU. Run `python -m cunorm check` "
+                  "to compile every kernel for sm_80 and sm_90 without one.")
+            return 2
+        from ._loader import precompile
+
+        print(f"compiling every kernel for {name} ...")
+        summary = precompile(verbose=True)
+        print(f"{summary['kernels']} kernels in {summary['seconds']:.1f} s (source {summary['source']})")
+        return 0
+    return check_gpu(name) if name else check_compile()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The array boundary: what kind of array came in, a zero-copy CuPy view of
+it, and the result handed back as the caller's own type.
+
+Each framework has one module here (cupy, torch, jax); anything else that
+speaks DLPack from a CUDA device goes through the generic path. NumPy arrays
+are not converted: they run the float64 reference (cunorm.reference).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from . import _generic
+
+NUMPY = "numpy"
+
+
+def _adapters():
+    from . import cupy as cupy_adapter
+
+    adapters = [cupy_adapter]
+    # Only look for torch / JAX types if the caller has imported them already.
+    if "torch" in sys.modules:
+        from . import torch as torch_adapter
+
+        adapters.append(torch_adapter)
+    if "jax" in sys.modules:
+        from . import jax as jax_adapter
+
+        adapters.append(jax_adapter)
+    return adapters
+
+
+_by_type: dict[type, object] = {}
+
+
+def adapter_for(x, name: str = "x"):
+    """The adapter module that owns ``x``, or NUMPY for NumPy arrays.
+
+    Raises TypeError for anything that is not an array cunorm accepts.
+    Memoized by type: the common case is one dictionary lookup.
+    """
+    kind = type(x)
+    adapter = _by_type.get(kind)
+    if adapter is not None:
+        return adapter
+    if isinstance(x, np.ndarray):
+        adapter = NUMPY
+    else:
+        adapter = next((a for a in _adapters() if a.owns(x)), None)
+        if adapter is None and _generic.owns(x):
+            return _generic  # not memoized: owns() looks at the device
+    if adapter is None:
+        raise TypeError(
+            f"{name} must be a CuPy, NumPy, torch or JAX array (or a CUDA array that supports DLPack), "
+            f"got {kind.__module__}.{kind.__qualname__}"
+        )
+    _by_type[kind] = adapter
+    return adapter

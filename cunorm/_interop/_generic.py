@@ -1,0 +1,27 @@
+"""Any other array on a CUDA device that speaks DLPack: in through
+cupy.from_dlpack, out as a CuPy array (there is no generic way back)."""
+from __future__ import annotations
+
+name = "dlpack"
+_CUDA = 2  # kDLCUDA
+_CUDA_MANAGED = 13  # kDLCUDAManaged
+
+
+def owns(x) -> bool:
+    if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
+        return False
+    try:
+        device_type, _ = x.__dlpack_device__()
+    except Exception:
+        return False
+    return int(device_type) in (_CUDA, _CUDA_MANAGED)
+
+
+def to_cupy(x, arg: str = "x"):
+    import cupy
+
+    return cupy.from_dlpack(x)
+
+
+def from_cupy(y, like):
+    return y

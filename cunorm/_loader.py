@@ -1,0 +1,152 @@
+"""Compiling and caching the kernels.
+
+Each kernel family is one ``.cu`` file in ``cunorm/kernels/``. Its
+``#include "..."`` lines are inlined here, so the source string handed to
+NVRTC is the whole program: CuPy's on-disk cache keys on that string (it does
+not look inside headers reached through ``-I``), so editing any header changes
+the key and a stale binary is never served. Each template instantiation is
+its own ``cupy.RawModule`` (one compile of ~0.2 s on first use, then CuPy's
+disk cache), memoized per device.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import time
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+#: options shared by the run-time and the offline (CI) compiles. CuPy adds
+#: -arch for the current device and -ftz=true itself.
+OPTIONS = ("-std=c++17",)
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+@functools.lru_cache(maxsize=None)
+def source(family: str) -> str:
+    """The family's source with every local header inlined once."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> list[str]:
+        lines = [f'#line 1 "{name}"']
+        for number, line in enumerate((KERNEL_DIR / name).read_text().splitlines(), start=1):
+            match = _INCLUDE.match(line)
+            if match is None:
+                if line.strip() != "#pragma once":
+                    lines.append(line)
+                continue
+            header = match.group(1)
+            if header not in seen:
+                seen.add(header)
+                lines.extend(expand(header))
+            lines.append(f'#line {number + 1} "{name}"')
+        return lines
+
+    return "\n".join(expand(f"{family}.cu")) + "\n"
+
+
+def source_digest() -> str:
+    """A hash of every kernel source file (reported by precompile)."""
+    h = hashlib.sha256()
+    for path in sorted(KERNEL_DIR.glob("*.cu*")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_functions: dict[tuple[int, str], object] = {}
+
+
+def get_function(family: str, expression: str, device: int | None = None):
+    """The compiled kernel for a template instantiation on ``device`` (the
+    current device when None)."""
+    import cupy
+
+    if device is None:
+        device = cupy.cuda.runtime.getDevice()
+    key = (device, expression)
+    fn = _functions.get(key)
+    if fn is None:
+        with cupy.cuda.Device(device):
+            module = cupy.RawModule(code=source(family), options=OPTIONS, name_expressions=[expression])
+            fn = module.get_function(expression)
+        _functions[key] = fn
+    return fn
+
+
+def precompile(verbose: bool = False) -> dict:
+    """Build every kernel instantiation the dispatch can choose for the
+    current GPU (filling CuPy's disk cache). Returns a summary with the time
+    it took."""
+    from ._dispatch import all_kernels
+
+    kernels = all_kernels()
+    start = time.perf_counter()
+    for i, kernel in enumerate(kernels):
+        get_function(kernel.family, kernel.expression)
+        if verbose:
+            print(f"\r  {i + 1}/{len(kernels)} kernels", end="", flush=True)
+    if verbose:
+        print()
+    return {"kernels": len(kernels), "seconds": time.perf_counter() - start, "source": source_digest()}
+
+
+# --- offline compile (no GPU): NVRTC through CuPy's low-level bindings --------
+
+_PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def compile_offline(arch: str, kernels) -> list[dict]:
+    """Compile kernels with NVRTC for ``arch`` (e.g. "sm_90") without a GPU.
+
+    One NVRTC program per family, all its instantiations as name expressions.
+    Returns, per kernel: expression, registers, stack frame bytes, spill
+    store and load bytes. Raises RuntimeError with NVRTC's log on an error.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    by_family: dict[str, list[str]] = {}
+    for k in kernels:
+        by_family.setdefault(k.family, []).append(k.expression)
+    results = []
+    for family, expressions in by_family.items():
+        prog = nvrtc.createProgram(source(family), f"{family}.cu", [], [])
+        try:
+            for e in expressions:
+                nvrtc.addNameExpression(prog, e)
+            options = [f"--gpu-architecture={arch}", *OPTIONS, "-ftz=true", "--ptxas-options=--verbose"]
+            try:
+                nvrtc.compileProgram(prog, options)
+            except nvrtc.NVRTCError as err:
+                raise RuntimeError(f"NVRTC failed on {family}.cu for {arch}:\n{nvrtc.getProgramLog(prog)}") from err
+            log = nvrtc.getProgramLog(prog)
+            lowered = {nvrtc.getLoweredName(prog, e): e for e in expressions}
+            results.extend(_parse_ptxas(log, lowered))
+        finally:
+            nvrtc.destroyProgram(prog)
+    return results
+
+
+def _parse_ptxas(log: str, lowered: dict[str, str]) -> list[dict]:
+    found: dict[str, dict] = {}
+    current = None
+    for line in log.splitlines():
+        m = _PTXAS_FUNCTION.search(line)
+        if m:
+            current = found.setdefault(m.group(1), {"expression": lowered.get(m.group(1), m.group(1))})
+            continue
+        if current is None:
+            continue
+        m = _PTXAS_STACK.search(line)
+        if m:
+            current["stack"], current["spill_stores"], current["spill_loads"] = map(int, m.groups())
+            continue
+        m = _PTXAS_REGS.search(line)
+        if m:
+            current["registers"] = int(m.group(1))
+    missing = set(lowered) - set(found)
+    if missing:
+        raise RuntimeError(f"ptxas reported nothing for {sorted(lowered[m] for m in missing)[:3]}")
+    return list(found.values())

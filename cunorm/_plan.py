@@ -1,0 +1,163 @@
+"""Canonical plans: every call becomes a reduction over the middle of an
+(outer, reduced, inner) view of x, followed by an elementwise epilogue.
+
+Pure functions of shapes, strides (in elements), dtypes and pointer
+alignment; no GPU needed, so CI tests them directly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _dtypes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a kernel needs to know about one call.
+
+    outer, reduced, inner: the extents of x viewed as (outer, reduced, inner);
+        every (outer, inner) position is one normalization group of
+        ``reduced`` elements.
+    outer_stride, reduced_stride: x's strides in elements along outer and
+        reduced (the inner stride is 1 whenever inner > 1; the reduced stride
+        is 1 whenever inner == 1). y is always written C-contiguous.
+    dtype, weight_dtype: storage dtypes (weight_dtype None: no weight).
+    vec: elements per vector access along the contiguous axis (reduced if
+        inner == 1, else inner), the widest that every pointer, stride and
+        extent allows, at most 16 bytes.
+    norm: which policy of cunorm/kernels/norms.cuh.
+    """
+
+    norm: str
+    dtype: np.dtype
+    weight_dtype: np.dtype | None
+    outer: int
+    reduced: int
+    inner: int
+    outer_stride: int
+    reduced_stride: int
+    vec: int
+
+    @property
+    def contiguous_rows(self) -> bool:
+        return self.inner == 1
+
+    @property
+    def groups(self) -> int:
+        return self.outer * self.inner
+
+    @property
+    def nbytes(self) -> int:
+        """x read once plus y written once."""
+        return 2 * self.outer * self.reduced * self.inner * self.dtype.itemsize
+
+
+def normalize_axes(axis, ndim: int) -> tuple[int, int]:
+    """Return (first, last) of the adjacent axes named by ``axis``.
+
+    ``axis`` is an int or a tuple/list of ints naming adjacent axes in any
+    order; negative values count from the end.
+    """
+    if isinstance(axis, (bool, np.bool_)):
+        raise TypeError(f"axis must be an int or a tuple of ints, got {axis!r}")
+    if isinstance(axis, (int, np.integer)):
+        axes = (int(axis),)
+    elif isinstance(axis, (tuple, list)) and all(
+        isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_)) for a in axis
+    ):
+        axes = tuple(int(a) for a in axis)
+    else:
+        raise TypeError(f"axis must be an int or a tuple of ints, got {axis!r}")
+    if not axes:
+        raise ValueError("axis must name at least one axis, got ()")
+    resolved = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for an array of {ndim} dimension(s)")
+        resolved.append(a % ndim)
+    resolved.sort()
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"axis {axis!r} names an axis twice")
+    if resolved != list(range(resolved[0], resolved[-1] + 1)):
+        raise ValueError(f"the normalized axes must be adjacent, got {axis!r}")
+    return resolved[0], resolved[-1]
+
+
+def collapse(shape, strides) -> tuple[int, int] | None:
+    """Merge a run of dimensions into one (extent, stride), or None if their
+    strides do not describe a single arithmetic progression."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    extent = math.prod(shape)
+    if not dims:
+        return extent, 0
+    for (_, s0), (n1, s1) in zip(dims, dims[1:]):
+        if s0 != s1 * n1:
+            return None
+    return extent, dims[-1][1]
+
+
+def canonical_view(shape, strides, first: int, last: int):
+    """(outer, reduced, inner, outer_stride, reduced_stride) for x with the
+    axes first..last reduced, or None when the layout needs a contiguous copy
+    first (a group of dimensions that does not collapse, or a contiguous axis
+    that is not unit-stride)."""
+    parts = [
+        collapse(shape[:first], strides[:first]),
+        collapse(shape[first : last + 1], strides[first : last + 1]),
+        collapse(shape[last + 1 :], strides[last + 1 :]),
+    ]
+    if any(p is None for p in parts):
+        return None
+    (outer, s_outer), (reduced, s_reduced), (inner, s_inner) = parts
+    if inner > 1 and s_inner != 1:
+        return None
+    if inner == 1 and reduced > 1 and s_reduced != 1:
+        return None
+    if inner == 1:
+        s_reduced = 1
+    return outer, reduced, inner, s_outer, s_reduced
+
+
+def vector_width(itemsize: int, extent: int, strides, pointers) -> int:
+    """Widest power-of-two vector (at most 16 bytes) such that ``extent`` and
+    every stride (elements) are multiples of it and every (pointer, itemsize)
+    pair is aligned to it."""
+    vec = 16 // itemsize
+    while vec > 1:
+        if (
+            extent % vec == 0
+            and all(s % vec == 0 for s in strides)
+            and all(p % (vec * size) == 0 for p, size in pointers)
+        ):
+            return vec
+        vec //= 2
+    return 1
+
+
+def make_plan(norm: str, dtype, weight_dtype, shape, strides, first, last, x_ptr, y_ptr, w_ptr):
+    """Plan for a call, or None when x must be made contiguous first."""
+    view = canonical_view(shape, strides, first, last)
+    if view is None:
+        return None
+    outer, reduced, inner, s_outer, s_reduced = view
+    itemsize = dtype.itemsize
+    pointers = [(x_ptr, itemsize), (y_ptr, itemsize)]
+    if inner == 1:
+        extent = reduced
+        other_strides = [s_outer] if outer > 1 else []
+        if weight_dtype is not None:
+            pointers.append((w_ptr, weight_dtype.itemsize))
+    else:
+        extent = inner
+        other_strides = [s for s, n in ((s_outer, outer), (s_reduced, reduced)) if n > 1]
+    vec = vector_width(itemsize, extent, other_strides, pointers)
+    return Plan(norm, dtype, weight_dtype, outer, reduced, inner, s_outer, s_reduced, vec)
+
+
+def kernel_types(plan: Plan) -> tuple[str, str]:
+    """The (T, W) template arguments of a plan."""
+    w = _dtypes.NO_WEIGHT if plan.weight_dtype is None else _dtypes.KERNEL_TYPE[plan.weight_dtype]
+    return _dtypes.KERNEL_TYPE[plan.dtype], w

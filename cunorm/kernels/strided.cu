@@ -1,0 +1,123 @@
+// strided.cu: the strided-axis family. x is viewed as (outer, reduced, inner)
+// with inner > 1 and unit stride along inner; every (outer, inner) position is
+// its own normalization group, reduced across a stride of x_reduced_stride
+// elements (axis 1 of NCHW: the channel axis, stride H*W).
+//
+// Thread layout: a 2-D block. threadIdx.x walks inner in vectors of VEC
+// consecutive positions, so a warp reads 32 * VEC contiguous elements of one
+// channel (coalesced, 16-byte accesses); threadIdx.y splits the reduced axis
+// (thread y takes channels y, y + blockDim.y, ...). Each thread keeps VEC
+// independent statistics; the blockDim.y partials of a position are combined
+// through shared memory in y order (bitwise reproducible). When blockDim.x
+// covers all of inner, consecutive y read consecutive channels, which are
+// adjacent in memory, so small inner extents stay coalesced too.
+//
+//   CHANNELS_PER_THREAD > 0: the thread's channels are held in registers
+//     between the reduction and the epilogue: one read, one write.
+//   CHANNELS_PER_THREAD == 0: two sweeps over the channels, the second
+//     mostly served by L2 (a block's working set is reduced * blockDim.x *
+//     VEC elements): for reduced extents too long for registers.
+//
+// Dynamic shared memory: blockDim.y * VEC * blockDim.x Stats.
+#include "reduce.cuh"
+
+namespace cunorm {
+
+template <template <class> class NormT, class T, class W, int VEC, int CHANNELS_PER_THREAD>
+__global__ void __launch_bounds__(256, 2)
+strided_norm(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w, long long outer,
+             int reduced, long long inner, long long x_outer_stride, long long x_reduced_stride,
+             typename AccOf<T>::type eps) {
+    using A = typename AccOf<T>::type;
+    using Norm = NormT<A>;
+    using Stats = typename Norm::Stats;
+    extern __shared__ __align__(16) unsigned char shared_raw[];
+    Stats* partials = reinterpret_cast<Stats*>(shared_raw);
+
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int bx = blockDim.x, by = blockDim.y;
+    const long long inner_vecs = inner / VEC;
+    const long long tiles = (inner_vecs + bx - 1) >> (__ffs(bx) - 1);  // bx is a power of two
+    const long long y_outer_stride = static_cast<long long>(reduced) * inner;
+
+    // 2-D grid (x: tiles of inner, y: outer), strided loops in both, so no
+    // 64-bit division (a call, whose live registers ptxas spills) is needed.
+    for (long long o = blockIdx.y; o < outer; o += gridDim.y)
+    for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const long long iv = tile * bx + tx;
+        const bool active = iv < inner_vecs;
+        const T* xo = x + o * x_outer_stride + iv * VEC;
+        T* yo = y + o * y_outer_stride + iv * VEC;
+
+        Stats s[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) s[j] = Norm::init();
+
+        // CHANNELS_PER_THREAD == 0 declares a one-slot cache that stays unused.
+        Vec<T, VEC> cache[CHANNELS_PER_THREAD > 0 ? CHANNELS_PER_THREAD : 1];
+        if constexpr (CHANNELS_PER_THREAD > 0) {
+#pragma unroll
+            for (int k = 0; k < CHANNELS_PER_THREAD; ++k) {
+                const int c = ty + k * by;
+                if (active && c < reduced) cache[k] = load_vec<T, VEC>(xo + c * x_reduced_stride);
+            }
+#pragma unroll
+            for (int k = 0; k < CHANNELS_PER_THREAD; ++k) {
+                const int c = ty + k * by;
+                if (active && c < reduced) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) Norm::add(s[j], static_cast<A>(widen(cache[k].v[j])));
+                }
+            }
+        } else {
+            if (active) {
+#pragma unroll 4
+                for (int c = ty; c < reduced; c += by) {
+                    const Vec<T, VEC> in = load_vec<T, VEC>(xo + c * x_reduced_stride);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) Norm::add(s[j], static_cast<A>(widen(in.v[j])));
+                }
+            }
+        }
+
+        // Combine the by partials of each position: layout [y][j][x] keeps a
+        // warp's reads on distinct banks.
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) partials[(ty * VEC + j) * bx + tx] = s[j];
+        __syncthreads();
+        Affine<A> f[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            Stats total = partials[j * bx + tx];
+            for (int yy = 1; yy < by; ++yy) total = Norm::combine(total, partials[(yy * VEC + j) * bx + tx]);
+            f[j] = Norm::finalize(total, reduced, eps);
+        }
+
+        auto write = [&](int c, const Vec<T, VEC>& in) {
+            A wc = A(1);
+            if constexpr (!same_type<W, none_t>::value) wc = static_cast<A>(widen(w[c]));
+            Vec<T, VEC> out;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const A v = fma(static_cast<A>(widen(in.v[j])), f[j].scale, f[j].shift);
+                narrow(same_type<W, none_t>::value ? v : v * wc, out.v[j]);
+            }
+            store_vec<T, VEC>(yo + c * inner, out);
+        };
+        if constexpr (CHANNELS_PER_THREAD > 0) {
+#pragma unroll
+            for (int k = 0; k < CHANNELS_PER_THREAD; ++k) {
+                const int c = ty + k * by;
+                if (active && c < reduced) write(c, cache[k]);
+            }
+        } else {
+            if (active) {
+#pragma unroll 4
+                for (int c = ty; c < reduced; c += by) write(c, load_vec<T, VEC>(xo + c * x_reduced_stride));
+            }
+        }
+    }
+}
+
+}  // namespace cunorm

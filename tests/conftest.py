@@ -1,0 +1,54 @@
+import os
+
+import numpy as np
+import pytest
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+HAS_GPU = _gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    """Fresh random data every run; the seed is printed on failure."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def poisoned():
+    """Every CuPy allocation during the test starts as all-ones bytes (NaN in
+    every float dtype), so an element a kernel forgets to write fails."""
+    import cupy
+
+    pool = cupy.cuda.MemoryPool()
+
+    def allocate(size):
+        mem = pool.malloc(size)
+        cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(allocate)
+    try:
+        yield
+    finally:
+        cupy.cuda.set_allocator(previous)

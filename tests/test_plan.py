@@ -1,0 +1,124 @@
+"""Planning and dispatch: pure functions of shapes, strides and the device (CPU)."""
+import numpy as np
+import pytest
+
+from cunorm import _dispatch, _dtypes
+from cunorm._plan import canonical_view, collapse, make_plan, normalize_axes, vector_width
+
+H200 = _dispatch.Device(sm_count=132)
+
+
+def c_strides(shape):
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def plan_for(shape, axis, dtype=_dtypes.float32, wdtype=None, strides=None, ptr=0):
+    first, last = normalize_axes(axis, len(shape))
+    strides = c_strides(shape) if strides is None else strides
+    return make_plan("rms", np.dtype(dtype), wdtype, tuple(shape), strides, first, last, ptr, 0, 0)
+
+
+def test_normalize_axes():
+    assert normalize_axes(-1, 3) == (2, 2)
+    assert normalize_axes((2, 1), 4) == (1, 2)
+    assert normalize_axes([-1, -2, -3], 3) == (0, 2)
+
+
+def test_collapse():
+    assert collapse((2, 3, 4), (12, 4, 1)) == (24, 1)
+    assert collapse((2, 1, 4), (8, 99, 2)) == (8, 2)
+    assert collapse((2, 4), (1, 2)) is None
+    assert collapse((), ()) == (1, 0)
+
+
+def test_canonical_rows_and_strided():
+    assert canonical_view((8, 16), (16, 1), 1, 1) == (8, 16, 1, 16, 1)
+    assert canonical_view((112, 64, 512, 512), c_strides((112, 64, 512, 512)), 1, 1) == (
+        112, 64, 262144, 64 * 262144, 262144)
+    # row slice: rows every other row
+    assert canonical_view((4, 16), (32, 1), 1, 1) == (4, 16, 1, 32, 1)
+    # transposed: the reduced axis is not unit-stride and inner is 1: copy
+    assert canonical_view((16, 8), (1, 16), 1, 1) is None
+
+
+def test_vector_width():
+    assert vector_width(4, 1024, [1024], [(0, 4), (256, 4)]) == 4
+    assert vector_width(2, 1024, [1024], [(0, 2), (0, 4)]) == 8
+    assert vector_width(4, 65535, [65535], [(0, 4)]) == 1
+    assert vector_width(4, 1024, [1024], [(4, 4)]) == 1  # pointer 4 bytes past alignment
+    assert vector_width(2, 4100, [4100], [(0, 2)]) == 4
+    assert vector_width(2, 1024, [1024], [(0, 2), (16, 4)]) == 4  # float32 weight aligned to 16 only
+
+
+def test_plan_problem_36():
+    p = plan_for((112, 64, 512, 512), 1)
+    assert (p.outer, p.reduced, p.inner, p.vec) == (112, 64, 262144, 4)
+    launch = _dispatch.choose(p, H200)
+    assert launch.tier == "strided_cached"
+    (step,) = launch.steps
+    assert step.block == (32, 8) and "strided_norm" in step.kernel.expression
+    assert step.kernel.expression.endswith(", 4, 8>")
+
+
+@pytest.mark.parametrize(
+    "rows, n, dtype, tier, threads",
+    [
+        (32768, 4096, _dtypes.bfloat16, "cached", 128),
+        (4096, 32768, _dtypes.bfloat16, "cached", 512),
+        (4096, 32768, _dtypes.float32, "cached", 1024),
+        (4096, 65536, _dtypes.bfloat16, "cached", 1024),
+        (4096, 65536, _dtypes.float32, "uncached", 0),
+        (65536, 1024, _dtypes.float32, "cached", 64),
+        (65536, 512, _dtypes.float32, "cached", 32),
+        (1000, 1, _dtypes.float32, "cached", 1),
+        (100000, 3, _dtypes.float32, "cached", 1),
+        (1, 4096, _dtypes.bfloat16, "cached", 128),
+        (1, 16384, _dtypes.bfloat16, "cached", 512),
+        (1, 32768, _dtypes.bfloat16, "split", 0),
+        (1000, 262144, _dtypes.float32, "uncached", 0),
+        (16, 4 * 1024 * 1024, _dtypes.float32, "split", 0),
+        (1, 65536, _dtypes.float32, "split", 0),
+    ],
+)
+def test_rows_tiers(rows, n, dtype, tier, threads):
+    launch = _dispatch.choose(plan_for((rows, n), -1, dtype), H200)
+    assert launch.tier == tier
+    if threads:
+        assert launch.threads_per_row == threads
+
+
+def test_split_covers_every_vector():
+    p = plan_for((3, 1_000_003), -1)
+    launch = _dispatch.choose(p, H200)
+    assert launch.tier == "split"
+    assert launch.chunks * launch.chunk_vecs >= p.reduced // p.vec
+    assert (launch.chunks - 1) * launch.chunk_vecs < p.reduced // p.vec
+    assert launch.workspace_words == 3 * launch.chunks
+
+
+@pytest.mark.parametrize("shape, axis", [((2, 3, 5), 1), ((4, 100000, 2), 1), ((8, 64, 7, 7), 1), ((5, 2, 1024), (0, 1))])
+def test_strided_blocks_within_limits(shape, axis):
+    launch = _dispatch.choose(plan_for(shape, axis), H200)
+    (step,) = launch.steps
+    bx, by = step.block
+    assert bx * by <= 256 and bx & (bx - 1) == 0
+    assert step.grid[0] <= _dispatch.MAX_GRID_X and step.grid[1] <= _dispatch.MAX_GRID_Y
+
+
+def test_every_choice_is_compiled():
+    """Whatever the dispatch picks over a sweep of shapes is in all_kernels()."""
+    compiled = {k.expression for k in _dispatch.all_kernels()}
+    for dtype in _dtypes.SUPPORTED:
+        acc = _dtypes.accumulation(dtype)
+        for wdtype in (None, dtype, acc):
+            for n in (1, 2, 3, 8, 31, 64, 760, 1000, 1024, 4096, 4097, 8192, 16384, 32768, 65535, 65536, 300000):
+                for rows in (1, 7, 200, 5000):
+                    for shape, axis in (((rows, n), -1), ((rows, n, 5), 1), ((2, n, 64), 1)):
+                        for ptr in (0, 4, 8):
+                            p = plan_for(shape, axis, dtype, wdtype, ptr=ptr * dtype.itemsize // 2)
+                            for step in _dispatch.choose(p, H200).steps:
+                                assert step.kernel.expression in compiled, step.kernel.expression

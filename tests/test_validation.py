@@ -1,0 +1,152 @@
+"""Bad input gets a clear TypeError/ValueError before any launch. The same
+bodies run on NumPy arrays (CPU, in CI) and on CuPy arrays (GPU)."""
+import numpy as np
+import pytest
+
+import cunorm
+
+BACKENDS = [pytest.param("numpy", id="numpy"), pytest.param("cupy", id="cupy", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=BACKENDS)
+def xp(request):
+    if request.param == "numpy":
+        return np
+    import cupy
+
+    return cupy
+
+
+def arr(xp, shape, dtype=np.float32):
+    return xp.asarray(np.random.default_rng(0).standard_normal(shape).astype(dtype))
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], 3.0, "x", None])
+def test_wrong_kind(bad):
+    with pytest.raises(TypeError, match="x must be a CuPy, NumPy, torch or JAX array"):
+        cunorm.rms_norm(bad)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.bool_, np.complex64, np.uint16])
+def test_wrong_dtype(xp, dtype):
+    x = xp.zeros((2, 4), dtype=dtype)
+    with pytest.raises(TypeError, match=r"x must have dtype float16, bfloat16, float32 or float64, got"):
+        cunorm.rms_norm(x)
+
+
+def test_weight_wrong_dtype(xp):
+    with pytest.raises(TypeError, match="weight must have dtype"):
+        cunorm.rms_norm(arr(xp, (2, 4)), xp.ones(4, dtype=np.int64))
+
+
+@pytest.mark.parametrize("axis", [2, -3, 5])
+def test_axis_out_of_range(xp, axis):
+    with pytest.raises(ValueError, match=f"axis {axis} is out of range for an array of 2 dimension"):
+        cunorm.rms_norm(arr(xp, (2, 4)), axis=axis)
+
+
+def test_axis_not_adjacent(xp):
+    with pytest.raises(ValueError, match="adjacent"):
+        cunorm.rms_norm(arr(xp, (2, 3, 4)), axis=(0, 2))
+
+
+def test_axis_repeated(xp):
+    with pytest.raises(ValueError, match="twice"):
+        cunorm.rms_norm(arr(xp, (2, 3, 4)), axis=(1, -2))
+
+
+@pytest.mark.parametrize("axis", [1.0, "1", (1, 1.5), True])
+def test_axis_wrong_type(xp, axis):
+    with pytest.raises(TypeError, match="axis must be an int or a tuple of ints"):
+        cunorm.rms_norm(arr(xp, (2, 4)), axis=axis)
+
+
+def test_axis_empty_tuple(xp):
+    with pytest.raises(ValueError, match="at least one axis"):
+        cunorm.rms_norm(arr(xp, (2, 4)), axis=())
+
+
+def test_scalar_input(xp):
+    with pytest.raises(ValueError, match="out of range for an array of 0 dimension"):
+        cunorm.rms_norm(xp.asarray(np.float32(1.0)))
+
+
+@pytest.mark.parametrize("shape", [(3,), (4, 1), (1, 4), ()])
+def test_weight_wrong_shape(xp, shape):
+    with pytest.raises(ValueError, match=r"weight must have the shape of the normalized axes \(4,\), got"):
+        cunorm.rms_norm(arr(xp, (2, 4)), xp.ones(shape, dtype=np.float32))
+
+
+def test_weight_shape_multi_axis(xp):
+    x = arr(xp, (2, 3, 4))
+    with pytest.raises(ValueError, match=r"\(3, 4\), got \(12,\)"):
+        cunorm.rms_norm(x, xp.ones(12, dtype=np.float32), axis=(1, 2))
+
+
+@pytest.mark.parametrize("eps", [-1e-6, float("nan"), float("inf")])
+def test_bad_eps(xp, eps):
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        cunorm.rms_norm(arr(xp, (2, 4)), eps=eps)
+
+
+@pytest.mark.parametrize("eps", ["1e-5", None, True])
+def test_eps_wrong_type(xp, eps):
+    with pytest.raises(TypeError, match="eps must be a real number"):
+        cunorm.rms_norm(arr(xp, (2, 4)), eps=eps)
+
+
+def test_zero_length_axis(xp):
+    with pytest.raises(ValueError, match="zero length"):
+        cunorm.rms_norm(xp.zeros((3, 0), dtype=np.float32))
+
+
+def test_empty_outer_returns_empty(xp):
+    x = xp.zeros((0, 5), dtype=np.float32)
+    y = cunorm.rms_norm(x, xp.ones(5, dtype=np.float32))
+    assert type(y) is type(x) and y.shape == (0, 5) and y.dtype == x.dtype
+
+
+def test_out_wrong_shape(xp):
+    with pytest.raises(ValueError, match="out must have x's shape"):
+        cunorm.rms_norm(arr(xp, (2, 4)), out=xp.empty((2, 5), dtype=np.float32))
+
+
+def test_out_wrong_dtype(xp):
+    with pytest.raises(ValueError, match="dtype float32"):
+        cunorm.rms_norm(arr(xp, (2, 4)), out=xp.empty((2, 4), dtype=np.float64))
+
+
+def test_out_not_contiguous(xp):
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cunorm.rms_norm(arr(xp, (4, 2)), out=xp.empty((2, 4), dtype=np.float32).T)
+
+
+def test_mixed_sides():
+    pytest.importorskip("cupy")
+    x = np.ones((2, 4), dtype=np.float32)
+    import cupy
+
+    try:
+        w = cupy.ones(4, dtype=np.float32)
+    except Exception:
+        pytest.skip("no GPU to make a GPU weight")
+    with pytest.raises(TypeError, match="weight is a GPU array but x is a NumPy array"):
+        cunorm.rms_norm(x, w)
+
+
+@pytest.mark.gpu
+def test_numpy_weight_with_gpu_x():
+    import cupy
+
+    with pytest.raises(TypeError, match="weight is a NumPy array but x is a GPU array"):
+        cunorm.rms_norm(cupy.ones((2, 4), dtype=np.float32), np.ones(4, dtype=np.float32))
+
+
+@pytest.mark.gpu
+def test_out_overlapping_x():
+    import cupy
+
+    buf = cupy.ones(12, dtype=np.float32)
+    x = buf[:8].reshape(2, 4)
+    with pytest.raises(ValueError, match="overlaps"):
+        cunorm.rms_norm(x, out=buf[4:].reshape(2, 4))
