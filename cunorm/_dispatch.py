@@ -27,7 +27,7 @@ registers when reduced / blockDim.y fits the register cache, else two sweeps.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ._plan import Plan, kernel_types
 
@@ -106,7 +106,6 @@ class Launch:
     chunks: int = 0
     chunk_vecs: int = 0
     workspace_words: int = 0  # accumulation-type words of workspace
-    params: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 STAT_WORDS = {"rms": 1}
@@ -127,10 +126,26 @@ def block_cache_limit(vecs_per_thread: int, vec_bytes: int) -> int:
     return 512 if vecs_per_thread * vec_bytes > CACHE_BYTES_BLOCK_1024 else 1024
 
 
-def rows_cached_expr(plan: Plan, vecs_per_thread: int, block_per_row: bool) -> str:
-    t, w = kernel_types(plan)
+# The template instantiations, named once for the dispatch and all_kernels().
+def rows_cached_expr(policy, t, w, vec, vecs_per_thread, block_per_row) -> str:
     bpr = "true" if block_per_row else "false"
-    return f"cunorm::rows_cached<{NORM_POLICY[plan.norm]}, {t}, {w}, {plan.vec}, {vecs_per_thread}, {bpr}>"
+    return f"cunorm::rows_cached<{policy}, {t}, {w}, {vec}, {vecs_per_thread}, {bpr}>"
+
+
+def rows_uncached_expr(policy, t, w, vec) -> str:
+    return f"cunorm::rows_uncached<{policy}, {t}, {w}, {vec}>"
+
+
+def split_partial_expr(policy, t, vec) -> str:
+    return f"cunorm::rows_split_partial<{policy}, {t}, {vec}>"
+
+
+def split_apply_expr(policy, t, w, vec) -> str:
+    return f"cunorm::rows_split_apply<{policy}, {t}, {w}, {vec}>"
+
+
+def strided_expr(policy, t, w, vec, channels_per_thread) -> str:
+    return f"cunorm::strided_norm<{policy}, {t}, {w}, {vec}, {channels_per_thread}>"
 
 
 def choose(plan: Plan, device: Device, *, override: dict | None = None) -> Launch:
@@ -179,13 +194,13 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         if threads <= 32:
             block = GROUP_BLOCK_THREADS
             rows_per_block = block // threads
-            expr = rows_cached_expr(plan, vpt, False)
+            expr = rows_cached_expr(policy, t, w, plan.vec, vpt, False)
             grid = min(_ceil_div(rows, rows_per_block), MAX_GRID_X)
         else:
             if threads > block_cache_limit(vpt, vec_bytes):
                 raise ValueError(f"rows_cached: {threads} threads exceed the block limit for {vpt} vectors")
             block = threads
-            expr = rows_cached_expr(plan, vpt, True)
+            expr = rows_cached_expr(policy, t, w, plan.vec, vpt, True)
             grid = min(rows, MAX_GRID_X)
         if vpt not in VECS_PER_THREAD_CHOICES:
             raise ValueError(f"rows_cached: {vpt} vectors per thread is not compiled")
@@ -193,7 +208,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         return Launch("cached", (step,), threads_per_row=threads)
     if tier == "uncached":
         block = override.get("block", UNCACHED_BLOCK_THREADS)
-        expr = f"cunorm::rows_uncached<{policy}, {t}, {w}, {plan.vec}>"
+        expr = rows_uncached_expr(policy, t, w, plan.vec)
         step = Step(Kernel("rows", expr), (min(rows, MAX_GRID_X),), (block,))
         return Launch("uncached", (step,))
     if tier == "split":
@@ -203,8 +218,8 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         chunks = override.get("chunks", _ceil_div(n_vec, chunk_vecs))
         chunk_vecs = _ceil_div(n_vec, chunks)
         grid = (min(chunks, MAX_GRID_X), min(rows, MAX_GRID_Y))
-        partial = Kernel("rows", f"cunorm::rows_split_partial<{policy}, {t}, {plan.vec}>")
-        apply = Kernel("rows", f"cunorm::rows_split_apply<{policy}, {t}, {w}, {plan.vec}>")
+        partial = Kernel("rows", split_partial_expr(policy, t, plan.vec))
+        apply = Kernel("rows", split_apply_expr(policy, t, w, plan.vec))
         return Launch(
             "split",
             (Step(partial, grid, (block,)), Step(apply, grid, (block,))),
@@ -227,7 +242,7 @@ def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
     if bx * by > STRIDED_BLOCK_THREADS or bx & (bx - 1):
         raise ValueError(f"strided_norm: block ({bx}, {by}) is not allowed")
     t, w = kernel_types(plan)
-    expr = f"cunorm::strided_norm<{NORM_POLICY[plan.norm]}, {t}, {w}, {plan.vec}, {cpt}>"
+    expr = strided_expr(NORM_POLICY[plan.norm], t, w, plan.vec, cpt)
     tiles = _ceil_div(inner_vecs, bx)
     acc_bytes = 8 if plan.dtype.itemsize == 8 else 4
     shared = by * bx * plan.vec * STAT_WORDS[plan.norm] * acc_bytes
@@ -253,16 +268,16 @@ def all_kernels(norms=("rms",)) -> list[Kernel]:
             vecs = [v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16]
             for vec in vecs:
                 vec_bytes = vec * dtype.itemsize
-                out.append(Kernel("rows", f"cunorm::rows_split_partial<{policy}, {t}, {vec}>"))
+                out.append(Kernel("rows", split_partial_expr(policy, t, vec)))
                 for w in weights:
                     for vpt in VECS_PER_THREAD_CHOICES:
                         if vpt * vec_bytes <= CACHE_BYTES_GROUP:
-                            out.append(Kernel("rows", f"cunorm::rows_cached<{policy}, {t}, {w}, {vec}, {vpt}, false>"))
+                            out.append(Kernel("rows", rows_cached_expr(policy, t, w, vec, vpt, False)))
                         if vpt * vec_bytes <= CACHE_BYTES_BLOCK_512:
-                            out.append(Kernel("rows", f"cunorm::rows_cached<{policy}, {t}, {w}, {vec}, {vpt}, true>"))
-                    out.append(Kernel("rows", f"cunorm::rows_uncached<{policy}, {t}, {w}, {vec}>"))
-                    out.append(Kernel("rows", f"cunorm::rows_split_apply<{policy}, {t}, {w}, {vec}>"))
+                            out.append(Kernel("rows", rows_cached_expr(policy, t, w, vec, vpt, True)))
+                    out.append(Kernel("rows", rows_uncached_expr(policy, t, w, vec)))
+                    out.append(Kernel("rows", split_apply_expr(policy, t, w, vec)))
                     for cpt in (0,) + VECS_PER_THREAD_CHOICES:
                         if cpt * vec_bytes <= CACHE_BYTES_STRIDED:
-                            out.append(Kernel("strided", f"cunorm::strided_norm<{policy}, {t}, {w}, {vec}, {cpt}>"))
+                            out.append(Kernel("strided", strided_expr(policy, t, w, vec, cpt)))
     return out

@@ -45,14 +45,6 @@ class Plan:
     def contiguous_rows(self) -> bool:
         return self.inner == 1
 
-    @property
-    def groups(self) -> int:
-        return self.outer * self.inner
-
-    @property
-    def nbytes(self) -> int:
-        """x read once plus y written once."""
-        return 2 * self.outer * self.reduced * self.inner * self.dtype.itemsize
 
 
 def normalize_axes(axis, ndim: int) -> tuple[int, int]:
