@@ -39,14 +39,14 @@ _busy = None
 def time_gpu(fn, reps=20, warmup=3):
     """Median and spread (min, max) in ms of fn()'s GPU time over reps.
 
-    Before each timed call the GPU is kept busy with a 256 MB fill (which
-    also evicts L2), so the host has queued fn's launches before the GPU
+    Before each timed call the GPU is kept busy with a 1 GB fill (~250 us,
+    which also evicts L2), so the host has queued fn's launches before the GPU
     reaches the start event: the events then time the GPU work alone, not the
     Python-side launch cost (reported separately as host overhead).
     """
     global _busy
     if _busy is None:
-        _busy = cupy.empty(64 << 20, dtype=np.float32)
+        _busy = cupy.empty(256 << 20, dtype=np.float32)
     for _ in range(warmup):
         fn()
     cupy.cuda.runtime.deviceSynchronize()

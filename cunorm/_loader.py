@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -84,9 +85,9 @@ def precompile(verbose: bool = False) -> dict:
     start = time.perf_counter()
     for i, kernel in enumerate(kernels):
         get_function(kernel.family, kernel.expression)
-        if verbose:
+        if verbose and sys.stdout.isatty():
             print(f"\r  {i + 1}/{len(kernels)} kernels", end="", flush=True)
-    if verbose:
+    if verbose and sys.stdout.isatty():
         print()
     return {"kernels": len(kernels), "seconds": time.perf_counter() - start, "source": source_digest()}
 
