@@ -76,6 +76,21 @@ def test_problem_36_shape_scaled(rng):
     run_and_check(x, axis=1)
 
 
+def test_problem_36_full_shape():
+    """(112, 64, 512, 512) fp32, axis 1: 7.5 GB in, 7.5 GB out. Every sample
+    is independent, so the first and last are checked against the float64
+    reference; every element must have been written (poisoned output)."""
+    import cupy
+
+    x = cupy.random.standard_normal((112, 64, 512, 512), dtype=np.float32)
+    y = cunorm.rms_norm(x, axis=1)
+    assert bool(cupy.isfinite(y).all()), "unwritten (poisoned) or non-finite elements"
+    for sample in (0, 111):
+        x_np = cupy.asnumpy(x[sample : sample + 1])
+        ref = reference.rms_norm(x_np, axis=1, exact=True)
+        assert_close(cupy.asnumpy(y[sample : sample + 1]), ref, np.float32, what=f"sample {sample}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_non_contiguous_views(rng, dtype):
     import cupy
