@@ -231,6 +231,8 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
 
 
 def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
+    if plan.reduced >= 2**31:  # strided_norm indexes channels with int
+        raise ValueError(f"a strided normalized extent of {plan.reduced} elements is over the 2**31 - 1 limit")
     vec_bytes = plan.vec * plan.dtype.itemsize
     inner_vecs = plan.inner // plan.vec
     bx = override.get("bx", min(32, next_pow2(inner_vecs)))

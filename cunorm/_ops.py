@@ -217,8 +217,6 @@ def _execute(plan, launch, x, y, w, eps):
              chunks, chunk_vecs, eps_arg),
         )
     else:  # strided
-        if plan.reduced >= 2**31:
-            raise ValueError(f"a strided normalized extent of {plan.reduced} elements is over the 2**31 - 1 limit")
         steps_args = ((x, y, w_arg, i64(plan.outer), np.int32(plan.reduced), i64(plan.inner),
                        i64(plan.outer_stride), i64(plan.reduced_stride), eps_arg),)
     device = x.data.device_id

@@ -122,3 +122,9 @@ def test_every_choice_is_compiled():
                             p = plan_for(shape, axis, dtype, wdtype, ptr=ptr * dtype.itemsize // 2)
                             for step in _dispatch.choose(p, H200).steps:
                                 assert step.kernel.expression in compiled, step.kernel.expression
+
+
+def test_strided_extent_limit():
+    p = plan_for((2, 2**31, 4), 1)
+    with pytest.raises(ValueError, match="2\\*\\*31 - 1 limit"):
+        _dispatch.choose(p, H200)
