@@ -72,100 +72,148 @@ def copy_bandwidth(nbytes=4 << 30):
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def torch_rms(x, w, axis, eps):
-    if axis == -1 or axis == x.ndim - 1:
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps=eps)
-    y = x * torch.rsqrt(x.pow(2).mean(dim=axis, keepdim=True) + eps)
-    return y if w is None else y * w.view(-1, *([1] * (x.ndim - axis - 1)))
+def torch_norm(op, x, w, b, axis, eps, r=None):
+    """The torch formulation users write: F.rms_norm / F.layer_norm over
+    trailing axes, the formula for a strided axis; h = x + r first."""
+    h = x if r is None else x + r
+    first = axis if isinstance(axis, int) else axis[0]
+    first %= x.ndim
+    trailing = (axis == -1 or axis == x.ndim - 1) if isinstance(axis, int) else axis[-1] % x.ndim == x.ndim - 1
+    if trailing:
+        shape = tuple(x.shape[first:])
+        if op == "rms_norm":
+            y = torch.nn.functional.rms_norm(h, shape, w, eps=eps)
+        else:
+            y = torch.nn.functional.layer_norm(h, shape, w, b, eps=eps)
+    else:
+        if op == "rms_norm":
+            y = h * torch.rsqrt(h.pow(2).mean(dim=first, keepdim=True) + eps)
+        else:
+            var, mean = torch.var_mean(h, dim=first, keepdim=True, unbiased=False)
+            y = (h - mean) * torch.rsqrt(var + eps)
+        view = (-1,) + (1,) * (x.ndim - first - 1)
+        y = y if w is None else y * w.view(view)
+        y = y if b is None else y + b.view(view)
+    return y if r is None else (y, h)
 
 
+# name, op, shape, dtype, axis, params ("w", "wb" or ""), residual, target floor%
 CASES = [
-    # name, shape, dtype, axis, weight, target floor%
-    ("problem 36 rms axis=1 (112,64,512,512) fp32", (112, 64, 512, 512), "float32", 1, False, 92),
-    ("rms rows 32768x4096 bf16 +w", (32768, 4096), "bfloat16", -1, True, 90),
-    ("rms rows 4096x32768 bf16 +w", (4096, 32768), "bfloat16", -1, True, 88),
-    ("rms rows 65536x1024 fp32 +w", (65536, 1024), "float32", -1, True, 88),
-    ("rms rows 1x4096 bf16 +w (decode)", (1, 4096), "bfloat16", -1, True, None),
-    ("rms rows 16x4194304 fp32 (few long rows)", (16, 4194304), "float32", -1, False, None),
-    ("rms rows 200000x64 fp16 (short rows)", (200000, 64), "float16", -1, True, None),
+    ("problem 36 rms axis=1 (112,64,512,512) fp32", "rms_norm", (112, 64, 512, 512), "float32", 1, "", False, 92),
+    ("rms rows 32768x4096 bf16 +w", "rms_norm", (32768, 4096), "bfloat16", -1, "w", False, 90),
+    ("rms rows 4096x32768 bf16 +w", "rms_norm", (4096, 32768), "bfloat16", -1, "w", False, 88),
+    ("rms rows 65536x1024 fp32 +w", "rms_norm", (65536, 1024), "float32", -1, "w", False, 88),
+    ("residual+rms rows 32768x4096 bf16 +w", "rms_norm", (32768, 4096), "bfloat16", -1, "w", True, 85),
+    ("problem 40 ln axes 1-3 (16,64,256,256) fp32 +w+b", "layer_norm", (16, 64, 256, 256), "float32", (1, 2, 3),
+     "wb", False, 70),
+    ("ln rows 32768x4096 bf16 +w+b", "layer_norm", (32768, 4096), "bfloat16", -1, "wb", False, 88),
+    ("ln rows 65536x1024 fp32 +w+b", "layer_norm", (65536, 1024), "float32", -1, "wb", False, 88),
+    ("residual+ln rows 32768x4096 bf16 +w+b", "layer_norm", (32768, 4096), "bfloat16", -1, "wb", True, None),
+    ("rms rows 1x4096 bf16 +w (decode)", "rms_norm", (1, 4096), "bfloat16", -1, "w", False, None),
+    ("rms rows 16x4194304 fp32 (few long rows)", "rms_norm", (16, 4194304), "float32", -1, "", False, None),
+    ("rms rows 200000x64 fp16 +w (short rows)", "rms_norm", (200000, 64), "float16", -1, "w", False, None),
 ]
 
 TUNE = {
-    "problem 36 rms axis=1 (112,64,512,512) fp32": [{"bx": 32, "by": 8}, {"bx": 16, "by": 16}, {"bx": 32, "by": 4},
-                                                     {"bx": 64, "by": 4}, {"bx": 8, "by": 32}, {"tier": "uncached"}],
-    "rms rows 32768x4096 bf16 +w": [{"tier": "cached", "threads": t} for t in (32, 64, 128, 256, 512)],
-    "rms rows 4096x32768 bf16 +w": [{"tier": "cached", "threads": t} for t in (512, 1024)] + [{"tier": "uncached"}],
-    "rms rows 65536x1024 fp32 +w": [{"tier": "cached", "threads": t} for t in (8, 16, 32, 64, 128, 256)],
-    "rms rows 16x4194304 fp32 (few long rows)": [{"tier": "split", "chunks": c} for c in (8, 16, 33, 66, 132)],
+    "problem 36 rms axis=1 (112,64,512,512) fp32": [{"bx": 32, "by": 8}, {"bx": 16, "by": 16}, {"tier": "uncached"}],
+    "rms rows 32768x4096 bf16 +w": [{"tier": "cached", "threads": t} for t in (64, 128, 256)],
+    "ln rows 32768x4096 bf16 +w+b": [{"tier": "cached", "threads": t} for t in (64, 128, 256)],
+    "residual+rms rows 32768x4096 bf16 +w": [{"tier": "cached", "threads": t} for t in (128, 256, 512)],
+    "ln rows 65536x1024 fp32 +w+b": [{"tier": "cached", "threads": t} for t in (32, 64, 128)],
+    "problem 40 ln axes 1-3 (16,64,256,256) fp32 +w+b": [{"tier": "split", "chunks": c} for c in (33, 66, 132)],
 }
 
 
-def make_inputs(shape, dtype, axis, weight):
+def _axes(axis, ndim):
+    if isinstance(axis, int):
+        a = axis % ndim
+        return a, a
+    return axis[0] % ndim, axis[-1] % ndim
+
+
+def make_inputs(op, shape, dtype, axis, params, residual):
     dt = np.dtype(getattr(_dtypes, dtype))
+    first, last = _axes(axis, len(shape))
+    pshape = shape[first : last + 1]
     x = cupy.random.standard_normal(shape, dtype=np.float32).astype(dt)
-    w = cupy.random.standard_normal(shape[axis], dtype=np.float32).astype(dt) if weight else None
-    return x, w
+    w = cupy.random.standard_normal(pshape, dtype=np.float32).astype(dt) if "w" in params else None
+    b = cupy.random.standard_normal(pshape, dtype=np.float32).astype(dt) if "b" in params else None
+    r = cupy.random.standard_normal(shape, dtype=np.float32).astype(dt) if residual else None
+    return x, w, b, r
 
 
-def bench_case(name, shape, dtype, axis, weight, target, copy_bw, with_compile):
-    x, w = make_inputs(shape, dtype, axis, weight)
+def _call(op, x, w, b, r, axis, out=None, h=None):
+    kwargs = {"axis": axis, "out": out}
+    if r is not None:
+        kwargs["residual"] = r
+    if op == "layer_norm":
+        return cunorm.layer_norm(x, w, b, **kwargs)
+    return cunorm.rms_norm(x, w, **kwargs)
+
+
+def bench_case(name, op, shape, dtype, axis, params, residual, target, copy_bw, with_compile):
+    x, w, b, r = make_inputs(op, shape, dtype, axis, params, residual)
     y = cupy.empty_like(x)
-    nbytes = 2 * x.nbytes + (w.nbytes if w is not None else 0)
-    row = {"case": name, "shape": list(shape), "dtype": dtype, "axis": axis, "weight": weight,
-           "bytes": nbytes, "target_floor_pct": target}
-    ms, lo, hi = time_gpu(lambda: cunorm.rms_norm(x, w, axis=axis, out=y))
-    plan, launch = _ops.launch_on("rms", x, y, w, *(_axes(axis, x.ndim)), 1e-5)
+    # fewest bytes: x (and r) read once, y (and h) written once, parameters once
+    nbytes = (2 + 2 * bool(residual)) * x.nbytes + sum(a.nbytes for a in (w, b) if a is not None)
+    row = {"case": name, "op": op, "shape": list(shape), "dtype": dtype, "axis": axis, "params": params,
+           "residual": residual, "bytes": nbytes, "target_floor_pct": target}
+    ms, lo, hi = time_gpu(lambda: _call(op, x, w, b, r, axis, out=y))
+    first, last = _axes(axis, x.ndim)
+    norm = "ln" if op == "layer_norm" else "rms"
+    h = cupy.empty_like(x) if residual else None
+    plan, launch = _ops.launch_on(norm, x, y, w=w, b=b, r=r, h=h, first=first, last=last, eps=1e-5)
     row.update(tier=launch.tier, kernel=launch.steps[0].kernel.expression, ms=ms, ms_min=lo, ms_max=hi)
     row["gbps"] = nbytes / (ms * 1e-3) / 1e9
     row["floor_pct"] = 100 * row["gbps"] / copy_bw
+    # error against float64 on the first rows (groups along axis 0 are independent)
+    k = min(x.shape[0], 2)
+    ref_fn = getattr(cunorm.reference, op)
+    kw = {"residual": None if r is None else cupy.asnumpy(r[:k])}
+    if op == "layer_norm":
+        kw["bias"] = None if b is None else cupy.asnumpy(b)
+    ref = ref_fn(cupy.asnumpy(x[:k]), None if w is None else cupy.asnumpy(w), axis=axis, exact=True, **kw)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    got = cupy.asnumpy(y[:k]).astype(np.float64)
+    row["max_rel_err"] = float(np.max(np.abs(got - ref) / np.maximum(np.abs(ref), 1e-3)))
     if torch is not None:
-        xt = torch.from_dlpack(x)
-        wt = None if w is None else torch.from_dlpack(w)
-        t_ms, _, _ = time_gpu(lambda: torch_rms(xt, wt, axis, 1e-5), reps=10)
+        xt, wt, bt, rt = (None if a is None else torch.from_dlpack(a) for a in (x, w, b, r))
+        t_ms, _, _ = time_gpu(lambda: torch_norm(op, xt, wt, bt, axis, 1e-5, rt), reps=10)
         row["torch_ms"] = t_ms
         row["torch_floor_pct"] = 100 * nbytes / (t_ms * 1e-3) / 1e9 / copy_bw
         if with_compile:
             try:
-                compiled = torch.compile(lambda a, b: torch_rms(a, b, axis, 1e-5))
-                c_ms, _, _ = time_gpu(lambda: compiled(xt, wt), reps=10, warmup=2)
+                compiled = torch.compile(lambda a, c, d, e: torch_norm(op, a, c, d, axis, 1e-5, e))
+                c_ms, _, _ = time_gpu(lambda: compiled(xt, wt, bt, rt), reps=10, warmup=2)
                 row["compile_ms"] = c_ms
                 row["compile_floor_pct"] = 100 * nbytes / (c_ms * 1e-3) / 1e9 / copy_bw
             except Exception as err:  # report, keep going
                 row["compile_error"] = repr(err)[:200]
-        # error against float64 on a slice
-        ref_rows = min(x.shape[0], 4)
-        xs = x[:ref_rows]
-        ref = cunorm.reference.rms_norm(cupy.asnumpy(xs), None if w is None else cupy.asnumpy(w), axis=axis,
-                                        exact=True)
-        got = cupy.asnumpy(y[:ref_rows]).astype(np.float64)
-        row["max_rel_err"] = float(np.max(np.abs(got - ref) / np.maximum(np.abs(ref), 1e-3)))
-        del xt, wt
-    del x, w, y
+        del xt, wt, bt, rt
+    del x, w, b, r, y, h
     cupy.get_default_memory_pool().free_all_blocks()
     if torch is not None:
         torch.cuda.empty_cache()
     return row
 
 
-def _axes(axis, ndim):
-    a = axis % ndim
-    return a, a
-
-
-def tune_case(name, shape, dtype, axis, weight, copy_bw):
-    x, w = make_inputs(shape, dtype, axis, weight)
+def tune_case(name, op, shape, dtype, axis, params, residual, copy_bw):
+    x, w, b, r = make_inputs(op, shape, dtype, axis, params, residual)
     y = cupy.empty_like(x)
-    nbytes = 2 * x.nbytes + (w.nbytes if w is not None else 0)
+    h = cupy.empty_like(x) if residual else None
+    nbytes = (2 + 2 * bool(residual)) * x.nbytes + sum(a.nbytes for a in (w, b) if a is not None)
     first, last = _axes(axis, x.ndim)
+    norm = "ln" if op == "layer_norm" else "rms"
     out = []
     for override in TUNE.get(name, []):
         try:
-            ms, lo, hi = time_gpu(lambda: _ops.launch_on("rms", x, y, w, first, last, 1e-5, override=override))
+            ms, lo, hi = time_gpu(lambda: _ops.launch_on(norm, x, y, w=w, b=b, r=r, h=h, first=first, last=last,
+                                                         eps=1e-5, override=override))
             out.append({"case": name, "override": override, "ms": ms,
                         "floor_pct": 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw})
         except Exception as err:
             out.append({"case": name, "override": override, "error": repr(err)[:200]})
-    del x, w, y
+    del x, w, b, r, y, h
     cupy.get_default_memory_pool().free_all_blocks()
     return out
 
@@ -173,7 +221,7 @@ def tune_case(name, shape, dtype, axis, weight, copy_bw):
 def host_overhead(n_calls=3000):
     """Wall-clock per call of rms_norm on a 1x4096 bf16 input with weight,
     enqueue-bound (the GPU work is ~2 us)."""
-    x, w = make_inputs((1, 4096), "bfloat16", -1, True)
+    x, w, _, _ = make_inputs("rms_norm", (1, 4096), "bfloat16", -1, "w", False)
     out = {}
     for label, fn in [("cunorm (CuPy in, new output)", lambda: cunorm.rms_norm(x, w)),
                       ("cunorm (CuPy in, out=)", lambda: cunorm.rms_norm(x, w, out=y))]:
@@ -235,7 +283,7 @@ def main():
     if args.tune:
         for case in CASES:
             if case[0] in TUNE:
-                for r in tune_case(*case[:5], copy_bw):
+                for r in tune_case(*case[:7], copy_bw):
                     tuning.append(r)
                     print("tune", json.dumps(r), flush=True)
     overhead = host_overhead()

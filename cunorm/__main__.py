@@ -40,6 +40,11 @@ def _check_cases():
         ("rms_norm", (1000, 4097), _dtypes.float16, -1, True),
         ("rms_norm", (16, 64, 128, 128), f32, 1, False),
         ("rms_norm", (64, 760), _dtypes.float64, -1, True),
+        ("layer_norm", (4096, 4096), bf16, -1, True),
+        ("layer_norm", (8192, 1024), f32, -1, True),
+        ("layer_norm", (4, 64, 128, 128), f32, (1, 2, 3), True),
+        ("layer_norm", (16, 64, 32, 32), f32, 1, True),
+        ("layer_norm", (300, 65535), f32, -1, False),
     ]
 
 
@@ -51,13 +56,15 @@ def check_gpu(name: str) -> int:
     from . import reference
 
     print(f"cunorm {cunorm.__version__} on {name}: every op against the float64 NumPy reference")
-    print(f"{'op':10} {'shape':>20} {'dtype':>9} {'axis':>4} {'max rel err':>12} {'ms':>9}")
+    print(f"{'op':10} {'shape':>20} {'dtype':>9} {'axis':>9} {'max rel err':>12} {'ms':>9}")
     rng = np.random.default_rng()
     failures = 0
     tolerance = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 5e-5, "float64": 1e-12}
     for op, shape, dtype, axis, has_weight in _check_cases():
         x_np = rng.standard_normal(shape).astype(dtype)
-        w_np = rng.standard_normal(shape[axis]).astype(dtype) if has_weight else None
+        first = axis[0] if isinstance(axis, tuple) else axis % len(shape)
+        last = axis[-1] if isinstance(axis, tuple) else first
+        w_np = rng.standard_normal(shape[first : last + 1]).astype(dtype) if has_weight else None
         x = cupy.asarray(x_np)
         w = None if w_np is None else cupy.asarray(w_np)
         fn = getattr(cunorm, op)
@@ -76,7 +83,7 @@ def check_gpu(name: str) -> int:
             times.append(cupy.cuda.get_elapsed_time(start, stop))
         ok = worst <= tolerance[np.dtype(dtype).name]
         failures += not ok
-        print(f"{op:10} {str(shape):>20} {np.dtype(dtype).name:>9} {axis:>4} {worst:12.2e} {np.median(times):9.4f}"
+        print(f"{op:10} {str(shape):>20} {np.dtype(dtype).name:>9} {str(axis):>9} {worst:12.2e} {np.median(times):9.4f}"
               f"{'' if ok else '  FAIL'}")
     print("all ops match the reference" if not failures else f"{failures} case(s) off the reference")
     return 1 if failures else 0

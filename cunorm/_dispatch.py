@@ -9,7 +9,9 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
   1. threads = next_pow2(n_vec / TARGET_VECS_PER_THREAD), capped at
      PREFERRED_MAX_ROW_THREADS; each thread then holds vpt = n_vec / threads
      vectors (a power of two). If that exceeds MAX_VECS_PER_THREAD, a
-     1024-thread block per row.
+     1024-thread block per row. While a thread's cache is over the register
+     budget (cached_cost: a residual and LayerNorm's statistic cost more),
+     the row is spread over twice the threads.
   2. threads <= 32: rows_cached, a group of `threads` lanes per row, several
      rows per 256-thread block, butterfly shuffles only.
   3. up to 1024: rows_cached, one block of `threads` (>= 64) per row.
@@ -39,11 +41,11 @@ TARGET_VECS_PER_THREAD = 4
 #: rows_cached block size preferred before going to more vectors per thread:
 #: bf16 4096x32768, 512 threads x 8 vectors 91.7% vs 1024 x 4 80.6%.
 PREFERRED_MAX_ROW_THREADS = 512
-#: register cache of a thread, bytes: rows_cached group-per-row blocks (256
-#: threads, 128 registers a thread) may hold 256; a 1024-thread block 128.
-CACHE_BYTES_GROUP = 256
-CACHE_BYTES_BLOCK_1024 = 128
-CACHE_BYTES_BLOCK_512 = 256
+#: register cost of a rows_cached thread's cache (cached_cost below): set by
+#: ptxas's spill reports over every instantiation for sm_80 and sm_90.
+CACHE_COST_GROUP = 256  # 256-thread blocks, two resident: 128 registers
+CACHE_COST_BLOCK_1024 = 64  # 64 registers (128 spilled on sm_80)
+CACHE_COST_BLOCK_512 = 256  # 128 registers
 #: strided_norm: at most this many cached bytes a thread (128 registers,
 #: two 256-thread blocks per SM; past it ptxas spills). Problem 36 (fp32,
 #: 64 channels): block (32, 8) with 8 channels a thread 94.6%; (16, 16)
@@ -108,8 +110,10 @@ class Launch:
     workspace_words: int = 0  # accumulation-type words of workspace
 
 
-STAT_WORDS = {"rms": 1}
-NORM_POLICY = {"rms": "cunorm::RmsNorm"}
+STAT_WORDS = {"rms": 1, "ln": 3}  # kStatWords of each policy
+NORM_POLICY = {"rms": "cunorm::RmsNorm", "ln": "cunorm::LayerNorm"}
+#: the affine parameters each norm takes (FLAGS values the kernels see)
+NORM_FLAGS = {"rms": (0, 1), "ln": (0, 1, 2, 3)}
 
 
 def next_pow2(n: int) -> int:
@@ -120,32 +124,76 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_cache_limit(vecs_per_thread: int, vec_bytes: int) -> int:
-    """Largest block of rows_cached (BLOCK_PER_ROW) for a cache of this size;
-    mirrors RowsCachedBounds in rows.cu."""
-    return 512 if vecs_per_thread * vec_bytes > CACHE_BYTES_BLOCK_1024 else 1024
+def cached_cost(vecs_per_thread: int, vec_bytes: int, residual: bool, heavy: bool) -> int:
+    """The register cost of a rows_cached thread's cache: the cached bytes,
+    x4 with a residual, x2 for a heavy statistic (LayerNorm) or float64.
+    Mirrors RowsCachedBounds in rows.cu."""
+    return vecs_per_thread * vec_bytes * (4 if residual else 1) * (2 if heavy else 1)
+
+
+def cached_loads(vecs_per_thread: int, residual: bool) -> int:
+    return vecs_per_thread * (2 if residual else 1)
+
+
+def block_cache_limit(cost: int, loads: int) -> int:
+    """Largest rows_cached block (BLOCK_PER_ROW) for a thread cache of this
+    cost, 0 if none; mirrors RowsCachedBounds in rows.cu."""
+    if cost <= CACHE_COST_BLOCK_1024 and loads <= 8:
+        return 1024
+    if cost <= CACHE_COST_BLOCK_512 and loads <= 16:
+        return 512
+    return 0
+
+
+def group_fits(cost: int) -> bool:
+    """Whether a group-per-row rows_cached thread (128 registers) holds it."""
+    return cost <= CACHE_COST_GROUP
+
+
+def is_heavy(norm: str, dtype) -> bool:
+    return STAT_WORDS[norm] > 1 or dtype.itemsize == 8
 
 
 # The template instantiations, named once for the dispatch and all_kernels().
-def rows_cached_expr(policy, t, w, vec, vecs_per_thread, block_per_row) -> str:
-    bpr = "true" if block_per_row else "false"
-    return f"cunorm::rows_cached<{policy}, {t}, {w}, {vec}, {vecs_per_thread}, {bpr}>"
+def _b(flag: bool) -> str:
+    return "true" if flag else "false"
 
 
-def rows_uncached_expr(policy, t, w, vec) -> str:
-    return f"cunorm::rows_uncached<{policy}, {t}, {w}, {vec}>"
+def rows_cached_expr(policy, t, p, flags, residual, vec, vecs_per_thread, block_per_row) -> str:
+    return (f"cunorm::rows_cached<{policy}, {t}, {p}, {flags}, {_b(residual)}, {vec}, {vecs_per_thread}, "
+            f"{_b(block_per_row)}>")
 
 
-def split_partial_expr(policy, t, vec) -> str:
-    return f"cunorm::rows_split_partial<{policy}, {t}, {vec}>"
+def rows_uncached_expr(policy, t, p, flags, residual, vec) -> str:
+    return f"cunorm::rows_uncached<{policy}, {t}, {p}, {flags}, {_b(residual)}, {vec}>"
 
 
-def split_apply_expr(policy, t, w, vec) -> str:
-    return f"cunorm::rows_split_apply<{policy}, {t}, {w}, {vec}>"
+def split_partial_expr(policy, t, residual, vec) -> str:
+    return f"cunorm::rows_split_partial<{policy}, {t}, {_b(residual)}, {vec}>"
 
 
-def strided_expr(policy, t, w, vec, channels_per_thread) -> str:
-    return f"cunorm::strided_norm<{policy}, {t}, {w}, {vec}, {channels_per_thread}>"
+def split_apply_expr(policy, t, p, flags, residual, vec) -> str:
+    return f"cunorm::rows_split_apply<{policy}, {t}, {p}, {flags}, {_b(residual)}, {vec}>"
+
+
+def strided_expr(policy, t, p, flags, vec, channels_per_thread) -> str:
+    return f"cunorm::strided_norm<{policy}, {t}, {p}, {flags}, {vec}, {channels_per_thread}>"
+
+
+def residual_add_expr(t, vec) -> str:
+    return f"cunorm::residual_add<{t}, {vec}>"
+
+
+RESIDUAL_ADD_BLOCK = 256
+RESIDUAL_ADD_BLOCKS_PER_SM = 8
+
+
+def residual_add_step(dtype, n_vec: int, vec: int, device: Device) -> Step:
+    """h = x + r over contiguous arrays (the unfused residual of a strided axis)."""
+    from ._dtypes import KERNEL_TYPE
+
+    grid = max(1, min(_ceil_div(n_vec, RESIDUAL_ADD_BLOCK), RESIDUAL_ADD_BLOCKS_PER_SM * device.sm_count))
+    return Step(Kernel("strided", residual_add_expr(KERNEL_TYPE[dtype], vec)), (grid,), (RESIDUAL_ADD_BLOCK,))
 
 
 def choose(plan: Plan, device: Device, *, override: dict | None = None) -> Launch:
@@ -166,20 +214,31 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     rows = plan.outer
     row_bytes = plan.reduced * plan.dtype.itemsize
     threads = override.get("threads")
+    heavy = is_heavy(plan.norm, plan.dtype)
     if threads is None:
         threads = min(next_pow2(_ceil_div(n_vec, TARGET_VECS_PER_THREAD)), PREFERRED_MAX_ROW_THREADS)
         if _ceil_div(n_vec, threads) > MAX_VECS_PER_THREAD:
             threads = 1024
+    def fits(threads):
+        vpt = next_pow2(_ceil_div(n_vec, threads))
+        cost = cached_cost(vpt, vec_bytes, plan.residual, heavy)
+        if vpt > MAX_VECS_PER_THREAD:
+            return False
+        return group_fits(cost) if threads <= 32 else threads <= block_cache_limit(cost, cached_loads(vpt, plan.residual))
+
     if threads > 32:
         threads = max(threads, 64)  # a block per row: at least two warps
+    if "threads" not in override:
+        # Spread the row over more threads while a thread's cache is over
+        # the register budget (residual, LayerNorm, float64 cost more).
+        while not fits(threads) and threads < 1024:
+            threads = 64 if threads == 32 else threads * 2
     vpt = next_pow2(_ceil_div(n_vec, threads))
+    cost = cached_cost(vpt, vec_bytes, plan.residual, heavy)
+    loads = cached_loads(vpt, plan.residual)
     tier = override.get("tier")
     if tier is None:
-        cacheable = vpt <= MAX_VECS_PER_THREAD and (
-            (threads <= 32 and vpt * vec_bytes <= CACHE_BYTES_GROUP)
-            or (threads > 32 and vpt * vec_bytes <= CACHE_BYTES_BLOCK_512
-                and threads <= block_cache_limit(vpt, vec_bytes))
-        )
+        cacheable = fits(threads)
         few_rows = rows < SPLIT_MAX_ROWS_PER_SM * device.sm_count
         if few_rows and row_bytes >= SPLIT_MIN_ROW_BYTES:
             tier = "split"
@@ -188,28 +247,29 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         else:
             tier = "split" if few_rows else "uncached"
 
-    t, w = kernel_types(plan)
+    t, p = kernel_types(plan)
     policy = NORM_POLICY[plan.norm]
+    common = (policy, t, p, plan.flags, plan.residual, plan.vec)
     if tier == "cached":
         if threads <= 32:
+            if not group_fits(cost):
+                raise ValueError(f"rows_cached: {vpt} vectors a lane is over the register budget")
             block = GROUP_BLOCK_THREADS
-            rows_per_block = block // threads
-            expr = rows_cached_expr(policy, t, w, plan.vec, vpt, False)
-            grid = min(_ceil_div(rows, rows_per_block), MAX_GRID_X)
+            expr = rows_cached_expr(*common, vpt, False)
+            grid = min(_ceil_div(rows, block // threads), MAX_GRID_X)
         else:
-            if threads > block_cache_limit(vpt, vec_bytes):
-                raise ValueError(f"rows_cached: {threads} threads exceed the block limit for {vpt} vectors")
+            if threads > block_cache_limit(cost, loads):
+                raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
             block = threads
-            expr = rows_cached_expr(policy, t, w, plan.vec, vpt, True)
+            expr = rows_cached_expr(*common, vpt, True)
             grid = min(rows, MAX_GRID_X)
         if vpt not in VECS_PER_THREAD_CHOICES:
             raise ValueError(f"rows_cached: {vpt} vectors per thread is not compiled")
         step = Step(Kernel("rows", expr), (grid,), (block,))
         return Launch("cached", (step,), threads_per_row=threads)
     if tier == "uncached":
-        block = override.get("block", UNCACHED_BLOCK_THREADS)
-        expr = rows_uncached_expr(policy, t, w, plan.vec)
-        step = Step(Kernel("rows", expr), (min(rows, MAX_GRID_X),), (block,))
+        block = UNCACHED_BLOCK_THREADS
+        step = Step(Kernel("rows", rows_uncached_expr(*common)), (min(rows, MAX_GRID_X),), (block,))
         return Launch("uncached", (step,))
     if tier == "split":
         block = SPLIT_BLOCK_THREADS
@@ -218,8 +278,8 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         chunks = override.get("chunks", _ceil_div(n_vec, chunk_vecs))
         chunk_vecs = _ceil_div(n_vec, chunks)
         grid = (min(chunks, MAX_GRID_X), min(rows, MAX_GRID_Y))
-        partial = Kernel("rows", split_partial_expr(policy, t, plan.vec))
-        apply = Kernel("rows", split_apply_expr(policy, t, w, plan.vec))
+        partial = Kernel("rows", split_partial_expr(policy, t, plan.residual, plan.vec))
+        apply = Kernel("rows", split_apply_expr(*common))
         return Launch(
             "split",
             (Step(partial, grid, (block,)), Step(apply, grid, (block,))),
@@ -243,8 +303,10 @@ def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
         by = override.get("by", min(STRIDED_BLOCK_THREADS // bx, next_pow2(plan.reduced)))
     if bx * by > STRIDED_BLOCK_THREADS or bx & (bx - 1):
         raise ValueError(f"strided_norm: block ({bx}, {by}) is not allowed")
-    t, w = kernel_types(plan)
-    expr = strided_expr(NORM_POLICY[plan.norm], t, w, plan.vec, cpt)
+    if plan.residual:
+        raise ValueError("strided_norm has no residual: form h first (cunorm/_ops.py does)")
+    t, p = kernel_types(plan)
+    expr = strided_expr(NORM_POLICY[plan.norm], t, p, plan.flags, plan.vec, cpt)
     tiles = _ceil_div(inner_vecs, bx)
     acc_bytes = 8 if plan.dtype.itemsize == 8 else 4
     shared = by * bx * plan.vec * STAT_WORDS[plan.norm] * acc_bytes
@@ -255,7 +317,7 @@ def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
 # --- every instantiation the dispatch can pick --------------------------------
 
 
-def all_kernels(norms=("rms",)) -> list[Kernel]:
+def all_kernels(norms=("rms", "ln")) -> list[Kernel]:
     """Every template instantiation that ``choose`` can return, for the
     precompile step and CI's compile check."""
     from . import _dtypes
@@ -265,21 +327,28 @@ def all_kernels(norms=("rms",)) -> list[Kernel]:
         policy = NORM_POLICY[norm]
         for dtype in _dtypes.SUPPORTED:
             t = _dtypes.KERNEL_TYPE[dtype]
-            acc = _dtypes.accumulation(dtype)
-            weights = [_dtypes.NO_WEIGHT] + sorted({_dtypes.KERNEL_TYPE[dtype], _dtypes.KERNEL_TYPE[acc]})
+            params = sorted({_dtypes.KERNEL_TYPE[dtype], _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
+            affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in NORM_FLAGS[norm] if f for p in params]
             vecs = [v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16]
             for vec in vecs:
                 vec_bytes = vec * dtype.itemsize
-                out.append(Kernel("rows", split_partial_expr(policy, t, vec)))
-                for w in weights:
-                    for vpt in VECS_PER_THREAD_CHOICES:
-                        if vpt * vec_bytes <= CACHE_BYTES_GROUP:
-                            out.append(Kernel("rows", rows_cached_expr(policy, t, w, vec, vpt, False)))
-                        if vpt * vec_bytes <= CACHE_BYTES_BLOCK_512:
-                            out.append(Kernel("rows", rows_cached_expr(policy, t, w, vec, vpt, True)))
-                    out.append(Kernel("rows", rows_uncached_expr(policy, t, w, vec)))
-                    out.append(Kernel("rows", split_apply_expr(policy, t, w, vec)))
+                for residual in (False, True):
+                    out.append(Kernel("rows", split_partial_expr(policy, t, residual, vec)))
+                for p, flags in affine:
+                    for residual in (False, True):
+                        common = (policy, t, p, flags, residual, vec)
+                        for vpt in VECS_PER_THREAD_CHOICES:
+                            cost = cached_cost(vpt, vec_bytes, residual, is_heavy(norm, dtype))
+                            if group_fits(cost):
+                                out.append(Kernel("rows", rows_cached_expr(*common, vpt, False)))
+                            if block_cache_limit(cost, cached_loads(vpt, residual)):
+                                out.append(Kernel("rows", rows_cached_expr(*common, vpt, True)))
+                        out.append(Kernel("rows", rows_uncached_expr(*common)))
+                        out.append(Kernel("rows", split_apply_expr(*common)))
                     for cpt in (0,) + VECS_PER_THREAD_CHOICES:
                         if cpt * vec_bytes <= CACHE_BYTES_STRIDED:
-                            out.append(Kernel("strided", strided_expr(policy, t, w, vec, cpt)))
+                            out.append(Kernel("strided", strided_expr(policy, t, p, flags, vec, cpt)))
+    for dtype in _dtypes.SUPPORTED:
+        for vec in (v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16):
+            out.append(Kernel("strided", residual_add_expr(_dtypes.KERNEL_TYPE[dtype], vec)))
     return out

@@ -18,7 +18,7 @@ KERNEL_TYPE = {
 }
 SUPPORTED = tuple(KERNEL_TYPE)
 SUPPORTED_NAMES = "float16, bfloat16, float32 or float64"
-NO_WEIGHT = "cunorm::none_t"
+NO_PARAMS = "cunorm::none_t"
 
 
 def accumulation(dtype: np.dtype) -> np.dtype:
@@ -26,13 +26,19 @@ def accumulation(dtype: np.dtype) -> np.dtype:
     return float64 if dtype == float64 else float32
 
 
-def weight_storage(x_dtype: np.dtype, w_dtype: np.dtype) -> np.dtype:
-    """The dtype a weight is handed to the kernel in.
+def param_storage(x_dtype: np.dtype, dtypes) -> np.dtype:
+    """The one dtype the affine parameters (weight, bias) are handed to the
+    kernel in.
 
-    The kernels read a weight either in x's dtype or in the accumulation dtype
-    (e.g. float32 weights with bfloat16 x). Any other float weight is cast to
-    the accumulation dtype first (a small copy of the weight, never of x).
+    The kernels read them either in x's dtype or in the accumulation dtype
+    (e.g. float32 weights with bfloat16 x). Parameters that are all x's dtype,
+    or all the accumulation dtype, are used as they are; any other mix is
+    cast to the accumulation dtype first (a small copy of the parameters,
+    never of x).
     """
-    if w_dtype == x_dtype or w_dtype == accumulation(x_dtype):
-        return w_dtype
+    kinds = set(dtypes)
+    if len(kinds) == 1:
+        (only,) = kinds
+        if only == x_dtype or only == accumulation(x_dtype):
+            return only
     return accumulation(x_dtype)

@@ -99,35 +99,48 @@ _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 
 
-def compile_offline(arch: str, kernels) -> list[dict]:
+def compile_offline(arch: str, kernels, jobs: int | None = None) -> list[dict]:
     """Compile kernels with NVRTC for ``arch`` (e.g. "sm_90") without a GPU.
 
-    One NVRTC program per family, all its instantiations as name expressions.
+    Each family's instantiations are compiled as name expressions of a few
+    NVRTC programs, spread over ``jobs`` processes (default: the CPU count).
     Returns, per kernel: expression, registers, stack frame bytes, spill
     store and load bytes. Raises RuntimeError with NVRTC's log on an error.
     """
-    from cupy_backends.cuda.libs import nvrtc
+    import concurrent.futures
+    import os
 
     by_family: dict[str, list[str]] = {}
     for k in kernels:
         by_family.setdefault(k.family, []).append(k.expression)
-    results = []
+    jobs = jobs or os.cpu_count() or 1
+    batches = []
     for family, expressions in by_family.items():
-        prog = nvrtc.createProgram(source(family), f"{family}.cu", [], [])
+        size = max(1, min(200, -(-len(expressions) // jobs)))
+        batches += [(family, expressions[i : i + size], arch) for i in range(0, len(expressions), size)]
+    if jobs == 1 or len(batches) == 1:
+        return [r for batch in batches for r in _compile_batch(*batch)]
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+        return [r for part in pool.map(_compile_batch, *zip(*batches)) for r in part]
+
+
+def _compile_batch(family: str, expressions: list[str], arch: str) -> list[dict]:
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source(family), f"{family}.cu", [], [])
+    try:
+        for e in expressions:
+            nvrtc.addNameExpression(prog, e)
+        options = [f"--gpu-architecture={arch}", *OPTIONS, "-ftz=true", "--ptxas-options=--verbose"]
         try:
-            for e in expressions:
-                nvrtc.addNameExpression(prog, e)
-            options = [f"--gpu-architecture={arch}", *OPTIONS, "-ftz=true", "--ptxas-options=--verbose"]
-            try:
-                nvrtc.compileProgram(prog, options)
-            except nvrtc.NVRTCError as err:
-                raise RuntimeError(f"NVRTC failed on {family}.cu for {arch}:\n{nvrtc.getProgramLog(prog)}") from err
-            log = nvrtc.getProgramLog(prog)
-            lowered = {nvrtc.getLoweredName(prog, e): e for e in expressions}
-            results.extend(_parse_ptxas(log, lowered))
-        finally:
-            nvrtc.destroyProgram(prog)
-    return results
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(f"NVRTC failed on {family}.cu for {arch}:\n{nvrtc.getProgramLog(prog)}") from err
+        log = nvrtc.getProgramLog(prog)
+        lowered = {nvrtc.getLoweredName(prog, e): e for e in expressions}
+        return _parse_ptxas(log, lowered)
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 def _parse_ptxas(log: str, lowered: dict[str, str]) -> list[dict]:

@@ -14,6 +14,8 @@ import numpy as np
 
 from . import _dispatch, _dtypes, _interop, _plan
 
+_NULL = np.uint64(0)  # a null pointer argument (optional statistics outputs)
+
 
 def check_eps(eps) -> float:
     if type(eps) is float and 0.0 <= eps < math.inf:
@@ -33,11 +35,14 @@ def check_dtype(dtype, name: str) -> np.dtype:
 
 
 class Call:
-    """A validated call: x's metadata, the normalized axes, the weight."""
+    """A validated call of a normalization: x, the normalized axes, the affine
+    parameters, the residual, eps and out, each checked against x."""
 
-    __slots__ = ("adapter", "x", "first", "last", "norm_shape", "weight", "eps", "out", "out_given")
+    __slots__ = ("norm", "adapter", "x", "first", "last", "norm_shape", "weight", "bias", "residual", "eps", "out",
+                 "out_given", "return_stats")
 
-    def __init__(self, x, weight, axis, eps, out):
+    def __init__(self, norm, x, axis, eps, out, *, weight=None, bias=None, residual=None, return_stats=False):
+        self.norm = norm
         adapter = _interop.adapter_for(x, "x")
         self.adapter = adapter
         xa = x if adapter is _interop.NUMPY else adapter.to_cupy(x, "x")
@@ -51,9 +56,14 @@ class Call:
             )
         self.x = xa
         self.weight = self._param(weight, "weight")
+        self.bias = self._param(bias, "bias")
+        self.residual = self._residual(residual)
         self.eps = check_eps(eps)
         self.out_given = out
         self.out = None if out is None else self._out(out)
+        if not isinstance(return_stats, (bool, np.bool_)):
+            raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
+        self.return_stats = bool(return_stats)
 
     def _same_kind(self, a, name: str):
         """``a`` as the same kind of array as x (NumPy with NumPy, GPU with GPU)."""
@@ -80,6 +90,16 @@ class Call:
             )
         return pa
 
+    def _residual(self, r):
+        if r is None:
+            return None
+        ra = self._same_kind(r, "residual")
+        if tuple(ra.shape) != tuple(self.x.shape):
+            raise ValueError(f"residual must have x's shape {tuple(self.x.shape)}, got {tuple(ra.shape)}")
+        if ra.dtype != self.x.dtype:
+            raise TypeError(f"residual must have x's dtype {self.x.dtype}, got {ra.dtype}")
+        return ra
+
     def _out(self, out):
         oa = self._same_kind(out, "out")
         if tuple(oa.shape) != tuple(self.x.shape) or oa.dtype != self.x.dtype:
@@ -89,13 +109,20 @@ class Call:
             )
         if not oa.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
-        if self.adapter is not _interop.NUMPY and _overlaps(oa, self.x) and not _same_view(oa, self.x):
-            raise ValueError("out overlaps x without being x itself; pass a separate buffer (or x, for in place)")
+        if self.adapter is not _interop.NUMPY:
+            for other, name in ((self.x, "x"), (self.residual, "residual")):
+                if other is not None and _overlaps(oa, other) and not (name == "x" and _same_view(oa, other)):
+                    raise ValueError(f"out overlaps {name}; pass a separate buffer (out may be x itself, for in place)")
         return oa
 
     @property
     def on_gpu(self) -> bool:
         return self.adapter is not _interop.NUMPY
+
+    @property
+    def stats_shape(self) -> tuple:
+        shape = tuple(self.x.shape)
+        return shape[: self.first] + shape[self.last + 1 :]
 
 
 def _span(a):
@@ -131,53 +158,77 @@ def device_info(device_id: int) -> _dispatch.Device:
     return _dispatch.Device(sm_count=dev.attributes["MultiProcessorCount"], compute_capability=cc)
 
 
-@functools.lru_cache(maxsize=4096)
-def _planned(norm, dtype, wdtype, shape, strides, first, last, x_align, y_align, w_align, device_id):
-    plan = _plan.make_plan(norm, dtype, wdtype, shape, strides, first, last, x_align, y_align, w_align)
-    if plan is None:
-        return None, None
-    launch = _dispatch.choose(plan, device_info(device_id))
-    for step in launch.steps:
-        _check_limits(step)
-    return plan, launch
-
-
-def run(norm: str, call: Call, reference):
-    """Compute ``norm`` for a validated call and return it as the caller's type."""
+def run(call: Call, reference):
+    """Compute the call's norm; return y (then h, then the statistics) as the
+    caller's array type."""
     if not call.on_gpu:
-        axes = tuple(range(call.first, call.last + 1))
-        y = reference(call.x, call.weight, axis=axes, eps=call.eps)
-        if call.out is not None:
-            call.out[...] = y
-            return call.out_given
-        return y
+        kwargs = {"weight": call.weight, "axis": tuple(range(call.first, call.last + 1)), "eps": call.eps,
+                  "residual": call.residual, "return_stats": call.return_stats}
+        if call.norm == "ln":
+            kwargs["bias"] = call.bias
+        results = reference(call.x, **kwargs)
+        if call.out is None:
+            return results
+        first = results[0] if isinstance(results, tuple) else results
+        call.out[...] = first
+        return (call.out_given,) + results[1:] if isinstance(results, tuple) else call.out_given
 
     import cupy
 
     x = call.x
     y = call.out if call.out is not None else cupy.empty(x.shape, dtype=x.dtype)
+    h = None if call.residual is None else cupy.empty(x.shape, dtype=x.dtype)
+    stats = []
+    if call.return_stats:
+        acc = _dtypes.accumulation(x.dtype)
+        stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2 if call.norm == "ln" else 1)]
     if x.size:
-        w = call.weight
-        if w is not None:
-            wdtype = _dtypes.weight_storage(x.dtype, w.dtype)
-            if w.dtype != wdtype or not w.flags.c_contiguous:
-                w = cupy.ascontiguousarray(w, dtype=wdtype)
-        launch_on(norm, x, y, w, call.first, call.last, call.eps)
-    if call.out is not None:
-        return call.out_given
-    return call.adapter.from_cupy(y, call.out_given)
+        present = [p for p in (call.weight, call.bias) if p is not None]
+        w = b = None
+        if present:
+            pdtype = _dtypes.param_storage(x.dtype, [p.dtype for p in present])
+            w, b = (None if p is None else cupy.ascontiguousarray(p, dtype=pdtype) for p in (call.weight, call.bias))
+        center, scale = (stats if call.norm == "ln" else [None] + stats) if stats else (None, None)
+        launch_on(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
+                  first=call.first, last=call.last, eps=call.eps)
+    out = call.adapter.from_cupy
+    results = [call.out_given if call.out is not None else out(y, None)]
+    if h is not None:
+        results.append(out(h, None))
+    results += [out(s, None) for s in stats]
+    return results[0] if len(results) == 1 else tuple(results)
 
 
-def launch_on(norm, x, y, w, first, last, eps, *, override=None):
-    """Plan and launch ``norm`` over CuPy arrays (y C-contiguous)."""
+@functools.lru_cache(maxsize=4096)
+def _planned(*key):
+    plan = _plan.make_plan(*key[:-1])
+    if plan is None:
+        return None, None
+    launch = _dispatch.choose(plan, device_info(key[-1]))
+    for step in launch.steps:
+        _check_limits(step)
+    return plan, launch
+
+
+def _mod32(a):
+    return 0 if a is None else a.data.ptr % 32
+
+
+def launch_on(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=None, first, last, eps,
+              override=None):
+    """Plan and launch ``norm`` over CuPy arrays: y (and h, center, scale)
+    C-contiguous; w and b contiguous, of one dtype; r of x's layout or it is
+    made so. Returns (plan, launch) of the normalization."""
     import cupy
 
+    if r is not None and r.strides != x.strides:
+        x, r = cupy.ascontiguousarray(x), cupy.ascontiguousarray(r)
     itemsize = x.itemsize
     strides = tuple(s // itemsize for s in x.strides)
-    wdtype = None if w is None else w.dtype
-    w_ptr = 0 if w is None else w.data.ptr
-    key = (norm, x.dtype, wdtype, tuple(x.shape), strides, first, last,
-           x.data.ptr % 32, y.data.ptr % 32, w_ptr % 32, x.data.device_id)
+    flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
+    pdtype = None if not flags else (w if w is not None else b).dtype
+    key = (norm, x.dtype, pdtype, flags, r is not None, tuple(x.shape), strides, first, last,
+           _mod32(x), _mod32(y), _mod32(r), _mod32(h), _mod32(w), _mod32(b), x.data.device_id)
     if override is None:
         plan, launch = _planned(*key)
     else:
@@ -187,38 +238,56 @@ def launch_on(norm, x, y, w, first, last, eps, *, override=None):
             _check_limits(step)
     if plan is None:  # a layout the kernels do not walk: one contiguous copy
         x = cupy.ascontiguousarray(x)
-        return launch_on(norm, x, y, w, first, last, eps, override=override)
-    _execute(plan, launch, x, y, w, eps)
+        r = None if r is None else cupy.ascontiguousarray(r)
+        return launch_on(norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale, first=first, last=last,
+                         eps=eps, override=override)
+    if r is not None and not plan.contiguous_rows:
+        # A strided axis: form h with one elementwise pass, then normalize h.
+        _residual_add(cupy.ascontiguousarray(x), cupy.ascontiguousarray(r), h)
+        return launch_on(norm, h, y, w=w, b=b, center=center, scale=scale, first=first, last=last, eps=eps,
+                         override=override)
+    _execute(plan, launch, x, y, w, b, r, h, center, scale, eps)
     return plan, launch
 
 
-def _execute(plan, launch, x, y, w, eps):
+def _residual_add(x, r, h):
+    from ._loader import get_function
+
+    vec = _plan.vector_width(x.itemsize, x.size, [], [(x.data.ptr, x.itemsize), (r.data.ptr, x.itemsize),
+                                                       (h.data.ptr, x.itemsize)])
+    step = _dispatch.residual_add_step(x.dtype, x.size // vec, vec, device_info(x.data.device_id))
+    _check_limits(step)
+    get_function(step.kernel.family, step.kernel.expression, x.data.device_id)(
+        step.grid, step.block, (x, r, h, np.int64(x.size // vec)))
+
+
+def _execute(plan, launch, x, y, w, b, r, h, center, scale, eps):
     import cupy
 
     from ._loader import get_function
 
     acc = _dtypes.accumulation(plan.dtype)
     eps_arg = acc.type(eps)
-    w_arg = x if w is None else w  # never read when there is no weight
+    # Arrays a kernel never touches (no residual, no weight) are passed as x.
+    r, h, w, b = (x if a is None else a for a in (r, h, w, b))
+    center, scale = (_NULL if a is None else a for a in (center, scale))
     i64 = np.int64
+    rows, xs = i64(plan.outer), i64(plan.outer_stride)
     if launch.tier == "cached":
-        args = (x, y, w_arg, i64(plan.outer), np.int32(plan.reduced), i64(plan.outer_stride), i64(plan.reduced),
-                eps_arg, np.int32(launch.threads_per_row))
-        steps_args = (args,)
+        steps_args = ((x, r, y, h, w, b, center, scale, rows, np.int32(plan.reduced), xs, eps_arg,
+                       np.int32(launch.threads_per_row)),)
     elif launch.tier == "uncached":
-        steps_args = ((x, y, w_arg, i64(plan.outer), i64(plan.reduced), i64(plan.outer_stride), i64(plan.reduced),
-                       eps_arg),)
+        steps_args = ((x, r, y, h, w, b, center, scale, rows, i64(plan.reduced), xs, eps_arg),)
     elif launch.tier == "split":
         ws = cupy.empty(launch.workspace_words, dtype=acc)
-        chunks, chunk_vecs = i64(launch.chunks), i64(launch.chunk_vecs)
+        n, chunks, chunk_vecs = i64(plan.reduced), i64(launch.chunks), i64(launch.chunk_vecs)
         steps_args = (
-            (x, ws, i64(plan.outer), i64(plan.reduced), i64(plan.outer_stride), chunks, chunk_vecs),
-            (x, y, w_arg, ws, i64(plan.outer), i64(plan.reduced), i64(plan.outer_stride), i64(plan.reduced),
-             chunks, chunk_vecs, eps_arg),
+            (x, r, h, ws, rows, n, xs, chunks, chunk_vecs),
+            (x, h, y, w, b, center, scale, ws, rows, n, xs, chunks, chunk_vecs, eps_arg),
         )
     else:  # strided
-        steps_args = ((x, y, w_arg, i64(plan.outer), np.int32(plan.reduced), i64(plan.inner),
-                       i64(plan.outer_stride), i64(plan.reduced_stride), eps_arg),)
+        steps_args = ((x, y, w, b, center, scale, rows, np.int32(plan.reduced), i64(plan.inner), xs,
+                       i64(plan.reduced_stride), eps_arg),)
     device = x.data.device_id
     for step, args in zip(launch.steps, steps_args):
         fn = get_function(step.kernel.family, step.kernel.expression, device)

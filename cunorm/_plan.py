@@ -24,7 +24,11 @@ class Plan:
     outer_stride, reduced_stride: x's strides in elements along outer and
         reduced (the inner stride is 1 whenever inner > 1; the reduced stride
         is 1 whenever inner == 1). y is always written C-contiguous.
-    dtype, weight_dtype: storage dtypes (weight_dtype None: no weight).
+    dtype: storage dtype of x (and of the residual r, y and h).
+    param_dtype, flags: storage dtype of the affine parameters and which of
+        them apply (FLAG_WEIGHT | FLAG_BIAS); param_dtype is None when flags
+        is 0.
+    residual: h = x + r is formed, returned and normalized.
     vec: elements per vector access along the contiguous axis (reduced if
         inner == 1, else inner), the widest that every pointer, stride and
         extent allows, at most 16 bytes.
@@ -33,7 +37,9 @@ class Plan:
 
     norm: str
     dtype: np.dtype
-    weight_dtype: np.dtype | None
+    param_dtype: np.dtype | None
+    flags: int
+    residual: bool
     outer: int
     reduced: int
     inner: int
@@ -45,6 +51,9 @@ class Plan:
     def contiguous_rows(self) -> bool:
         return self.inner == 1
 
+
+FLAG_WEIGHT = 1  # mirrors kWeight in cunorm/kernels/common.cuh
+FLAG_BIAS = 2  # mirrors kBias
 
 
 def normalize_axes(axis, ndim: int) -> tuple[int, int]:
@@ -129,27 +138,34 @@ def vector_width(itemsize: int, extent: int, strides, pointers) -> int:
     return 1
 
 
-def make_plan(norm: str, dtype, weight_dtype, shape, strides, first, last, x_ptr, y_ptr, w_ptr):
-    """Plan for a call, or None when x must be made contiguous first."""
+def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, last, x_ptr, y_ptr, r_ptr, h_ptr,
+              w_ptr, b_ptr):
+    """Plan for a call, or None when x must be made contiguous first.
+
+    Pointers may be given modulo 32 (only their alignment matters); absent
+    arrays pass 0. The residual r shares x's strides; y and h are
+    C-contiguous.
+    """
     view = canonical_view(shape, strides, first, last)
     if view is None:
         return None
     outer, reduced, inner, s_outer, s_reduced = view
     itemsize = dtype.itemsize
-    pointers = [(x_ptr, itemsize), (y_ptr, itemsize)]
+    pointers = [(x_ptr, itemsize), (y_ptr, itemsize), (r_ptr, itemsize), (h_ptr, itemsize)]
     if inner == 1:
         extent = reduced
         other_strides = [s_outer] if outer > 1 else []
-        if weight_dtype is not None:
-            pointers.append((w_ptr, weight_dtype.itemsize))
+        if flags:
+            pointers += [(w_ptr, param_dtype.itemsize), (b_ptr, param_dtype.itemsize)]
     else:
         extent = inner
         other_strides = [s for s, n in ((s_outer, outer), (s_reduced, reduced)) if n > 1]
     vec = vector_width(itemsize, extent, other_strides, pointers)
-    return Plan(norm, dtype, weight_dtype, outer, reduced, inner, s_outer, s_reduced, vec)
+    return Plan(norm, dtype, param_dtype if flags else None, flags, residual, outer, reduced, inner, s_outer,
+                s_reduced, vec)
 
 
 def kernel_types(plan: Plan) -> tuple[str, str]:
-    """The (T, W) template arguments of a plan."""
-    w = _dtypes.NO_WEIGHT if plan.weight_dtype is None else _dtypes.KERNEL_TYPE[plan.weight_dtype]
-    return _dtypes.KERNEL_TYPE[plan.dtype], w
+    """The (T, P) template arguments of a plan."""
+    p = _dtypes.NO_PARAMS if plan.param_dtype is None else _dtypes.KERNEL_TYPE[plan.param_dtype]
+    return _dtypes.KERNEL_TYPE[plan.dtype], p

@@ -2,41 +2,69 @@
 tested against, and what cunorm's public functions compute for NumPy input.
 
 Each function computes in float64 and returns x's dtype (``exact=True``
-returns the unrounded float64 result, which is what the tests compare to).
+returns the unrounded float64 results, which is what the tests compare to).
+A group whose statistic is not finite (an Inf or NaN in it) comes out all
+NaN, as the kernels define it.
 """
 from __future__ import annotations
 
 import numpy as np
 
 
-def _as_f64(a):
-    return np.asarray(a).astype(np.float64)
+def rms_norm(x, weight=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False, exact=False):
+    """``h * rsqrt(mean(h**2 over axis) + eps) [* weight]`` with h = x
+    (+ residual). Returns y, then h if residual is given, then rstd if
+    return_stats."""
+    return _normalize("rms", x, weight, None, axis, eps, residual, return_stats, exact)
 
 
-def _weight_view(weight, ndim: int, last: int):
-    """Weight shaped like the normalized axes, broadcast against x."""
-    w = _as_f64(weight)
-    return w.reshape(w.shape + (1,) * (ndim - 1 - last))
+def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False, exact=False):
+    """``(h - mean) * rsqrt(var + eps) [* weight] [+ bias]`` over axis, var
+    biased, with h = x (+ residual). Returns y, then h if residual is given,
+    then mean and rstd if return_stats."""
+    return _normalize("ln", x, weight, bias, axis, eps, residual, return_stats, exact)
 
 
-def rms_norm(x, weight=None, *, axis=-1, eps=1e-5, exact=False):
-    """``x * rsqrt(mean(x**2 over axis) + eps) [* weight]`` in float64.
-
-    A group holding Inf or NaN (or whose sum of squares overflows) comes out
-    all NaN, as the kernels define it.
-    """
+def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact):
+    from ._dtypes import accumulation
     from ._plan import normalize_axes
 
     x = np.asarray(x)
     first, last = normalize_axes(axis, x.ndim)
     axes = tuple(range(first, last + 1))
-    xf = _as_f64(x)
+    if residual is not None:
+        # h is rounded to x's dtype, and the norm sees exactly that h.
+        h = (x.astype(np.float64) + np.asarray(residual).astype(np.float64)).astype(x.dtype)
+    else:
+        h = x
+    hf = h.astype(np.float64)
+    n = int(np.prod([x.shape[a] for a in axes]))
     with np.errstate(over="ignore", invalid="ignore"):
-        sum_sq = np.sum(xf * xf, axis=axes, keepdims=True)
-        n = int(np.prod([x.shape[a] for a in axes]))
-        scale = 1.0 / np.sqrt(sum_sq / n + eps)
-        scale = np.where(np.isfinite(sum_sq), scale, np.nan)
-        y = xf * scale
+        if kind == "rms":
+            sum_sq = np.sum(hf * hf, axis=axes, keepdims=True)
+            center = np.zeros_like(sum_sq)
+            scale = 1.0 / np.sqrt(sum_sq / n + eps)
+            finite = np.isfinite(sum_sq)
+        else:
+            center = np.mean(hf, axis=axes, keepdims=True)
+            var = np.mean((hf - center) ** 2, axis=axes, keepdims=True)
+            scale = 1.0 / np.sqrt(var + eps)
+            finite = np.isfinite(var) & np.isfinite(center)
+        scale = np.where(finite, scale, np.nan)
+        y = (hf - center) * scale
+        tail = (1,) * (x.ndim - 1 - last)
         if weight is not None:
-            y = y * _weight_view(weight, x.ndim, last)
-    return y if exact else y.astype(x.dtype)
+            w = np.asarray(weight).astype(np.float64)
+            y = y * w.reshape(w.shape + tail)
+        if bias is not None:
+            b = np.asarray(bias).astype(np.float64)
+            y = y + b.reshape(b.shape + tail)
+    results = [y if exact else y.astype(x.dtype)]
+    if residual is not None:
+        results.append(h)
+    if return_stats:
+        stats_dtype = np.float64 if exact else accumulation(x.dtype)
+        if kind == "ln":
+            results.append(np.squeeze(center, axis=axes).astype(stats_dtype))
+        results.append(np.squeeze(scale, axis=axes).astype(stats_dtype))
+    return results[0] if len(results) == 1 else tuple(results)

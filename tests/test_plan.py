@@ -16,10 +16,14 @@ def c_strides(shape):
     return tuple(reversed(strides))
 
 
-def plan_for(shape, axis, dtype=_dtypes.float32, wdtype=None, strides=None, ptr=0):
+def plan_for(shape, axis, dtype=_dtypes.float32, pdtype=None, strides=None, ptr=0, norm="rms", flags=None,
+             residual=False):
     first, last = normalize_axes(axis, len(shape))
     strides = c_strides(shape) if strides is None else strides
-    return make_plan("rms", np.dtype(dtype), wdtype, tuple(shape), strides, first, last, ptr, 0, 0)
+    if flags is None:
+        flags = 0 if pdtype is None else 1
+    return make_plan(norm, np.dtype(dtype), pdtype, flags, residual, tuple(shape), strides, first, last, ptr, 0, 0,
+                     0, 0, 0)
 
 
 def test_normalize_axes():
@@ -69,8 +73,9 @@ def test_plan_problem_36():
     [
         (32768, 4096, _dtypes.bfloat16, "cached", 128),
         (4096, 32768, _dtypes.bfloat16, "cached", 512),
-        (4096, 32768, _dtypes.float32, "cached", 1024),
-        (4096, 65536, _dtypes.bfloat16, "cached", 1024),
+        (4096, 16384, _dtypes.float32, "cached", 512),
+        (4096, 32768, _dtypes.float32, "uncached", 0),
+        (4096, 65536, _dtypes.bfloat16, "uncached", 0),
         (4096, 65536, _dtypes.float32, "uncached", 0),
         (65536, 1024, _dtypes.float32, "cached", 64),
         (65536, 512, _dtypes.float32, "cached", 32),
@@ -112,16 +117,37 @@ def test_strided_blocks_within_limits(shape, axis):
 def test_every_choice_is_compiled():
     """Whatever the dispatch picks over a sweep of shapes is in all_kernels()."""
     compiled = {k.expression for k in _dispatch.all_kernels()}
-    for dtype in _dtypes.SUPPORTED:
-        acc = _dtypes.accumulation(dtype)
-        for wdtype in (None, dtype, acc):
-            for n in (1, 2, 3, 8, 31, 64, 760, 1000, 1024, 4096, 4097, 8192, 16384, 32768, 65535, 65536, 300000):
-                for rows in (1, 7, 200, 5000):
-                    for shape, axis in (((rows, n), -1), ((rows, n, 5), 1), ((2, n, 64), 1)):
-                        for ptr in (0, 4, 8):
-                            p = plan_for(shape, axis, dtype, wdtype, ptr=ptr * dtype.itemsize // 2)
-                            for step in _dispatch.choose(p, H200).steps:
-                                assert step.kernel.expression in compiled, step.kernel.expression
+    for norm, flag_sets in _dispatch.NORM_FLAGS.items():
+        for dtype in _dtypes.SUPPORTED:
+            acc = _dtypes.accumulation(dtype)
+            for flags in flag_sets:
+                for pdtype in ((None,) if not flags else (dtype, acc)):
+                    for residual in (False, True):
+                        for n in (1, 3, 8, 760, 1024, 4097, 8192, 32768, 65535, 65536, 300000):
+                            for rows in (1, 200, 5000):
+                                for shape, axis in (((rows, n), -1), ((rows, n, 5), 1), ((2, n, 64), 1)):
+                                    if residual and axis == 1:
+                                        continue  # strided residual: h formed first, then no residual
+                                    for ptr in (0, 4, 8):
+                                        p = plan_for(shape, axis, dtype, pdtype, ptr=ptr * dtype.itemsize // 2,
+                                                     norm=norm, flags=flags, residual=residual)
+                                        for step in _dispatch.choose(p, H200).steps:
+                                            assert step.kernel.expression in compiled, step.kernel.expression
+
+
+def test_residual_and_layernorm_cost_registers():
+    """x and r are both live while h is formed, and LayerNorm carries three
+    words of statistic: the register budget admits shorter cached rows."""
+    def tier(n, **kw):
+        launch = _dispatch.choose(plan_for((4096, n), -1, _dtypes.bfloat16, **kw), H200)
+        return launch.tier, launch.steps[0].block
+
+    assert tier(32768) == ("cached", (512,))
+    assert tier(32768, norm="ln") == ("cached", (512,))
+    assert tier(32768, residual=True)[0] == "uncached"
+    assert tier(4096, residual=True) == ("cached", (128,))
+    assert tier(4096, norm="ln", residual=True, flags=3, pdtype=_dtypes.bfloat16) == ("cached", (256,))
+    assert tier(16384, residual=True) == ("cached", (512,))
 
 
 def test_strided_extent_limit():

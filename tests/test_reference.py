@@ -69,3 +69,44 @@ def test_numpy_input_not_written(rng):
     before = x.copy()
     cunorm.rms_norm(x)
     np.testing.assert_array_equal(x, before)
+
+
+def test_layer_norm_matches_definition(rng):
+    x = rng.standard_normal((5, 3, 8)) * 4 + 2
+    w = rng.standard_normal((3, 8))
+    b = rng.standard_normal((3, 8))
+    y, mean, rstd = reference.layer_norm(x, w, b, axis=(1, 2), eps=1e-3, return_stats=True, exact=True)
+    flat = x.reshape(5, 24)
+    mu = flat.sum(axis=1) / 24
+    var = ((flat - mu[:, None]) ** 2).sum(axis=1) / 24
+    expected = ((flat - mu[:, None]) / np.sqrt(var[:, None] + 1e-3)).reshape(5, 3, 8) * w + b
+    np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(mean, mu, rtol=1e-13)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(var + 1e-3), rtol=1e-13)
+
+
+def test_layer_norm_strided_axis_loop(rng):
+    x = rng.standard_normal((2, 6, 3))
+    y = reference.layer_norm(x, axis=1, eps=0.0, exact=True)
+    for a in range(2):
+        for c in range(3):
+            col = x[a, :, c]
+            np.testing.assert_allclose(y[a, :, c], (col - col.mean()) / col.std(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_residual_is_rounded_sum_then_norm(rng, op):
+    x = random(rng, (4, 64), np.float16)
+    r = random(rng, (4, 64), np.float16)
+    y, h = getattr(reference, op)(x, residual=r, exact=True)
+    h_expected = (x.astype(np.float64) + r.astype(np.float64)).astype(np.float16)
+    np.testing.assert_array_equal(h, h_expected)
+    np.testing.assert_array_equal(y, getattr(reference, op)(h_expected, exact=True))
+
+
+def test_stats_dtypes_and_shapes(rng):
+    x = random(rng, (3, 5, 7), np.float32)
+    y, mean, rstd = cunorm.layer_norm(x, axis=1, return_stats=True)
+    assert y.dtype == np.float32 and mean.dtype == rstd.dtype == np.float32 and mean.shape == (3, 7)
+    y, rstd = cunorm.rms_norm(x.astype(np.float64), axis=-1, return_stats=True)
+    assert rstd.dtype == np.float64 and rstd.shape == (3, 5)

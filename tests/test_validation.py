@@ -150,3 +150,53 @@ def test_out_overlapping_x():
     x = buf[:8].reshape(2, 4)
     with pytest.raises(ValueError, match="overlaps"):
         cunorm.rms_norm(x, out=buf[4:].reshape(2, 4))
+
+
+def test_bias_wrong_shape(xp):
+    with pytest.raises(ValueError, match=r"bias must have the shape of the normalized axes \(4,\), got \(5,\)"):
+        cunorm.layer_norm(arr(xp, (2, 4)), None, xp.ones(5, dtype=np.float32))
+
+
+def test_bias_wrong_dtype(xp):
+    with pytest.raises(TypeError, match="bias must have dtype"):
+        cunorm.layer_norm(arr(xp, (2, 4)), None, xp.ones(4, dtype=np.int32))
+
+
+@pytest.mark.parametrize("op", [cunorm.rms_norm, cunorm.layer_norm])
+def test_residual_wrong_shape(xp, op):
+    with pytest.raises(ValueError, match=r"residual must have x's shape \(2, 4\), got \(4,\)"):
+        op(arr(xp, (2, 4)), residual=arr(xp, (4,)))
+
+
+@pytest.mark.parametrize("op", [cunorm.rms_norm, cunorm.layer_norm])
+def test_residual_wrong_dtype(xp, op):
+    with pytest.raises(TypeError, match="residual must have x's dtype float32, got float16"):
+        op(arr(xp, (2, 4)), residual=arr(xp, (2, 4), np.float16))
+
+
+def test_residual_wrong_kind():
+    with pytest.raises(TypeError, match="residual must be a CuPy, NumPy, torch or JAX array"):
+        cunorm.layer_norm(np.ones((2, 4), np.float32), residual=[[1.0] * 4] * 2)
+
+
+@pytest.mark.parametrize("flag", [1, "yes", None])
+def test_return_stats_must_be_bool(xp, flag):
+    with pytest.raises(TypeError, match="return_stats must be True or False"):
+        cunorm.layer_norm(arr(xp, (2, 4)), return_stats=flag)
+
+
+def test_layer_norm_axis_errors(xp):
+    with pytest.raises(ValueError, match="adjacent"):
+        cunorm.layer_norm(arr(xp, (2, 3, 4)), axis=(0, 2))
+    with pytest.raises(ValueError, match="eps must be finite"):
+        cunorm.layer_norm(arr(xp, (2, 3, 4)), eps=-1.0)
+
+
+@pytest.mark.gpu
+def test_out_overlapping_residual():
+    import cupy
+
+    x = cupy.ones((2, 4), dtype=np.float32)
+    r = cupy.ones((2, 4), dtype=np.float32)
+    with pytest.raises(ValueError, match="out overlaps residual"):
+        cunorm.rms_norm(x, residual=r, out=r)

@@ -14,7 +14,7 @@ namespace cunorm {
 
 struct half_t { unsigned short bits; };  // IEEE binary16, raw bits
 struct bf16_t { unsigned short bits; };  // bfloat16, raw bits
-struct none_t {};                        // "no weight / no bias" marker
+struct none_t {};                        // "no affine parameters" marker
 
 // Accumulation type: float for 16- and 32-bit storage, double for float64.
 template <class T> struct AccOf { using type = float; };
@@ -65,21 +65,83 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
 }
 
 // Elementwise epilogue shared by every family:
-//   y = (x * scale + shift) [* weight] [+ bias], computed in the accumulation
-//   type and rounded once to the storage type.
+//   y = (x - center) * scale [* weight] [+ bias]
+// in the accumulation type, rounded once to the storage type. Subtracting
+// the center before scaling keeps LayerNorm exact for rows whose mean is far
+// larger than their spread (x*rstd - mean*rstd would cancel catastrophically).
 template <class A>
 struct Affine {
+    A center;
     A scale;
-    A shift;
 };
 
-template <class W, class A>
-__device__ __forceinline__ A apply_weight(A value, const W* w, long long i) {
-    if constexpr (same_type<W, none_t>::value) {
-        return value;
-    } else {
-        return value * static_cast<A>(widen(w[i]));
+// Which affine parameters a kernel applies (the FLAGS template argument).
+constexpr int kWeight = 1;
+constexpr int kBias = 2;
+
+template <int FLAGS, class A>
+__device__ __forceinline__ A apply_affine(A x, const Affine<A>& f, A w, A b) {
+    A v = (x - f.center) * f.scale;
+    if constexpr ((FLAGS & kWeight) && (FLAGS & kBias)) {
+        v = fma(v, w, b);
+    } else if constexpr (FLAGS & kWeight) {
+        v = v * w;
+    } else if constexpr (FLAGS & kBias) {
+        v = v + b;
     }
+    return v;
+}
+
+// The affine parameters of one vector: VEC weights and/or biases in their
+// storage type P (nothing at all when FLAGS is 0).
+template <class P, int FLAGS, int VEC>
+struct ParamVec {
+    Vec<P, VEC> w;
+    Vec<P, VEC> b;
+};
+template <class P, int VEC>
+struct ParamVec<P, 0, VEC> {};
+
+template <class P, int FLAGS, int VEC>
+__device__ __forceinline__ ParamVec<P, FLAGS, VEC> load_params(const P* w, const P* b, long long i) {
+    ParamVec<P, FLAGS, VEC> p;
+    if constexpr (FLAGS & kWeight) p.w = load_vec<P, VEC>(w + i);
+    if constexpr (FLAGS & kBias) p.b = load_vec<P, VEC>(b + i);
+    return p;
+}
+
+template <class A, class P, int FLAGS, int VEC>
+__device__ __forceinline__ A param_w(const ParamVec<P, FLAGS, VEC>& p, int j) {
+    if constexpr (FLAGS & kWeight) return static_cast<A>(widen(p.w.v[j]));
+    else return A(1);
+}
+template <class A, class P, int FLAGS, int VEC>
+__device__ __forceinline__ A param_b(const ParamVec<P, FLAGS, VEC>& p, int j) {
+    if constexpr (FLAGS & kBias) return static_cast<A>(widen(p.b.v[j]));
+    else return A(0);
+}
+
+// y[0:VEC] = epilogue(h[0:VEC]) with the parameters of those positions.
+template <class T, class P, int FLAGS, int VEC, class A>
+__device__ __forceinline__ void write_normalized(T* dst, const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
+                                                 const Affine<A>& f) {
+    Vec<T, VEC> out;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        const A v = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])), f, param_w<A>(p, j), param_b<A>(p, j));
+        narrow(v, out.v[j]);
+    }
+    store_vec<T, VEC>(dst, out);
+}
+
+// h = x + r, rounded to the storage type (the fused pre-norm residual add:
+// the norm then sees exactly the h it returns).
+template <class T, int VEC>
+__device__ __forceinline__ Vec<T, VEC> add_residual(const Vec<T, VEC>& x, const Vec<T, VEC>& r) {
+    Vec<T, VEC> h;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) narrow(widen(x.v[j]) + widen(r.v[j]), h.v[j]);
+    return h;
 }
 
 }  // namespace cunorm

@@ -1,18 +1,22 @@
 // norms.cuh: the norm policies. A kernel family is a way of walking memory;
 // a policy says what statistic the walk accumulates and how the statistic
-// turns into the epilogue's (scale, shift). Adding a norm means adding a
-// policy here and a plan in Python, not a new kernel.
+// turns into the epilogue's Affine{center, scale} of
+//   y = (x - center) * scale [* weight] [+ bias].
+// Adding a norm means adding a policy here and a plan in Python, not a new
+// kernel.
 //
 // Every policy has the same shape, for an accumulation type A:
 //   Stats                      the partial statistic, plain A fields only
 //                              (workspaces store it as kStatWords A's)
 //   init()                     the identity of combine
-//   add(s, x)                  fold one element in
+//   of_values<N>(v)            the statistic of N values held in registers
+//                              (a loaded vector): the kernels fold vectors,
+//                              not single elements
 //   combine(a, b)              merge two partials; the callers fix the order
 //                              of combination, so results are bitwise
 //                              reproducible run to run
 //   shfl_xor(s, mask, width)   butterfly exchange of a partial within a warp
-//   finalize(s, n, eps)        the Affine{scale, shift} of  y = x*scale+shift
+//   finalize(s, n, eps)        the Affine of the group (n elements)
 #pragma once
 #include "common.cuh"
 
@@ -23,14 +27,26 @@ __device__ __forceinline__ A shfl_xor_acc(A v, int mask, int width) {
     return __shfl_xor_sync(0xffffffffu, v, mask, width);
 }
 
+// Reciprocals without the IEEE-division slow-path call (a call makes ptxas
+// spill the values live across it to local memory). float: correctly
+// rounded. double: the float reciprocal refined by two Newton steps (its
+// relative error squares each step: 6e-8, 4e-15, below double's ulp), for
+// the positive counts and sizes it is used on here.
+__device__ __forceinline__ float reciprocal(float v) { return __frcp_rn(v); }
+__device__ __forceinline__ double reciprocal(double v) {
+    double r = static_cast<double>(__frcp_rn(static_cast<float>(v)));
+    r = fma(fma(-v, r, 1.0), r, r);
+    return fma(fma(-v, r, 1.0), r, r);
+}
+
+template <class A>
+__device__ __forceinline__ A quiet_nan() {
+    return static_cast<A>(__int_as_float(0x7fc00000));
+}
+
 // RMSNorm:  y = x * rsqrt(mean(x^2) + eps).
 // A non-finite sum of squares (an Inf or NaN in the group, or float overflow)
 // makes the whole group NaN rather than silently zero.
-// Correctly rounded reciprocal without the IEEE-division slow-path call (a
-// call makes ptxas spill the values live across it to local memory).
-__device__ __forceinline__ float reciprocal(float v) { return __frcp_rn(v); }
-__device__ __forceinline__ double reciprocal(double v) { return __drcp_rn(v); }
-
 template <class A>
 struct RmsNorm {
     struct Stats {
@@ -39,7 +55,13 @@ struct RmsNorm {
     static constexpr int kStatWords = 1;
 
     __device__ static __forceinline__ Stats init() { return Stats{A(0)}; }
-    __device__ static __forceinline__ void add(Stats& s, A x) { s.sum_sq = fma(x, x, s.sum_sq); }
+    template <int N>
+    __device__ static __forceinline__ Stats of_values(const A (&v)[N]) {
+        A s = A(0);
+#pragma unroll
+        for (int j = 0; j < N; ++j) s = fma(v[j], v[j], s);
+        return Stats{s};
+    }
     __device__ static __forceinline__ Stats combine(const Stats& a, const Stats& b) {
         return Stats{a.sum_sq + b.sum_sq};
     }
@@ -47,10 +69,53 @@ struct RmsNorm {
         return Stats{shfl_xor_acc(s.sum_sq, mask, width)};
     }
     __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
-        A mean_sq = s.sum_sq * reciprocal(static_cast<A>(n));
-        A scale = rsqrt(mean_sq + eps);
-        if (!isfinite(s.sum_sq)) scale = A(__int_as_float(0x7fc00000));  // quiet NaN
-        return Affine<A>{scale, A(0)};
+        A scale = rsqrt(s.sum_sq * reciprocal(static_cast<A>(n)) + eps);
+        if (!isfinite(s.sum_sq)) scale = quiet_nan<A>();
+        return Affine<A>{A(0), scale};
+    }
+};
+
+// LayerNorm:  y = (x - mean) * rsqrt(var + eps), var biased.
+// Partials are (count, mean, M2 = sum of squared deviations from the mean):
+// exact two-pass statistics within a vector, Chan et al.'s pairwise update
+// across vectors and threads. Never E[x^2] - E[x]^2, which loses everything
+// when |mean| >> std.
+template <class A>
+struct LayerNorm {
+    struct Stats {
+        A count;
+        A mean;
+        A m2;
+    };
+    static constexpr int kStatWords = 3;
+
+    __device__ static __forceinline__ Stats init() { return Stats{A(0), A(0), A(0)}; }
+    template <int N>
+    __device__ static __forceinline__ Stats of_values(const A (&v)[N]) {
+        A sum = A(0);
+#pragma unroll
+        for (int j = 0; j < N; ++j) sum += v[j];
+        const A mean = sum * (A(1) / A(N));  // N is a power of two: exact
+        A m2 = A(0);
+#pragma unroll
+        for (int j = 0; j < N; ++j) m2 = fma(v[j] - mean, v[j] - mean, m2);
+        return Stats{A(N), mean, m2};
+    }
+    __device__ static __forceinline__ Stats combine(const Stats& a, const Stats& b) {
+        const A n = a.count + b.count;
+        if (n == A(0)) return a;
+        const A delta = b.mean - a.mean;
+        const A fb = b.count * reciprocal(n);  // b's share of the combined count
+        return Stats{n, fma(delta, fb, a.mean), a.m2 + b.m2 + delta * delta * a.count * fb};
+    }
+    __device__ static __forceinline__ Stats shfl_xor(const Stats& s, int mask, int width) {
+        return Stats{shfl_xor_acc(s.count, mask, width), shfl_xor_acc(s.mean, mask, width),
+                     shfl_xor_acc(s.m2, mask, width)};
+    }
+    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
+        A scale = rsqrt(s.m2 * reciprocal(static_cast<A>(n)) + eps);
+        if (!isfinite(s.m2) || !isfinite(s.mean)) scale = quiet_nan<A>();
+        return Affine<A>{s.mean, scale};
     }
 };
 

@@ -1,10 +1,55 @@
-// reduce.cuh: combining a norm's partial statistics across threads, in a
-// fixed order (butterflies, then warps in index order), so every thread ends
+// reduce.cuh: folding values into a norm's partial statistics and combining
+// partials across threads, in a fixed order (butterflies, then warps in index order), so every thread ends
 // with the same, bitwise reproducible, statistic. No atomics anywhere.
 #pragma once
 #include "norms.cuh"
 
 namespace cunorm {
+
+// Fold one loaded vector into a partial statistic.
+template <class Norm, class A, class T, int VEC>
+__device__ __forceinline__ typename Norm::Stats fold(const typename Norm::Stats& s, const Vec<T, VEC>& v) {
+    A values[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) values[j] = static_cast<A>(widen(v.v[j]));
+    return Norm::combine(s, Norm::of_values(values));
+}
+
+// Fold a single value (the strided family keeps one statistic per position).
+template <class Norm, class A>
+__device__ __forceinline__ typename Norm::Stats fold_one(const typename Norm::Stats& s, A value) {
+    const A one[1] = {value};
+    return Norm::combine(s, Norm::of_values(one));
+}
+
+// Visit v = first, first + stride, ... below end, in batches of UNROLL whose
+// loads are all issued before any is used (memory-level parallelism for the
+// streaming sweeps). Written out instead of `#pragma unroll` on a 64-bit
+// loop, whose trip count would need a 64-bit division: a call, around which
+// ptxas spills to local memory.
+template <int UNROLL, class Load, class Use>
+__device__ __forceinline__ void for_each_batched(long long first, long long end, long long stride, Load load,
+                                                 Use use) {
+#pragma unroll 1
+    for (long long v0 = first; v0 < end; v0 += UNROLL * stride) {
+        decltype(load(v0)) values[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (v0 + u * stride < end) values[u] = load(v0 + u * stride);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (v0 + u * stride < end) use(v0 + u * stride, values[u]);
+        }
+    }
+}
+
+// Per-group statistics for the caller (the backward pass needs them).
+template <class A>
+__device__ __forceinline__ void store_stats(A* center_out, A* scale_out, long long group, const Affine<A>& f) {
+    if (center_out != nullptr) center_out[group] = f.center;
+    if (scale_out != nullptr) scale_out[group] = f.scale;
+}
 
 // All `width` lanes of each aligned group of `width` lanes (a power of two,
 // at most 32) end with the combination of the group's partials. Every lane

@@ -1,6 +1,19 @@
 // rows.cu: the contiguous-row family. The reduced axis is contiguous (stride
 // 1) and each row is one normalization group: x is (rows, n), a row starts
-// every x_row_stride elements; y is written with y_row_stride.
+// every x_row_stride elements (the residual r shares x's layout); y and h are
+// written C-contiguous, (rows, n).
+//
+// Template arguments shared by every kernel here:
+//   NormT      the norm policy (norms.cuh)
+//   T          storage type of x, r, y, h
+//   P, FLAGS   storage type of the affine parameters and which of them apply
+//              (kWeight | kBias; P = none_t with FLAGS = 0)
+//   RESIDUAL   h = x + r is formed (rounded to T), written out, and
+//              normalized: the pre-norm transformer block's fused add
+//   VEC        elements a thread moves per access (16 bytes when the
+//              pointers, strides and n allow it)
+// Per-group statistics (Affine center and scale, accumulation type) are
+// written to center_out / scale_out when those are not null.
 //
 // Three tiers, picked by cunorm/_dispatch.py from the row length and count:
 //
@@ -8,79 +21,72 @@
 //                  from registers: one read and one write of every element.
 //                  BLOCK_PER_ROW=false: a group of threads_per_row lanes (a
 //                  power of two <= 32) per row, several rows per block,
-//                  butterfly shuffles only (short rows, up to a few thousand
-//                  elements). BLOCK_PER_ROW=true: the whole block owns one row
-//                  at a time and combines through shared memory (rows up to
-//                  the register budget of one block: 128 KB of row).
+//                  butterfly shuffles only (short rows). BLOCK_PER_ROW=true:
+//                  the whole block owns one row at a time and combines
+//                  through shared memory (rows up to the register budget of
+//                  one block: 128 KB of row).
 //   rows_uncached  one block per row, two sweeps over global memory (the
 //                  second mostly from L2): rows too long for registers when
-//                  there are enough of them to fill the GPU.
+//                  there are enough of them to fill the GPU. With RESIDUAL
+//                  the first sweep writes h and the second reads it back.
 //   rows_split_*   few long rows: each row is cut into chunks, one block per
-//                  (row, chunk) on a 2-D grid (x: chunk, y: row). Pass 1 writes every chunk's partial
-//                  statistic to a workspace; pass 2 combines a row's partials
-//                  in a fixed order (so every chunk of the row sees the
-//                  bitwise same statistic) and scales its chunk.
-//
-// Each thread moves VEC consecutive elements per access (16 bytes when the
-// pointers, strides and n allow it). The math of the norm lives in its policy
-// (norms.cuh); these kernels only walk memory.
+//                  (row, chunk) on a 2-D grid (x: chunk, y: row). Pass 1
+//                  writes every chunk's partial statistic to a workspace (and
+//                  h); pass 2 combines a row's partials in a fixed order (so
+//                  every chunk of the row sees the bitwise same statistic)
+//                  and scales its chunk.
 #include "reduce.cuh"
 
 namespace cunorm {
 
-// Registers spent on the cached row decide how many threads a block may have
-// (the planner mirrors this bound: cunorm/_dispatch.py, max_threads_cached).
-template <class T, int VEC, int VECS_PER_THREAD>
+// Registers spent on the cached row decide how many threads a block may have.
+// The cost counts the cached bytes, four times over with a residual (x and r
+// are both live, each with its own addresses, while h is formed) and twice
+// for LayerNorm's three-word statistic or float64; a block of 1024 threads
+// (64 registers) holds a cost of 64 and at most 8 loads a thread, a block of
+// 512 (128 registers) a cost of 256 and 16 loads. (1024 threads at cost 128,
+// e.g. 8 float4 vectors, spilled on sm_80.) Set by ptxas's spill
+// reports for sm_80/sm_90 over every instantiation; cunorm/_dispatch.py
+// (cached_cost, block_cache_limit) mirrors it.
+template <class T, class A, int STAT_WORDS, int VEC, int VECS_PER_THREAD, bool RESIDUAL>
 struct RowsCachedBounds {
-    static constexpr int kCacheBytes = VECS_PER_THREAD * VEC * static_cast<int>(sizeof(T));
-    static constexpr int kBlockMaxThreads = kCacheBytes > 128 ? 512 : 1024;
+    static constexpr int kCost = VECS_PER_THREAD * VEC * static_cast<int>(sizeof(T)) * (RESIDUAL ? 4 : 1) *
+                                 ((STAT_WORDS > 1 || sizeof(A) == 8) ? 2 : 1);
+    static constexpr int kLoads = VECS_PER_THREAD * (RESIDUAL ? 2 : 1);
+    static constexpr int kBlockMaxThreads = (kCost <= 64 && kLoads <= 8) ? 1024 : 512;
 };
+
+// Loads in flight per thread in the streaming sweeps (uncached, split).
+constexpr int kSweepUnroll = 4;
 
 // Blocks of the group-per-row variant (BLOCK_PER_ROW=false) have this many
 // threads and ask for two resident blocks: a budget of 128 registers a thread.
 constexpr int kGroupBlockThreads = 256;
 
-// The weight slice of one vector (nothing at all when there is no weight).
-template <class W, int VEC>
-struct WeightVec {
-    Vec<W, VEC> v;
-};
-template <int VEC>
-struct WeightVec<none_t, VEC> {};
-
-template <class W, int VEC>
-__device__ __forceinline__ WeightVec<W, VEC> load_weight(const W* w, long long i) {
-    if constexpr (same_type<W, none_t>::value) {
-        return WeightVec<W, VEC>{};
-    } else {
-        return WeightVec<W, VEC>{load_vec<W, VEC>(w + i)};
+// The vector a normalization reads at element e of a row: x, or h = x + r
+// (written to h_row on the way when write_h).
+template <class T, int VEC, bool RESIDUAL>
+__device__ __forceinline__ Vec<T, VEC> load_input(const T* x_row, const T* r_row, T* h_row, long long e,
+                                                  bool write_h) {
+    Vec<T, VEC> v = load_vec<T, VEC>(x_row + e);
+    if constexpr (RESIDUAL) {
+        v = add_residual<T, VEC>(v, load_vec<T, VEC>(r_row + e));
+        if (write_h) store_vec<T, VEC>(h_row + e, v);
     }
+    return v;
 }
 
-// y[0:VEC] = epilogue(x[0:VEC]) with the weight slice wv.
-template <class T, class W, int VEC, class A>
-__device__ __forceinline__ void write_scaled(T* dst, const Vec<T, VEC>& in, const WeightVec<W, VEC>& wv,
-                                             const Affine<A>& f) {
-    Vec<T, VEC> out;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        const A v = fma(static_cast<A>(widen(in.v[j])), f.scale, f.shift);
-        if constexpr (same_type<W, none_t>::value) {
-            narrow(v, out.v[j]);
-        } else {
-            narrow(v * static_cast<A>(widen(wv.v.v[j])), out.v[j]);
-        }
-    }
-    store_vec<T, VEC>(dst, out);
-}
-
-template <template <class> class NormT, class T, class W, int VEC, int VECS_PER_THREAD, bool BLOCK_PER_ROW>
-__global__ void __launch_bounds__(BLOCK_PER_ROW ? RowsCachedBounds<T, VEC, VECS_PER_THREAD>::kBlockMaxThreads
-                                                : kGroupBlockThreads,
-                                  BLOCK_PER_ROW ? 1 : 2)
-rows_cached(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w, long long rows, int n,
-            long long x_row_stride, long long y_row_stride, typename AccOf<T>::type eps,
-            int threads_per_row) {
+template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC, int VECS_PER_THREAD,
+          bool BLOCK_PER_ROW>
+__global__ void __launch_bounds__(
+    BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
+                                     VECS_PER_THREAD, RESIDUAL>::kBlockMaxThreads
+                  : kGroupBlockThreads,
+    BLOCK_PER_ROW ? 1 : 2)
+rows_cached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, T* __restrict__ h,
+            const P* __restrict__ w, const P* __restrict__ b, typename AccOf<T>::type* center_out,
+            typename AccOf<T>::type* scale_out, long long rows, int n, long long x_row_stride,
+            typename AccOf<T>::type eps, int threads_per_row) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -96,24 +102,33 @@ rows_cached(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w,
 
     // The loop bound is uniform across the block: the exchanges below need
     // every lane, so lanes past the last row ride along inactive.
+#pragma unroll 1
     for (long long base = static_cast<long long>(blockIdx.x) * rows_per_block; base < rows; base += step) {
         const long long row = base + group;
         const bool active = row < rows;
         const T* xr = x + row * x_row_stride;
 
+        // Issue every load of the row before using any of them.
         Vec<T, VEC> cache[VECS_PER_THREAD];
+        Vec<T, VEC> residual[RESIDUAL ? VECS_PER_THREAD : 1];
 #pragma unroll
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
             const int v = lane + k * row_threads;
-            if (active && v < n_vec) cache[k] = load_vec<T, VEC>(xr + static_cast<long long>(v) * VEC);
+            if (active && v < n_vec) {
+                cache[k] = load_vec<T, VEC>(xr + static_cast<long long>(v) * VEC);
+                if constexpr (RESIDUAL) residual[k] = load_vec<T, VEC>(r + row * x_row_stride + v * VEC);
+            }
         }
         Stats s = Norm::init();
 #pragma unroll
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
             const int v = lane + k * row_threads;
             if (active && v < n_vec) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) Norm::add(s, static_cast<A>(widen(cache[k].v[j])));
+                if constexpr (RESIDUAL) {
+                    cache[k] = add_residual<T, VEC>(cache[k], residual[k]);
+                    store_vec<T, VEC>(h + row * n + static_cast<long long>(v) * VEC, cache[k]);
+                }
+                s = fold<Norm, A, T, VEC>(s, cache[k]);
             }
         }
         if constexpr (BLOCK_PER_ROW) {
@@ -122,54 +137,68 @@ rows_cached(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w,
             s = group_reduce<Norm>(s, threads_per_row);
         }
         const Affine<A> f = Norm::finalize(s, n, eps);
+        if (active && lane == 0) store_stats(center_out, scale_out, row, f);
 
-        T* yr = y + row * y_row_stride;
+        T* yr = y + row * n;
 #pragma unroll
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
             const int v = lane + k * row_threads;
             if (active && v < n_vec) {
                 const long long e = static_cast<long long>(v) * VEC;
-                write_scaled<T, W, VEC, A>(yr + e, cache[k], load_weight<W, VEC>(w, e), f);
+                write_normalized<T, P, FLAGS, VEC, A>(yr + e, cache[k], load_params<P, FLAGS, VEC>(w, b, e), f);
             }
         }
     }
 }
 
-template <template <class> class NormT, class T, class W, int VEC>
-__global__ void __launch_bounds__(1024)
-rows_uncached(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w, long long rows,
-              long long n, long long x_row_stride, long long y_row_stride, typename AccOf<T>::type eps) {
+// rows_uncached runs 512-thread blocks (cunorm/_dispatch.py, UNCACHED_BLOCK_THREADS), up
+// to 128 registers a thread: four batched vectors plus float32 weight and bias
+// vectors of 8 need more than 64.
+template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
+__global__ void __launch_bounds__(512, 1)
+rows_uncached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, T* __restrict__ h,
+              const P* __restrict__ w, const P* __restrict__ b, typename AccOf<T>::type* center_out,
+              typename AccOf<T>::type* scale_out, long long rows, long long n, long long x_row_stride,
+              typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
     __shared__ Stats scratch[32];
     const long long n_vec = n / VEC;
 
+#pragma unroll 1
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* xr = x + row * x_row_stride;
+        const T* rr = r + row * x_row_stride;
+        T* hr = h + row * n;
         Stats s = Norm::init();
-#pragma unroll 4
-        for (long long v = threadIdx.x; v < n_vec; v += blockDim.x) {
-            const Vec<T, VEC> in = load_vec<T, VEC>(xr + v * VEC);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) Norm::add(s, static_cast<A>(widen(in.v[j])));
-        }
+        for_each_batched<kSweepUnroll>(
+            threadIdx.x, n_vec, blockDim.x,
+            [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC, true); },
+            [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in); });
         s = block_reduce<Norm>(s, scratch);
         const Affine<A> f = Norm::finalize(s, n, eps);
-        T* yr = y + row * y_row_stride;
-#pragma unroll 4
-        for (long long v = threadIdx.x; v < n_vec; v += blockDim.x) {
-            write_scaled<T, W, VEC, A>(yr + v * VEC, load_vec<T, VEC>(xr + v * VEC), load_weight<W, VEC>(w, v * VEC), f);
-        }
+        if (threadIdx.x == 0) store_stats(center_out, scale_out, row, f);
+        // Second sweep: h (written above by this same thread) or x again.
+        const T* src = RESIDUAL ? static_cast<const T*>(hr) : xr;
+        T* yr = y + row * n;
+        for_each_batched<kSweepUnroll>(
+            threadIdx.x, n_vec, blockDim.x, [&](long long v) { return load_vec<T, VEC>(src + v * VEC); },
+            [&](long long v, const Vec<T, VEC>& in) {
+                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in, load_params<P, FLAGS, VEC>(w, b, v * VEC), f);
+            });
     }
 }
 
 // Pass 1 of the split tier: partial[row * chunks + chunk] = statistic of the
-// chunk's elements. A chunk is chunk_vecs vectors (the last one may be short).
-template <template <class> class NormT, class T, int VEC>
-__global__ void __launch_bounds__(1024)
-rows_split_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ partial, long long rows,
-                   long long n, long long x_row_stride, long long chunks, long long chunk_vecs) {
+// chunk's elements (and h written). A chunk is chunk_vecs vectors (the last
+// one may be short).
+// The split tier runs 256-thread blocks (cunorm/_dispatch.py, SPLIT_BLOCK_THREADS).
+template <template <class> class NormT, class T, bool RESIDUAL, int VEC>
+__global__ void __launch_bounds__(256, 4)
+rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ h,
+                   typename AccOf<T>::type* __restrict__ partial, long long rows, long long n,
+                   long long x_row_stride, long long chunks, long long chunk_vecs) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -177,31 +206,33 @@ rows_split_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict_
     const long long n_vec = n / VEC;
     Stats* out = reinterpret_cast<Stats*>(partial);
 
+#pragma unroll 1
     for (long long row = blockIdx.y; row < rows; row += gridDim.y)
+#pragma unroll 1
     for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
         const long long begin = chunk * chunk_vecs;
         const long long end = min(begin + chunk_vecs, n_vec);
         const T* xr = x + row * x_row_stride;
+        const T* rr = r + row * x_row_stride;
+        T* hr = h + row * n;
         Stats s = Norm::init();
-#pragma unroll 4
-        for (long long v = begin + threadIdx.x; v < end; v += blockDim.x) {
-            const Vec<T, VEC> in = load_vec<T, VEC>(xr + v * VEC);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) Norm::add(s, static_cast<A>(widen(in.v[j])));
-        }
+        for_each_batched<kSweepUnroll>(
+            begin + threadIdx.x, end, blockDim.x,
+            [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC, true); },
+            [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in); });
         s = block_reduce<Norm>(s, scratch);
         if (threadIdx.x == 0) out[row * chunks + chunk] = s;
     }
 }
 
 // Pass 2 of the split tier: combine the row's partials (same order in every
-// block of the row), then scale this block's chunk.
-template <template <class> class NormT, class T, class W, int VEC>
-__global__ void __launch_bounds__(1024)
-rows_split_apply(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w,
+// block of the row), then scale this block's chunk (of h, with RESIDUAL).
+template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
+__global__ void __launch_bounds__(256, 4)
+rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict__ y, const P* __restrict__ w,
+                 const P* __restrict__ b, typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out,
                  const typename AccOf<T>::type* __restrict__ partial, long long rows, long long n,
-                 long long x_row_stride, long long y_row_stride, long long chunks, long long chunk_vecs,
-                 typename AccOf<T>::type eps) {
+                 long long x_row_stride, long long chunks, long long chunk_vecs, typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -209,20 +240,25 @@ rows_split_apply(const T* __restrict__ x, T* __restrict__ y, const W* __restrict
     const long long n_vec = n / VEC;
     const Stats* parts = reinterpret_cast<const Stats*>(partial);
 
+#pragma unroll 1
     for (long long row = blockIdx.y; row < rows; row += gridDim.y)
+#pragma unroll 1
     for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
         const long long begin = chunk * chunk_vecs;
         const long long end = min(begin + chunk_vecs, n_vec);
         Stats s = Norm::init();
+#pragma unroll 1
         for (long long c = threadIdx.x; c < chunks; c += blockDim.x) s = Norm::combine(s, parts[row * chunks + c]);
         s = block_reduce<Norm>(s, scratch);
         const Affine<A> f = Norm::finalize(s, n, eps);
-        const T* xr = x + row * x_row_stride;
-        T* yr = y + row * y_row_stride;
-#pragma unroll 4
-        for (long long v = begin + threadIdx.x; v < end; v += blockDim.x) {
-            write_scaled<T, W, VEC, A>(yr + v * VEC, load_vec<T, VEC>(xr + v * VEC), load_weight<W, VEC>(w, v * VEC), f);
-        }
+        if (chunk == 0 && threadIdx.x == 0) store_stats(center_out, scale_out, row, f);
+        const T* src = RESIDUAL ? h + row * n : x + row * x_row_stride;
+        T* yr = y + row * n;
+        for_each_batched<kSweepUnroll>(
+            begin + threadIdx.x, end, blockDim.x, [&](long long v) { return load_vec<T, VEC>(src + v * VEC); },
+            [&](long long v, const Vec<T, VEC>& in) {
+                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in, load_params<P, FLAGS, VEC>(w, b, v * VEC), f);
+            });
     }
 }
 

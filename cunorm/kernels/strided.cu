@@ -18,14 +18,20 @@
 //     mostly served by L2 (a block's working set is reduced * blockDim.x *
 //     VEC elements): for reduced extents too long for registers.
 //
+// P/FLAGS: the affine parameters, one per channel (reduced index).
+// Per-group statistics go to center_out / scale_out (index o * inner + i)
+// when those are not null. No residual here: cunorm forms h first for a
+// strided axis (cunorm/_ops.py).
+//
 // Dynamic shared memory: blockDim.y * VEC * blockDim.x Stats.
 #include "reduce.cuh"
 
 namespace cunorm {
 
-template <template <class> class NormT, class T, class W, int VEC, int CHANNELS_PER_THREAD>
+template <template <class> class NormT, class T, class P, int FLAGS, int VEC, int CHANNELS_PER_THREAD>
 __global__ void __launch_bounds__(256, 2)
-strided_norm(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w, long long outer,
+strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
+             typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out, long long outer,
              int reduced, long long inner, long long x_outer_stride, long long x_reduced_stride,
              typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
@@ -42,7 +48,9 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w
 
     // 2-D grid (x: tiles of inner, y: outer), strided loops in both, so no
     // 64-bit division (a call, whose live registers ptxas spills) is needed.
+#pragma unroll 1
     for (long long o = blockIdx.y; o < outer; o += gridDim.y)
+#pragma unroll 1
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const long long iv = tile * bx + tx;
         const bool active = iv < inner_vecs;
@@ -66,7 +74,7 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w
                 const int c = ty + k * by;
                 if (active && c < reduced) {
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) Norm::add(s[j], static_cast<A>(widen(cache[k].v[j])));
+                    for (int j = 0; j < VEC; ++j) s[j] = fold_one<Norm>(s[j], static_cast<A>(widen(cache[k].v[j])));
                 }
             }
         } else {
@@ -75,7 +83,7 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w
                 for (int c = ty; c < reduced; c += by) {
                     const Vec<T, VEC> in = load_vec<T, VEC>(xo + c * x_reduced_stride);
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) Norm::add(s[j], static_cast<A>(widen(in.v[j])));
+                    for (int j = 0; j < VEC; ++j) s[j] = fold_one<Norm>(s[j], static_cast<A>(widen(in.v[j])));
                 }
             }
         }
@@ -92,17 +100,16 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w
             Stats total = partials[j * bx + tx];
             for (int yy = 1; yy < by; ++yy) total = Norm::combine(total, partials[(yy * VEC + j) * bx + tx]);
             f[j] = Norm::finalize(total, reduced, eps);
+            if (active && ty == 0) store_stats(center_out, scale_out, o * inner + iv * VEC + j, f[j]);
         }
 
         auto write = [&](int c, const Vec<T, VEC>& in) {
-            A wc = A(1);
-            if constexpr (!same_type<W, none_t>::value) wc = static_cast<A>(widen(w[c]));
+            A wc = A(1), bc = A(0);
+            if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
+            if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
             Vec<T, VEC> out;
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const A v = fma(static_cast<A>(widen(in.v[j])), f[j].scale, f[j].shift);
-                narrow(same_type<W, none_t>::value ? v : v * wc, out.v[j]);
-            }
+            for (int j = 0; j < VEC; ++j) narrow(apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])), f[j], wc, bc), out.v[j]);
             store_vec<T, VEC>(yo + c * inner, out);
         };
         if constexpr (CHANNELS_PER_THREAD > 0) {
@@ -117,6 +124,23 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w
                 for (int c = ty; c < reduced; c += by) write(c, load_vec<T, VEC>(xo + c * x_reduced_stride));
             }
         }
+    }
+}
+
+}  // namespace cunorm
+
+namespace cunorm {
+
+// h = x + r (rounded to T) over n_vec vectors of contiguous arrays: the
+// residual add for a strided axis, where the norm then reads h (the fused
+// form lives in the row family, whose layout the LLM pattern uses).
+template <class T, int VEC>
+__global__ void __launch_bounds__(256, 4)
+residual_add(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ h, long long n_vec) {
+#pragma unroll 1
+    for (long long v = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vec;
+         v += static_cast<long long>(gridDim.x) * blockDim.x) {
+        store_vec<T, VEC>(h + v * VEC, add_residual<T, VEC>(load_vec<T, VEC>(x + v * VEC), load_vec<T, VEC>(r + v * VEC)));
     }
 }
 
