@@ -201,10 +201,17 @@ def run(call: Call, reference):
 
 @functools.lru_cache(maxsize=4096)
 def _planned(*key):
+    return _plan_and_choose(key, None)
+
+
+def _plan_and_choose(key, override):
+    """(plan, launch) for a call's key; launch is None when x must be copied
+    first (no plan) or when a residual over a strided axis is formed
+    unfused first."""
     plan = _plan.make_plan(*key[:-1])
-    if plan is None:
-        return None, None
-    launch = _dispatch.choose(plan, device_info(key[-1]))
+    if plan is None or (plan.residual and not plan.contiguous_rows):
+        return plan, None
+    launch = _dispatch.choose(plan, device_info(key[-1]), override=override)
     for step in launch.steps:
         _check_limits(step)
     return plan, launch
@@ -229,13 +236,7 @@ def launch_on(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=
     pdtype = None if not flags else (w if w is not None else b).dtype
     key = (norm, x.dtype, pdtype, flags, r is not None, tuple(x.shape), strides, first, last,
            _mod32(x), _mod32(y), _mod32(r), _mod32(h), _mod32(w), _mod32(b), x.data.device_id)
-    if override is None:
-        plan, launch = _planned(*key)
-    else:
-        plan = _plan.make_plan(*key[:-1])
-        launch = None if plan is None else _dispatch.choose(plan, device_info(x.data.device_id), override=override)
-        for step in () if launch is None else launch.steps:
-            _check_limits(step)
+    plan, launch = _planned(*key) if override is None else _plan_and_choose(key, override)
     if plan is None:  # a layout the kernels do not walk: one contiguous copy
         x = cupy.ascontiguousarray(x)
         r = None if r is None else cupy.ascontiguousarray(r)

@@ -39,21 +39,26 @@
 
 namespace cunorm {
 
-// Registers spent on the cached row decide how many threads a block may have.
-// The cost counts the cached bytes, four times over with a residual (x and r
-// are both live, each with its own addresses, while h is formed) and twice
-// for LayerNorm's three-word statistic or float64; a block of 1024 threads
-// (64 registers) holds a cost of 64 and at most 8 loads a thread, a block of
-// 512 (128 registers) a cost of 256 and 16 loads. (1024 threads at cost 128,
-// e.g. 8 float4 vectors, spilled on sm_80.) Set by ptxas's spill
-// reports for sm_80/sm_90 over every instantiation; cunorm/_dispatch.py
-// (cached_cost, block_cache_limit) mirrors it.
+// Registers spent on the cached row decide the block's shape. The cost counts
+// the cached bytes, four times over with a residual (x and r are both live,
+// each with its own addresses, while h is formed) and twice for LayerNorm's
+// three-word statistic or float64:
+//   cost <= 64,  <= 8 loads a thread:  up to 1024 threads (64 registers)
+//   cost <= 256, <= 16 loads:          up to 512 threads, 128 registers;
+//                                      16-bit storage at cost <= 128 asks
+//                                      for two blocks an SM (64 registers):
+//                                      one block of 512 ran bf16 4096x32768
+//                                      at 81% of copy bandwidth, two at 92%
+// Set by ptxas's spill reports over every instantiation for sm_80 and sm_90
+// (at 64 registers, 8 float4 vectors a thread spilled on sm_80);
+// cunorm/_dispatch.py (cached_cost, block_cache_limit) mirrors it.
 template <class T, class A, int STAT_WORDS, int VEC, int VECS_PER_THREAD, bool RESIDUAL>
 struct RowsCachedBounds {
     static constexpr int kCost = VECS_PER_THREAD * VEC * static_cast<int>(sizeof(T)) * (RESIDUAL ? 4 : 1) *
                                  ((STAT_WORDS > 1 || sizeof(A) == 8) ? 2 : 1);
     static constexpr int kLoads = VECS_PER_THREAD * (RESIDUAL ? 2 : 1);
     static constexpr int kBlockMaxThreads = (kCost <= 64 && kLoads <= 8) ? 1024 : 512;
+    static constexpr int kBlockMinBlocks = (sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ? 2 : 1;
 };
 
 // Loads in flight per thread in the streaming sweeps (uncached, split).
@@ -82,7 +87,9 @@ __global__ void __launch_bounds__(
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
                                      VECS_PER_THREAD, RESIDUAL>::kBlockMaxThreads
                   : kGroupBlockThreads,
-    BLOCK_PER_ROW ? 1 : 2)
+    BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
+                                     VECS_PER_THREAD, RESIDUAL>::kBlockMinBlocks
+                  : 2)
 rows_cached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, T* __restrict__ h,
             const P* __restrict__ w, const P* __restrict__ b, typename AccOf<T>::type* center_out,
             typename AccOf<T>::type* scale_out, long long rows, int n, long long x_row_stride,
