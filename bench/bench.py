@@ -120,7 +120,9 @@ TUNE = {
     "ln rows 32768x4096 bf16 +w+b": [{"tier": "cached", "threads": t} for t in (64, 128, 256)],
     "residual+rms rows 32768x4096 bf16 +w": [{"tier": "cached", "threads": t} for t in (128, 256, 512)],
     "ln rows 65536x1024 fp32 +w+b": [{"tier": "cached", "threads": t} for t in (32, 64, 128)],
-    "problem 40 ln axes 1-3 (16,64,256,256) fp32 +w+b": [{"tier": "split", "chunks": c} for c in (33, 66, 132)],
+    "problem 40 ln axes 1-3 (16,64,256,256) fp32 +w+b": [{"tier": "resident"}]
+    + [{"tier": "split", "chunks": c} for c in (33, 66)],
+    "rms rows 4096x32768 bf16 +w": [{"tier": "cached", "threads": t} for t in (512, 1024)],
 }
 
 

@@ -18,8 +18,11 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
   4. rows longer than the register cache of one block (128 KB of row):
      rows_uncached (block per row, two sweeps) if the rows fill every SM,
      else the split tier.
-  5. few long rows (fewer than SMs, each >= SPLIT_MIN_ROW_BYTES): the split
-     tier, so the whole GPU works on them.
+  5. few long rows (fewer than SMs, each >= SPLIT_MIN_ROW_BYTES): the whole
+     GPU works on each row: rows_resident (one cooperative block per SM
+     keeps its chunk of the row in shared memory across a per-row arrival
+     barrier: one read of x) when a chunk fits a block's shared memory (rows
+     up to ~30 MB), else the split tier (two launches, x read twice).
 
 Strided axis (inner > 1): strided_norm with threadIdx.x along inner (up to
 32 vectors: a warp reads 512 contiguous bytes of one channel) and
@@ -63,6 +66,11 @@ SPLIT_BLOCKS_PER_SM = 8
 SPLIT_BLOCK_THREADS = 256
 #: bf16 4096x32768 forced through rows_uncached: 67.0% (cached: 91.7%).
 UNCACHED_BLOCK_THREADS = 512
+#: resident tier: one 1024-thread block per SM, its chunk of every row in
+#: shared memory; this much of the opt-in shared memory stays free for the
+#: kernel's static scratch.
+RESIDENT_BLOCK_THREADS = 1024
+RESIDENT_SHARED_RESERVE = 1024
 GROUP_BLOCK_THREADS = 256  # mirrors kGroupBlockThreads in rows.cu
 STRIDED_BLOCK_THREADS = 256
 
@@ -80,12 +88,15 @@ class Device:
 
     sm_count: int
     compute_capability: int = 90
+    #: opt-in shared memory a block may have (227 KB on H100/H200)
+    max_shared_per_block: int = 232448
 
 
 @dataclass(frozen=True)
 class Kernel:
     family: str  # source file stem in cunorm/kernels/
     expression: str  # the template instantiation, e.g. cunorm::rows_cached<...>
+    cooperative: bool = False  # launched cooperatively (all blocks co-resident)
 
 
 @dataclass(frozen=True)
@@ -176,6 +187,10 @@ def split_apply_expr(policy, t, p, flags, residual, vec) -> str:
     return f"cunorm::rows_split_apply<{policy}, {t}, {p}, {flags}, {_b(residual)}, {vec}>"
 
 
+def resident_expr(policy, t, p, flags, residual, vec) -> str:
+    return f"cunorm::rows_resident<{policy}, {t}, {p}, {flags}, {_b(residual)}, {vec}>"
+
+
 def strided_expr(policy, t, p, flags, vec, channels_per_thread) -> str:
     return f"cunorm::strided_norm<{policy}, {t}, {p}, {flags}, {vec}, {channels_per_thread}>"
 
@@ -240,12 +255,16 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     if tier is None:
         cacheable = fits(threads)
         few_rows = rows < SPLIT_MAX_ROWS_PER_SM * device.sm_count
+        resident_fits = _resident_chunk_bytes(n_vec, vec_bytes, device) <= (
+            device.max_shared_per_block - RESIDENT_SHARED_RESERVE)
         if few_rows and row_bytes >= SPLIT_MIN_ROW_BYTES:
-            tier = "split"
+            tier = "resident" if resident_fits else "split"
         elif cacheable:
             tier = "cached"
+        elif few_rows:
+            tier = "resident" if resident_fits else "split"
         else:
-            tier = "split" if few_rows else "uncached"
+            tier = "uncached"
 
     t, p = kernel_types(plan)
     policy = NORM_POLICY[plan.norm]
@@ -271,6 +290,15 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         block = UNCACHED_BLOCK_THREADS
         step = Step(Kernel("rows", rows_uncached_expr(*common)), (min(rows, MAX_GRID_X),), (block,))
         return Launch("uncached", (step,))
+    if tier == "resident":
+        grid = device.sm_count
+        chunk_vecs = _ceil_div(n_vec, grid)
+        shared = chunk_vecs * vec_bytes
+        if shared > device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
+            raise ValueError(f"rows_resident: a {shared}-byte chunk is over the shared memory of a block")
+        kernel = Kernel("rows", resident_expr(*common), cooperative=True)
+        return Launch("resident", (Step(kernel, (grid,), (RESIDENT_BLOCK_THREADS,), shared),),
+                      chunks=grid, chunk_vecs=chunk_vecs, workspace_words=rows * grid * STAT_WORDS[plan.norm])
     if tier == "split":
         block = SPLIT_BLOCK_THREADS
         want_chunks = max(1, _ceil_div(SPLIT_BLOCKS_PER_SM * device.sm_count, rows))
@@ -288,6 +316,10 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             workspace_words=rows * chunks * STAT_WORDS[plan.norm],
         )
     raise ValueError(f"unknown rows tier {tier!r}")
+
+
+def _resident_chunk_bytes(n_vec: int, vec_bytes: int, device: Device) -> int:
+    return _ceil_div(n_vec, device.sm_count) * vec_bytes
 
 
 def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
@@ -345,6 +377,7 @@ def all_kernels(norms=("rms", "ln")) -> list[Kernel]:
                                 out.append(Kernel("rows", rows_cached_expr(*common, vpt, True)))
                         out.append(Kernel("rows", rows_uncached_expr(*common)))
                         out.append(Kernel("rows", split_apply_expr(*common)))
+                        out.append(Kernel("rows", resident_expr(*common), cooperative=True))
                     for cpt in (0,) + VECS_PER_THREAD_CHOICES:
                         if cpt * vec_bytes <= CACHE_BYTES_STRIDED:
                             out.append(Kernel("strided", strided_expr(policy, t, p, flags, vec, cpt)))

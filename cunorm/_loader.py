@@ -58,9 +58,10 @@ def source_digest() -> str:
 _functions: dict[tuple[int, str], object] = {}
 
 
-def get_function(family: str, expression: str, device: int | None = None):
+def get_function(family: str, expression: str, device: int | None = None, cooperative: bool = False):
     """The compiled kernel for a template instantiation on ``device`` (the
-    current device when None)."""
+    current device when None). ``cooperative`` kernels are launched with
+    cuLaunchCooperativeKernel (all blocks co-resident, or no launch)."""
     import cupy
 
     if device is None:
@@ -69,7 +70,8 @@ def get_function(family: str, expression: str, device: int | None = None):
     fn = _functions.get(key)
     if fn is None:
         with cupy.cuda.Device(device):
-            module = cupy.RawModule(code=source(family), options=OPTIONS, name_expressions=[expression])
+            module = cupy.RawModule(code=source(family), options=OPTIONS, name_expressions=[expression],
+                                    enable_cooperative_groups=cooperative)
             fn = module.get_function(expression)
         _functions[key] = fn
     return fn
@@ -84,7 +86,7 @@ def precompile(verbose: bool = False) -> dict:
     kernels = all_kernels()
     start = time.perf_counter()
     for i, kernel in enumerate(kernels):
-        get_function(kernel.family, kernel.expression)
+        get_function(kernel.family, kernel.expression, cooperative=kernel.cooperative)
         if verbose and sys.stdout.isatty():
             print(f"\r  {i + 1}/{len(kernels)} kernels", end="", flush=True)
     if verbose and sys.stdout.isatty():

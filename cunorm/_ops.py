@@ -155,7 +155,9 @@ def device_info(device_id: int) -> _dispatch.Device:
     cc = int(dev.compute_capability)
     if cc < 80:
         raise RuntimeError(f"cunorm needs a GPU of compute capability 8.0 or newer; GPU {device_id} is {cc / 10:.1f}")
-    return _dispatch.Device(sm_count=dev.attributes["MultiProcessorCount"], compute_capability=cc)
+    attrs = dev.attributes
+    return _dispatch.Device(sm_count=attrs["MultiProcessorCount"], compute_capability=cc,
+                            max_shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"])
 
 
 def run(call: Call, reference):
@@ -211,9 +213,10 @@ def _plan_and_choose(key, override):
     plan = _plan.make_plan(*key[:-1])
     if plan is None or (plan.residual and not plan.contiguous_rows):
         return plan, None
-    launch = _dispatch.choose(plan, device_info(key[-1]), override=override)
+    device = device_info(key[-1])
+    launch = _dispatch.choose(plan, device, override=override)
     for step in launch.steps:
-        _check_limits(step)
+        _check_limits(step, device)
     return plan, launch
 
 
@@ -279,6 +282,11 @@ def _execute(plan, launch, x, y, w, b, r, h, center, scale, eps):
                        np.int32(launch.threads_per_row)),)
     elif launch.tier == "uncached":
         steps_args = ((x, r, y, h, w, b, center, scale, rows, i64(plan.reduced), xs, eps_arg),)
+    elif launch.tier == "resident":
+        ws = cupy.empty(launch.workspace_words, dtype=acc)
+        arrived = cupy.zeros(plan.outer, dtype=np.uint32)
+        steps_args = ((x, r, y, h, w, b, center, scale, ws, arrived, rows, i64(plan.reduced), xs,
+                       i64(launch.chunk_vecs), eps_arg),)
     elif launch.tier == "split":
         ws = cupy.empty(launch.workspace_words, dtype=acc)
         n, chunks, chunk_vecs = i64(plan.reduced), i64(launch.chunks), i64(launch.chunk_vecs)
@@ -291,13 +299,37 @@ def _execute(plan, launch, x, y, w, b, r, h, center, scale, eps):
                        i64(plan.reduced_stride), eps_arg),)
     device = x.data.device_id
     for step, args in zip(launch.steps, steps_args):
-        fn = get_function(step.kernel.family, step.kernel.expression, device)
+        fn = get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
+        if step.shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < step.shared_bytes:
+            fn.max_dynamic_shared_size_bytes = step.shared_bytes
+        if step.kernel.cooperative:
+            _check_co_resident(fn, step, device)
         fn(step.grid, step.block, args, shared_mem=step.shared_bytes)
 
 
-def _check_limits(step):
+_co_resident_checked: set = set()
+
+
+def _check_co_resident(fn, step, device):
+    """A cooperative grid must fit on the GPU at once (CuPy would shrink it
+    with a warning, which the resident tier cannot take)."""
+    key = (device, step.kernel.expression, step.block, step.shared_bytes, step.grid)
+    if key in _co_resident_checked:
+        return
+    from cupy_backends.cuda.api import driver
+
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, math.prod(step.block),
+                                                              step.shared_bytes)
+    if per_sm * device_info(device).sm_count < math.prod(step.grid):
+        raise RuntimeError(f"{step.kernel.expression}: {math.prod(step.grid)} blocks cannot all be resident "
+                           f"({per_sm} a multiprocessor)")
+    _co_resident_checked.add(key)
+
+
+def _check_limits(step, device=None):
     grid, block = step.grid, step.block
     if not (0 < grid[0] <= _dispatch.MAX_GRID_X and all(0 < g <= _dispatch.MAX_GRID_Y for g in grid[1:])):
         raise RuntimeError(f"grid {grid} for {step.kernel.expression} is outside the launch limits")
-    if not (0 < math.prod(block) <= 1024) or step.shared_bytes > 48 * 1024:
+    shared_limit = 48 * 1024 if device is None else max(48 * 1024, device.max_shared_per_block)
+    if not (0 < math.prod(block) <= 1024) or step.shared_bytes > shared_limit:
         raise RuntimeError(f"block {block} / {step.shared_bytes} B shared for {step.kernel.expression} is out of limits")

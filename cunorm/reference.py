@@ -51,7 +51,8 @@ def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact):
             scale = 1.0 / np.sqrt(var + eps)
             finite = np.isfinite(var) & np.isfinite(center)
         scale = np.where(finite, scale, np.nan)
-        y = (hf - center) * scale
+        center = np.where(finite, center, np.nan)  # a non-finite group's statistics are NaN
+        y = (hf - np.where(finite, center, 0.0)) * scale
         tail = (1,) * (x.ndim - 1 - last)
         if weight is not None:
             w = np.asarray(weight).astype(np.float64)

@@ -83,10 +83,11 @@ def test_plan_problem_36():
         (100000, 3, _dtypes.float32, "cached", 1),
         (1, 4096, _dtypes.bfloat16, "cached", 128),
         (1, 16384, _dtypes.bfloat16, "cached", 512),
-        (1, 32768, _dtypes.bfloat16, "split", 0),
+        (1, 32768, _dtypes.bfloat16, "resident", 0),
         (1000, 262144, _dtypes.float32, "uncached", 0),
-        (16, 4 * 1024 * 1024, _dtypes.float32, "split", 0),
-        (1, 65536, _dtypes.float32, "split", 0),
+        (16, 4 * 1024 * 1024, _dtypes.float32, "resident", 0),
+        (1, 65536, _dtypes.float32, "resident", 0),
+        (4, 64 * 1024 * 1024, _dtypes.float32, "split", 0),
     ],
 )
 def test_rows_tiers(rows, n, dtype, tier, threads):
@@ -96,8 +97,18 @@ def test_rows_tiers(rows, n, dtype, tier, threads):
         assert launch.threads_per_row == threads
 
 
+def test_resident_chunks_cover_the_row_and_fit():
+    p = plan_for((16, 64, 256, 256), (1, 2, 3), norm="ln", flags=3, pdtype=_dtypes.float32)
+    launch = _dispatch.choose(p, H200)
+    assert launch.tier == "resident"
+    (step,) = launch.steps
+    assert step.kernel.cooperative and step.grid == (132,) and step.block == (1024,)
+    assert launch.chunk_vecs * 132 >= p.reduced // p.vec
+    assert step.shared_bytes == launch.chunk_vecs * 16 <= H200.max_shared_per_block
+
+
 def test_split_covers_every_vector():
-    p = plan_for((3, 1_000_003), -1)
+    p = plan_for((3, 100_000_003), -1)
     launch = _dispatch.choose(p, H200)
     assert launch.tier == "split"
     assert launch.chunks * launch.chunk_vecs >= p.reduced // p.vec

@@ -106,7 +106,7 @@ def test_non_contiguous_views(rng, dtype):
     run_and_check(None, x_view=nhwc[:, ::-1], axis=-1)  # negative stride on an outer axis
 
 
-TIERS = ["cached-group", "cached-block", "uncached", "split", "split-many-chunks"]
+TIERS = ["cached-group", "cached-block", "uncached", "split", "split-many-chunks", "resident"]
 
 
 def tier_override(name, plan):
@@ -134,10 +134,10 @@ def test_every_rows_tier(rng, dtype, name, shape):
     w_np = random(rng, shape[-1:], dtype)
     w = cupy.asarray(w_np)
     y = cupy.empty_like(x)
-    plan, _ = _ops.launch_on("rms", x, y, w, 1, 1, 1e-5)
+    plan, _ = _ops.launch_on("rms", x, y, w=w, first=1, last=1, eps=1e-5)
     override = tier_override(name, plan)
     y.fill(np.nan)
-    plan, launch = _ops.launch_on("rms", x, y, w, 1, 1, 1e-5, override=override)
+    plan, launch = _ops.launch_on("rms", x, y, w=w, first=1, last=1, eps=1e-5, override=override)
     assert launch.tier == override["tier"]
     ref = reference.rms_norm(cupy.asnumpy(x), w_np, exact=True)
     assert_close(cupy.asnumpy(y), ref, dtype, what=name)
@@ -150,7 +150,7 @@ def test_every_strided_variant(rng, dtype, override):
 
     x = cupy.asarray(random(rng, (3, 300, 40), dtype))
     y = cupy.empty_like(x)
-    _ops.launch_on("rms", x, y, None, 1, 1, 1e-5, override=override)
+    _ops.launch_on("rms", x, y, first=1, last=1, eps=1e-5, override=override)
     assert_close(cupy.asnumpy(y), reference.rms_norm(cupy.asnumpy(x), axis=1, exact=True), dtype, what=str(override))
 
 

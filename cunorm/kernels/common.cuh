@@ -121,14 +121,15 @@ __device__ __forceinline__ A param_b(const ParamVec<P, FLAGS, VEC>& p, int j) {
     else return A(0);
 }
 
-// y[0:VEC] = epilogue(h[0:VEC]) with the parameters of those positions.
+// y[0:VEC] = epilogue(h[0:VEC] - pivot) with the parameters of those
+// positions (pivot: the group's shift, 0 for unshifted norms).
 template <class T, class P, int FLAGS, int VEC, class A>
 __device__ __forceinline__ void write_normalized(T* dst, const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
-                                                 const Affine<A>& f) {
+                                                 const Affine<A>& f, A pivot) {
     Vec<T, VEC> out;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-        const A v = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])), f, param_w<A>(p, j), param_b<A>(p, j));
+        const A v = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot, f, param_w<A>(p, j), param_b<A>(p, j));
         narrow(v, out.v[j]);
     }
     store_vec<T, VEC>(dst, out);

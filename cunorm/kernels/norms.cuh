@@ -17,6 +17,9 @@
 //                              reproducible run to run
 //   shfl_xor(s, mask, width)   butterfly exchange of a partial within a warp
 //   finalize(s, n, eps)        the Affine of the group (n elements)
+//   kShifted                   whether the kernels feed it x - pivot (the
+//                              group's first element) instead of x, and
+//                              center the epilogue on the pivot too
 #pragma once
 #include "common.cuh"
 
@@ -53,6 +56,7 @@ struct RmsNorm {
         A sum_sq;
     };
     static constexpr int kStatWords = 1;
+    static constexpr bool kShifted = false;
 
     __device__ static __forceinline__ Stats init() { return Stats{A(0)}; }
     template <int N>
@@ -79,7 +83,11 @@ struct RmsNorm {
 // Partials are (count, mean, M2 = sum of squared deviations from the mean):
 // exact two-pass statistics within a vector, Chan et al.'s pairwise update
 // across vectors and threads. Never E[x^2] - E[x]^2, which loses everything
-// when |mean| >> std.
+// when |mean| >> std. The data are shifted by the group's first element
+// (kShifted): for rows of mean 1e4 and std 1 in float32, the mean itself
+// rounds to 5e-4 of the std; x - pivot is exact there (Sterbenz) and the
+// shifted mean is of the size of the std, so the outputs keep float32's
+// precision.
 template <class A>
 struct LayerNorm {
     struct Stats {
@@ -88,6 +96,7 @@ struct LayerNorm {
         A m2;
     };
     static constexpr int kStatWords = 3;
+    static constexpr bool kShifted = true;
 
     __device__ static __forceinline__ Stats init() { return Stats{A(0), A(0), A(0)}; }
     template <int N>
@@ -114,8 +123,9 @@ struct LayerNorm {
     }
     __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
         A scale = rsqrt(s.m2 * reciprocal(static_cast<A>(n)) + eps);
-        if (!isfinite(s.m2) || !isfinite(s.mean)) scale = quiet_nan<A>();
-        return Affine<A>{s.mean, scale};
+        A center = s.mean;
+        if (!isfinite(s.m2) || !isfinite(s.mean)) scale = center = quiet_nan<A>();
+        return Affine<A>{center, scale};
     }
 };
 

@@ -6,13 +6,28 @@
 
 namespace cunorm {
 
-// Fold one loaded vector into a partial statistic.
+// Fold one loaded vector, shifted by the group's pivot, into a partial.
 template <class Norm, class A, class T, int VEC>
-__device__ __forceinline__ typename Norm::Stats fold(const typename Norm::Stats& s, const Vec<T, VEC>& v) {
+__device__ __forceinline__ typename Norm::Stats fold(const typename Norm::Stats& s, const Vec<T, VEC>& v, A pivot) {
     A values[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) values[j] = static_cast<A>(widen(v.v[j]));
+    for (int j = 0; j < VEC; ++j) values[j] = static_cast<A>(widen(v.v[j])) - pivot;
     return Norm::combine(s, Norm::of_values(values));
+}
+
+// The shift of a row for shifted norms (norms.cuh, kShifted): its first
+// element, of h = x + r with a residual (rounded as h is); 0 otherwise.
+// Every thread of the row loads the same element (one broadcast access).
+template <class Norm, class A, class T, bool RESIDUAL>
+__device__ __forceinline__ A row_pivot(const T* x_row, const T* r_row, bool active) {
+    if constexpr (!Norm::kShifted) {
+        return A(0);
+    } else {
+        if (!active) return A(0);
+        Vec<T, 1> v = load_vec<T, 1>(x_row);
+        if constexpr (RESIDUAL) v = add_residual<T, 1>(v, load_vec<T, 1>(r_row));
+        return static_cast<A>(widen(v.v[0]));
+    }
 }
 
 // Fold a single value (the strided family keeps one statistic per position).
@@ -44,10 +59,12 @@ __device__ __forceinline__ void for_each_batched(long long first, long long end,
     }
 }
 
-// Per-group statistics for the caller (the backward pass needs them).
+// Per-group statistics for the caller (the backward pass needs them): the
+// center undone of the pivot shift, and the scale.
 template <class A>
-__device__ __forceinline__ void store_stats(A* center_out, A* scale_out, long long group, const Affine<A>& f) {
-    if (center_out != nullptr) center_out[group] = f.center;
+__device__ __forceinline__ void store_stats(A* center_out, A* scale_out, long long group, const Affine<A>& f,
+                                            A pivot) {
+    if (center_out != nullptr) center_out[group] = pivot + f.center;
     if (scale_out != nullptr) scale_out[group] = f.scale;
 }
 

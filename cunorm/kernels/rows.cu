@@ -126,6 +126,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
                 if constexpr (RESIDUAL) residual[k] = load_vec<T, VEC>(r + row * x_row_stride + v * VEC);
             }
         }
+        const A pivot = row_pivot<Norm, A, T, RESIDUAL>(xr, r + row * x_row_stride, active);
         Stats s = Norm::init();
 #pragma unroll
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
@@ -135,7 +136,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
                     cache[k] = add_residual<T, VEC>(cache[k], residual[k]);
                     store_vec<T, VEC>(h + row * n + static_cast<long long>(v) * VEC, cache[k]);
                 }
-                s = fold<Norm, A, T, VEC>(s, cache[k]);
+                s = fold<Norm, A, T, VEC>(s, cache[k], pivot);
             }
         }
         if constexpr (BLOCK_PER_ROW) {
@@ -144,7 +145,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
             s = group_reduce<Norm>(s, threads_per_row);
         }
         const Affine<A> f = Norm::finalize(s, n, eps);
-        if (active && lane == 0) store_stats(center_out, scale_out, row, f);
+        if (active && lane == 0) store_stats(center_out, scale_out, row, f, pivot);
 
         T* yr = y + row * n;
 #pragma unroll
@@ -152,7 +153,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
             const int v = lane + k * row_threads;
             if (active && v < n_vec) {
                 const long long e = static_cast<long long>(v) * VEC;
-                write_normalized<T, P, FLAGS, VEC, A>(yr + e, cache[k], load_params<P, FLAGS, VEC>(w, b, e), f);
+                write_normalized<T, P, FLAGS, VEC, A>(yr + e, cache[k], load_params<P, FLAGS, VEC>(w, b, e), f, pivot);
             }
         }
     }
@@ -178,21 +179,23 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         const T* xr = x + row * x_row_stride;
         const T* rr = r + row * x_row_stride;
         T* hr = h + row * n;
+        const A pivot = row_pivot<Norm, A, T, RESIDUAL>(xr, rr, true);
         Stats s = Norm::init();
         for_each_batched<kSweepUnroll>(
             threadIdx.x, n_vec, blockDim.x,
             [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC, true); },
-            [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in); });
+            [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
         s = block_reduce<Norm>(s, scratch);
         const Affine<A> f = Norm::finalize(s, n, eps);
-        if (threadIdx.x == 0) store_stats(center_out, scale_out, row, f);
+        if (threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
         // Second sweep: h (written above by this same thread) or x again.
         const T* src = RESIDUAL ? static_cast<const T*>(hr) : xr;
         T* yr = y + row * n;
         for_each_batched<kSweepUnroll>(
             threadIdx.x, n_vec, blockDim.x, [&](long long v) { return load_vec<T, VEC>(src + v * VEC); },
             [&](long long v, const Vec<T, VEC>& in) {
-                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in, load_params<P, FLAGS, VEC>(w, b, v * VEC), f);
+                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in, load_params<P, FLAGS, VEC>(w, b, v * VEC), f,
+                                                      pivot);
             });
     }
 }
@@ -222,11 +225,12 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
         const T* xr = x + row * x_row_stride;
         const T* rr = r + row * x_row_stride;
         T* hr = h + row * n;
+        const A pivot = row_pivot<Norm, A, T, RESIDUAL>(xr, rr, true);
         Stats s = Norm::init();
         for_each_batched<kSweepUnroll>(
             begin + threadIdx.x, end, blockDim.x,
             [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC, true); },
-            [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in); });
+            [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
         s = block_reduce<Norm>(s, scratch);
         if (threadIdx.x == 0) out[row * chunks + chunk] = s;
     }
@@ -258,14 +262,124 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict
         for (long long c = threadIdx.x; c < chunks; c += blockDim.x) s = Norm::combine(s, parts[row * chunks + c]);
         s = block_reduce<Norm>(s, scratch);
         const Affine<A> f = Norm::finalize(s, n, eps);
-        if (chunk == 0 && threadIdx.x == 0) store_stats(center_out, scale_out, row, f);
         const T* src = RESIDUAL ? h + row * n : x + row * x_row_stride;
+        // h's first element is the rounded x + r pass 1 shifted by.
+        const A pivot = row_pivot<Norm, A, T, false>(src, src, true);
+        if (chunk == 0 && threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
         T* yr = y + row * n;
         for_each_batched<kSweepUnroll>(
             begin + threadIdx.x, end, blockDim.x, [&](long long v) { return load_vec<T, VEC>(src + v * VEC); },
             [&](long long v, const Vec<T, VEC>& in) {
-                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in, load_params<P, FLAGS, VEC>(w, b, v * VEC), f);
+                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in, load_params<P, FLAGS, VEC>(w, b, v * VEC), f,
+                                                      pivot);
             });
+    }
+}
+
+}  // namespace cunorm
+
+namespace cunorm {
+
+// Acquire load of an arrival counter (the partials it guards are then
+// visible) and the L2 prefetch of one 128-byte line.
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// rows_resident: few long rows (problem 40: 16 rows of 4M floats) in ONE
+// read of x. A cooperative launch of one block per SM; block c owns chunk c
+// (chunk_vecs vectors) of every row and keeps it in shared memory while the
+// row's statistic is assembled:
+//   1. load the chunk (forming and writing h with a residual) into shared
+//      memory, folding it into the block's partial;
+//   2. publish the partial, then count in on the row's arrival counter
+//      (release); prefetch the next row's chunk into L2 while waiting;
+//   3. when all blocks have arrived (acquire), combine the row's partials in
+//      block order (bitwise the same statistic in every block);
+//   4. normalize the chunk from shared memory and write it.
+// Co-residency of all blocks, which the wait needs, is what the cooperative
+// launch guarantees (the launch fails rather than deadlocks). Counters are
+// zeroed by the caller. Dynamic shared memory: chunk_vecs * VEC * sizeof(T).
+template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
+__global__ void __launch_bounds__(1024, 1)
+rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, T* __restrict__ h,
+              const P* __restrict__ w, const P* __restrict__ b, typename AccOf<T>::type* center_out,
+              typename AccOf<T>::type* scale_out, typename AccOf<T>::type* partial, unsigned int* arrived,
+              long long rows, long long n, long long x_row_stride, long long chunk_vecs,
+              typename AccOf<T>::type eps) {
+    using A = typename AccOf<T>::type;
+    using Norm = NormT<A>;
+    using Stats = typename Norm::Stats;
+    extern __shared__ __align__(16) unsigned char shared_raw[];
+    Vec<T, VEC>* chunk = reinterpret_cast<Vec<T, VEC>*>(shared_raw);
+    __shared__ Stats scratch[32];
+
+    const long long n_vec = n / VEC;
+    const long long begin = static_cast<long long>(blockIdx.x) * chunk_vecs;
+    const long long end = min(begin + chunk_vecs, n_vec);
+    const int count = static_cast<int>(max(end - begin, 0LL));
+    const int blocks = static_cast<int>(gridDim.x);
+    Stats* parts = reinterpret_cast<Stats*>(partial);
+    constexpr int kLineVecs = 128 / (VEC * static_cast<int>(sizeof(T)));  // vectors per 128-byte line
+
+#pragma unroll 1
+    for (long long row = 0; row < rows; ++row) {
+        const T* xr = x + row * x_row_stride + begin * VEC;
+        const T* rr = r + row * x_row_stride + begin * VEC;
+        T* hr = h + row * n + begin * VEC;
+        const A pivot = row_pivot<Norm, A, T, RESIDUAL>(x + row * x_row_stride, r + row * x_row_stride, true);
+
+        Stats s = Norm::init();
+        for_each_batched<kSweepUnroll>(
+            threadIdx.x, count, blockDim.x,
+            [&](long long i) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, i * VEC, true); },
+            [&](long long i, const Vec<T, VEC>& v) {
+                chunk[i] = v;
+                s = fold<Norm, A, T, VEC>(s, v, pivot);
+            });
+        s = block_reduce<Norm>(s, scratch);
+        if (threadIdx.x == 0) {
+            parts[row * blocks + blockIdx.x] = s;
+            __threadfence();
+            atomicAdd(arrived + row, 1u);
+        }
+        if (row + 1 < rows) {
+            for (int i = threadIdx.x * kLineVecs; i < count; i += blockDim.x * kLineVecs) {
+                prefetch_l2(xr + x_row_stride + static_cast<long long>(i) * VEC);
+                if constexpr (RESIDUAL) prefetch_l2(rr + x_row_stride + static_cast<long long>(i) * VEC);
+            }
+        }
+        if (threadIdx.x == 0) {
+            while (load_acquire(arrived + row) < static_cast<unsigned int>(blocks)) __nanosleep(64);
+        }
+        __syncthreads();
+
+        Stats t = Norm::init();
+        for (int c = threadIdx.x; c < blocks; c += blockDim.x) {
+            // .cg: straight from L2, where the other blocks' partials landed
+            Stats part;
+            const A* src = reinterpret_cast<const A*>(parts + row * blocks + c);
+            A* dst = reinterpret_cast<A*>(&part);
+#pragma unroll
+            for (int k = 0; k < Norm::kStatWords; ++k) dst[k] = __ldcg(src + k);
+            t = Norm::combine(t, part);
+        }
+        t = block_reduce<Norm>(t, scratch);
+        const Affine<A> f = Norm::finalize(t, n, eps);
+        if (blockIdx.x == 0 && threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
+
+        T* yr = y + row * n + begin * VEC;
+        const P* wr = w + begin * VEC;
+        const P* br = b + begin * VEC;
+        for (int i = threadIdx.x; i < count; i += blockDim.x) {
+            write_normalized<T, P, FLAGS, VEC, A>(yr + static_cast<long long>(i) * VEC, chunk[i],
+                                                  load_params<P, FLAGS, VEC>(wr, br, static_cast<long long>(i) * VEC),
+                                                  f, pivot);
+        }
+        __syncthreads();  // the chunk buffer is refilled for the next row
     }
 }
 

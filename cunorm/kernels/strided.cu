@@ -58,8 +58,14 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
         T* yo = y + o * y_outer_stride + iv * VEC;
 
         Stats s[VEC];
+        A pivot[VEC];  // each position's shift: its channel-0 value (kShifted norms)
+        Vec<T, VEC> first_channel;
+        if (Norm::kShifted && active) first_channel = load_vec<T, VEC>(xo);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) s[j] = Norm::init();
+        for (int j = 0; j < VEC; ++j) {
+            s[j] = Norm::init();
+            pivot[j] = (Norm::kShifted && active) ? static_cast<A>(widen(first_channel.v[j])) : A(0);
+        }
 
         // CHANNELS_PER_THREAD == 0 declares a one-slot cache that stays unused.
         Vec<T, VEC> cache[CHANNELS_PER_THREAD > 0 ? CHANNELS_PER_THREAD : 1];
@@ -74,7 +80,9 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
                 const int c = ty + k * by;
                 if (active && c < reduced) {
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) s[j] = fold_one<Norm>(s[j], static_cast<A>(widen(cache[k].v[j])));
+                    for (int j = 0; j < VEC; ++j) {
+                        s[j] = fold_one<Norm>(s[j], static_cast<A>(widen(cache[k].v[j])) - pivot[j]);
+                    }
                 }
             }
         } else {
@@ -83,7 +91,7 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
                 for (int c = ty; c < reduced; c += by) {
                     const Vec<T, VEC> in = load_vec<T, VEC>(xo + c * x_reduced_stride);
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) s[j] = fold_one<Norm>(s[j], static_cast<A>(widen(in.v[j])));
+                    for (int j = 0; j < VEC; ++j) s[j] = fold_one<Norm>(s[j], static_cast<A>(widen(in.v[j])) - pivot[j]);
                 }
             }
         }
@@ -100,7 +108,7 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
             Stats total = partials[j * bx + tx];
             for (int yy = 1; yy < by; ++yy) total = Norm::combine(total, partials[(yy * VEC + j) * bx + tx]);
             f[j] = Norm::finalize(total, reduced, eps);
-            if (active && ty == 0) store_stats(center_out, scale_out, o * inner + iv * VEC + j, f[j]);
+            if (active && ty == 0) store_stats(center_out, scale_out, o * inner + iv * VEC + j, f[j], pivot[j]);
         }
 
         auto write = [&](int c, const Vec<T, VEC>& in) {
@@ -109,7 +117,9 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
             if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
             Vec<T, VEC> out;
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) narrow(apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])), f[j], wc, bc), out.v[j]);
+            for (int j = 0; j < VEC; ++j) {
+                narrow(apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc, bc), out.v[j]);
+            }
             store_vec<T, VEC>(yo + c * inner, out);
         };
         if constexpr (CHANNELS_PER_THREAD > 0) {
