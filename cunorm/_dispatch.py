@@ -146,10 +146,11 @@ def cached_loads(vecs_per_thread: int, residual: bool) -> int:
     return vecs_per_thread * (2 if residual else 1)
 
 
-def block_cache_limit(cost: int, loads: int) -> int:
+def block_cache_limit(cost: int, loads: int, heavy: bool = False) -> int:
     """Largest rows_cached block (BLOCK_PER_ROW) for a thread cache of this
-    cost, 0 if none; mirrors RowsCachedBounds in rows.cu."""
-    if cost <= CACHE_COST_BLOCK_1024 and loads <= 8:
+    cost, 0 if none; mirrors RowsCachedBounds in rows.cu (heavy statistics
+    keep 128 registers: no 1024-thread blocks)."""
+    if cost <= CACHE_COST_BLOCK_1024 and loads <= 8 and not heavy:
         return 1024
     if cost <= CACHE_COST_BLOCK_512 and loads <= 16:
         return 512
@@ -239,7 +240,8 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         cost = cached_cost(vpt, vec_bytes, plan.residual, heavy)
         if vpt > MAX_VECS_PER_THREAD:
             return False
-        return group_fits(cost) if threads <= 32 else threads <= block_cache_limit(cost, cached_loads(vpt, plan.residual))
+        limit = block_cache_limit(cost, cached_loads(vpt, plan.residual), heavy)
+        return group_fits(cost) if threads <= 32 else threads <= limit
 
     if threads > 32:
         threads = max(threads, 64)  # a block per row: at least two warps
@@ -277,7 +279,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             expr = rows_cached_expr(*common, vpt, False)
             grid = min(_ceil_div(rows, block // threads), MAX_GRID_X)
         else:
-            if threads > block_cache_limit(cost, loads):
+            if threads > block_cache_limit(cost, loads, heavy):
                 raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
             block = threads
             expr = rows_cached_expr(*common, vpt, True)
@@ -373,7 +375,7 @@ def all_kernels(norms=("rms", "ln")) -> list[Kernel]:
                             cost = cached_cost(vpt, vec_bytes, residual, is_heavy(norm, dtype))
                             if group_fits(cost):
                                 out.append(Kernel("rows", rows_cached_expr(*common, vpt, False)))
-                            if block_cache_limit(cost, cached_loads(vpt, residual)):
+                            if block_cache_limit(cost, cached_loads(vpt, residual), is_heavy(norm, dtype)):
                                 out.append(Kernel("rows", rows_cached_expr(*common, vpt, True)))
                         out.append(Kernel("rows", rows_uncached_expr(*common)))
                         out.append(Kernel("rows", split_apply_expr(*common)))

@@ -185,11 +185,10 @@ def run(call: Call, reference):
         acc = _dtypes.accumulation(x.dtype)
         stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2 if call.norm == "ln" else 1)]
     if x.size:
-        present = [p for p in (call.weight, call.bias) if p is not None]
-        w = b = None
-        if present:
-            pdtype = _dtypes.param_storage(x.dtype, [p.dtype for p in present])
-            w, b = (None if p is None else cupy.ascontiguousarray(p, dtype=pdtype) for p in (call.weight, call.bias))
+        w, b = call.weight, call.bias
+        if w is not None or b is not None:
+            pdtype = _dtypes.param_storage(x.dtype, [p.dtype for p in (w, b) if p is not None])
+            w, b = _as_param(w, pdtype), _as_param(b, pdtype)
         center, scale = (stats if call.norm == "ln" else [None] + stats) if stats else (None, None)
         launch_on(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
                   first=call.first, last=call.last, eps=call.eps)
@@ -199,6 +198,16 @@ def run(call: Call, reference):
         results.append(out(h, None))
     results += [out(s, None) for s in stats]
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _as_param(p, dtype):
+    """A weight or bias as the kernels read it: contiguous, in ``dtype``
+    (copied only when it is not already)."""
+    if p is None or (p.dtype == dtype and p.flags.c_contiguous):
+        return p
+    import cupy
+
+    return cupy.ascontiguousarray(p, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=4096)

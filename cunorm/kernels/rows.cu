@@ -43,9 +43,12 @@ namespace cunorm {
 // the cached bytes, four times over with a residual (x and r are both live,
 // each with its own addresses, while h is formed) and twice for LayerNorm's
 // three-word statistic or float64:
-//   cost <= 64,  <= 8 loads a thread:  up to 1024 threads (64 registers)
+//   cost <= 64,  <= 8 loads a thread:  up to 1024 threads (64 registers),
+//                                      light statistics only: LayerNorm
+//                                      capped at 64 registers ran bf16
+//                                      32768x4096 at 56-81%, at 128: 91%
 //   cost <= 256, <= 16 loads:          up to 512 threads, 128 registers;
-//                                      16-bit storage at cost <= 128 asks
+//                                      light 16-bit rows at cost <= 128 ask
 //                                      for two blocks an SM (64 registers):
 //                                      one block of 512 ran bf16 4096x32768
 //                                      at 81% of copy bandwidth, two at 92%
@@ -57,8 +60,10 @@ struct RowsCachedBounds {
     static constexpr int kCost = VECS_PER_THREAD * VEC * static_cast<int>(sizeof(T)) * (RESIDUAL ? 4 : 1) *
                                  ((STAT_WORDS > 1 || sizeof(A) == 8) ? 2 : 1);
     static constexpr int kLoads = VECS_PER_THREAD * (RESIDUAL ? 2 : 1);
-    static constexpr int kBlockMaxThreads = (kCost <= 64 && kLoads <= 8) ? 1024 : 512;
-    static constexpr int kBlockMinBlocks = (sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ? 2 : 1;
+    static constexpr bool kHeavy = STAT_WORDS > 1 || sizeof(A) == 8;
+    static constexpr int kBlockMaxThreads = (!kHeavy && kCost <= 64 && kLoads <= 8) ? 1024 : 512;
+    static constexpr int kBlockMinBlocks =
+        (!kHeavy && sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ? 2 : 1;
 };
 
 // Loads in flight per thread in the streaming sweeps (uncached, split).
@@ -67,6 +72,14 @@ constexpr int kSweepUnroll = 4;
 // Blocks of the group-per-row variant (BLOCK_PER_ROW=false) have this many
 // threads and ask for two resident blocks: a budget of 128 registers a thread.
 constexpr int kGroupBlockThreads = 256;
+
+// A vector of the input and the affine parameters of its positions, loaded
+// together so a batch of them is in flight at once in the write sweeps.
+template <class T, class P, int FLAGS, int VEC>
+struct Loaded {
+    Vec<T, VEC> v;
+    ParamVec<P, FLAGS, VEC> p;
+};
 
 // The vector a normalization reads at element e of a row: x, or h = x + r
 // (written to h_row on the way when write_h).
@@ -192,10 +205,12 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         const T* src = RESIDUAL ? static_cast<const T*>(hr) : xr;
         T* yr = y + row * n;
         for_each_batched<kSweepUnroll>(
-            threadIdx.x, n_vec, blockDim.x, [&](long long v) { return load_vec<T, VEC>(src + v * VEC); },
-            [&](long long v, const Vec<T, VEC>& in) {
-                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in, load_params<P, FLAGS, VEC>(w, b, v * VEC), f,
-                                                      pivot);
+            threadIdx.x, n_vec, blockDim.x,
+            [&](long long v) {
+                return Loaded<T, P, FLAGS, VEC>{load_vec<T, VEC>(src + v * VEC), load_params<P, FLAGS, VEC>(w, b, v * VEC)};
+            },
+            [&](long long v, const Loaded<T, P, FLAGS, VEC>& in) {
+                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in.v, in.p, f, pivot);
             });
     }
 }
@@ -268,10 +283,12 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict
         if (chunk == 0 && threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
         T* yr = y + row * n;
         for_each_batched<kSweepUnroll>(
-            begin + threadIdx.x, end, blockDim.x, [&](long long v) { return load_vec<T, VEC>(src + v * VEC); },
-            [&](long long v, const Vec<T, VEC>& in) {
-                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in, load_params<P, FLAGS, VEC>(w, b, v * VEC), f,
-                                                      pivot);
+            begin + threadIdx.x, end, blockDim.x,
+            [&](long long v) {
+                return Loaded<T, P, FLAGS, VEC>{load_vec<T, VEC>(src + v * VEC), load_params<P, FLAGS, VEC>(w, b, v * VEC)};
+            },
+            [&](long long v, const Loaded<T, P, FLAGS, VEC>& in) {
+                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in.v, in.p, f, pivot);
             });
     }
 }
@@ -374,11 +391,12 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         T* yr = y + row * n + begin * VEC;
         const P* wr = w + begin * VEC;
         const P* br = b + begin * VEC;
-        for (int i = threadIdx.x; i < count; i += blockDim.x) {
-            write_normalized<T, P, FLAGS, VEC, A>(yr + static_cast<long long>(i) * VEC, chunk[i],
-                                                  load_params<P, FLAGS, VEC>(wr, br, static_cast<long long>(i) * VEC),
-                                                  f, pivot);
-        }
+        for_each_batched<kSweepUnroll>(
+            threadIdx.x, count, blockDim.x,
+            [&](long long i) { return Loaded<T, P, FLAGS, VEC>{chunk[i], load_params<P, FLAGS, VEC>(wr, br, i * VEC)}; },
+            [&](long long i, const Loaded<T, P, FLAGS, VEC>& in) {
+                write_normalized<T, P, FLAGS, VEC, A>(yr + i * VEC, in.v, in.p, f, pivot);
+            });
         __syncthreads();  // the chunk buffer is refilled for the next row
     }
 }
