@@ -66,10 +66,10 @@ SPLIT_BLOCKS_PER_SM = 8
 SPLIT_BLOCK_THREADS = 256
 #: bf16 4096x32768 forced through rows_uncached: 67.0% (cached: 91.7%).
 UNCACHED_BLOCK_THREADS = 512
-#: resident tier: one 1024-thread block per SM, its chunk of every row in
+#: resident tier: one 512-thread block per SM, its chunk of every row in
 #: shared memory; this much of the opt-in shared memory stays free for the
 #: kernel's static scratch.
-RESIDENT_BLOCK_THREADS = 1024
+RESIDENT_BLOCK_THREADS = 512
 RESIDENT_SHARED_RESERVE = 1024
 GROUP_BLOCK_THREADS = 256  # mirrors kGroupBlockThreads in rows.cu
 STRIDED_BLOCK_THREADS = 256

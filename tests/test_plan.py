@@ -102,7 +102,7 @@ def test_resident_chunks_cover_the_row_and_fit():
     launch = _dispatch.choose(p, H200)
     assert launch.tier == "resident"
     (step,) = launch.steps
-    assert step.kernel.cooperative and step.grid == (132,) and step.block == (1024,)
+    assert step.kernel.cooperative and step.grid == (132,) and step.block == (512,)
     assert launch.chunk_vecs * 132 >= p.reduced // p.vec
     assert step.shared_bytes == launch.chunk_vecs * 16 <= H200.max_shared_per_block
 

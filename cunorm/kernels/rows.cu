@@ -110,7 +110,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
-    __shared__ Stats scratch[32];
+    __shared__ Stats scratch[33];
 
     const int n_vec = n / VEC;
     const int row_threads = BLOCK_PER_ROW ? static_cast<int>(blockDim.x) : threads_per_row;
@@ -184,7 +184,7 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
-    __shared__ Stats scratch[32];
+    __shared__ Stats scratch[33];
     const long long n_vec = n / VEC;
 
 #pragma unroll 1
@@ -218,16 +218,18 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
 // Pass 1 of the split tier: partial[row * chunks + chunk] = statistic of the
 // chunk's elements (and h written). A chunk is chunk_vecs vectors (the last
 // one may be short).
-// The split tier runs 256-thread blocks (cunorm/_dispatch.py, SPLIT_BLOCK_THREADS).
+// The split tier runs 256-thread blocks (cunorm/_dispatch.py, SPLIT_BLOCK_THREADS),
+// up to 128 registers (a batch of x and r vectors with LayerNorm's fold
+// spilled at 64).
 template <template <class> class NormT, class T, bool RESIDUAL, int VEC>
-__global__ void __launch_bounds__(256, 4)
+__global__ void __launch_bounds__(256, 2)
 rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ h,
                    typename AccOf<T>::type* __restrict__ partial, long long rows, long long n,
                    long long x_row_stride, long long chunks, long long chunk_vecs) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
-    __shared__ Stats scratch[32];
+    __shared__ Stats scratch[33];
     const long long n_vec = n / VEC;
     Stats* out = reinterpret_cast<Stats*>(partial);
 
@@ -254,7 +256,7 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
 // Pass 2 of the split tier: combine the row's partials (same order in every
 // block of the row), then scale this block's chunk (of h, with RESIDUAL).
 template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
-__global__ void __launch_bounds__(256, 4)
+__global__ void __launch_bounds__(256, 2)
 rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict__ y, const P* __restrict__ w,
                  const P* __restrict__ b, typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out,
                  const typename AccOf<T>::type* __restrict__ partial, long long rows, long long n,
@@ -262,7 +264,7 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
-    __shared__ Stats scratch[32];
+    __shared__ Stats scratch[33];
     const long long n_vec = n / VEC;
     const Stats* parts = reinterpret_cast<const Stats*>(partial);
 
@@ -306,12 +308,30 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// Asynchronous copy global -> shared of one vector (4, 8 or 16 bytes,
+// sm_80+): no register staging, so a thread can have its whole share of a
+// chunk in flight at once.
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* shared_dst, const void* global_src) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+    if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(global_src), "n"(BYTES) : "memory");
+    }
+}
+__device__ __forceinline__ void copy_async_wait_all() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
 // rows_resident: few long rows (problem 40: 16 rows of 4M floats) in ONE
-// read of x. A cooperative launch of one block per SM; block c owns chunk c
+// read of x. A cooperative launch of one 512-thread block per SM; block c owns chunk c
 // (chunk_vecs vectors) of every row and keeps it in shared memory while the
 // row's statistic is assembled:
-//   1. load the chunk (forming and writing h with a residual) into shared
-//      memory, folding it into the block's partial;
+//   1. load the chunk into shared memory (cp.async, all of it in flight at
+//      once; through registers when forming and writing h with a residual)
+//      and fold it into the block's partial;
 //   2. publish the partial, then count in on the row's arrival counter
 //      (release); prefetch the next row's chunk into L2 while waiting;
 //   3. when all blocks have arrived (acquire), combine the row's partials in
@@ -321,7 +341,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // launch guarantees (the launch fails rather than deadlocks). Counters are
 // zeroed by the caller. Dynamic shared memory: chunk_vecs * VEC * sizeof(T).
 template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
-__global__ void __launch_bounds__(1024, 1)
+__global__ void __launch_bounds__(512, 1)
 rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, T* __restrict__ h,
               const P* __restrict__ w, const P* __restrict__ b, typename AccOf<T>::type* center_out,
               typename AccOf<T>::type* scale_out, typename AccOf<T>::type* partial, unsigned int* arrived,
@@ -332,7 +352,7 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
     using Stats = typename Norm::Stats;
     extern __shared__ __align__(16) unsigned char shared_raw[];
     Vec<T, VEC>* chunk = reinterpret_cast<Vec<T, VEC>*>(shared_raw);
-    __shared__ Stats scratch[32];
+    __shared__ Stats scratch[33];
 
     const long long n_vec = n / VEC;
     const long long begin = static_cast<long long>(blockIdx.x) * chunk_vecs;
@@ -350,21 +370,33 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         const A pivot = row_pivot<Norm, A, T, RESIDUAL>(x + row * x_row_stride, r + row * x_row_stride, true);
 
         Stats s = Norm::init();
-        for_each_batched<kSweepUnroll>(
-            threadIdx.x, count, blockDim.x,
-            [&](long long i) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, i * VEC, true); },
-            [&](long long i, const Vec<T, VEC>& v) {
-                chunk[i] = v;
-                s = fold<Norm, A, T, VEC>(s, v, pivot);
-            });
+        constexpr int kVecBytes = VEC * static_cast<int>(sizeof(T));
+        if constexpr (!RESIDUAL && kVecBytes >= 4) {
+            // The whole chunk in flight at once, straight into shared memory.
+            for (int i = threadIdx.x; i < count; i += blockDim.x) copy_async<kVecBytes>(chunk + i, xr + i * VEC);
+            copy_async_wait_all();
+            for (int i = threadIdx.x; i < count; i += blockDim.x) s = fold<Norm, A, T, VEC>(s, chunk[i], pivot);
+        } else {
+            for_each_batched<kSweepUnroll>(
+                threadIdx.x, count, blockDim.x,
+                [&](long long i) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, i * VEC, true); },
+                [&](long long i, const Vec<T, VEC>& v) {
+                    chunk[i] = v;
+                    s = fold<Norm, A, T, VEC>(s, v, pivot);
+                });
+        }
         s = block_reduce<Norm>(s, scratch);
         if (threadIdx.x == 0) {
             parts[row * blocks + blockIdx.x] = s;
             __threadfence();
             atomicAdd(arrived + row, 1u);
         }
-        if (row + 1 < rows) {
-            for (int i = threadIdx.x * kLineVecs; i < count; i += blockDim.x * kLineVecs) {
+        // While the other blocks finish the row: this block's parameters
+        // (read next) and the next row's chunk into L2.
+        for (int i = threadIdx.x * kLineVecs; i < count; i += blockDim.x * kLineVecs) {
+            if constexpr ((FLAGS & kWeight) != 0) prefetch_l2(w + (begin + i) * VEC);
+            if constexpr ((FLAGS & kBias) != 0) prefetch_l2(b + (begin + i) * VEC);
+            if (row + 1 < rows) {
                 prefetch_l2(xr + x_row_stride + static_cast<long long>(i) * VEC);
                 if constexpr (RESIDUAL) prefetch_l2(rr + x_row_stride + static_cast<long long>(i) * VEC);
             }
@@ -391,7 +423,9 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         T* yr = y + row * n + begin * VEC;
         const P* wr = w + begin * VEC;
         const P* br = b + begin * VEC;
-        for_each_batched<kSweepUnroll>(
+        // Batches of two: the parameters are float32 vectors of 8 for 16-bit x
+        // (64 bytes each of weight and bias), and four of those spill.
+        for_each_batched<2>(
             threadIdx.x, count, blockDim.x,
             [&](long long i) { return Loaded<T, P, FLAGS, VEC>{chunk[i], load_params<P, FLAGS, VEC>(wr, br, i * VEC)}; },
             [&](long long i, const Loaded<T, P, FLAGS, VEC>& in) {
