@@ -18,11 +18,13 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
   4. rows longer than the register cache of one block (128 KB of row):
      rows_uncached (block per row, two sweeps) if the rows fill every SM,
      else the split tier.
-  5. few long rows (fewer than SMs, each >= SPLIT_MIN_ROW_BYTES): the whole
-     GPU works on each row: rows_resident (one cooperative block per SM
-     keeps its chunk of the row in shared memory across a per-row arrival
-     barrier: one read of x) when a chunk fits a block's shared memory (rows
-     up to ~30 MB), else the split tier (two launches, x read twice).
+  5. few long rows (fewer than SMs, each >= SPLIT_MIN_ROW_BYTES): the split
+     tier, so the whole GPU works on each row (two launches, x read twice).
+     rows_resident (one cooperative block per SM keeps its chunk of the row
+     in shared memory across a per-row arrival barrier: one read of x) is
+     available by override only: on problem 40 it measured 30.6% of copy
+     bandwidth against the split tier's 52% (H200, 2026-11-21), its
+     per-SM pipeline being latency-bound (docs/design.md).
 
 Strided axis (inner > 1): strided_norm with threadIdx.x along inner (up to
 32 vectors: a warp reads 512 contiguous bytes of one channel) and
@@ -41,6 +43,12 @@ from ._plan import Plan, kernel_types
 #: 64 threads x 4 vectors 95.6% vs 32 x 8 93.5%; bf16 32768x4096, 128 x 4
 #: 93.3% vs 64 x 8 84.5%.
 TARGET_VECS_PER_THREAD = 4
+#: ... 8 for heavy statistics (LayerNorm, float64), whose bandwidth follows
+#: the bytes each SM has in flight: LayerNorm bf16 32768x4096, 64 threads x 8
+#: vectors 90.7%, 128 x 4 81.2%, 256 x 2 56.0% (registers limit the resident
+#: threads); but at least 64 threads a row once a row has 256 vectors:
+#: LayerNorm fp32 65536x1024, 64 x 4 95.2% vs 32 x 8 91.7%.
+TARGET_VECS_PER_THREAD_HEAVY = 8
 #: rows_cached block size preferred before going to more vectors per thread:
 #: bf16 4096x32768, 512 threads x 8 vectors 91.7% vs 1024 x 4 80.6%.
 PREFERRED_MAX_ROW_THREADS = 512
@@ -66,7 +74,7 @@ SPLIT_BLOCKS_PER_SM = 8
 SPLIT_BLOCK_THREADS = 256
 #: bf16 4096x32768 forced through rows_uncached: 67.0% (cached: 91.7%).
 UNCACHED_BLOCK_THREADS = 512
-#: resident tier: one 512-thread block per SM, its chunk of every row in
+#: resident tier (override only, see above): one 512-thread block per SM, its chunk of every row in
 #: shared memory; this much of the opt-in shared memory stays free for the
 #: kernel's static scratch.
 RESIDENT_BLOCK_THREADS = 512
@@ -232,7 +240,10 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     threads = override.get("threads")
     heavy = is_heavy(plan.norm, plan.dtype)
     if threads is None:
-        threads = min(next_pow2(_ceil_div(n_vec, TARGET_VECS_PER_THREAD)), PREFERRED_MAX_ROW_THREADS)
+        target = TARGET_VECS_PER_THREAD_HEAVY if heavy else TARGET_VECS_PER_THREAD
+        threads = min(next_pow2(_ceil_div(n_vec, target)), PREFERRED_MAX_ROW_THREADS)
+        if heavy and n_vec >= 64 * TARGET_VECS_PER_THREAD:
+            threads = max(threads, 64)
         if _ceil_div(n_vec, threads) > MAX_VECS_PER_THREAD:
             threads = 1024
     def fits(threads):
@@ -257,16 +268,12 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     if tier is None:
         cacheable = fits(threads)
         few_rows = rows < SPLIT_MAX_ROWS_PER_SM * device.sm_count
-        resident_fits = _resident_chunk_bytes(n_vec, vec_bytes, device) <= (
-            device.max_shared_per_block - RESIDENT_SHARED_RESERVE)
         if few_rows and row_bytes >= SPLIT_MIN_ROW_BYTES:
-            tier = "resident" if resident_fits else "split"
+            tier = "split"
         elif cacheable:
             tier = "cached"
-        elif few_rows:
-            tier = "resident" if resident_fits else "split"
         else:
-            tier = "uncached"
+            tier = "split" if few_rows else "uncached"
 
     t, p = kernel_types(plan)
     policy = NORM_POLICY[plan.norm]
@@ -307,7 +314,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         chunk_vecs = _ceil_div(_ceil_div(n_vec, want_chunks), block) * block
         chunks = override.get("chunks", _ceil_div(n_vec, chunk_vecs))
         chunk_vecs = _ceil_div(n_vec, chunks)
-        grid = (min(chunks, MAX_GRID_X), min(rows, MAX_GRID_Y))
+        grid = (min(rows, MAX_GRID_X), min(chunks, MAX_GRID_Y))
         partial = Kernel("rows", split_partial_expr(policy, t, plan.residual, plan.vec))
         apply = Kernel("rows", split_apply_expr(*common))
         return Launch(

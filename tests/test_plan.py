@@ -83,10 +83,10 @@ def test_plan_problem_36():
         (100000, 3, _dtypes.float32, "cached", 1),
         (1, 4096, _dtypes.bfloat16, "cached", 128),
         (1, 16384, _dtypes.bfloat16, "cached", 512),
-        (1, 32768, _dtypes.bfloat16, "resident", 0),
+        (1, 32768, _dtypes.bfloat16, "split", 0),
         (1000, 262144, _dtypes.float32, "uncached", 0),
-        (16, 4 * 1024 * 1024, _dtypes.float32, "resident", 0),
-        (1, 65536, _dtypes.float32, "resident", 0),
+        (16, 4 * 1024 * 1024, _dtypes.float32, "split", 0),
+        (1, 65536, _dtypes.float32, "split", 0),
         (4, 64 * 1024 * 1024, _dtypes.float32, "split", 0),
     ],
 )
@@ -99,7 +99,7 @@ def test_rows_tiers(rows, n, dtype, tier, threads):
 
 def test_resident_chunks_cover_the_row_and_fit():
     p = plan_for((16, 64, 256, 256), (1, 2, 3), norm="ln", flags=3, pdtype=_dtypes.float32)
-    launch = _dispatch.choose(p, H200)
+    launch = _dispatch.choose(p, H200, override={"tier": "resident"})
     assert launch.tier == "resident"
     (step,) = launch.steps
     assert step.kernel.cooperative and step.grid == (132,) and step.block == (512,)

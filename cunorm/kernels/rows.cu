@@ -30,7 +30,9 @@
 //                  there are enough of them to fill the GPU. With RESIDUAL
 //                  the first sweep writes h and the second reads it back.
 //   rows_split_*   few long rows: each row is cut into chunks, one block per
-//                  (row, chunk) on a 2-D grid (x: chunk, y: row). Pass 1
+//                  (row, chunk) on a 2-D grid (x: row, y: chunk: the blocks
+//                  of one chunk run together, so its weight and bias are
+//                  read from memory once for all rows). Pass 1
 //                  writes every chunk's partial statistic to a workspace (and
 //                  h); pass 2 combines a row's partials in a fixed order (so
 //                  every chunk of the row sees the bitwise same statistic)
@@ -234,9 +236,9 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
     Stats* out = reinterpret_cast<Stats*>(partial);
 
 #pragma unroll 1
-    for (long long row = blockIdx.y; row < rows; row += gridDim.y)
+    for (long long chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y)
 #pragma unroll 1
-    for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long begin = chunk * chunk_vecs;
         const long long end = min(begin + chunk_vecs, n_vec);
         const T* xr = x + row * x_row_stride;
@@ -268,10 +270,13 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict
     const long long n_vec = n / VEC;
     const Stats* parts = reinterpret_cast<const Stats*>(partial);
 
+    // Chunks in reverse: the first ones re-read are the last pass 1 read,
+    // still in L2.
 #pragma unroll 1
-    for (long long row = blockIdx.y; row < rows; row += gridDim.y)
+    for (long long chunk_step = blockIdx.y; chunk_step < chunks; chunk_step += gridDim.y)
 #pragma unroll 1
-    for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long chunk = chunks - 1 - chunk_step;
         const long long begin = chunk * chunk_vecs;
         const long long end = min(begin + chunk_vecs, n_vec);
         Stats s = Norm::init();
