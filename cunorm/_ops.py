@@ -243,11 +243,11 @@ def launch_on(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=
     if r is not None and r.strides != x.strides:
         x, r = cupy.ascontiguousarray(x), cupy.ascontiguousarray(r)
     itemsize = x.itemsize
-    strides = tuple(s // itemsize for s in x.strides)
+    strides = tuple([s // itemsize for s in x.strides])
     flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
     pdtype = None if not flags else (w if w is not None else b).dtype
-    key = (norm, x.dtype, pdtype, flags, r is not None, tuple(x.shape), strides, first, last,
-           _mod32(x), _mod32(y), _mod32(r), _mod32(h), _mod32(w), _mod32(b), x.data.device_id)
+    key = (norm, x.dtype, pdtype, flags, r is not None, x.shape, strides, first, last,
+           x.data.ptr % 32, y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), x.data.device_id)
     plan, launch = _planned(*key) if override is None else _plan_and_choose(key, override)
     if plan is None:  # a layout the kernels do not walk: one contiguous copy
         x = cupy.ascontiguousarray(x)

@@ -6,6 +6,7 @@ alignment; no GPU needed, so CI tests them directly.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -60,8 +61,23 @@ def normalize_axes(axis, ndim: int) -> tuple[int, int]:
     """Return (first, last) of the adjacent axes named by ``axis``.
 
     ``axis`` is an int or a tuple/list of ints naming adjacent axes in any
-    order; negative values count from the end.
+    order; negative values count from the end. Memoized for the common
+    hashable forms (the per-call cost of a repeated call is a lookup).
     """
+    if type(axis) is int or type(axis) is tuple:
+        try:
+            return _normalize_axes_cached(axis, ndim)
+        except TypeError:  # a tuple holding something unhashable
+            pass
+    return _normalize_axes(axis, ndim)
+
+
+@functools.lru_cache(maxsize=1024)
+def _normalize_axes_cached(axis, ndim: int) -> tuple[int, int]:
+    return _normalize_axes(axis, ndim)
+
+
+def _normalize_axes(axis, ndim: int) -> tuple[int, int]:
     if isinstance(axis, (bool, np.bool_)):
         raise TypeError(f"axis must be an int or a tuple of ints, got {axis!r}")
     if isinstance(axis, (int, np.integer)):
