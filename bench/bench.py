@@ -267,7 +267,10 @@ def main():
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    commit = os.environ.get("CUNORM_COMMIT") or subprocess.run(
+    # The GPU machine gets the tree without .git: bench/record_commit.sh
+    # writes the hash into bench/.commit before a run is sent.
+    stamp = Path(__file__).with_name(".commit")
+    commit = (stamp.read_text().strip() if stamp.exists() else "") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"gpu": gpu, "date": datetime.date.today().isoformat(), "cupy": cupy.__version__,
             "torch": None if torch is None else torch.__version__, "cunorm": cunorm.__version__,

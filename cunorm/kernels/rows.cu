@@ -428,9 +428,16 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         T* yr = y + row * n + begin * VEC;
         const P* wr = w + begin * VEC;
         const P* br = b + begin * VEC;
-        // Batches of two: the parameters are float32 vectors of 8 for 16-bit x
-        // (64 bytes each of weight and bias), and four of those spill.
-        for_each_batched<2>(
+        // As many items (x and its parameters) in flight as a register budget
+        // holds: 192 bytes, 64 with a residual; more spilled.
+        constexpr int kItemBytes = kVecBytes + ((FLAGS & kWeight) ? 1 : 0) * VEC * static_cast<int>(sizeof(P)) +
+                                   ((FLAGS & kBias) ? 1 : 0) * VEC * static_cast<int>(sizeof(P));
+        constexpr int kBatchBytes = RESIDUAL ? 64 : 192;  // the residual's load path holds more registers
+        constexpr int kWriteBatch = kItemBytes * 8 <= kBatchBytes   ? 8
+                                    : kItemBytes * 4 <= kBatchBytes ? 4
+                                    : kItemBytes * 2 <= kBatchBytes ? 2
+                                                                    : 1;
+        for_each_batched<kWriteBatch>(
             threadIdx.x, count, blockDim.x,
             [&](long long i) { return Loaded<T, P, FLAGS, VEC>{chunk[i], load_params<P, FLAGS, VEC>(wr, br, i * VEC)}; },
             [&](long long i, const Loaded<T, P, FLAGS, VEC>& in) {
