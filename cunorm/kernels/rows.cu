@@ -313,6 +313,65 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// L2 eviction policies (sm_80+): the resident tier marks the data it streams
+// (x in, y out) evict-first and the parameters it re-reads for every row
+// evict-last, so 32 MB of weight and bias stay in L2 across rows.
+__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ unsigned long long l2_policy_evict_last() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+
+// A vector load / store with an L2 policy, word by word (4-byte words; the
+// 2-byte vectors of half/bf16 VEC=1 go without a hint).
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec_hint(const T* p, unsigned long long policy) {
+    constexpr int kBytes = sizeof(T) * N;
+    if constexpr (kBytes % 4 != 0) {
+        return load_vec<T, N>(p);
+    } else {
+        union { Vec<T, N> v; unsigned u[kBytes / 4]; } r;
+        const unsigned* src = reinterpret_cast<const unsigned*>(p);
+        if constexpr (kBytes >= 16) {
+#pragma unroll
+            for (int k = 0; k < kBytes / 16; ++k) {
+                asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                             : "=r"(r.u[4 * k]), "=r"(r.u[4 * k + 1]), "=r"(r.u[4 * k + 2]), "=r"(r.u[4 * k + 3])
+                             : "l"(src + 4 * k), "l"(policy));
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < kBytes / 4; ++k) {
+                asm volatile("ld.global.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(r.u[k]) : "l"(src + k), "l"(policy));
+            }
+        }
+        return r.v;
+    }
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_vec_hint(T* p, const Vec<T, N>& v, unsigned long long policy) {
+    constexpr int kBytes = sizeof(T) * N;
+    if constexpr (kBytes % 16 != 0) {
+        store_vec<T, N>(p, v);
+    } else {
+        union { Vec<T, N> v; unsigned u[kBytes / 4]; } r;
+        r.v = v;
+        unsigned* dst = reinterpret_cast<unsigned*>(p);
+#pragma unroll
+        for (int k = 0; k < kBytes / 16; ++k) {
+            asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst + 4 * k),
+                         "r"(r.u[4 * k]), "r"(r.u[4 * k + 1]), "r"(r.u[4 * k + 2]), "r"(r.u[4 * k + 3]), "l"(policy)
+                         : "memory");
+        }
+    }
+}
+
 // Asynchronous copy global -> shared of one vector (4, 8 or 16 bytes,
 // sm_80+): no register staging, so a thread can have its whole share of a
 // chunk in flight at once.
@@ -320,7 +379,9 @@ template <int BYTES>
 __device__ __forceinline__ void copy_async(void* shared_dst, const void* global_src) {
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
     if constexpr (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(global_src),
+                     "l"(l2_policy_evict_first())
+                     : "memory");
     } else {
         asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(global_src), "n"(BYTES) : "memory");
     }
@@ -437,11 +498,24 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
                                     : kItemBytes * 4 <= kBatchBytes ? 4
                                     : kItemBytes * 2 <= kBatchBytes ? 2
                                                                     : 1;
+        const unsigned long long keep = l2_policy_evict_last(), stream = l2_policy_evict_first();
         for_each_batched<kWriteBatch>(
             threadIdx.x, count, blockDim.x,
-            [&](long long i) { return Loaded<T, P, FLAGS, VEC>{chunk[i], load_params<P, FLAGS, VEC>(wr, br, i * VEC)}; },
+            [&](long long i) {
+                Loaded<T, P, FLAGS, VEC> item{chunk[i], {}};
+                if constexpr ((FLAGS & kWeight) != 0) item.p.w = load_vec_hint<P, VEC>(wr + i * VEC, keep);
+                if constexpr ((FLAGS & kBias) != 0) item.p.b = load_vec_hint<P, VEC>(br + i * VEC, keep);
+                return item;
+            },
             [&](long long i, const Loaded<T, P, FLAGS, VEC>& in) {
-                write_normalized<T, P, FLAGS, VEC, A>(yr + i * VEC, in.v, in.p, f, pivot);
+                Vec<T, VEC> out;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    narrow(apply_affine<FLAGS>(static_cast<A>(widen(in.v.v[j])) - pivot, f, param_w<A>(in.p, j),
+                                               param_b<A>(in.p, j)),
+                           out.v[j]);
+                }
+                store_vec_hint<T, VEC>(yr + i * VEC, out, stream);
             });
         __syncthreads();  // the chunk buffer is refilled for the next row
     }
