@@ -22,9 +22,10 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
      tier, so the whole GPU works on each row (two launches, x read twice).
      rows_resident (one cooperative block per SM keeps its chunk of the row
      in shared memory across a per-row arrival barrier: one read of x) is
-     available by override only: on problem 40 it measured 30.6% of copy
-     bandwidth against the split tier's 52% (H200, 2026-11-21), its
-     per-SM pipeline being latency-bound (docs/design.md).
+     available by override only: on problem 40 (LayerNorm, weight and bias)
+     it measured 32.8% of copy bandwidth against the split tier's 58.5%;
+     on RMSNorm 16x4194304 fp32 without weight, 62.9% against 58.3% (H200,
+     2026-11-21). Until LayerNorm's case is understood it is not picked.
 
 Strided axis (inner > 1): strided_norm with threadIdx.x along inner (up to
 32 vectors: a warp reads 512 contiguous bytes of one channel) and

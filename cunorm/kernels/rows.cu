@@ -83,6 +83,17 @@ struct Loaded {
     ParamVec<P, FLAGS, VEC> p;
 };
 
+// Items (an input vector and its parameters) a write sweep keeps in flight:
+// as many as a register budget of 192 bytes holds, 64 with a residual (whose
+// load path holds more), at most kSweepUnroll. More spilled on sm_80/sm_90.
+template <class T, class P, int FLAGS, int VEC, bool RESIDUAL>
+__host__ __device__ constexpr int write_batch() {
+    constexpr int item = VEC * static_cast<int>(sizeof(T)) +
+                         (((FLAGS & kWeight) ? 1 : 0) + ((FLAGS & kBias) ? 1 : 0)) * VEC * static_cast<int>(sizeof(P));
+    constexpr int budget = RESIDUAL ? 64 : 192;
+    return item * 4 <= budget ? 4 : item * 2 <= budget ? 2 : 1;
+}
+
 // The vector a normalization reads at element e of a row: x, or h = x + r
 // (written to h_row on the way when write_h).
 template <class T, int VEC, bool RESIDUAL>
@@ -206,7 +217,7 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         // Second sweep: h (written above by this same thread) or x again.
         const T* src = RESIDUAL ? static_cast<const T*>(hr) : xr;
         T* yr = y + row * n;
-        for_each_batched<kSweepUnroll>(
+        for_each_batched<write_batch<T, P, FLAGS, VEC, RESIDUAL>()>(
             threadIdx.x, n_vec, blockDim.x,
             [&](long long v) {
                 return Loaded<T, P, FLAGS, VEC>{load_vec<T, VEC>(src + v * VEC), load_params<P, FLAGS, VEC>(w, b, v * VEC)};
@@ -289,7 +300,7 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict
         const A pivot = row_pivot<Norm, A, T, false>(src, src, true);
         if (chunk == 0 && threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
         T* yr = y + row * n;
-        for_each_batched<kSweepUnroll>(
+        for_each_batched<write_batch<T, P, FLAGS, VEC, RESIDUAL>()>(
             begin + threadIdx.x, end, blockDim.x,
             [&](long long v) {
                 return Loaded<T, P, FLAGS, VEC>{load_vec<T, VEC>(src + v * VEC), load_params<P, FLAGS, VEC>(w, b, v * VEC)};
@@ -489,15 +500,7 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         T* yr = y + row * n + begin * VEC;
         const P* wr = w + begin * VEC;
         const P* br = b + begin * VEC;
-        // As many items (x and its parameters) in flight as a register budget
-        // holds: 192 bytes, 64 with a residual; more spilled.
-        constexpr int kItemBytes = kVecBytes + ((FLAGS & kWeight) ? 1 : 0) * VEC * static_cast<int>(sizeof(P)) +
-                                   ((FLAGS & kBias) ? 1 : 0) * VEC * static_cast<int>(sizeof(P));
-        constexpr int kBatchBytes = RESIDUAL ? 64 : 192;  // the residual's load path holds more registers
-        constexpr int kWriteBatch = kItemBytes * 8 <= kBatchBytes   ? 8
-                                    : kItemBytes * 4 <= kBatchBytes ? 4
-                                    : kItemBytes * 2 <= kBatchBytes ? 2
-                                                                    : 1;
+        constexpr int kWriteBatch = write_batch<T, P, FLAGS, VEC, RESIDUAL>();
         const unsigned long long keep = l2_policy_evict_last(), stream = l2_policy_evict_first();
         for_each_batched<kWriteBatch>(
             threadIdx.x, count, blockDim.x,
