@@ -328,10 +328,6 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     raise ValueError(f"unknown rows tier {tier!r}")
 
 
-def _resident_chunk_bytes(n_vec: int, vec_bytes: int, device: Device) -> int:
-    return _ceil_div(n_vec, device.sm_count) * vec_bytes
-
-
 def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
     if plan.reduced >= 2**31:  # strided_norm indexes channels with int
         raise ValueError(f"a strided normalized extent of {plan.reduced} elements is over the 2**31 - 1 limit")
