@@ -263,8 +263,6 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         while not fits(threads) and threads < 1024:
             threads = 64 if threads == 32 else threads * 2
     vpt = next_pow2(_ceil_div(n_vec, threads))
-    cost = cached_cost(vpt, vec_bytes, plan.residual, heavy)
-    loads = cached_loads(vpt, plan.residual)
     tier = override.get("tier")
     if tier is None:
         cacheable = fits(threads)
@@ -280,20 +278,16 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     policy = NORM_POLICY[plan.norm]
     common = (policy, t, p, plan.flags, plan.residual, plan.vec)
     if tier == "cached":
+        if not fits(threads):  # only a forced tier or thread count gets here
+            raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
         if threads <= 32:
-            if not group_fits(cost):
-                raise ValueError(f"rows_cached: {vpt} vectors a lane is over the register budget")
             block = GROUP_BLOCK_THREADS
             expr = rows_cached_expr(*common, vpt, False)
             grid = min(_ceil_div(rows, block // threads), MAX_GRID_X)
         else:
-            if threads > block_cache_limit(cost, loads, heavy):
-                raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
             block = threads
             expr = rows_cached_expr(*common, vpt, True)
             grid = min(rows, MAX_GRID_X)
-        if vpt not in VECS_PER_THREAD_CHOICES:
-            raise ValueError(f"rows_cached: {vpt} vectors per thread is not compiled")
         step = Step(Kernel("rows", expr), (grid,), (block,))
         return Launch("cached", (step,), threads_per_row=threads)
     if tier == "uncached":

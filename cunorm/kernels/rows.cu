@@ -95,14 +95,13 @@ __host__ __device__ constexpr int write_batch() {
 }
 
 // The vector a normalization reads at element e of a row: x, or h = x + r
-// (written to h_row on the way when write_h).
+// (written to h_row on the way).
 template <class T, int VEC, bool RESIDUAL>
-__device__ __forceinline__ Vec<T, VEC> load_input(const T* x_row, const T* r_row, T* h_row, long long e,
-                                                  bool write_h) {
+__device__ __forceinline__ Vec<T, VEC> load_input(const T* x_row, const T* r_row, T* h_row, long long e) {
     Vec<T, VEC> v = load_vec<T, VEC>(x_row + e);
     if constexpr (RESIDUAL) {
         v = add_residual<T, VEC>(v, load_vec<T, VEC>(r_row + e));
-        if (write_h) store_vec<T, VEC>(h_row + e, v);
+        store_vec<T, VEC>(h_row + e, v);
     }
     return v;
 }
@@ -209,7 +208,7 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         Stats s = Norm::init();
         for_each_batched<kSweepUnroll>(
             threadIdx.x, n_vec, blockDim.x,
-            [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC, true); },
+            [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC); },
             [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
         s = block_reduce<Norm>(s, scratch);
         const Affine<A> f = Norm::finalize(s, n, eps);
@@ -259,7 +258,7 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
         Stats s = Norm::init();
         for_each_batched<kSweepUnroll>(
             begin + threadIdx.x, end, blockDim.x,
-            [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC, true); },
+            [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC); },
             [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
         s = block_reduce<Norm>(s, scratch);
         if (threadIdx.x == 0) out[row * chunks + chunk] = s;
@@ -456,7 +455,7 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         } else {
             for_each_batched<kSweepUnroll>(
                 threadIdx.x, count, blockDim.x,
-                [&](long long i) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, i * VEC, true); },
+                [&](long long i) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, i * VEC); },
                 [&](long long i, const Vec<T, VEC>& v) {
                     chunk[i] = v;
                     s = fold<Norm, A, T, VEC>(s, v, pivot);
