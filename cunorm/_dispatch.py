@@ -25,7 +25,10 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
      available by override only: on problem 40 (LayerNorm, weight and bias)
      it measured 32.8% of copy bandwidth against the split tier's 58.5%;
      on RMSNorm 16x4194304 fp32 without weight, 62.9% against 58.3% (H200,
-     2026-11-21). Until LayerNorm's case is understood it is not picked.
+     2026-11-21). ncu on problem 40: 605 MB read from DRAM for 268 MB of x
+     (weight and bias re-read for every row despite evict-last hints), and
+     each row's load, barrier and write run one after another; not picked
+     (docs/performance.md, "Problem 40", has what was tried since).
 
 Strided axis (inner > 1): strided_norm with threadIdx.x along inner (up to
 32 vectors: a warp reads 512 contiguous bytes of one channel) and
