@@ -144,7 +144,7 @@ def make_inputs(op, shape, dtype, axis, params, residual):
     return x, w, b, r
 
 
-def _call(op, x, w, b, r, axis, out=None, h=None):
+def _call(op, x, w, b, r, axis, out=None):
     kwargs = {"axis": axis, "out": out}
     if r is not None:
         kwargs["residual"] = r
@@ -153,11 +153,15 @@ def _call(op, x, w, b, r, axis, out=None, h=None):
     return cunorm.rms_norm(x, w, **kwargs)
 
 
+def fewest_bytes(x, w, b, residual):
+    """x (and r) read once, y (and h) written once, parameters once."""
+    return (2 + 2 * bool(residual)) * x.nbytes + sum(a.nbytes for a in (w, b) if a is not None)
+
+
 def bench_case(name, op, shape, dtype, axis, params, residual, target, copy_bw, with_compile):
     x, w, b, r = make_inputs(op, shape, dtype, axis, params, residual)
     y = cupy.empty_like(x)
-    # fewest bytes: x (and r) read once, y (and h) written once, parameters once
-    nbytes = (2 + 2 * bool(residual)) * x.nbytes + sum(a.nbytes for a in (w, b) if a is not None)
+    nbytes = fewest_bytes(x, w, b, residual)
     row = {"case": name, "op": op, "shape": list(shape), "dtype": dtype, "axis": axis, "params": params,
            "residual": residual, "bytes": nbytes, "target_floor_pct": target}
     ms, lo, hi = time_gpu(lambda: _call(op, x, w, b, r, axis, out=y))
@@ -203,7 +207,7 @@ def tune_case(name, op, shape, dtype, axis, params, residual, copy_bw):
     x, w, b, r = make_inputs(op, shape, dtype, axis, params, residual)
     y = cupy.empty_like(x)
     h = cupy.empty_like(x) if residual else None
-    nbytes = (2 + 2 * bool(residual)) * x.nbytes + sum(a.nbytes for a in (w, b) if a is not None)
+    nbytes = fewest_bytes(x, w, b, residual)
     first, last = _axes(axis, x.ndim)
     norm = "ln" if op == "layer_norm" else "rms"
     out = []

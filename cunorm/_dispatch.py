@@ -352,6 +352,11 @@ def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
 # --- every instantiation the dispatch can pick --------------------------------
 
 
+def _vector_widths(dtype) -> list[int]:
+    """Elements a vector access may move: up to 16 bytes."""
+    return [v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16]
+
+
 def all_kernels(norms=("rms", "ln")) -> list[Kernel]:
     """Every template instantiation that ``choose`` can return, for the
     precompile step and CI's compile check."""
@@ -364,8 +369,7 @@ def all_kernels(norms=("rms", "ln")) -> list[Kernel]:
             t = _dtypes.KERNEL_TYPE[dtype]
             params = sorted({_dtypes.KERNEL_TYPE[dtype], _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
             affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in NORM_FLAGS[norm] if f for p in params]
-            vecs = [v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16]
-            for vec in vecs:
+            for vec in _vector_widths(dtype):
                 vec_bytes = vec * dtype.itemsize
                 for residual in (False, True):
                     out.append(Kernel("rows", split_partial_expr(policy, t, residual, vec)))
@@ -385,6 +389,6 @@ def all_kernels(norms=("rms", "ln")) -> list[Kernel]:
                         if cpt * vec_bytes <= CACHE_BYTES_STRIDED:
                             out.append(Kernel("strided", strided_expr(policy, t, p, flags, vec, cpt)))
     for dtype in _dtypes.SUPPORTED:
-        for vec in (v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16):
+        for vec in _vector_widths(dtype):
             out.append(Kernel("strided", residual_add_expr(_dtypes.KERNEL_TYPE[dtype], vec)))
     return out

@@ -106,6 +106,22 @@ __device__ __forceinline__ Vec<T, VEC> load_input(const T* x_row, const T* r_row
     return v;
 }
 
+// The write sweep of the streaming tiers (uncached, split): y[v] =
+// epilogue(src[v]) for v = first, first + blockDim.x, ... below end, a batch
+// of vectors and their parameters in flight at once.
+template <class T, class P, int FLAGS, int VEC, bool RESIDUAL, class A>
+__device__ __forceinline__ void write_sweep(const T* src, T* yr, const P* w, const P* b, long long first,
+                                            long long end, const Affine<A>& f, A pivot) {
+    for_each_batched<write_batch<T, P, FLAGS, VEC, RESIDUAL>()>(
+        first, end, blockDim.x,
+        [&](long long v) {
+            return Loaded<T, P, FLAGS, VEC>{load_vec<T, VEC>(src + v * VEC), load_params<P, FLAGS, VEC>(w, b, v * VEC)};
+        },
+        [&](long long v, const Loaded<T, P, FLAGS, VEC>& in) {
+            write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in.v, in.p, f, pivot);
+        });
+}
+
 template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC, int VECS_PER_THREAD,
           bool BLOCK_PER_ROW>
 __global__ void __launch_bounds__(
@@ -216,14 +232,7 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         // Second sweep: h (written above by this same thread) or x again.
         const T* src = RESIDUAL ? static_cast<const T*>(hr) : xr;
         T* yr = y + row * n;
-        for_each_batched<write_batch<T, P, FLAGS, VEC, RESIDUAL>()>(
-            threadIdx.x, n_vec, blockDim.x,
-            [&](long long v) {
-                return Loaded<T, P, FLAGS, VEC>{load_vec<T, VEC>(src + v * VEC), load_params<P, FLAGS, VEC>(w, b, v * VEC)};
-            },
-            [&](long long v, const Loaded<T, P, FLAGS, VEC>& in) {
-                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in.v, in.p, f, pivot);
-            });
+        write_sweep<T, P, FLAGS, VEC, RESIDUAL>(src, yr, w, b, threadIdx.x, n_vec, f, pivot);
     }
 }
 
@@ -299,20 +308,9 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict
         const A pivot = row_pivot<Norm, A, T, false>(src, src, true);
         if (chunk == 0 && threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
         T* yr = y + row * n;
-        for_each_batched<write_batch<T, P, FLAGS, VEC, RESIDUAL>()>(
-            begin + threadIdx.x, end, blockDim.x,
-            [&](long long v) {
-                return Loaded<T, P, FLAGS, VEC>{load_vec<T, VEC>(src + v * VEC), load_params<P, FLAGS, VEC>(w, b, v * VEC)};
-            },
-            [&](long long v, const Loaded<T, P, FLAGS, VEC>& in) {
-                write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in.v, in.p, f, pivot);
-            });
+        write_sweep<T, P, FLAGS, VEC, RESIDUAL>(src, yr, w, b, begin + threadIdx.x, end, f, pivot);
     }
 }
-
-}  // namespace cunorm
-
-namespace cunorm {
 
 // Acquire load of an arrival counter (the partials it guards are then
 // visible) and the L2 prefetch of one 128-byte line.

@@ -137,10 +137,6 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
     }
 }
 
-}  // namespace cunorm
-
-namespace cunorm {
-
 // h = x + r (rounded to T) over n_vec vectors of contiguous arrays: the
 // residual add for a strided axis, where the norm then reads h (the fused
 // form lives in the row family, whose layout the LLM pattern uses).
