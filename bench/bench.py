@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cunorm  # noqa: E402
-from cunorm import _dtypes, _ops  # noqa: E402
+from cunorm import _dispatch, _dtypes, _ops  # noqa: E402
 
 try:
     import torch
@@ -112,6 +112,18 @@ CASES = [
     ("rms rows 1x4096 bf16 +w (decode)", "rms_norm", (1, 4096), "bfloat16", -1, "w", False, None),
     ("rms rows 16x4194304 fp32 (few long rows)", "rms_norm", (16, 4194304), "float32", -1, "", False, None),
     ("rms rows 200000x64 fp16 +w (short rows)", "rms_norm", (200000, 64), "float16", -1, "w", False, None),
+]
+
+# The channel norms: name, op, shape, dtype, groups, channel_axis, params, target floor%.
+CHANNEL_CASES = [
+    ("problem 35 group_norm(8) (112,64,512,512) fp32 +w+b", "group_norm", (112, 64, 512, 512), "float32", 8, 1,
+     "wb", 75),
+    ("problem 34 instance_norm (112,64,512,512) fp32", "instance_norm", (112, 64, 512, 512), "float32", None, 1, "",
+     85),
+    ("problem 33 batch_norm train (64,64,512,512) fp32 +w+b", "batch_norm", (64, 64, 512, 512), "float32", None, 1,
+     "wb", 64),
+    ("group_norm(32) channels-last (8,128,128,512) bf16 +w+b", "group_norm", (8, 128, 128, 512), "bfloat16", 32, -1,
+     "wb", 80),
 ]
 
 TUNE = {
@@ -203,6 +215,103 @@ def bench_case(name, op, shape, dtype, axis, params, residual, target, copy_bw, 
     return row
 
 
+def _channel_call(op, x, groups, w, b, channel_axis, running, out=None):
+    kw = {"channel_axis": channel_axis, "out": out}
+    if op == "group_norm":
+        return cunorm.group_norm(x, groups, w, b, **kw)
+    if op == "instance_norm":
+        return cunorm.instance_norm(x, w, b, **kw)
+    return cunorm.batch_norm(x, w, b, running_mean=running[0], running_var=running[1], **kw)
+
+
+def torch_channel_norm(op, x, groups, w, b, channel_axis, running):
+    """torch's functional form; channels-last input as torch holds it: an
+    NCHW-shaped tensor in channels_last memory."""
+    if channel_axis != 1:
+        x = x.permute(0, x.ndim - 1, *range(1, x.ndim - 1))
+    F = torch.nn.functional
+    if op == "group_norm":
+        return F.group_norm(x, groups, w, b, eps=1e-5)
+    if op == "instance_norm":
+        return F.instance_norm(x, weight=w, bias=b, eps=1e-5)
+    return F.batch_norm(x, running[0], running[1], w, b, training=True, momentum=0.1, eps=1e-5)
+
+
+def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, target, copy_bw, with_compile):
+    dt = np.dtype(getattr(_dtypes, dtype))
+    c = shape[channel_axis]
+    x = cupy.random.standard_normal(shape, dtype=np.float32).astype(dt)
+    w = cupy.random.standard_normal(c, dtype=np.float32).astype(dt) if "w" in params else None
+    b = cupy.random.standard_normal(c, dtype=np.float32).astype(dt) if "b" in params else None
+    running = (cupy.zeros(c, np.float32), cupy.ones(c, np.float32)) if op == "batch_norm" else (None, None)
+    y = cupy.empty_like(x)
+    nbytes = fewest_bytes(x, w, b, False)
+    row = {"case": name, "op": op, "shape": list(shape), "dtype": dtype, "axis": channel_axis, "params": params,
+           "residual": False, "bytes": nbytes, "target_floor_pct": target}
+    ms, lo, hi = time_gpu(lambda: _channel_call(op, x, groups, w, b, channel_axis, running, out=y))
+    row.update(tier=_channel_tier(op, x, groups, w, b, channel_axis), ms=ms, ms_min=lo, ms_max=hi)
+    row["gbps"] = nbytes / (ms * 1e-3) / 1e9
+    row["floor_pct"] = 100 * row["gbps"] / copy_bw
+    # error against float64 on the first two samples (BatchNorm: its channels over them)
+    k = 2
+    ref_kw = {"channel_axis": channel_axis, "exact": True}
+    xs = cupy.asnumpy(x[:k])
+    wn, bn = (None if a is None else cupy.asnumpy(a) for a in (w, b))
+    if op == "group_norm":
+        ref = cunorm.reference.group_norm(xs, groups, wn, bn, **ref_kw)
+        got = cupy.asnumpy(y[:k])
+    elif op == "instance_norm":
+        ref = cunorm.reference.instance_norm(xs, wn, bn, **ref_kw)
+        got = cupy.asnumpy(y[:k])
+    else:
+        ref = cunorm.reference.batch_norm(xs, wn, bn, **ref_kw)
+        got = cupy.asnumpy(_channel_call(op, x[:k], groups, w, b, channel_axis, (None, None)))
+    row["max_rel_err"] = float(np.max(np.abs(got.astype(np.float64) - ref) / np.maximum(np.abs(ref), 1e-3)))
+    if torch is not None:
+        xt, wt, bt = (None if a is None else torch.from_dlpack(a) for a in (x, w, b))
+        rt = tuple(None if a is None else torch.from_dlpack(a) for a in running)
+        t_ms, _, _ = time_gpu(lambda: torch_channel_norm(op, xt, groups, wt, bt, channel_axis, rt), reps=10)
+        row["torch_ms"] = t_ms
+        row["torch_floor_pct"] = 100 * nbytes / (t_ms * 1e-3) / 1e9 / copy_bw
+        if with_compile:
+            try:
+                compiled = torch.compile(lambda a, d, e: torch_channel_norm(op, a, groups, d, e, channel_axis, rt))
+                c_ms, _, _ = time_gpu(lambda: compiled(xt, wt, bt), reps=10, warmup=2)
+                row["compile_ms"] = c_ms
+                row["compile_floor_pct"] = 100 * nbytes / (c_ms * 1e-3) / 1e9 / copy_bw
+            except Exception as err:  # report, keep going
+                row["compile_error"] = repr(err)[:200]
+        del xt, wt, bt, rt
+    del x, w, b, y, running
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.empty_cache()
+    return row
+
+
+def _channel_tier(op, x, groups, w, b, channel_axis):
+    """The walk the dispatch picks for a channel case (for the table)."""
+    from cunorm import _channels, _plan
+
+    norm = op.split("_")[0]
+    ca = channel_axis % x.ndim
+    c = x.shape[ca]
+    g = groups if op == "group_norm" else c
+    last = _plan.channel_layout(x.shape, tuple(s // x.itemsize for s in x.strides), ca, norm != "batch")
+    flags = (1 if w is not None else 0) | (2 if b is not None else 0)
+    plan = _plan.make_channel_plan(norm, x.dtype, x.dtype if flags else None, flags, last, x.shape[0], c,
+                                   x.size // (x.shape[0] * c), c // g, norm != "batch", 0, 0)
+    if _dispatch.channel_rows_fast(plan):
+        return "rows (" + _ops._planned(*_rows_key(plan, x))[1].tier + ")"
+    return _dispatch.choose_channels(plan, _ops.device_info(x.data.device_id)).tier
+
+
+def _rows_key(plan, x):
+    rows = plan.statistic_groups
+    n = x.size // rows
+    return ("ln", x.dtype, None, 0, False, (rows, n), (n, 1), 1, 1, 0, 0, 0, 0, 0, 0, x.data.device_id)
+
+
 def tune_case(name, op, shape, dtype, axis, params, residual, copy_bw):
     x, w, b, r = make_inputs(op, shape, dtype, axis, params, residual)
     y = cupy.empty_like(x)
@@ -265,6 +374,7 @@ def main():
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--tune", action="store_true", help="also sweep launch overrides")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this text")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -284,8 +394,12 @@ def main():
     print(f"{gpu}, {meta['date']}: copy bandwidth {copy_bw:.0f} GB/s (read + write)", flush=True)
 
     rows = []
-    for case in CASES:
+    for case in [c for c in CASES if args.only in c[0]]:
         row = bench_case(*case, copy_bw, with_compile=not args.no_compile)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for case in [c for c in CHANNEL_CASES if args.only in c[0]]:
+        row = bench_channel_case(*case, copy_bw, with_compile=not args.no_compile)
         rows.append(row)
         print(json.dumps(row), flush=True)
     tuning = []
@@ -295,7 +409,7 @@ def main():
                 for r in tune_case(*case[:7], copy_bw):
                     tuning.append(r)
                     print("tune", json.dumps(r), flush=True)
-    overhead = host_overhead()
+    overhead = host_overhead() if not args.only else {}
     result = {"meta": meta, "cases": rows, "tuning": tuning, "host_overhead_us": overhead}
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
 

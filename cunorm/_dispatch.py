@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ._plan import Plan, kernel_types
+from ._plan import ChannelPlan, Plan, kernel_types
 
 # --- thresholds --------------------------------------------------------------
 #: vector loads per thread in rows_cached. 4 beat 8 and 2: fp32 65536x1024,
@@ -84,6 +84,10 @@ UNCACHED_BLOCK_THREADS = 512
 RESIDENT_BLOCK_THREADS = 512
 RESIDENT_SHARED_RESERVE = 1024
 GROUP_BLOCK_THREADS = 256  # mirrors kGroupBlockThreads in rows.cu
+#: channel family (GroupNorm, InstanceNorm, BatchNorm through three
+#: launches): blocks a pass aims for, per SM, as in the split tier.
+CHANNEL_BLOCKS_PER_SM = 8
+CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
 STRIDED_BLOCK_THREADS = 256
 
 MAX_GRID_X = 2**31 - 1
@@ -349,6 +353,88 @@ def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
     return Launch("strided_cached" if cpt else "strided_uncached", (step,))
 
 
+# --- the channel family ---------------------------------------------------------
+
+
+def channel_partial_expr(t, vec, channels_last) -> str:
+    return f"cunorm::channel_partial<cunorm::LayerNorm, {t}, {vec}, {_b(channels_last)}>"
+
+
+def channel_finalize_expr(t, channels_last) -> str:
+    return f"cunorm::channel_finalize<cunorm::LayerNorm, {t}, {_b(channels_last)}>"
+
+
+def channel_from_running_expr(a) -> str:
+    return f"cunorm::channel_from_running<{a}>"
+
+
+def channel_apply_expr(t, p, flags, vec, channels_last) -> str:
+    return f"cunorm::channel_apply<{t}, {p}, {flags}, {vec}, {_b(channels_last)}>"
+
+
+def channel_rows_fast(plan: ChannelPlan) -> bool:
+    """Whether a channel norm is a row norm in disguise: per-sample groups of
+    a channels-first x are contiguous rows of channels_per_group * spatial
+    elements, and without per-channel parameters the row family's tiers
+    (one read for groups that fit on chip) normalize them as LayerNorm."""
+    return plan.per_sample and not plan.channels_last and plan.flags == 0
+
+
+def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = False) -> Launch:
+    """The three-launch walk of cunorm/kernels/channels.cu for ``plan``:
+    partial statistics over chunks of the positions, a block per statistic
+    group to combine them, then the elementwise epilogue (x read twice).
+    BatchNorm in eval mode (from_running) needs only the epilogue."""
+    from ._dtypes import KERNEL_TYPE, accumulation
+
+    t, p = kernel_types(plan)
+    want_blocks = CHANNEL_BLOCKS_PER_SM * device.sm_count
+    if plan.channels_last:
+        vecs = plan.channels // plan.vec
+        # A row of threads covers a position's channels (up to 256 vectors),
+        # so a block reads whole positions, contiguous: group_norm(32) bf16
+        # (8,128,128,512) channels-last, 64-vector rows: bx 32 (half a
+        # position a row) ran the two passes at 16.9% of copy bandwidth.
+        bx = min(CHANNEL_BLOCK_THREADS, next_pow2(vecs))
+        by = CHANNEL_BLOCK_THREADS // bx
+        block = (bx, by)
+        tiles = _ceil_div(vecs, bx)
+        want_chunks = max(1, _ceil_div(want_blocks, plan.batch * tiles))
+        # at least 4 positions a thread row per chunk (for_each_batched's batch)
+        chunk_len = max(4 * by, _ceil_div(plan.spatial, want_chunks))
+        chunks = _ceil_div(plan.spatial, chunk_len)
+        grid = (min(chunks, MAX_GRID_X), min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
+        acc_bytes = accumulation(plan.dtype).itemsize
+        partial_shared = by * bx * plan.vec * STAT_WORDS["ln"] * acc_bytes
+    else:
+        vecs = plan.spatial // plan.vec
+        block = (CHANNEL_BLOCK_THREADS,)
+        rows = plan.batch * plan.channels
+        want_chunks = max(1, _ceil_div(want_blocks, rows))
+        chunk_len = max(4 * CHANNEL_BLOCK_THREADS, _ceil_div(vecs, want_chunks))
+        chunks = _ceil_div(vecs, chunk_len)
+        grid = (min(chunks, MAX_GRID_X), min(plan.channels, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
+        partial_shared = 0
+    groups = plan.statistic_groups
+    if groups >= 2**31 or plan.channels_per_group * chunks >= 2**31 or plan.channels >= 2**31:
+        raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
+                         f"is over the kernels' 2**31 - 1 index limit")
+    apply = Step(Kernel("channels", channel_apply_expr(t, p, plan.flags, plan.vec, plan.channels_last)), grid, block)
+    if from_running:
+        a = KERNEL_TYPE[accumulation(plan.dtype)]
+        stats = Step(Kernel("channels", channel_from_running_expr(a)),
+                     (_ceil_div(plan.channels, CHANNEL_BLOCK_THREADS),), (CHANNEL_BLOCK_THREADS,))
+        return Launch("channel_running", (stats, apply), chunks=chunks, chunk_vecs=chunk_len,
+                      workspace_words=3 * groups)
+    partial = Step(Kernel("channels", channel_partial_expr(t, plan.vec, plan.channels_last)), grid, block,
+                   partial_shared)
+    finalize = Step(Kernel("channels", channel_finalize_expr(t, plan.channels_last)),
+                    (min(groups, MAX_GRID_X),), (CHANNEL_BLOCK_THREADS,))
+    members = plan.batch * plan.channels * chunks
+    return Launch("channel_split", (partial, finalize, apply), chunks=chunks, chunk_vecs=chunk_len,
+                  workspace_words=3 * (members + groups))
+
+
 # --- every instantiation the dispatch can pick --------------------------------
 
 
@@ -391,4 +477,22 @@ def all_kernels(norms=("rms", "ln")) -> list[Kernel]:
     for dtype in _dtypes.SUPPORTED:
         for vec in _vector_widths(dtype):
             out.append(Kernel("strided", residual_add_expr(_dtypes.KERNEL_TYPE[dtype], vec)))
+    return out + channel_kernels()
+
+
+def channel_kernels() -> list[Kernel]:
+    """Every instantiation of the channel family."""
+    from . import _dtypes
+
+    out = [Kernel("channels", channel_from_running_expr(a)) for a in ("float", "double")]
+    for dtype in _dtypes.SUPPORTED:
+        t = _dtypes.KERNEL_TYPE[dtype]
+        params = sorted({t, _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
+        affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]
+        for last in (False, True):
+            out.append(Kernel("channels", channel_finalize_expr(t, last)))
+            for vec in _vector_widths(dtype):
+                out.append(Kernel("channels", channel_partial_expr(t, vec, last)))
+                for p, flags in affine:
+                    out.append(Kernel("channels", channel_apply_expr(t, p, flags, vec, last)))
     return out

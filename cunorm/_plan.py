@@ -185,3 +185,81 @@ def kernel_types(plan: Plan) -> tuple[str, str]:
     """The (T, P) template arguments of a plan."""
     p = _dtypes.NO_PARAMS if plan.param_dtype is None else _dtypes.KERNEL_TYPE[plan.param_dtype]
     return _dtypes.KERNEL_TYPE[plan.dtype], p
+
+
+@dataclass(frozen=True)
+class ChannelPlan:
+    """What the channel family (cunorm/kernels/channels.cu) needs to know
+    about a GroupNorm / InstanceNorm / BatchNorm call.
+
+    x is dense with ``batch`` samples, ``channels`` channels and ``spatial``
+    positions, channels-first (batch, channels, spatial) or channels-last
+    (batch, spatial, channels) in memory. A statistic group is
+    ``channels_per_group`` consecutive channels of one sample (per_sample) or
+    of the whole batch. BatchNorm channels-last folds the batch into the
+    positions (batch 1), its statistic spanning both anyway.
+    vec: elements per vector along the contiguous axis (positions when
+    channels-first, channels when channels-last).
+    """
+
+    norm: str
+    dtype: np.dtype
+    param_dtype: np.dtype | None
+    flags: int
+    channels_last: bool
+    batch: int
+    channels: int
+    spatial: int
+    channels_per_group: int
+    per_sample: bool
+    vec: int
+
+    @property
+    def groups(self) -> int:
+        return self.channels // self.channels_per_group
+
+    @property
+    def statistic_groups(self) -> int:
+        return (self.batch if self.per_sample else 1) * self.groups
+
+
+def dense_order(shape, strides, order) -> bool:
+    """Whether an array of ``shape`` and ``strides`` (elements) is dense with
+    its axes laid out in ``order``, outermost first (size-1 axes ignored)."""
+    expected = 1
+    for axis in reversed(order):
+        if shape[axis] != 1 and strides[axis] != expected:
+            return False
+        expected *= shape[axis]
+    return True
+
+
+def channel_orders(ndim: int, channel_axis: int) -> dict[bool, tuple[int, ...]]:
+    """The memory order of each physical layout (channels_last -> axes,
+    outermost first) of an array whose channel axis is ``channel_axis``."""
+    spatial = [a for a in range(1, ndim) if a != channel_axis]
+    return {False: (0, channel_axis, *spatial), True: (0, *spatial, channel_axis)}
+
+
+def channel_layout(shape, strides, channel_axis: int, per_sample: bool) -> bool | None:
+    """True for channels-last in memory, False for channels-first, None when
+    x is dense in neither (it is then copied). When both hold (no spatial
+    extent), channels-first for per-sample groups (a group is contiguous) and
+    channels-last for BatchNorm (each channel a strided column)."""
+    orders = channel_orders(len(shape), channel_axis)
+    preferred = (False, True) if per_sample else (True, False)
+    for last in preferred:
+        if dense_order(shape, strides, orders[last]):
+            return last
+    return None
+
+
+def make_channel_plan(norm, dtype, param_dtype, flags, channels_last, batch, channels, spatial,
+                      channels_per_group, per_sample, x_ptr, y_ptr) -> ChannelPlan:
+    """Plan for a dense x (pointers may be given modulo 32)."""
+    if channels_last and not per_sample:
+        batch, spatial = 1, batch * spatial
+    extent = channels if channels_last else spatial
+    vec = vector_width(dtype.itemsize, extent, [], [(x_ptr, dtype.itemsize), (y_ptr, dtype.itemsize)])
+    return ChannelPlan(norm, dtype, param_dtype if flags else None, flags, channels_last, batch, channels, spatial,
+                       channels_per_group, per_sample, vec)

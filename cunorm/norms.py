@@ -1,7 +1,7 @@
 """The public normalization ops."""
 from __future__ import annotations
 
-from . import _ops, reference
+from . import _channels, _ops, reference
 
 DEFAULT_EPS = 1e-5
 
@@ -128,3 +128,148 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     call = _ops.Call("ln", x, axis, eps, out, weight=weight, bias=bias, residual=residual,
                      return_stats=return_stats)
     return _ops.run(call, reference.layer_norm)
+
+
+_CHANNEL_X = """x : array
+        (N, C, *spatial) with ``channel_axis=1`` (NCHW), or (N, *spatial, C)
+        with ``channel_axis=-1`` (channels-last, NHWC); any number of spatial
+        axes, including none. Array kinds and dtypes as for
+        :func:`layer_norm`. Dense channels-first or channels-last memory is
+        used as it is (a torch channels_last tensor with channel_axis=1 runs
+        as channels-last); any other layout is copied once."""
+
+
+def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False,
+               out=None):
+    """Group normalization (torch.nn.GroupNorm).
+
+    The C channels are split into ``num_groups`` groups of consecutive
+    channels; each (sample, group) is normalized over its channels and every
+    spatial position, ``y = (x - mean) * rsqrt(var + eps) [* weight[c]]
+    [+ bias[c]]``, var biased, statistics in float32 (float64 for float64 x)
+    combined pairwise (Chan et al.); y rounded once to x's dtype.
+
+    Parameters
+    ----------
+    {x}
+    num_groups : int
+        At least 1, dividing C.
+    weight, bias : array, optional
+        Of shape (C,), per channel; dtypes as for :func:`layer_norm`.
+    eps : float, default 1e-5
+        Added to the variance; finite and >= 0.
+    channel_axis : int, default 1
+        1 (channels-first) or -1 (channels-last).
+    return_stats : bool, default False
+        Also return ``mean`` and ``rstd`` of shape (N, num_groups), float32
+        (float64 for float64 x).
+    out : array, optional
+        Where to write y: x's shape, dtype and memory layout; not overlapping x.
+
+    Returns
+    -------
+    y, or ``(y, mean, rstd)``
+        The caller's array type, with x's memory layout (C order if x had to
+        be copied).
+
+    Raises
+    ------
+    TypeError
+        a wrong array kind or dtype, num_groups not an int.
+    ValueError
+        num_groups < 1 or not dividing C, weight/bias not of shape (C,), a
+        channel_axis other than 1 or -1, x of fewer than 2 dimensions or with
+        empty groups, eps negative or not finite, a bad ``out``.
+
+    Notes
+    -----
+    A group holding Inf or NaN comes out all NaN; other groups are unaffected.
+    """
+    call = _channels.ChannelCall("group", x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
+                                 channel_axis=channel_axis, out=out, return_stats=return_stats)
+    return _channels.run(call)
+
+
+def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False, out=None):
+    """Instance normalization (torch.nn.InstanceNorm*d, using the input's
+    statistics): GroupNorm with one channel per group; each (sample, channel)
+    is normalized over its spatial positions.
+
+    Parameters
+    ----------
+    {x}
+        At least two spatial elements (as torch requires).
+    weight, bias : array, optional
+        Of shape (C,) (torch's ``affine=True``).
+    eps, channel_axis, out
+        As for :func:`group_norm`.
+    return_stats : bool, default False
+        Also return ``mean`` and ``rstd`` of shape (N, C).
+
+    Returns
+    -------
+    y, or ``(y, mean, rstd)``
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`group_norm`; ValueError also for a single spatial
+        element.
+    """
+    call = _channels.ChannelCall("instance", x, weight=weight, bias=bias, eps=eps, channel_axis=channel_axis,
+                                 out=out, return_stats=return_stats)
+    return _channels.run(call)
+
+
+def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
+               eps=DEFAULT_EPS, channel_axis=1, return_stats=False, out=None):
+    """Batch normalization (torch.nn.BatchNorm*d's forward).
+
+    Training (the default): each channel is normalized with its statistics
+    over the batch and every spatial position (var biased), and the running
+    buffers, when given, are updated in place as torch updates them:
+    ``running = (1 - momentum) * running + momentum * statistic`` with the
+    unbiased variance ``var * n / (n - 1)``. Eval (``training=False``): each
+    channel is normalized with running_mean and running_var, which are then
+    required and left unchanged.
+
+    Parameters
+    ----------
+    {x}
+    weight, bias : array, optional
+        Of shape (C,).
+    running_mean, running_var : array, optional
+        Of shape (C,), the same kind of array as x (CuPy or torch; not JAX,
+        whose arrays cannot change), any of the four float dtypes. The only
+        arrays cunorm writes besides its outputs.
+    training : bool, default True
+    momentum : float, default 0.1
+        In [0, 1]. (torch's ``momentum=None``, a cumulative average, is not
+        supported: pass 1 / batches_seen yourself.)
+    eps, channel_axis, out
+        As for :func:`group_norm`.
+    return_stats : bool, default False
+        Also return the ``mean`` and ``rstd`` used, of shape (C,).
+
+    Returns
+    -------
+    y, or ``(y, mean, rstd)``
+
+    Raises
+    ------
+    TypeError
+        as for :func:`group_norm`; a JAX running buffer.
+    ValueError
+        as for :func:`group_norm`; running buffers not of shape (C,);
+        training=False without both running buffers; training with a single
+        value per channel; momentum outside [0, 1].
+    """
+    call = _channels.ChannelCall("batch", x, weight=weight, bias=bias, eps=eps, channel_axis=channel_axis,
+                                 out=out, return_stats=return_stats, running_mean=running_mean,
+                                 running_var=running_var, training=training, momentum=momentum)
+    return _channels.run(call)
+
+
+for _f in (group_norm, instance_norm, batch_norm):
+    _f.__doc__ = _f.__doc__.replace("{x}", _CHANNEL_X)
+del _f

@@ -69,3 +69,117 @@ def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact):
             results.append(np.squeeze(center, axis=axes).astype(stats_dtype))
         results.append(np.squeeze(scale, axis=axes).astype(stats_dtype))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _channels_first(x, channel_axis):
+    """x as (N, C, S) float64 with the channel axis moved to 1 and the
+    spatial axes flattened, and the function that undoes it."""
+    x = np.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"x must have a batch and a channel axis, got shape {x.shape}")
+    ca = channel_axis % x.ndim
+    moved = np.moveaxis(x, ca, 1)
+    shape = moved.shape
+
+    def back(a):
+        return np.moveaxis(a.reshape(shape), 1, ca)
+
+    return moved.reshape(shape[0], shape[1], int(np.prod(shape[2:]))).astype(np.float64), back
+
+
+def _grouped(xf, num_groups, per_sample, eps):
+    """center, scale and the finite mask of every statistic group of xf
+    (N, C, S): groups of C // num_groups channels, per sample or over the
+    whole batch; keepdims so they broadcast against (N, G, C // G, S)."""
+    n, c, s = xf.shape
+    xg = xf.reshape(n, num_groups, c // num_groups, s)
+    axes = (2, 3) if per_sample else (0, 2, 3)
+    with np.errstate(over="ignore", invalid="ignore"):
+        center = np.mean(xg, axis=axes, keepdims=True)
+        var = np.mean((xg - center) ** 2, axis=axes, keepdims=True)
+        finite = np.isfinite(var) & np.isfinite(center)
+        scale = np.where(finite, 1.0 / np.sqrt(var + eps), np.nan)
+    return np.where(finite, center, np.nan), scale, var, xg
+
+
+def _channel_affine(xg, center, scale, weight, bias):
+    n, g, cg, s = xg.shape
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = (xg - np.where(np.isfinite(center), center, 0.0)) * scale
+        if weight is not None:
+            y = y * np.asarray(weight).astype(np.float64).reshape(1, g, cg, 1)
+        if bias is not None:
+            y = y + np.asarray(bias).astype(np.float64).reshape(1, g, cg, 1)
+    return y
+
+
+def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=1, return_stats=False,
+               exact=False):
+    """GroupNorm: statistics per (sample, group of C // num_groups channels)
+    over the group's channels and every spatial position, var biased; then
+    per channel ``* weight[c] + bias[c]``. Returns y, then (mean, rstd) of
+    shape (N, num_groups) if return_stats."""
+    from ._dtypes import accumulation
+
+    x = np.asarray(x)
+    xf, back = _channels_first(x, channel_axis)
+    center, scale, _, xg = _grouped(xf, num_groups, True, eps)
+    y = back(_channel_affine(xg, center, scale, weight, bias))
+    results = [y if exact else y.astype(x.dtype)]
+    if return_stats:
+        stats_dtype = np.float64 if exact else accumulation(x.dtype)
+        results += [center.reshape(xf.shape[0], num_groups).astype(stats_dtype),
+                    scale.reshape(xf.shape[0], num_groups).astype(stats_dtype)]
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def instance_norm(x, weight=None, bias=None, *, eps=1e-5, channel_axis=1, return_stats=False, exact=False):
+    """InstanceNorm: GroupNorm with one channel per group. Statistics of
+    shape (N, C)."""
+    x = np.asarray(x)
+    return group_norm(x, x.shape[channel_axis % max(x.ndim, 1)] if x.ndim >= 2 else 1, weight, bias, eps=eps,
+                      channel_axis=channel_axis, return_stats=return_stats, exact=exact)
+
+
+def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
+               eps=1e-5, channel_axis=1, return_stats=False, exact=False):
+    """BatchNorm: per-channel statistics over the batch and every spatial
+    position. Training: batch statistics (var biased), and the running
+    buffers, when given, updated in place as torch does:
+    ``running = (1 - momentum) * running + momentum * stat`` with the
+    unbiased variance. Eval: the running statistics. Statistics returned
+    (mean, rstd of the normalization used) of shape (C,)."""
+    from ._dtypes import accumulation
+
+    x = np.asarray(x)
+    xf, back = _channels_first(x, channel_axis)
+    n, c, s = xf.shape
+    if training:
+        center, scale, var, xg = _grouped(xf, c, False, eps)
+        count = n * s
+        if running_mean is not None:
+            mean = center.reshape(c)
+            running_mean[...] = ((1 - momentum) * running_mean.astype(np.float64) + momentum * mean)
+        if running_var is not None:
+            unbiased = var.reshape(c) * (count / (count - 1))
+            running_var[...] = ((1 - momentum) * running_var.astype(np.float64) + momentum * unbiased)
+    else:
+        xg = xf.reshape(n, c, 1, s)
+        center = np.asarray(running_mean).astype(np.float64).reshape(1, c, 1, 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            scale = 1.0 / np.sqrt(np.asarray(running_var).astype(np.float64).reshape(1, c, 1, 1) + eps)
+        with np.errstate(over="ignore", invalid="ignore"):
+            # eval: a group's own NaN stays in that element only
+            y = (xg - center) * scale
+            if weight is not None:
+                y = y * np.asarray(weight).astype(np.float64).reshape(1, c, 1, 1)
+            if bias is not None:
+                y = y + np.asarray(bias).astype(np.float64).reshape(1, c, 1, 1)
+    if training:
+        y = _channel_affine(xg, center, scale, weight, bias)
+    y = back(y)
+    results = [y if exact else y.astype(x.dtype)]
+    if return_stats:
+        stats_dtype = np.float64 if exact else accumulation(x.dtype)
+        results += [center.reshape(c).astype(stats_dtype), scale.reshape(c).astype(stats_dtype)]
+    return results[0] if len(results) == 1 else tuple(results)

@@ -165,3 +165,61 @@ def test_strided_extent_limit():
     p = plan_for((2, 2**31, 4), 1)
     with pytest.raises(ValueError, match="2\\*\\*31 - 1 limit"):
         _dispatch.choose(p, H200)
+
+
+# --- the channel family ---------------------------------------------------------
+from cunorm._plan import channel_layout, channel_orders, dense_order, make_channel_plan  # noqa: E402
+
+
+def test_channel_layouts():
+    shape = (2, 8, 5, 3)
+    assert channel_layout(shape, c_strides(shape), 1, True) is False  # NCHW
+    nhwc_memory = (120, 1, 24, 8)  # torch channels_last strides of an NCHW shape
+    assert channel_layout(shape, nhwc_memory, 1, True) is True
+    assert channel_layout((2, 5, 3, 8), c_strides((2, 5, 3, 8)), 3, True) is True
+    assert channel_layout(shape, (240, 15, 3, 1), 1, True) is None  # a slice: not dense
+    # no spatial extent: both layouts hold; per-sample groups prefer channels-first
+    assert channel_layout((4, 6), (6, 1), 1, True) is False
+    assert channel_layout((4, 6), (6, 1), 1, False) is True
+    assert channel_orders(4, 1) == {False: (0, 1, 2, 3), True: (0, 2, 3, 1)}
+    assert dense_order((2, 1, 3), (3, 99, 1), (0, 1, 2))
+
+
+def channel_plan(norm="group", dtype=_dtypes.float32, flags=0, last=False, batch=2, channels=8, spatial=64,
+                 cpg=2, ptr=0):
+    pdtype = None if not flags else dtype
+    return make_channel_plan(norm, np.dtype(dtype), pdtype, flags, last, batch, channels, spatial, cpg,
+                             norm != "batch", ptr, 0)
+
+
+def test_channel_plan_vectors_and_batch_fold():
+    assert channel_plan(spatial=49).vec == 1 and channel_plan(spatial=64).vec == 4
+    assert channel_plan(last=True, channels=6).vec == 2 and channel_plan(last=True, ptr=4).vec == 1
+    p = channel_plan("batch", last=True, batch=3, spatial=10, cpg=1)
+    assert (p.batch, p.spatial) == (1, 30)  # BatchNorm channels-last: batch folded into positions
+    assert channel_plan().statistic_groups == 8 and channel_plan("batch", cpg=1).statistic_groups == 8
+
+
+@pytest.mark.parametrize("last", [False, True])
+@pytest.mark.parametrize("batch,channels,spatial", [(1, 1, 1), (112, 64, 512 * 512), (8, 512, 128 * 128),
+                                                    (3, 70000, 5), (100000, 3, 7)])
+def test_channel_launches_cover_and_fit(last, batch, channels, spatial):
+    compiled = {k.expression for k in _dispatch.all_kernels()}
+    for norm, cpg in (("group", 1), ("batch", 1)):
+        for flags in (0, 3):
+            p = channel_plan(norm, flags=flags, last=last, batch=batch, channels=channels, spatial=spatial, cpg=cpg)
+            for from_running in ((False, True) if norm == "batch" else (False,)):
+                launch = _dispatch.choose_channels(p, H200, from_running=from_running)
+                extent = (p.channels if last else p.spatial) // p.vec
+                assert launch.chunks * launch.chunk_vecs >= (p.spatial if last else extent)
+                for step in launch.steps:
+                    assert step.kernel.expression in compiled, step.kernel.expression
+                    assert step.grid[0] <= _dispatch.MAX_GRID_X and all(g <= _dispatch.MAX_GRID_Y for g in step.grid[1:])
+                    assert np.prod(step.block) <= 1024 and step.shared_bytes <= 48 * 1024
+
+
+def test_channel_rows_fast_path():
+    assert _dispatch.channel_rows_fast(channel_plan())
+    assert not _dispatch.channel_rows_fast(channel_plan(flags=1))
+    assert not _dispatch.channel_rows_fast(channel_plan(last=True))
+    assert not _dispatch.channel_rows_fast(channel_plan("batch", cpg=1))

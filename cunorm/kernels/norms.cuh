@@ -127,6 +127,10 @@ struct LayerNorm {
         if (!isfinite(s.m2) || !isfinite(s.mean)) scale = center = quiet_nan<A>();
         return Affine<A>{center, scale};
     }
+    // The unbiased variance m2 / (n - 1) (BatchNorm's running estimate).
+    __device__ static __forceinline__ A unbiased_variance(const Stats& s, long long n) {
+        return s.m2 * reciprocal(static_cast<A>(n - 1));
+    }
 };
 
 }  // namespace cunorm

@@ -1,0 +1,271 @@
+"""GroupNorm, InstanceNorm and BatchNorm: validation, planning and launch.
+
+A call is canonicalized to a ChannelPlan (x dense channels-first or
+channels-last in memory, whichever its strides already are; anything else is
+copied once) and run by the channel family (cunorm/kernels/channels.cu), or
+by the row family when it is a row norm in disguise
+(_dispatch.channel_rows_fast). y has x's memory layout.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import numpy as np
+
+from . import _dispatch, _dtypes, _interop, _ops, _plan
+
+NORMS = ("group", "instance", "batch")
+
+
+class ChannelCall:
+    """A validated call of group_norm, instance_norm or batch_norm."""
+
+    __slots__ = ("norm", "adapter", "x", "channel_axis", "groups", "weight", "bias", "eps", "out", "out_given",
+                 "return_stats", "running_mean", "running_var", "training", "momentum")
+
+    def __init__(self, norm, x, *, num_groups=None, weight=None, bias=None, eps, channel_axis, out=None,
+                 return_stats=False, running_mean=None, running_var=None, training=True, momentum=0.1):
+        fn = f"{norm}_norm"
+        self.norm = norm
+        self.adapter = _interop.adapter_for(x, "x")
+        xa = x if self.adapter is _interop.NUMPY else self.adapter.to_cupy(x, "x")
+        _ops.check_dtype(xa.dtype, "x")
+        if xa.ndim < 2:
+            raise ValueError(f"{fn}: x must have a batch and a channel axis (N, C, ...), got shape {tuple(xa.shape)}")
+        self.x = xa
+        self.channel_axis = _channel_axis(channel_axis, xa.ndim, fn)
+        shape = tuple(xa.shape)
+        channels = shape[self.channel_axis]
+        spatial = math.prod(s for a, s in enumerate(shape) if a not in (0, self.channel_axis))
+        if norm == "group":
+            if isinstance(num_groups, (bool, np.bool_)) or not isinstance(num_groups, (int, np.integer)):
+                raise TypeError(f"group_norm: num_groups must be an int, got {type(num_groups).__name__}")
+            if num_groups < 1 or channels % num_groups:
+                raise ValueError(f"group_norm: num_groups must be >= 1 and divide the {channels} channels, "
+                                 f"got {num_groups}")
+            self.groups = int(num_groups)
+        else:
+            self.groups = channels
+        per_group = (channels // max(self.groups, 1)) * spatial * (shape[0] if norm == "batch" else 1)
+        if per_group == 0:
+            raise ValueError(f"{fn}: x of shape {shape} leaves no elements in a normalization group "
+                             f"(channel axis {self.channel_axis})")
+        self.weight = self._param(weight, "weight", channels)
+        self.bias = self._param(bias, "bias", channels)
+        self.eps = _ops.check_eps(eps)
+        if not isinstance(return_stats, (bool, np.bool_)):
+            raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
+        self.return_stats = bool(return_stats)
+        if not isinstance(training, (bool, np.bool_)):
+            raise TypeError(f"training must be True or False, got {training!r}")
+        self.training = bool(training)
+        self.momentum = _momentum(momentum)
+        self.running_mean = self._running(running_mean, "running_mean", channels)
+        self.running_var = self._running(running_var, "running_var", channels)
+        if norm == "batch" and not self.training and (self.running_mean is None or self.running_var is None):
+            raise ValueError("batch_norm with training=False normalizes with the running statistics: "
+                             "pass running_mean and running_var")
+        if norm == "batch" and self.training and per_group == 1:
+            raise ValueError(f"batch_norm in training needs more than one value per channel, got x of shape {shape}")
+        if norm == "instance" and spatial == 1:
+            raise ValueError(f"instance_norm needs more than one spatial element, got x of shape {shape}")
+        self.out_given = out
+        self.out = None if out is None else self._out(out)
+
+    _same_kind = _ops.Call._same_kind
+
+    def _param(self, p, name, channels):
+        if p is None:
+            return None
+        pa = self._same_kind(p, name)
+        _ops.check_dtype(pa.dtype, name)
+        if tuple(pa.shape) != (channels,):
+            raise ValueError(f"{self.norm}_norm: {name} must have shape ({channels},), one per channel, "
+                             f"got {tuple(pa.shape)}")
+        return pa
+
+    def _running(self, buf, name, channels):
+        if buf is None:
+            return None
+        if self.norm != "batch":
+            raise ValueError(f"{name} is a batch_norm argument")
+        if getattr(_interop.adapter_for(buf, name), "name", None) == "jax":
+            raise TypeError(f"{name} is a JAX array, which cannot be updated in place; pass a CuPy or torch buffer")
+        ba = self._same_kind(buf, name)
+        _ops.check_dtype(ba.dtype, name)
+        if tuple(ba.shape) != (channels,):
+            raise ValueError(f"batch_norm: {name} must have shape ({channels},), got {tuple(ba.shape)}")
+        return ba
+
+    def _out(self, out):
+        oa = self._same_kind(out, "out")
+        if tuple(oa.shape) != tuple(self.x.shape) or oa.dtype != self.x.dtype:
+            raise ValueError(f"out must have x's shape {tuple(self.x.shape)} and dtype {self.x.dtype}, "
+                             f"got shape {tuple(oa.shape)} and dtype {oa.dtype}")
+        if self.on_gpu and _ops._overlaps(oa, self.x):
+            raise ValueError("out overlaps x; pass a separate buffer")
+        return oa
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.adapter is not _interop.NUMPY
+
+    @property
+    def stats_shape(self) -> tuple:
+        n, c = self.x.shape[0], self.x.shape[self.channel_axis]
+        return {"group": (n, self.groups), "instance": (n, c), "batch": (c,)}[self.norm]
+
+
+def _channel_axis(axis, ndim, fn) -> int:
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{fn}: channel_axis must be an int, got {type(axis).__name__}")
+    if not -ndim <= axis < ndim or int(axis) % ndim not in (1, ndim - 1):
+        raise ValueError(f"{fn}: channel_axis must be 1 (channels-first) or -1 (channels-last) for x of "
+                         f"{ndim} dimensions, got {axis}")
+    return int(axis) % ndim
+
+
+def _momentum(momentum) -> float:
+    if isinstance(momentum, (bool, np.bool_)) or not isinstance(momentum, numbers.Real):
+        raise TypeError(f"momentum must be a real number, got {type(momentum).__name__}")
+    value = float(momentum)
+    if not 0.0 <= value <= 1.0:  # also rejects NaN
+        raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
+    return value
+
+
+def run(call: ChannelCall):
+    """y (then mean, rstd) as the caller's array type."""
+    if not call.on_gpu:
+        return _run_reference(call)
+    import cupy
+
+    x = call.x
+    ca = call.channel_axis
+    per_sample = call.norm != "batch"
+    last = _plan.channel_layout(x.shape, _elements(x), ca, per_sample)
+    if last is None:  # dense in neither layout: one copy, C order
+        x = cupy.ascontiguousarray(x)
+        last = _plan.channel_layout(x.shape, _elements(x), ca, per_sample)
+        if last is None:  # empty: nothing is laid out
+            last = ca != 1
+    order = _plan.channel_orders(x.ndim, ca)[last]
+    if call.out is not None:
+        y = call.out
+        if not _plan.dense_order(y.shape, _elements(y), order):
+            raise ValueError(f"out must have x's memory layout ({'channels-last' if last else 'channels-first'}, "
+                             f"dense), got strides {y.strides}")
+    else:
+        y = cupy.empty([x.shape[a] for a in order], dtype=x.dtype).transpose(np.argsort(order))
+    acc = _dtypes.accumulation(x.dtype)
+    stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2)] if call.return_stats else []
+    if x.size:
+        _launch(call, x, y, last, stats)
+    wrap = call.adapter.from_cupy
+    results = [call.out_given if call.out is not None else wrap(y, None)] + [wrap(s, None) for s in stats]
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _elements(a):
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def _run_reference(call):
+    from . import reference
+
+    kw = {"eps": call.eps, "channel_axis": call.channel_axis, "return_stats": call.return_stats}
+    if call.norm == "group":
+        results = reference.group_norm(call.x, call.groups, call.weight, call.bias, **kw)
+    elif call.norm == "instance":
+        results = reference.instance_norm(call.x, call.weight, call.bias, **kw)
+    else:
+        results = reference.batch_norm(call.x, call.weight, call.bias, running_mean=call.running_mean,
+                                       running_var=call.running_var, training=call.training,
+                                       momentum=call.momentum, **kw)
+    if call.out is None:
+        return results
+    first = results[0] if isinstance(results, tuple) else results
+    call.out[...] = first
+    return (call.out_given,) + results[1:] if isinstance(results, tuple) else call.out_given
+
+
+def _launch(call, x, y, last, stats):
+    import cupy
+
+    from ._loader import get_function
+
+    shape = x.shape
+    ca = call.channel_axis
+    batch, channels = shape[0], shape[ca]
+    spatial = x.size // (batch * channels)
+    w, b = call.weight, call.bias
+    flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
+    pdtype = None
+    if flags:
+        pdtype = _dtypes.param_storage(x.dtype, [p.dtype for p in (w, b) if p is not None])
+        w, b = _ops._as_param(w, pdtype), _ops._as_param(b, pdtype)
+    from_running = call.norm == "batch" and not call.training
+    key = (call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial, channels // call.groups,
+           call.norm != "batch", x.data.ptr % 32, y.data.ptr % 32, from_running, x.data.device_id)
+    plan, launch = _planned(*key)
+    acc = _dtypes.accumulation(x.dtype)
+    mean_out, rstd_out = (s.reshape(-1) for s in stats) if stats else (None, None)
+    if launch is None:  # a row norm in disguise: LayerNorm over each group's contiguous row
+        rows = plan.statistic_groups
+        xv = cupy.ndarray((rows, x.size // rows), x.dtype, x.data)
+        yv = cupy.ndarray((rows, x.size // rows), x.dtype, y.data)
+        _ops.launch_on("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1, eps=call.eps)
+        return
+    # Running buffers the kernels update in place: accumulation dtype, contiguous.
+    running = []
+    for buf in (call.running_mean, call.running_var):
+        if buf is None:
+            running.append(None)
+        elif buf.dtype == acc and buf.flags.c_contiguous:
+            running.append(buf)
+        else:
+            running.append(cupy.ascontiguousarray(buf, dtype=acc))
+    null = np.uint64(0)
+    i32, i64 = np.int32, np.int64
+    ws = cupy.empty(launch.workspace_words, dtype=acc)
+    affine = ws[launch.workspace_words - 3 * plan.statistic_groups :]
+    dims = (i64(plan.batch), i64(plan.spatial), i32(plan.channels), i32(plan.channels_per_group),
+            i32(plan.per_sample))
+    chunking = (i64(launch.chunks), i64(launch.chunk_vecs))
+    opt = [null if a is None else a for a in (mean_out, rstd_out)]
+    w_arg, b_arg = (x if a is None else a for a in (w, b))
+    apply_args = (x, y, w_arg, b_arg, affine) + dims + chunking
+    if from_running:
+        steps_args = ((running[0], running[1], affine, *opt, i32(plan.channels), acc.type(call.eps)), apply_args)
+    else:
+        rm, rv = (null if a is None else a for a in running)
+        steps_args = (
+            (x, ws) + dims + chunking,
+            (x, ws, affine, *opt, rm, rv) + dims + (chunking[0], acc.type(call.eps), acc.type(call.momentum)),
+            apply_args,
+        )
+    device = x.data.device_id
+    for step, args in zip(launch.steps, steps_args):
+        get_function(step.kernel.family, step.kernel.expression, device)(step.grid, step.block, args,
+                                                                       shared_mem=step.shared_bytes)
+    if not from_running:
+        for buf, used in zip((call.running_mean, call.running_var), running):
+            if buf is not None and used is not buf:
+                buf[...] = used
+
+
+@functools.lru_cache(maxsize=1024)
+def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group, per_sample, x_mod,
+             y_mod, from_running, device_id):
+    """(plan, launch) of a call; launch None for the row family's path."""
+    plan = _plan.make_channel_plan(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group,
+                                   per_sample, x_mod, y_mod)
+    if not from_running and _dispatch.channel_rows_fast(plan):
+        return plan, None
+    device = _ops.device_info(device_id)
+    launch = _dispatch.choose_channels(plan, device, from_running=from_running)
+    for step in launch.steps:
+        _ops._check_limits(step, device)
+    return plan, launch

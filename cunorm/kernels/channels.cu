@@ -1,0 +1,344 @@
+// channels.cu: the channel family, for norms whose statistic groups are sets
+// of whole channels: GroupNorm and InstanceNorm (a group of channels of one
+// sample) and BatchNorm (one channel across the batch). Same policies as the
+// row family (norms.cuh); what differs is the walk.
+//
+// x is dense in one of two physical layouts, of `batch` samples, `channels`
+// channels and `spatial` positions (the product of the spatial axes, 1 for
+// none):
+//   CHANNELS_LAST = false  (batch, channels, spatial), NCHW: a channel's
+//                          positions are contiguous;
+//   CHANNELS_LAST = true   (batch, spatial, channels), NHWC: a position's
+//                          channels are contiguous.
+// Statistic group g holds channels [g * channels_per_group, (g + 1) *
+// channels_per_group), of one sample (per_sample != 0: GroupNorm,
+// InstanceNorm) or of every sample (BatchNorm); its index is
+// (per_sample ? n : 0) * groups + g. Shifted policies (LayerNorm) shift every
+// value by the group's first element (the pivot), as the row family does.
+//
+// Three launches, x read twice and y written once (the floor of a statistic
+// too big to keep on chip):
+//   channel_partial   the statistic of every (sample, channel, chunk of the
+//                     positions), to a workspace;
+//   channel_finalize  a block per statistic group combines the group's
+//                     partials in a fixed order (bitwise reproducible) into
+//                     (pivot, center, scale) for channel_apply, writes the
+//                     returned statistics and updates BatchNorm's running
+//                     estimates;
+//   channel_apply     y = (x - pivot - center) * scale [* w[c]] [+ b[c]].
+// channel_from_running replaces the first two for BatchNorm in eval mode.
+//
+// Thread layouts. Channels-first: a 256-thread block per (sample, channel,
+// chunk), walking the chunk's contiguous vectors. Channels-last: a 2-D block
+// of 256, threadIdx.x along the channels in vectors of VEC (up to 256
+// vectors: a row of threads reads a position's channels, contiguous, and the
+// block several consecutive positions), threadIdx.y over the chunk's
+// positions; per-channel partials combined across y through shared memory.
+// Grids are 3-D (x: chunk, y: channel or channel tile, z: sample) walked with
+// strided loops, so no 64-bit division is needed.
+#include "reduce.cuh"
+
+namespace cunorm {
+
+constexpr int kChannelBlockThreads = 256;  // mirrors CHANNEL_BLOCK_THREADS in cunorm/_dispatch.py
+
+struct ChannelShape {
+    long long batch;
+    long long spatial;
+    int channels;
+    int channels_per_group;
+    int groups;
+    int per_sample;
+};
+
+// Offset of the pivot (first element) of the statistic group of channel c of
+// sample n.
+template <bool CHANNELS_LAST>
+__device__ __forceinline__ long long pivot_offset(const ChannelShape& cs, long long n, int c) {
+    const long long first_channel = static_cast<long long>(c / cs.channels_per_group) * cs.channels_per_group;
+    const long long sample = cs.per_sample ? n : 0;
+    return CHANNELS_LAST ? sample * cs.spatial * cs.channels + first_channel
+                         : (sample * cs.channels + first_channel) * cs.spatial;
+}
+
+template <class Norm, class A, class T, bool CHANNELS_LAST>
+__device__ __forceinline__ A group_pivot(const T* x, const ChannelShape& cs, long long n, int c) {
+    if constexpr (!Norm::kShifted) return A(0);
+    else return static_cast<A>(widen(x[pivot_offset<CHANNELS_LAST>(cs, n, c)]));
+}
+
+__device__ __forceinline__ ChannelShape channel_shape(long long batch, long long spatial, int channels,
+                                                      int channels_per_group, int per_sample) {
+    return ChannelShape{batch, spatial, channels, channels_per_group, channels / channels_per_group, per_sample};
+}
+
+// Partial statistics. Channels-first: partial[(n * channels + c) * chunks +
+// chunk]; channels-last: partial[(n * chunks + chunk) * channels + c]. A
+// chunk is chunk_len positions (vectors of VEC positions when channels-first).
+// Dynamic shared memory (channels-last): blockDim.y * VEC * blockDim.x Stats.
+template <template <class> class NormT, class T, int VEC, bool CHANNELS_LAST>
+__global__ void __launch_bounds__(256, 2)
+channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ partial, long long batch,
+                long long spatial, int channels, int channels_per_group, int per_sample, long long chunks,
+                long long chunk_len) {
+    using A = typename AccOf<T>::type;
+    using Norm = NormT<A>;
+    using Stats = typename Norm::Stats;
+    const ChannelShape cs = channel_shape(batch, spatial, channels, channels_per_group, per_sample);
+    Stats* out = reinterpret_cast<Stats*>(partial);
+    if constexpr (!CHANNELS_LAST) {
+        __shared__ Stats scratch[33];
+        const long long spatial_vecs = spatial / VEC;
+#pragma unroll 1
+        for (long long n = blockIdx.z; n < batch; n += gridDim.z)
+#pragma unroll 1
+        for (int c = blockIdx.y; c < channels; c += gridDim.y)
+#pragma unroll 1
+        for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+            const T* row = x + (n * channels + c) * spatial;
+            const A pivot = group_pivot<Norm, A, T, false>(x, cs, n, c);
+            const long long begin = chunk * chunk_len;
+            const long long end = min(begin + chunk_len, spatial_vecs);
+            Stats s = Norm::init();
+            for_each_batched<4>(
+                begin + threadIdx.x, end, blockDim.x, [&](long long v) { return load_vec<T, VEC>(row + v * VEC); },
+                [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
+            s = block_reduce<Norm>(s, scratch);
+            if (threadIdx.x == 0) out[(n * channels + c) * chunks + chunk] = s;
+        }
+    } else {
+        extern __shared__ __align__(16) unsigned char shared_raw[];
+        Stats* partials = reinterpret_cast<Stats*>(shared_raw);
+        const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
+        const int channel_vecs = channels / VEC;
+#pragma unroll 1
+        for (long long n = blockIdx.z; n < batch; n += gridDim.z)
+#pragma unroll 1
+        for (int tile = blockIdx.y; tile * bx < channel_vecs; tile += gridDim.y)
+#pragma unroll 1
+        for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+            const int cv = tile * bx + tx;
+            const bool active = cv < channel_vecs;
+            Stats s[VEC];
+            A pivot[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                s[j] = Norm::init();
+                pivot[j] = active ? group_pivot<Norm, A, T, true>(x, cs, n, cv * VEC + j) : A(0);
+            }
+            const long long begin = chunk * chunk_len;
+            const long long end = min(begin + chunk_len, spatial);
+            if (active) {
+                // Four positions in flight; each channel's four values are
+                // folded together (one combine per four values: the combine
+                // is what bounds a 16-bit channels-last pass otherwise).
+                const T* base = x + n * spatial * channels + cv * VEC;
+#pragma unroll 1
+                for (long long p0 = begin + ty; p0 < end; p0 += 4 * by) {
+                    Vec<T, VEC> in[4];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        if (p0 + u * by < end) in[u] = load_vec<T, VEC>(base + (p0 + u * by) * channels);
+                    }
+                    if (p0 + 3 * by < end) {
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) {
+                            const A v[4] = {static_cast<A>(widen(in[0].v[j])) - pivot[j],
+                                            static_cast<A>(widen(in[1].v[j])) - pivot[j],
+                                            static_cast<A>(widen(in[2].v[j])) - pivot[j],
+                                            static_cast<A>(widen(in[3].v[j])) - pivot[j]};
+                            s[j] = Norm::combine(s[j], Norm::of_values(v));
+                        }
+                    } else {
+#pragma unroll
+                        for (int u = 0; u < 3; ++u) {
+                            if (p0 + u * by < end) {
+#pragma unroll
+                                for (int j = 0; j < VEC; ++j) {
+                                    s[j] = fold_one<Norm>(s[j], static_cast<A>(widen(in[u].v[j])) - pivot[j]);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            // Combine the by partials of each channel in y order (layout
+            // [y][j][x]: a warp's accesses on distinct banks).
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) partials[(ty * VEC + j) * bx + tx] = s[j];
+            __syncthreads();
+            if (ty == 0 && active) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    Stats total = partials[j * bx + tx];
+                    for (int yy = 1; yy < by; ++yy) total = Norm::combine(total, partials[(yy * VEC + j) * bx + tx]);
+                    out[(n * chunks + chunk) * channels + cv * VEC + j] = total;
+                }
+            }
+        }
+    }
+}
+
+// One block per statistic group: combine its partials (for each sample of
+// the group, its channels and chunks) in a fixed order, then
+//   affine[3 g .. 3 g + 2] = (pivot, center, scale) for channel_apply,
+//   mean_out[g] = pivot + center, rstd_out[g] = scale   (when not null),
+//   running_mean[g], running_var[g] (when not null; BatchNorm, a group per
+//     channel): running = (1 - momentum) * running + momentum * statistic,
+//     the variance unbiased (count / (count - 1)).
+template <template <class> class NormT, class T, bool CHANNELS_LAST>
+__global__ void __launch_bounds__(256, 2)
+channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restrict__ partial,
+                 typename AccOf<T>::type* __restrict__ affine, typename AccOf<T>::type* mean_out,
+                 typename AccOf<T>::type* rstd_out, typename AccOf<T>::type* running_mean,
+                 typename AccOf<T>::type* running_var, long long batch, long long spatial, int channels,
+                 int channels_per_group, int per_sample, long long chunks, typename AccOf<T>::type eps,
+                 typename AccOf<T>::type momentum) {
+    using A = typename AccOf<T>::type;
+    using Norm = NormT<A>;
+    using Stats = typename Norm::Stats;
+    __shared__ Stats scratch[33];
+    const ChannelShape cs = channel_shape(batch, spatial, channels, channels_per_group, per_sample);
+    const Stats* parts = reinterpret_cast<const Stats*>(partial);
+    // 32-bit indices below: the dispatch keeps the group count and a group's
+    // partials of one sample under 2**31.
+    const int group_count = static_cast<int>((per_sample ? batch : 1) * cs.groups);
+    const long long samples_in_group = per_sample ? 1 : batch;
+    // A sample's partials of one group: channels_per_group * chunks of them.
+    const int per_sample_members = static_cast<int>(channels_per_group * chunks);
+#pragma unroll 1
+    for (int group = blockIdx.x; group < group_count; group += gridDim.x) {
+        const int n0 = per_sample ? group / cs.groups : 0;
+        const int g = group - n0 * cs.groups;
+        const int c0 = g * channels_per_group;
+        Stats s = Norm::init();
+#pragma unroll 1
+        for (long long k = 0; k < samples_in_group; ++k) {
+            const long long n = n0 + k;
+            if constexpr (!CHANNELS_LAST) {
+                // contiguous: (n, c0 .. c0 + cpg, every chunk)
+                const Stats* p = parts + (n * channels + c0) * chunks;
+                for (int m = threadIdx.x; m < per_sample_members; m += blockDim.x) s = Norm::combine(s, p[m]);
+            } else {
+                // chunk by chunk, the group's channels contiguous in each
+                for (int m = threadIdx.x; m < per_sample_members; m += blockDim.x) {
+                    const int chunk = m / channels_per_group;
+                    const int c = m - chunk * channels_per_group;
+                    s = Norm::combine(s, parts[(n * chunks + chunk) * channels + c0 + c]);
+                }
+            }
+        }
+        s = block_reduce<Norm>(s, scratch);
+        if (threadIdx.x == 0) {
+            const long long count = samples_in_group * channels_per_group * spatial;
+            const Affine<A> f = Norm::finalize(s, count, eps);
+            const A pivot = group_pivot<Norm, A, T, CHANNELS_LAST>(x, cs, n0, c0);
+            affine[3 * group] = pivot;
+            affine[3 * group + 1] = f.center;
+            affine[3 * group + 2] = f.scale;
+            store_stats(mean_out, rstd_out, group, f, pivot);
+            if (running_mean != nullptr) {
+                running_mean[group] = (A(1) - momentum) * running_mean[group] + momentum * (pivot + f.center);
+            }
+            if (running_var != nullptr) {
+                const A unbiased = Norm::unbiased_variance(s, count);
+                running_var[group] = (A(1) - momentum) * running_var[group] + momentum * unbiased;
+            }
+        }
+    }
+}
+
+// BatchNorm in eval mode: affine[3 c ..] = (0, running_mean[c],
+// rsqrt(running_var[c] + eps)), and the returned statistics.
+template <class A>
+__global__ void __launch_bounds__(256, 2)
+channel_from_running(const A* __restrict__ running_mean, const A* __restrict__ running_var, A* __restrict__ affine,
+                     A* mean_out, A* rstd_out, int channels, A eps) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < channels; c += gridDim.x * blockDim.x) {
+        const Affine<A> f{running_mean[c], rsqrt(running_var[c] + eps)};
+        affine[3 * c] = A(0);
+        affine[3 * c + 1] = f.center;
+        affine[3 * c + 2] = f.scale;
+        store_stats(mean_out, rstd_out, c, f, A(0));
+    }
+}
+
+// y = (x - pivot - center) * scale [* w[c]] [+ b[c]] with the (pivot,
+// center, scale) of the element's statistic group; same grid and block
+// shapes as channel_partial, chunks of chunk_len positions (vectors of VEC
+// positions when channels-first). P/FLAGS: per-channel parameters.
+template <class T, class P, int FLAGS, int VEC, bool CHANNELS_LAST>
+__global__ void __launch_bounds__(256, 2)
+channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
+              const typename AccOf<T>::type* __restrict__ affine, long long batch, long long spatial, int channels,
+              int channels_per_group, int per_sample, long long chunks, long long chunk_len) {
+    using A = typename AccOf<T>::type;
+    const int groups = channels / channels_per_group;
+    auto params_of = [&](long long n, int c, Affine<A>& f, A& pivot, A& wc, A& bc) {
+        const long long group = (per_sample ? n : 0) * groups + c / channels_per_group;
+        pivot = affine[3 * group];
+        f = Affine<A>{affine[3 * group + 1], affine[3 * group + 2]};
+        wc = A(1);
+        bc = A(0);
+        if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
+        if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
+    };
+    if constexpr (!CHANNELS_LAST) {
+        const long long spatial_vecs = spatial / VEC;
+#pragma unroll 1
+        for (long long n = blockIdx.z; n < batch; n += gridDim.z)
+#pragma unroll 1
+        for (int c = blockIdx.y; c < channels; c += gridDim.y)
+#pragma unroll 1
+        for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+            Affine<A> f;
+            A pivot, wc, bc;
+            params_of(n, c, f, pivot, wc, bc);
+            const long long offset = (n * channels + c) * spatial;
+            const long long begin = chunk * chunk_len;
+            const long long end = min(begin + chunk_len, spatial_vecs);
+            for_each_batched<4>(
+                begin + threadIdx.x, end, blockDim.x,
+                [&](long long v) { return load_vec<T, VEC>(x + offset + v * VEC); },
+                [&](long long v, const Vec<T, VEC>& in) {
+                    A o[VEC];
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) o[j] = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc);
+                    store_narrowed<T, VEC>(y + offset + v * VEC, o);
+                });
+        }
+    } else {
+        const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
+        const int channel_vecs = channels / VEC;
+#pragma unroll 1
+        for (long long n = blockIdx.z; n < batch; n += gridDim.z)
+#pragma unroll 1
+        for (int tile = blockIdx.y; tile * bx < channel_vecs; tile += gridDim.y) {
+            const int cv = tile * bx + tx;
+            if (cv >= channel_vecs) continue;  // no barrier below
+            Affine<A> f[VEC];
+            A pivot[VEC], wc[VEC], bc[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) params_of(n, cv * VEC + j, f[j], pivot[j], wc[j], bc[j]);
+            const long long offset = n * spatial * channels + cv * VEC;
+#pragma unroll 1
+            for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+                const long long begin = chunk * chunk_len;
+                const long long end = min(begin + chunk_len, spatial);
+                for_each_batched<4>(
+                    begin + ty, end, by, [&](long long p) { return load_vec<T, VEC>(x + offset + p * channels); },
+                    [&](long long p, const Vec<T, VEC>& in) {
+                        A o[VEC];
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) {
+                            o[j] = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc[j], bc[j]);
+                        }
+                        store_narrowed<T, VEC>(y + offset + p * channels, o);
+                    });
+            }
+        }
+    }
+}
+
+}  // namespace cunorm
