@@ -108,9 +108,7 @@ class ChannelCall:
             raise ValueError("out overlaps x; pass a separate buffer")
         return oa
 
-    @property
-    def on_gpu(self) -> bool:
-        return self.adapter is not _interop.NUMPY
+    on_gpu = _ops.Call.on_gpu
 
     @property
     def stats_shape(self) -> tuple:

@@ -25,6 +25,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(params=[pytest.param("numpy", id="numpy"), pytest.param("cupy", id="cupy", marks=pytest.mark.gpu)])
+def xp(request):
+    """The array module a validation test body runs against: NumPy (CPU, in
+    CI) and CuPy (GPU)."""
+    if request.param == "numpy":
+        return np
+    import cupy
+
+    return cupy
+
+
 @pytest.fixture
 def rng():
     """Fresh random data every run; the seed is printed on failure."""

@@ -15,6 +15,11 @@ DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
 RTOL = {_dtypes.float16: 1.5e-3, _dtypes.bfloat16: 8e-3, _dtypes.float32: 2e-5, _dtypes.float64: 1e-12}
 
 
+def arr(xp, shape, dtype=np.float32):
+    """A fixed standard-normal array of ``xp`` (validation tests)."""
+    return xp.asarray(np.random.default_rng(0).standard_normal(shape).astype(dtype))
+
+
 def random(rng, shape, dtype, scale=1.0, offset=0.0):
     return (rng.standard_normal(shape) * scale + offset).astype(dtype)
 

@@ -5,20 +5,7 @@ import pytest
 
 import cunorm
 
-BACKENDS = [pytest.param("numpy", id="numpy"), pytest.param("cupy", id="cupy", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=BACKENDS)
-def xp(request):
-    if request.param == "numpy":
-        return np
-    import cupy
-
-    return cupy
-
-
-def arr(xp, shape, dtype=np.float32):
-    return xp.asarray(np.random.default_rng(0).standard_normal(shape).astype(dtype))
+from helpers import arr
 
 
 @pytest.mark.parametrize("bad", [[1.0, 2.0], 3.0, "x", None])
