@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cunorm  # noqa: E402
-from cunorm import _dispatch, _dtypes, _ops  # noqa: E402
+from cunorm import _dtypes, _ops  # noqa: E402
 
 try:
     import torch
@@ -249,7 +249,7 @@ def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, tar
     row = {"case": name, "op": op, "shape": list(shape), "dtype": dtype, "axis": channel_axis, "params": params,
            "residual": False, "bytes": nbytes, "target_floor_pct": target}
     ms, lo, hi = time_gpu(lambda: _channel_call(op, x, groups, w, b, channel_axis, running, out=y))
-    row.update(tier=_channel_tier(op, x, groups, w, b, channel_axis), ms=ms, ms_min=lo, ms_max=hi)
+    row.update(tier=_channel_tier(op, x, groups, w, b, channel_axis, running, y), ms=ms, ms_min=lo, ms_max=hi)
     row["gbps"] = nbytes / (ms * 1e-3) / 1e9
     row["floor_pct"] = 100 * row["gbps"] / copy_bw
     # error against float64 on the first two samples (BatchNorm: its channels over them)
@@ -289,27 +289,17 @@ def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, tar
     return row
 
 
-def _channel_tier(op, x, groups, w, b, channel_axis):
-    """The walk the dispatch picks for a channel case (for the table)."""
-    from cunorm import _channels, _plan
+def _channel_tier(op, x, groups, w, b, channel_axis, running, y):
+    """The walk the dispatch picks for a channel case (for the table); runs
+    the op once more."""
+    from cunorm import _channels
 
     norm = op.split("_")[0]
-    ca = channel_axis % x.ndim
-    c = x.shape[ca]
-    g = groups if op == "group_norm" else c
-    last = _plan.channel_layout(x.shape, tuple(s // x.itemsize for s in x.strides), ca, norm != "batch")
-    flags = (1 if w is not None else 0) | (2 if b is not None else 0)
-    plan = _plan.make_channel_plan(norm, x.dtype, x.dtype if flags else None, flags, last, x.shape[0], c,
-                                   x.size // (x.shape[0] * c), c // g, norm != "batch", 0, 0)
-    if _dispatch.channel_rows_fast(plan):
-        return "rows (" + _ops._planned(*_rows_key(plan, x))[1].tier + ")"
-    return _dispatch.choose_channels(plan, _ops.device_info(x.data.device_id)).tier
-
-
-def _rows_key(plan, x):
-    rows = plan.statistic_groups
-    n = x.size // rows
-    return ("ln", x.dtype, None, 0, False, (rows, n), (n, 1), 1, 1, 0, 0, 0, 0, 0, 0, x.data.device_id)
+    kw = {"num_groups": groups} if op == "group_norm" else {}
+    if op == "batch_norm":
+        kw.update(running_mean=running[0], running_var=running[1])
+    call = _channels.ChannelCall(norm, x, weight=w, bias=b, eps=1e-5, channel_axis=channel_axis, out=y, **kw)
+    return _channels.execute(call, *_channels.prepare(call))
 
 
 def tune_case(name, op, shape, dtype, axis, params, residual, copy_bw):

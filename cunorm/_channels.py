@@ -138,6 +138,18 @@ def run(call: ChannelCall):
     """y (then mean, rstd) as the caller's array type."""
     if not call.on_gpu:
         return _run_reference(call)
+    x, y, last, stats = prepare(call)
+    if x.size:
+        execute(call, x, y, last, stats)
+    wrap = call.adapter.from_cupy
+    results = [call.out_given if call.out is not None else wrap(y, None)] + [wrap(s, None) for s in stats]
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def prepare(call: ChannelCall):
+    """(x, y, channels_last, stats) of a GPU call: x dense in one of the two
+    layouts (copied if it was not), y in the same layout, the statistics
+    outputs (empty list unless asked for)."""
     import cupy
 
     x = call.x
@@ -159,11 +171,7 @@ def run(call: ChannelCall):
         y = cupy.empty([x.shape[a] for a in order], dtype=x.dtype).transpose(np.argsort(order))
     acc = _dtypes.accumulation(x.dtype)
     stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2)] if call.return_stats else []
-    if x.size:
-        _launch(call, x, y, last, stats)
-    wrap = call.adapter.from_cupy
-    results = [call.out_given if call.out is not None else wrap(y, None)] + [wrap(s, None) for s in stats]
-    return results[0] if len(results) == 1 else tuple(results)
+    return x, y, last, stats
 
 
 def _elements(a):
@@ -189,7 +197,9 @@ def _run_reference(call):
     return (call.out_given,) + results[1:] if isinstance(results, tuple) else call.out_given
 
 
-def _launch(call, x, y, last, stats):
+def execute(call, x, y, last, stats) -> str:
+    """Launch the call over non-empty x (from prepare); returns the walk it
+    took, for the benchmark's table."""
     import cupy
 
     from ._loader import get_function
@@ -214,8 +224,8 @@ def _launch(call, x, y, last, stats):
         rows = plan.statistic_groups
         xv = cupy.ndarray((rows, x.size // rows), x.dtype, x.data)
         yv = cupy.ndarray((rows, x.size // rows), x.dtype, y.data)
-        _ops.launch_on("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1, eps=call.eps)
-        return
+        _, row_launch = _ops.launch_on("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1, eps=call.eps)
+        return f"rows ({row_launch.tier})"
     # Running buffers the kernels update in place: accumulation dtype, contiguous.
     running = []
     for buf in (call.running_mean, call.running_var):
@@ -252,6 +262,7 @@ def _launch(call, x, y, last, stats):
         for buf, used in zip((call.running_mean, call.running_var), running):
             if buf is not None and used is not buf:
                 buf[...] = used
+    return launch.tier
 
 
 @functools.lru_cache(maxsize=1024)

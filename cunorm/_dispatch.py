@@ -30,6 +30,12 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
      each row's load, barrier and write run one after another; not picked
      (docs/performance.md, "Problem 40", has what was tried since).
 
+Channel norms (GroupNorm, InstanceNorm, BatchNorm; a ChannelPlan): groups
+of whole channels without parameters on channels-first memory are rows and
+go to the rows tiers as LayerNorm (channel_rows_fast); the rest run the
+channel family's three launches (choose_channels), chunked so each pass has
+CHANNEL_BLOCKS_PER_SM blocks an SM.
+
 Strided axis (inner > 1): strided_norm with threadIdx.x along inner (up to
 32 vectors: a warp reads 512 contiguous bytes of one channel) and
 threadIdx.y along the reduced axis (256-thread blocks), channels held in

@@ -5,6 +5,13 @@ from . import _channels, _ops, reference
 
 DEFAULT_EPS = 1e-5
 
+# The description of x, shared by the docstrings (filled in at the end).
+_ROW_X = """x : array
+        A CuPy array, a CUDA torch tensor, a GPU JAX array, or any CUDA array
+        that supports DLPack (zero-copy), of dtype float16, bfloat16, float32
+        or float64, any shape and any strides. A NumPy array runs the float64
+        NumPy reference instead (slow; for checking)."""
+
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, out=None):
     """Root-mean-square normalization.
 
@@ -14,11 +21,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
 
     Parameters
     ----------
-    x : array
-        A CuPy array, a CUDA torch tensor, a GPU JAX array, or any CUDA array
-        that supports DLPack (zero-copy), of dtype float16, bfloat16, float32
-        or float64, any shape and any strides. A NumPy array runs the float64
-        NumPy reference instead (slow; for checking).
+    {x}
     weight : array, optional
         Shaped like the normalized axes (``x.shape[axis]``, or the tuple of
         the adjacent axes' sizes). Any of the four float dtypes; float32 with
@@ -82,11 +85,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
 
     Parameters
     ----------
-    x : array
-        A CuPy array, a CUDA torch tensor, a GPU JAX array, or any CUDA array
-        that supports DLPack (zero-copy), of dtype float16, bfloat16, float32
-        or float64, any shape and any strides. A NumPy array runs the float64
-        NumPy reference instead (slow; for checking).
+    {x}
     weight, bias : array, optional
         Each shaped like the normalized axes (for axis=(1, 2, 3) of
         (16, 64, 256, 256): (64, 256, 256)). Any of the four float dtypes;
@@ -270,6 +269,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     return _channels.run(call)
 
 
-for _f in (group_norm, instance_norm, batch_norm):
-    _f.__doc__ = _f.__doc__.replace("{x}", _CHANNEL_X)
-del _f
+for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (group_norm, _CHANNEL_X), (instance_norm, _CHANNEL_X),
+               (batch_norm, _CHANNEL_X)):
+    _f.__doc__ = _f.__doc__.replace("{x}", _x)
+del _f, _x

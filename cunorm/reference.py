@@ -105,7 +105,7 @@ def _grouped(xf, num_groups, per_sample, eps):
 def _channel_affine(xg, center, scale, weight, bias):
     n, g, cg, s = xg.shape
     with np.errstate(over="ignore", invalid="ignore"):
-        y = (xg - np.where(np.isfinite(center), center, 0.0)) * scale
+        y = (xg - center) * scale  # a non-finite group's NaN scale makes it NaN
         if weight is not None:
             y = y * np.asarray(weight).astype(np.float64).reshape(1, g, cg, 1)
         if bias is not None:
@@ -168,16 +168,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
         center = np.asarray(running_mean).astype(np.float64).reshape(1, c, 1, 1)
         with np.errstate(invalid="ignore", divide="ignore"):
             scale = 1.0 / np.sqrt(np.asarray(running_var).astype(np.float64).reshape(1, c, 1, 1) + eps)
-        with np.errstate(over="ignore", invalid="ignore"):
-            # eval: a group's own NaN stays in that element only
-            y = (xg - center) * scale
-            if weight is not None:
-                y = y * np.asarray(weight).astype(np.float64).reshape(1, c, 1, 1)
-            if bias is not None:
-                y = y + np.asarray(bias).astype(np.float64).reshape(1, c, 1, 1)
-    if training:
-        y = _channel_affine(xg, center, scale, weight, bias)
-    y = back(y)
+    y = back(_channel_affine(xg, center, scale, weight, bias))
     results = [y if exact else y.astype(x.dtype)]
     if return_stats:
         stats_dtype = np.float64 if exact else accumulation(x.dtype)

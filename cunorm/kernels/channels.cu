@@ -67,6 +67,18 @@ __device__ __forceinline__ A group_pivot(const T* x, const ChannelShape& cs, lon
     else return static_cast<A>(widen(x[pivot_offset<CHANNELS_LAST>(cs, n, c)]));
 }
 
+// Every (sample, channel, chunk) of a channels-first grid, grid-strided.
+// The bounds are uniform across a block, so f may hold barriers.
+template <class F>
+__device__ __forceinline__ void for_each_channel_chunk(long long batch, int channels, long long chunks, F f) {
+#pragma unroll 1
+    for (long long n = blockIdx.z; n < batch; n += gridDim.z)
+#pragma unroll 1
+        for (int c = blockIdx.y; c < channels; c += gridDim.y)
+#pragma unroll 1
+            for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) f(n, c, chunk);
+}
+
 __device__ __forceinline__ ChannelShape channel_shape(long long batch, long long spatial, int channels,
                                                       int channels_per_group, int per_sample) {
     return ChannelShape{batch, spatial, channels, channels_per_group, channels / channels_per_group, per_sample};
@@ -89,12 +101,7 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
     if constexpr (!CHANNELS_LAST) {
         __shared__ Stats scratch[33];
         const long long spatial_vecs = spatial / VEC;
-#pragma unroll 1
-        for (long long n = blockIdx.z; n < batch; n += gridDim.z)
-#pragma unroll 1
-        for (int c = blockIdx.y; c < channels; c += gridDim.y)
-#pragma unroll 1
-        for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+        for_each_channel_chunk(batch, channels, chunks, [&](long long n, int c, long long chunk) {
             const T* row = x + (n * channels + c) * spatial;
             const A pivot = group_pivot<Norm, A, T, false>(x, cs, n, c);
             const long long begin = chunk * chunk_len;
@@ -105,7 +112,7 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
                 [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
             s = block_reduce<Norm>(s, scratch);
             if (threadIdx.x == 0) out[(n * channels + c) * chunks + chunk] = s;
-        }
+        });
     } else {
         extern __shared__ __align__(16) unsigned char shared_raw[];
         Stats* partials = reinterpret_cast<Stats*>(shared_raw);
@@ -286,12 +293,7 @@ channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ 
     };
     if constexpr (!CHANNELS_LAST) {
         const long long spatial_vecs = spatial / VEC;
-#pragma unroll 1
-        for (long long n = blockIdx.z; n < batch; n += gridDim.z)
-#pragma unroll 1
-        for (int c = blockIdx.y; c < channels; c += gridDim.y)
-#pragma unroll 1
-        for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+        for_each_channel_chunk(batch, channels, chunks, [&](long long n, int c, long long chunk) {
             Affine<A> f;
             A pivot, wc, bc;
             params_of(n, c, f, pivot, wc, bc);
@@ -302,12 +304,14 @@ channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ 
                 begin + threadIdx.x, end, blockDim.x,
                 [&](long long v) { return load_vec<T, VEC>(x + offset + v * VEC); },
                 [&](long long v, const Vec<T, VEC>& in) {
-                    A o[VEC];
+                    Vec<T, VEC> o;
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) o[j] = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc);
-                    store_narrowed<T, VEC>(y + offset + v * VEC, o);
+                    for (int j = 0; j < VEC; ++j) {
+                        narrow(apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
+                    }
+                    store_vec<T, VEC>(y + offset + v * VEC, o);
                 });
-        }
+        });
     } else {
         const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
         const int channel_vecs = channels / VEC;
@@ -329,12 +333,13 @@ channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ 
                 for_each_batched<4>(
                     begin + ty, end, by, [&](long long p) { return load_vec<T, VEC>(x + offset + p * channels); },
                     [&](long long p, const Vec<T, VEC>& in) {
-                        A o[VEC];
+                        Vec<T, VEC> o;
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
-                            o[j] = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc[j], bc[j]);
+                            narrow(apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc[j], bc[j]),
+                                   o.v[j]);
                         }
-                        store_narrowed<T, VEC>(y + offset + p * channels, o);
+                        store_vec<T, VEC>(y + offset + p * channels, o);
                     });
             }
         }

@@ -59,9 +59,31 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
     return *reinterpret_cast<const Vec<T, N>*>(p);
 }
 
+// A vector store to global memory. A Vec of 16-bit elements built member by
+// member (narrow() into each) was stored as N separate 2-byte stores in
+// several kernels (the channels-last epilogue: 8x the store instructions,
+// L2-bound at 19% of copy bandwidth; a residual's h in the split tier), and
+// a union of 32-bit words still went word by word: the 8- and 16-byte
+// stores of 16-bit data are spelled out.
 template <class T, int N>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
-    *reinterpret_cast<Vec<T, N>*>(p) = v;
+    constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+    if constexpr (sizeof(T) == 2 && (kBytes == 16 || kBytes == 8)) {
+        union {
+            Vec<T, N> v;
+            unsigned w[kBytes / 4];
+        } u;
+        u.v = v;
+        if constexpr (kBytes == 16) {
+            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(u.w[0]), "r"(u.w[1]), "r"(u.w[2]),
+                         "r"(u.w[3])
+                         : "memory");
+        } else {
+            asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(u.w[0]), "r"(u.w[1]) : "memory");
+        }
+    } else {
+        *reinterpret_cast<Vec<T, N>*>(p) = v;
+    }
 }
 
 // Elementwise epilogue shared by every family:
@@ -121,52 +143,18 @@ __device__ __forceinline__ A param_b(const ParamVec<P, FLAGS, VEC>& p, int j) {
     else return A(0);
 }
 
-// Store VEC results rounded to T as one vector access. 16-bit results are
-// packed into 32-bit words first: a Vec of 16-bit elements built member by
-// member was stored as VEC separate 2-byte stores in some kernels (the
-// channels-last epilogue: 8x the store instructions, L2-bound at 19% of
-// copy bandwidth).
-template <class T, int VEC, class A>
-__device__ __forceinline__ void store_narrowed(T* dst, const A (&v)[VEC]) {
-    if constexpr (sizeof(T) == 2 && VEC >= 2) {
-        unsigned w[VEC / 2];
-#pragma unroll
-        for (int k = 0; k < VEC / 2; ++k) {
-            T lo, hi;
-            narrow(v[2 * k], lo);
-            narrow(v[2 * k + 1], hi);
-            w[k] = static_cast<unsigned>(lo.bits) | (static_cast<unsigned>(hi.bits) << 16);
-        }
-        // (A struct of the words was still stored word by word: the vector
-        // store is spelled out.)
-        if constexpr (VEC == 8) {
-            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
-                         "r"(w[3])
-                         : "memory");
-        } else if constexpr (VEC == 4) {
-            asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(dst), "r"(w[0]), "r"(w[1]) : "memory");
-        } else {
-            *reinterpret_cast<unsigned*>(dst) = w[0];
-        }
-    } else {
-        Vec<T, VEC> out;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) narrow(v[j], out.v[j]);
-        store_vec<T, VEC>(dst, out);
-    }
-}
-
 // y[0:VEC] = epilogue(h[0:VEC] - pivot) with the parameters of those
 // positions (pivot: the group's shift, 0 for unshifted norms).
 template <class T, class P, int FLAGS, int VEC, class A>
 __device__ __forceinline__ void write_normalized(T* dst, const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
                                                  const Affine<A>& f, A pivot) {
-    A out[VEC];
+    Vec<T, VEC> out;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-        out[j] = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot, f, param_w<A>(p, j), param_b<A>(p, j));
+        const A v = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot, f, param_w<A>(p, j), param_b<A>(p, j));
+        narrow(v, out.v[j]);
     }
-    store_narrowed<T, VEC>(dst, out);
+    store_vec<T, VEC>(dst, out);
 }
 
 // h = x + r, rounded to the storage type (the fused pre-norm residual add:
