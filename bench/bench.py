@@ -214,6 +214,15 @@ def bench_case(name, op, shape, dtype, axis, params, residual, target, copy_bw, 
         torch.cuda.empty_cache()
     return row
 
+#: channel cases: the chunks each channel's positions are cut into (the split walk's
+#: wave quantization), against the default.
+CHANNEL_TUNE = {
+    "problem 35 group_norm(8) (112,64,512,512) fp32 +w+b": [{"chunks": c} for c in (1, 2, 4, 8)],
+    "problem 34 instance_norm (112,64,512,512) fp32": [{"walk": "split", "chunks": c} for c in (1, 2, 4)],
+    "problem 33 batch_norm train (64,64,512,512) fp32 +w+b": [{"chunks": c} for c in (1, 2, 4, 8)],
+    "group_norm(32) channels-last (8,128,128,512) bf16 +w+b": [{"chunks": c} for c in (16, 33, 66, 264)],
+}
+
 
 def _channel_call(op, x, groups, w, b, channel_axis, running, out=None):
     kw = {"channel_axis": channel_axis, "out": out}
@@ -289,9 +298,7 @@ def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, tar
     return row
 
 
-def _channel_tier(op, x, groups, w, b, channel_axis, running, y):
-    """The walk the dispatch picks for a channel case (for the table); runs
-    the op once more."""
+def _channel_prepared(op, x, groups, w, b, channel_axis, running, y):
     from cunorm import _channels
 
     norm = op.split("_")[0]
@@ -299,7 +306,41 @@ def _channel_tier(op, x, groups, w, b, channel_axis, running, y):
     if op == "batch_norm":
         kw.update(running_mean=running[0], running_var=running[1])
     call = _channels.ChannelCall(norm, x, weight=w, bias=b, eps=1e-5, channel_axis=channel_axis, out=y, **kw)
-    return _channels.execute(call, *_channels.prepare(call))
+    return call, _channels.prepare(call)
+
+
+def _channel_tier(op, x, groups, w, b, channel_axis, running, y):
+    """The walk the dispatch picks for a channel case (for the table); runs
+    the op once more."""
+    from cunorm import _channels
+
+    call, prepared = _channel_prepared(op, x, groups, w, b, channel_axis, running, y)
+    return _channels.execute(call, *prepared)
+
+
+def tune_channel_case(name, op, shape, dtype, groups, channel_axis, params, copy_bw):
+    from cunorm import _channels
+
+    dt = np.dtype(getattr(_dtypes, dtype))
+    c = shape[channel_axis]
+    x = cupy.random.standard_normal(shape, dtype=np.float32).astype(dt)
+    w = cupy.random.standard_normal(c, dtype=np.float32).astype(dt) if "w" in params else None
+    b = cupy.random.standard_normal(c, dtype=np.float32).astype(dt) if "b" in params else None
+    running = (cupy.zeros(c, np.float32), cupy.ones(c, np.float32)) if op == "batch_norm" else (None, None)
+    y = cupy.empty_like(x)
+    nbytes = fewest_bytes(x, w, b, False)
+    call, prepared = _channel_prepared(op, x, groups, w, b, channel_axis, running, y)
+    out = []
+    for override in CHANNEL_TUNE.get(name, []):
+        try:
+            ms, _, _ = time_gpu(lambda: _channels.execute(call, *prepared, override=override))
+            out.append({"case": name, "override": override, "ms": ms,
+                        "floor_pct": 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw})
+        except Exception as err:
+            out.append({"case": name, "override": override, "error": repr(err)[:200]})
+    del x, w, b, y, running, call, prepared
+    cupy.get_default_memory_pool().free_all_blocks()
+    return out
 
 
 def tune_case(name, op, shape, dtype, axis, params, residual, copy_bw):
@@ -395,8 +436,13 @@ def main():
     tuning = []
     if args.tune:
         for case in CASES:
-            if case[0] in TUNE:
+            if case[0] in TUNE and args.only in case[0]:
                 for r in tune_case(*case[:7], copy_bw):
+                    tuning.append(r)
+                    print("tune", json.dumps(r), flush=True)
+        for case in CHANNEL_CASES:
+            if case[0] in CHANNEL_TUNE and args.only in case[0]:
+                for r in tune_channel_case(*case[:7], copy_bw):
                     tuning.append(r)
                     print("tune", json.dumps(r), flush=True)
     overhead = host_overhead() if not args.only else {}

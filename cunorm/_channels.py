@@ -197,9 +197,11 @@ def _run_reference(call):
     return (call.out_given,) + results[1:] if isinstance(results, tuple) else call.out_given
 
 
-def execute(call, x, y, last, stats) -> str:
+def execute(call, x, y, last, stats, override: dict | None = None) -> str:
     """Launch the call over non-empty x (from prepare); returns the walk it
-    took, for the benchmark's table."""
+    took, for the benchmark's table. ``override`` (the tuning script):
+    {"walk": "split"} takes the three launches where the row family would
+    run, {"chunks": n} cuts them as told (_dispatch.choose_channels)."""
     import cupy
 
     from ._loader import get_function
@@ -216,7 +218,8 @@ def execute(call, x, y, last, stats) -> str:
         w, b = _ops._as_param(w, pdtype), _ops._as_param(b, pdtype)
     from_running = call.norm == "batch" and not call.training
     key = (call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial, channels // call.groups,
-           call.norm != "batch", x.data.ptr % 32, y.data.ptr % 32, from_running, x.data.device_id)
+           call.norm != "batch", x.data.ptr % 32, y.data.ptr % 32, from_running, x.data.device_id,
+           tuple(sorted((override or {}).items())))
     plan, launch = _planned(*key)
     acc = _dtypes.accumulation(x.dtype)
     mean_out, rstd_out = (s.reshape(-1) for s in stats) if stats else (None, None)
@@ -267,14 +270,17 @@ def execute(call, x, y, last, stats) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group, per_sample, x_mod,
-             y_mod, from_running, device_id):
+             y_mod, from_running, device_id, override_items=()):
     """(plan, launch) of a call; launch None for the row family's path."""
     plan = _plan.make_channel_plan(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group,
                                    per_sample, x_mod, y_mod)
-    if not from_running and _dispatch.channel_rows_fast(plan):
+    override = dict(override_items)
+    if override.get("walk", "split") != "split":
+        raise ValueError(f"unknown channel walk override {override['walk']!r}")
+    if not from_running and "walk" not in override and _dispatch.channel_rows_fast(plan):
         return plan, None
     device = _ops.device_info(device_id)
-    launch = _dispatch.choose_channels(plan, device, from_running=from_running)
+    launch = _dispatch.choose_channels(plan, device, from_running=from_running, override=override)
     for step in launch.steps:
         _ops._check_limits(step, device)
     return plan, launch

@@ -33,8 +33,9 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
 Channel norms (GroupNorm, InstanceNorm, BatchNorm; a ChannelPlan): groups
 of whole channels without parameters on channels-first memory are rows and
 go to the rows tiers as LayerNorm (channel_rows_fast); the rest run the
-channel family's three launches (choose_channels), chunked so each pass has
-CHANNEL_BLOCKS_PER_SM blocks an SM.
+channel family's three launches (choose_channels), chunked so each pass has at least
+CHANNEL_BLOCKS_PER_SM blocks an SM (channels-first, chunks of at most
+CHANNEL_MAX_CHUNK_BYTES) or CHANNEL_LAST_BLOCKS_PER_SM (channels-last).
 
 Strided axis (inner > 1): strided_norm with threadIdx.x along inner (up to
 32 vectors: a warp reads 512 contiguous bytes of one channel) and
@@ -91,8 +92,18 @@ RESIDENT_BLOCK_THREADS = 512
 RESIDENT_SHARED_RESERVE = 1024
 GROUP_BLOCK_THREADS = 256  # mirrors kGroupBlockThreads in rows.cu
 #: channel family (GroupNorm, InstanceNorm, BatchNorm through three
-#: launches): blocks a pass aims for, per SM, as in the split tier.
+#: launches): blocks a pass aims for, per SM, as in the split tier ...
 CHANNEL_BLOCKS_PER_SM = 8
+#: ... but channels-first chunks of at most this many bytes: 1 MB channels
+#: cut in 4 (many more blocks than fit at once: the last wave is a small
+#: part of the pass): problem 33 61.2% -> 61.8%, problem 35 62.2% -> 62.8%;
+#: in 8, the same; in 2, 61.7% / 62.6% ...
+CHANNEL_MAX_CHUNK_BYTES = 256 * 1024
+#: ... and channels-last blocks of a whole tile of channels aim for 2 an SM:
+#: group_norm(32) bf16 (8,128,128,512), 33 chunks a sample 41.4%, 66 38.9%,
+#: 132 (8 an SM) 37.3%, 16 31.5% (fewer blocks, each re-reading its
+#: parameters and combining its partials less often).
+CHANNEL_LAST_BLOCKS_PER_SM = 2
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
 STRIDED_BLOCK_THREADS = 256
 
@@ -386,13 +397,17 @@ def channel_rows_fast(plan: ChannelPlan) -> bool:
     return plan.per_sample and not plan.channels_last and plan.flags == 0
 
 
-def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = False) -> Launch:
+def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = False,
+                    override: dict | None = None) -> Launch:
     """The three-launch walk of cunorm/kernels/channels.cu for ``plan``:
     partial statistics over chunks of the positions, a block per statistic
     group to combine them, then the elementwise epilogue (x read twice).
-    BatchNorm in eval mode (from_running) needs only the epilogue."""
+    BatchNorm in eval mode (from_running) needs only the epilogue.
+    ``override`` {"chunks": n} forces the chunks a channel's positions are
+    cut into (the tuning script)."""
     from ._dtypes import KERNEL_TYPE, accumulation
 
+    override = override or {}
     t, p = kernel_types(plan)
     want_blocks = CHANNEL_BLOCKS_PER_SM * device.sm_count
     if plan.channels_last:
@@ -405,9 +420,11 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         by = CHANNEL_BLOCK_THREADS // bx
         block = (bx, by)
         tiles = _ceil_div(vecs, bx)
-        want_chunks = max(1, _ceil_div(want_blocks, plan.batch * tiles))
+        want_chunks = max(1, _ceil_div(CHANNEL_LAST_BLOCKS_PER_SM * device.sm_count, plan.batch * tiles))
         # at least 4 positions a thread row per chunk (for_each_batched's batch)
         chunk_len = max(4 * by, _ceil_div(plan.spatial, want_chunks))
+        if "chunks" in override:
+            chunk_len = _ceil_div(plan.spatial, override["chunks"])
         chunks = _ceil_div(plan.spatial, chunk_len)
         grid = (min(chunks, MAX_GRID_X), min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         acc_bytes = accumulation(plan.dtype).itemsize
@@ -417,7 +434,10 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         block = (CHANNEL_BLOCK_THREADS,)
         rows = plan.batch * plan.channels
         want_chunks = max(1, _ceil_div(want_blocks, rows))
-        chunk_len = max(4 * CHANNEL_BLOCK_THREADS, _ceil_div(vecs, want_chunks))
+        chunk_len = max(4 * CHANNEL_BLOCK_THREADS,
+                        min(_ceil_div(vecs, want_chunks), CHANNEL_MAX_CHUNK_BYTES // (plan.vec * plan.dtype.itemsize)))
+        if "chunks" in override:
+            chunk_len = _ceil_div(vecs, override["chunks"])
         chunks = _ceil_div(vecs, chunk_len)
         grid = (min(chunks, MAX_GRID_X), min(plan.channels, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         partial_shared = 0
