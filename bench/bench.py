@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -246,7 +245,8 @@ def torch_channel_norm(op, x, groups, w, b, channel_axis, running):
     return F.batch_norm(x, running[0], running[1], w, b, training=True, momentum=0.1, eps=1e-5)
 
 
-def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, target, copy_bw, with_compile):
+def make_channel_inputs(op, shape, dtype, channel_axis, params):
+    """x, weight, bias (or None), running buffers (BatchNorm) and an output."""
     dt = np.dtype(getattr(_dtypes, dtype))
     c = shape[channel_axis]
     x = cupy.random.standard_normal(shape, dtype=np.float32).astype(dt)
@@ -254,6 +254,11 @@ def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, tar
     b = cupy.random.standard_normal(c, dtype=np.float32).astype(dt) if "b" in params else None
     running = (cupy.zeros(c, np.float32), cupy.ones(c, np.float32)) if op == "batch_norm" else (None, None)
     y = cupy.empty_like(x)
+    return x, w, b, running, y
+
+
+def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, target, copy_bw, with_compile):
+    x, w, b, running, y = make_channel_inputs(op, shape, dtype, channel_axis, params)
     nbytes = fewest_bytes(x, w, b, False)
     row = {"case": name, "op": op, "shape": list(shape), "dtype": dtype, "axis": channel_axis, "params": params,
            "residual": False, "bytes": nbytes, "target_floor_pct": target}
@@ -321,13 +326,7 @@ def _channel_tier(op, x, groups, w, b, channel_axis, running, y):
 def tune_channel_case(name, op, shape, dtype, groups, channel_axis, params, copy_bw):
     from cunorm import _channels
 
-    dt = np.dtype(getattr(_dtypes, dtype))
-    c = shape[channel_axis]
-    x = cupy.random.standard_normal(shape, dtype=np.float32).astype(dt)
-    w = cupy.random.standard_normal(c, dtype=np.float32).astype(dt) if "w" in params else None
-    b = cupy.random.standard_normal(c, dtype=np.float32).astype(dt) if "b" in params else None
-    running = (cupy.zeros(c, np.float32), cupy.ones(c, np.float32)) if op == "batch_norm" else (None, None)
-    y = cupy.empty_like(x)
+    x, w, b, running, y = make_channel_inputs(op, shape, dtype, channel_axis, params)
     nbytes = fewest_bytes(x, w, b, False)
     call, prepared = _channel_prepared(op, x, groups, w, b, channel_axis, running, y)
     out = []

@@ -44,7 +44,6 @@ registers when reduced / blockDim.y fits the register cache, else two sweeps.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ._plan import ChannelPlan, Plan, kernel_types
