@@ -204,8 +204,6 @@ def execute(call, x, y, last, stats, override: dict | None = None) -> str:
     run, {"chunks": n} cuts them as told (_dispatch.choose_channels)."""
     import cupy
 
-    from ._loader import get_function
-
     shape = x.shape
     ca = call.channel_axis
     batch, channels = shape[0], shape[ca]
@@ -229,15 +227,9 @@ def execute(call, x, y, last, stats, override: dict | None = None) -> str:
         yv = cupy.ndarray((rows, x.size // rows), x.dtype, y.data)
         _, row_launch = _ops.launch_on("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1, eps=call.eps)
         return f"rows ({row_launch.tier})"
-    # Running buffers the kernels update in place: accumulation dtype, contiguous.
-    running = []
-    for buf in (call.running_mean, call.running_var):
-        if buf is None:
-            running.append(None)
-        elif buf.dtype == acc and buf.flags.c_contiguous:
-            running.append(buf)
-        else:
-            running.append(cupy.ascontiguousarray(buf, dtype=acc))
+    # Running buffers the kernels update in place: accumulation dtype,
+    # contiguous (copied back below when they had to be converted).
+    running = [_ops._as_param(buf, acc) for buf in (call.running_mean, call.running_var)]
     null = np.uint64(0)
     i32, i64 = np.int32, np.int64
     ws = cupy.empty(launch.workspace_words, dtype=acc)
@@ -257,10 +249,7 @@ def execute(call, x, y, last, stats, override: dict | None = None) -> str:
             (x, ws, affine, *opt, rm, rv) + dims + (chunking[0], acc.type(call.eps), acc.type(call.momentum)),
             apply_args,
         )
-    device = x.data.device_id
-    for step, args in zip(launch.steps, steps_args):
-        get_function(step.kernel.family, step.kernel.expression, device)(step.grid, step.block, args,
-                                                                       shared_mem=step.shared_bytes)
+    _ops.launch_steps(launch.steps, steps_args, x.data.device_id)
     if not from_running:
         for buf, used in zip((call.running_mean, call.running_var), running):
             if buf is not None and used is not buf:

@@ -100,8 +100,8 @@ CHANNEL_BLOCKS_PER_SM = 8
 CHANNEL_MAX_CHUNK_BYTES = 256 * 1024
 #: ... and channels-last blocks of a whole tile of channels aim for 2 an SM:
 #: group_norm(32) bf16 (8,128,128,512), 33 chunks a sample 41.4%, 66 38.9%,
-#: 132 (8 an SM) 37.3%, 16 31.5% (fewer blocks, each re-reading its
-#: parameters and combining its partials less often).
+#: 132 (8 an SM) 37.3%, 16 31.5% (not profiled; a block re-reads its
+#: tile's parameters and pivots and combines its partials once per chunk).
 CHANNEL_LAST_BLOCKS_PER_SM = 2
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
 STRIDED_BLOCK_THREADS = 256
@@ -408,7 +408,6 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
 
     override = override or {}
     t, p = kernel_types(plan)
-    want_blocks = CHANNEL_BLOCKS_PER_SM * device.sm_count
     if plan.channels_last:
         vecs = plan.channels // plan.vec
         # A row of threads covers a position's channels (up to 256 vectors),
@@ -432,7 +431,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         vecs = plan.spatial // plan.vec
         block = (CHANNEL_BLOCK_THREADS,)
         rows = plan.batch * plan.channels
-        want_chunks = max(1, _ceil_div(want_blocks, rows))
+        want_chunks = max(1, _ceil_div(CHANNEL_BLOCKS_PER_SM * device.sm_count, rows))
         chunk_len = max(4 * CHANNEL_BLOCK_THREADS,
                         min(_ceil_div(vecs, want_chunks), CHANNEL_MAX_CHUNK_BYTES // (plan.vec * plan.dtype.itemsize)))
         if "chunks" in override:

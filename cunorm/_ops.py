@@ -201,8 +201,8 @@ def run(call: Call, reference):
 
 
 def _as_param(p, dtype):
-    """A weight or bias as the kernels read it: contiguous, in ``dtype``
-    (copied only when it is not already)."""
+    """A weight, bias or running buffer as the kernels read it: contiguous,
+    in ``dtype`` (copied only when it is not already)."""
     if p is None or (p.dtype == dtype and p.flags.c_contiguous):
         return p
     import cupy
@@ -277,8 +277,6 @@ def _residual_add(x, r, h):
 def _execute(plan, launch, x, y, w, b, r, h, center, scale, eps):
     import cupy
 
-    from ._loader import get_function
-
     acc = _dtypes.accumulation(plan.dtype)
     eps_arg = acc.type(eps)
     # Arrays a kernel never touches (no residual, no weight) are passed as x.
@@ -306,8 +304,16 @@ def _execute(plan, launch, x, y, w, b, r, h, center, scale, eps):
     else:  # strided
         steps_args = ((x, y, w, b, center, scale, rows, np.int32(plan.reduced), i64(plan.inner), xs,
                        i64(plan.reduced_stride), eps_arg),)
-    device = x.data.device_id
-    for step, args in zip(launch.steps, steps_args):
+    launch_steps(launch.steps, steps_args, x.data.device_id)
+
+
+def launch_steps(steps, steps_args, device: int):
+    """Launch each step of a Launch with its arguments, in order, on
+    ``device``: opting in to more than 48 KB of dynamic shared memory where a
+    step asks for it, and checking a cooperative grid fits first."""
+    from ._loader import get_function
+
+    for step, args in zip(steps, steps_args):
         fn = get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
         if step.shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < step.shared_bytes:
             fn.max_dynamic_shared_size_bytes = step.shared_bytes

@@ -221,7 +221,7 @@ def test_against_torch_with_running_stats(rng):
     y = cunorm.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=False)
     torch.testing.assert_close(y, torch.nn.functional.batch_norm(x, rm, rv, w, b, training=False))
     assert torch.equal(rm, before[0]) and torch.equal(rv, before[1])
-    # channels_last torch tensors: same values, channels_last result, zero-copy input
+    # channels_last torch tensors: same values, channels_last result
     xc = x.to(memory_format=torch.channels_last)
     g = cunorm.group_norm(xc, 3, w, b)
     torch.testing.assert_close(g, torch.nn.functional.group_norm(x, 3, w, b), rtol=1e-5, atol=1e-5)
