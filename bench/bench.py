@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cunorm  # noqa: E402
-from cunorm import _dtypes, _ops  # noqa: E402
+from cunorm import _dispatch, _dtypes, _ops  # noqa: E402
 
 try:
     import torch
@@ -124,6 +124,81 @@ CHANNEL_CASES = [
     ("group_norm(32) channels-last (8,128,128,512) bf16 +w+b", "group_norm", (8, 128, 128, 512), "bfloat16", 32, -1,
      "wb", 80),
 ]
+
+# The Lp family: name, op, shape, axis, target floor% (fp32, no parameters).
+LP_CASES = [
+    ("problem 39 l2 normalize axis=1 (32768,65535) fp32", "normalize", (32768, 65535), 1, 85),
+    ("problem 38 mean-abs normalize axis=1 (32768,65535) fp32", "mean_abs_normalize", (32768, 65535), 1, 85),
+    ("problem 37 frobenius (112,64,512,512) fp32", "frobenius_normalize", (112, 64, 512, 512), None, 64),
+    ("l1 normalize rows 32768x4096 fp32", "normalize_l1", (32768, 4096), -1, None),
+    ("linf normalize rows 32768x4096 fp32", "normalize_linf", (32768, 4096), -1, None),
+    ("p=3 normalize rows 32768x4096 fp32", "normalize_p3", (32768, 4096), -1, None),
+]
+LP_FORMS = {"normalize": ("l2", 2.0), "normalize_l1": ("l1", 1.0), "normalize_linf": ("linf", float("inf")),
+            "normalize_p3": (None, 3.0), "mean_abs_normalize": ("mean_abs", None),
+            "frobenius_normalize": ("l2", 2.0)}
+
+
+def _lp_call(op, x, axis, out=None):
+    if op == "mean_abs_normalize":
+        return cunorm.mean_abs_normalize(x, axis=axis, out=out)
+    if op == "frobenius_normalize":
+        return cunorm.frobenius_normalize(x, axis=axis, out=out)
+    return cunorm.normalize(x, LP_FORMS[op][1], axis=axis, out=out)
+
+
+def torch_lp(op, x, axis):
+    """What torch users write: F.normalize, the mean-abs formula, x / x.norm()."""
+    if op == "mean_abs_normalize":
+        return x / x.abs().mean(dim=axis, keepdim=True)
+    if op == "frobenius_normalize":
+        return x / torch.linalg.vector_norm(x)
+    return torch.nn.functional.normalize(x, LP_FORMS[op][1], dim=axis)
+
+
+def bench_lp_case(name, op, shape, axis, target, copy_bw, with_compile):
+    x = cupy.random.standard_normal(shape, dtype=np.float32)
+    y = cupy.empty_like(x)
+    nbytes = fewest_bytes(x, None, None, False)
+    row = {"case": name, "op": op, "shape": list(shape), "dtype": "float32", "axis": axis, "params": "",
+           "residual": False, "bytes": nbytes, "target_floor_pct": target}
+    ms, lo, hi = time_gpu(lambda: _lp_call(op, x, axis, out=y))
+    first, last = (0, x.ndim - 1) if axis is None else _axes(axis, x.ndim)
+    norm = LP_FORMS[op][0] or _dispatch.power_norm_name(LP_FORMS[op][1])
+    plan, launch = _ops.launch_on(norm, x, y, first=first, last=last, eps=1e-12)
+    row.update(tier=launch.tier, kernel=launch.steps[0].kernel.expression, ms=ms, ms_min=lo, ms_max=hi)
+    row["gbps"] = nbytes / (ms * 1e-3) / 1e9
+    row["floor_pct"] = 100 * row["gbps"] / copy_bw
+    # error against float64: the first rows, or (whole array) a float64 sum on the GPU
+    if axis is None:
+        total = sum(float(cupy.sum(cupy.square(x[i].astype(np.float64)))) for i in range(x.shape[0]))
+        ref = cupy.asnumpy(x[:1]).astype(np.float64) / np.sqrt(total)
+    else:
+        ref_fn = cunorm.reference.mean_abs_normalize if op == "mean_abs_normalize" else (
+            lambda a, **kw: cunorm.reference.normalize(a, LP_FORMS[op][1], **kw))
+        ref = ref_fn(cupy.asnumpy(x[:2]), axis=axis, exact=True)
+    got = cupy.asnumpy(y[: ref.shape[0]]).astype(np.float64)
+    row["max_rel_err"] = float(np.max(np.abs(got - ref) / np.maximum(np.abs(ref), 1e-3 * np.max(np.abs(ref)))))
+    if torch is not None:
+        xt = torch.from_dlpack(x)
+        t_ms, _, _ = time_gpu(lambda: torch_lp(op, xt, axis), reps=10)
+        row["torch_ms"] = t_ms
+        row["torch_floor_pct"] = 100 * nbytes / (t_ms * 1e-3) / 1e9 / copy_bw
+        if with_compile:
+            try:
+                compiled = torch.compile(lambda a: torch_lp(op, a, axis))
+                c_ms, _, _ = time_gpu(lambda: compiled(xt), reps=10, warmup=2)
+                row["compile_ms"] = c_ms
+                row["compile_floor_pct"] = 100 * nbytes / (c_ms * 1e-3) / 1e9 / copy_bw
+            except Exception as err:  # report, keep going
+                row["compile_error"] = repr(err)[:200]
+        del xt
+    del x, y
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.empty_cache()
+    return row
+
 
 TUNE = {
     "problem 36 rms axis=1 (112,64,512,512) fp32": [{"bx": 32, "by": 8}, {"bx": 16, "by": 16}, {"tier": "uncached"}],
@@ -430,6 +505,10 @@ def main():
         print(json.dumps(row), flush=True)
     for case in [c for c in CHANNEL_CASES if args.only in c[0]]:
         row = bench_channel_case(*case, copy_bw, with_compile=not args.no_compile)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for case in [c for c in LP_CASES if args.only in c[0]]:
+        row = bench_lp_case(*case, copy_bw, with_compile=not args.no_compile)
         rows.append(row)
         print(json.dumps(row), flush=True)
     tuning = []

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .norms import batch_norm, group_norm, instance_norm, layer_norm, rms_norm  # noqa: E402
+from .norms import (  # noqa: E402
+    batch_norm, frobenius_normalize, group_norm, instance_norm, layer_norm, mean_abs_normalize, normalize, rms_norm)
 from ._loader import precompile  # noqa: E402
 from . import reference  # noqa: E402
 
-__all__ = ["rms_norm", "layer_norm", "group_norm", "instance_norm", "batch_norm", "precompile", "reference", "__version__"]
+__all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
+           "instance_norm", "batch_norm", "precompile", "reference", "__version__"]

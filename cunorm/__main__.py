@@ -45,7 +45,19 @@ def _check_cases():
         ("layer_norm", (4, 64, 128, 128), f32, (1, 2, 3), True),
         ("layer_norm", (16, 64, 32, 32), f32, 1, True),
         ("layer_norm", (300, 65535), f32, -1, False),
+        ("normalize", (300, 65535), f32, -1, False),
+        ("normalize", (64, 64, 33), bf16, 1, False),
+        ("mean_abs_normalize", (300, 65535), f32, -1, False),
+        ("frobenius_normalize", (16, 64, 128, 128), f32, None, False),
     ]
+
+
+def _apply(module, op, x, w, axis, **kw):
+    """An op of cunorm or of its reference, with or without a weight."""
+    fn = getattr(module, op)
+    if op.endswith("normalize"):
+        return fn(x, axis=axis, **kw)
+    return fn(x, w, axis=axis, **kw)
 
 
 def check_gpu(name: str) -> int:
@@ -57,20 +69,22 @@ def check_gpu(name: str) -> int:
 
     print(f"cunorm {cunorm.__version__} on {name}: every op against the float64 NumPy reference")
     print("error: max |y - ref| / max(|ref|, rms(ref)); time: median of 10 calls (CUDA events, host launch included)")
-    print(f"{'op':10} {'shape':>20} {'dtype':>9} {'axis':>9} {'max rel err':>12} {'ms':>9}")
+    print(f"{'op':19} {'shape':>20} {'dtype':>9} {'axis':>9} {'max rel err':>12} {'ms':>9}")
     rng = np.random.default_rng()
     failures = 0
     tolerance = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 5e-5, "float64": 1e-12}
     for op, shape, dtype, axis, has_weight in _check_cases():
         x_np = rng.standard_normal(shape).astype(dtype)
-        first = axis[0] if isinstance(axis, tuple) else axis % len(shape)
-        last = axis[-1] if isinstance(axis, tuple) else first
-        w_np = rng.standard_normal(shape[first : last + 1]).astype(dtype) if has_weight else None
+        if has_weight:
+            first = axis[0] if isinstance(axis, tuple) else axis % len(shape)
+            last = axis[-1] if isinstance(axis, tuple) else first
+            w_np = rng.standard_normal(shape[first : last + 1]).astype(dtype)
+        else:
+            w_np = None
         x = cupy.asarray(x_np)
         w = None if w_np is None else cupy.asarray(w_np)
-        fn = getattr(cunorm, op)
-        y = fn(x, w, axis=axis)
-        ref = getattr(reference, op)(x_np, w_np, axis=axis, exact=True)
+        y = _apply(cunorm, op, x, w, axis)
+        ref = _apply(reference, op, x_np, w_np, axis, exact=True)
         got = cupy.asnumpy(y).astype(np.float64)
         # relative to each element, or to the outputs' root mean square where
         # that is larger (LayerNorm cancels for x near the mean)
@@ -81,13 +95,13 @@ def check_gpu(name: str) -> int:
         times = []
         for _ in range(10):
             start.record()
-            fn(x, w, axis=axis)
+            _apply(cunorm, op, x, w, axis)
             stop.record()
             stop.synchronize()
             times.append(cupy.cuda.get_elapsed_time(start, stop))
         ok = worst <= tolerance[np.dtype(dtype).name]
         failures += not ok
-        print(f"{op:10} {str(shape):>20} {np.dtype(dtype).name:>9} {str(axis):>9} {worst:12.2e} {np.median(times):9.4f}"
+        print(f"{op:19} {str(shape):>20} {np.dtype(dtype).name:>9} {str(axis):>9} {worst:12.2e} {np.median(times):9.4f}"
               f"{'' if ok else '  FAIL'}")
     print("all ops match the reference" if not failures else f"{failures} case(s) off the reference")
     return 1 if failures else 0
@@ -120,6 +134,8 @@ def check_compile() -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cunorm", description=__doc__.splitlines()[0])
     parser.add_argument("command", nargs="?", default="check", choices=["check", "precompile"])
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="precompile: compiling processes (default: the CPU count)")
     args = parser.parse_args(argv)
     name = _gpu_name()
     if args.command == "precompile":
@@ -130,7 +146,7 @@ def main(argv=None) -> int:
         from ._loader import precompile
 
         print(f"compiling every kernel for {name} ...")
-        summary = precompile(verbose=True)
+        summary = precompile(verbose=True, jobs=args.jobs)
         print(f"{summary['kernels']} kernels in {summary['seconds']:.1f} s (source {summary['source']})")
         return 0
     return check_gpu(name) if name else check_compile()

@@ -16,8 +16,11 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
      rows per 256-thread block, butterfly shuffles only.
   3. up to 1024: rows_cached, one block of `threads` (>= 64) per row.
   4. rows longer than the register cache of one block (128 KB of row):
-     rows_uncached (block per row, two sweeps) if the rows fill every SM,
-     else the split tier.
+     rows_uncached if the rows fill every SM (a block an SM walks rows,
+     keeping what fits of each on chip, up to 258 KB of fp32 row, and
+     reading the rest twice), else the split tier. Rows that start off
+     vector alignment (65535 floats) are walked with their aligned body's
+     vector (plan.peel_vec).
   5. few long rows (fewer than SMs, each >= SPLIT_MIN_ROW_BYTES): the split
      tier, so the whole GPU works on each row (two launches, x read twice).
      rows_resident (one cooperative block per SM keeps its chunk of the row
@@ -79,11 +82,27 @@ SPLIT_MIN_ROW_BYTES = 64 * 1024
 SPLIT_MAX_ROWS_PER_SM = 1
 #: split tier: blocks per SM in each pass. fp32 16x4194304: 66 chunks a row
 #: (8 per SM) 59.5%, 33 chunks 57.8%, 16 chunks 49.2% (two reads + one write
-#: from DRAM bound it at 66.7%).
+#: from DRAM bound it at 66.7%). Interleaved chunks (rows.cu), problem 37
+#: (one row of 7.5 GB): 1056 chunks 64.6%, 264 64.2%, 2112 64.6%; chunk-
+#: contiguous before, 47.7% / 54.0% / 55.0% (pass 2 at 62-76% of its own
+#: floor, now 93%). 16x4194304 interleaved: 66 chunks 59.6%, 33 57.9%.
 SPLIT_BLOCKS_PER_SM = 8
 SPLIT_BLOCK_THREADS = 256
-#: bf16 4096x32768 forced through rows_uncached: 67.0% (cached: 91.7%).
+#: rows_uncached: 512-thread blocks (its launch bounds), one an SM in a
+#: persistent grid, each keeping as much of its row on chip as fits: the
+#: stash in shared memory plus 4 vectors a thread in registers. Problem 39
+#: (L2 normalize, 32768x65535 fp32): stash + registers 86.0%; stash only
+#: 82.5%; no stash, second sweep from L2 67.5%; 256-thread blocks 82.3%,
+#: two of them an SM (half the stash each) 61.6%; a block a row, no stash
+#: (before) 69.5%. Problem 34 (LayerNorm rows of 1 MB): 62.2% against 62.1%
+#: a block a row (H200, 2026-11-21).
 UNCACHED_BLOCK_THREADS = 512
+#: rows_uncached's persistent grid: blocks an SM (0: a block a row) ...
+UNCACHED_BLOCKS_PER_SM = 1
+#: ... and the bytes of each row stashed in shared memory: all that fits
+#: (the opt-in shared memory less a reserve for the static scratch).
+UNCACHED_STASH_BYTES = 1 << 30
+UNCACHED_SHARED_RESERVE = 1024
 #: resident tier (override only, see above): one 512-thread block per SM, its chunk of every row in
 #: shared memory; this much of the opt-in shared memory stays free for the
 #: kernel's static scratch.
@@ -129,6 +148,10 @@ class Kernel:
     family: str  # source file stem in cunorm/kernels/
     expression: str  # the template instantiation, e.g. cunorm::rows_cached<...>
     cooperative: bool = False  # launched cooperatively (all blocks co-resident)
+    #: a persistent grid (blocks loop over the work by gridDim): the launcher
+    #: caps it at the blocks that fit on the GPU at once, so no block starts
+    #: its share late
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,14 +172,46 @@ class Launch:
     steps: tuple[Step, ...]
     threads_per_row: int = 0
     chunks: int = 0
-    chunk_vecs: int = 0
+    chunk_vecs: int = 0  # split, resident: vectors a chunk; uncached: vectors stashed a row
     workspace_words: int = 0  # accumulation-type words of workspace
 
 
-STAT_WORDS = {"rms": 1, "ln": 3}  # kStatWords of each policy
-NORM_POLICY = {"rms": "cunorm::RmsNorm", "ln": "cunorm::LayerNorm"}
-#: the affine parameters each norm takes (FLAGS values the kernels see)
-NORM_FLAGS = {"rms": (0, 1), "ln": (0, 1, 2, 3)}
+@dataclass(frozen=True)
+class NormInfo:
+    """A norm policy of cunorm/kernels/norms.cuh as the dispatch sees it."""
+
+    policy: str  # the C++ template name
+    stat_words: int  # its kStatWords
+    flags: tuple[int, ...]  # the affine parameters the op takes (FLAGS values)
+    residual: bool  # whether the op takes a fused residual
+
+
+NORMS = {
+    "rms": NormInfo("cunorm::RmsNorm", 1, (0, 1), True),
+    "ln": NormInfo("cunorm::LayerNorm", 3, (0, 1, 2, 3), True),
+    "l1": NormInfo("cunorm::L1Norm", 1, (0,), False),
+    "l2": NormInfo("cunorm::L2Norm", 1, (0,), False),
+    "linf": NormInfo("cunorm::LinfNorm", 1, (0,), False),
+    "mean_abs": NormInfo("cunorm::MeanAbsNorm", 1, (0,), False),
+}
+#: general p: "lp:" + the 16 hex digits of the double p (power_norm_name)
+POWER_NORM_PREFIX = "lp:"
+
+
+def power_norm_name(p: float) -> str:
+    """The norm name of the Lp norm for a general p (not 1, 2 or inf)."""
+    import struct
+
+    return POWER_NORM_PREFIX + format(struct.unpack("<Q", struct.pack("<d", float(p)))[0], "016x")
+
+
+def norm_info(norm: str) -> NormInfo:
+    info = NORMS.get(norm)
+    if info is not None:
+        return info
+    if norm.startswith(POWER_NORM_PREFIX):
+        return NormInfo(f"cunorm::PowerNorm<0x{norm[len(POWER_NORM_PREFIX):]}ull>::Policy", 1, (0,), False)
+    raise ValueError(f"unknown norm {norm!r}")
 
 
 def next_pow2(n: int) -> int:
@@ -195,7 +250,7 @@ def group_fits(cost: int) -> bool:
 
 
 def is_heavy(norm: str, dtype) -> bool:
-    return STAT_WORDS[norm] > 1 or dtype.itemsize == 8
+    return norm_info(norm).stat_words > 1 or dtype.itemsize == 8
 
 
 # The template instantiations, named once for the dispatch and all_kernels().
@@ -298,7 +353,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             tier = "split" if few_rows else "uncached"
 
     t, p = kernel_types(plan)
-    policy = NORM_POLICY[plan.norm]
+    policy = norm_info(plan.norm).policy
     common = (policy, t, p, plan.flags, plan.residual, plan.vec)
     if tier == "cached":
         if not fits(threads):  # only a forced tier or thread count gets here
@@ -314,9 +369,22 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         step = Step(Kernel("rows", expr), (grid,), (block,))
         return Launch("cached", (step,), threads_per_row=threads)
     if tier == "uncached":
-        block = UNCACHED_BLOCK_THREADS
-        step = Step(Kernel("rows", rows_uncached_expr(*common)), (min(rows, MAX_GRID_X),), (block,))
-        return Launch("uncached", (step,))
+        # rows that may start misaligned are walked with the vector of their aligned body
+        vec = plan.peel_vec
+        vec_bytes = vec * plan.dtype.itemsize
+        per_sm = override.get("blocks_per_sm", UNCACHED_BLOCKS_PER_SM)
+        grid = min(rows, per_sm * device.sm_count if per_sm else rows, MAX_GRID_X)
+        stash_bytes = 0
+        if not plan.residual and vec_bytes >= 4:  # the stash's cp.async copies 4 to 16 bytes
+            room = (device.max_shared_per_block - UNCACHED_SHARED_RESERVE) // max(per_sm, 1)
+            stash_bytes = min(override.get("stash_bytes", UNCACHED_STASH_BYTES), room, row_bytes)
+        stash_vecs = stash_bytes // vec_bytes
+        expr = rows_uncached_expr(policy, t, p, plan.flags, plan.residual, vec)
+        block = override.get("threads", UNCACHED_BLOCK_THREADS)
+        if block > UNCACHED_BLOCK_THREADS or block % 32:
+            raise ValueError(f"rows_uncached: {block} threads is over its 512-thread bounds or not whole warps")
+        step = Step(Kernel("rows", expr, persistent=bool(per_sm)), (grid,), (block,), stash_vecs * vec_bytes)
+        return Launch("uncached", (step,), chunk_vecs=stash_vecs)
     if tier == "resident":
         grid = device.sm_count
         chunk_vecs = _ceil_div(n_vec, grid)
@@ -325,13 +393,12 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             raise ValueError(f"rows_resident: a {shared}-byte chunk is over the shared memory of a block")
         kernel = Kernel("rows", resident_expr(*common), cooperative=True)
         return Launch("resident", (Step(kernel, (grid,), (RESIDENT_BLOCK_THREADS,), shared),),
-                      chunks=grid, chunk_vecs=chunk_vecs, workspace_words=rows * grid * STAT_WORDS[plan.norm])
+                      chunks=grid, chunk_vecs=chunk_vecs, workspace_words=rows * grid * norm_info(plan.norm).stat_words)
     if tier == "split":
         block = SPLIT_BLOCK_THREADS
+        # chunks interleave (rows.cu): at most one a block's width of vectors
         want_chunks = max(1, _ceil_div(SPLIT_BLOCKS_PER_SM * device.sm_count, rows))
-        chunk_vecs = _ceil_div(_ceil_div(n_vec, want_chunks), block) * block
-        chunks = override.get("chunks", _ceil_div(n_vec, chunk_vecs))
-        chunk_vecs = _ceil_div(n_vec, chunks)
+        chunks = override.get("chunks", min(want_chunks, _ceil_div(n_vec, block)))
         grid = (min(rows, MAX_GRID_X), min(chunks, MAX_GRID_Y))
         partial = Kernel("rows", split_partial_expr(policy, t, plan.residual, plan.vec))
         apply = Kernel("rows", split_apply_expr(*common))
@@ -339,8 +406,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             "split",
             (Step(partial, grid, (block,)), Step(apply, grid, (block,))),
             chunks=chunks,
-            chunk_vecs=chunk_vecs,
-            workspace_words=rows * chunks * STAT_WORDS[plan.norm],
+            workspace_words=rows * chunks * norm_info(plan.norm).stat_words,
         )
     raise ValueError(f"unknown rows tier {tier!r}")
 
@@ -361,10 +427,10 @@ def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
     if plan.residual:
         raise ValueError("strided_norm has no residual: form h first (cunorm/_ops.py does)")
     t, p = kernel_types(plan)
-    expr = strided_expr(NORM_POLICY[plan.norm], t, p, plan.flags, plan.vec, cpt)
+    expr = strided_expr(norm_info(plan.norm).policy, t, p, plan.flags, plan.vec, cpt)
     tiles = _ceil_div(inner_vecs, bx)
     acc_bytes = 8 if plan.dtype.itemsize == 8 else 4
-    shared = by * bx * plan.vec * STAT_WORDS[plan.norm] * acc_bytes
+    shared = by * bx * plan.vec * norm_info(plan.norm).stat_words * acc_bytes
     step = Step(Kernel("strided", expr), (min(tiles, MAX_GRID_X), min(plan.outer, MAX_GRID_Y)), (bx, by), shared)
     return Launch("strided_cached" if cpt else "strided_uncached", (step,))
 
@@ -426,7 +492,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         chunks = _ceil_div(plan.spatial, chunk_len)
         grid = (min(chunks, MAX_GRID_X), min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         acc_bytes = accumulation(plan.dtype).itemsize
-        partial_shared = by * bx * plan.vec * STAT_WORDS["ln"] * acc_bytes
+        partial_shared = by * bx * plan.vec * NORMS["ln"].stat_words * acc_bytes
     else:
         vecs = plan.spatial // plan.vec
         block = (CHANNEL_BLOCK_THREADS,)
@@ -467,24 +533,34 @@ def _vector_widths(dtype) -> list[int]:
     return [v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16]
 
 
-def all_kernels(norms=("rms", "ln")) -> list[Kernel]:
-    """Every template instantiation that ``choose`` can return, for the
-    precompile step and CI's compile check."""
+#: the general-p Lp norm CI compiles (any other p compiles on first use)
+REPRESENTATIVE_POWER = 3.0
+
+
+def all_kernels(norms=None) -> list[Kernel]:
+    """Every template instantiation that ``choose`` can return without an
+    override (rows_resident, override-only, for RMSNorm and LayerNorm too),
+    for the precompile step and CI's compile check. The general-p norm is
+    represented by p = REPRESENTATIVE_POWER."""
     from . import _dtypes
 
+    if norms is None:
+        norms = (*NORMS, power_norm_name(REPRESENTATIVE_POWER))
     out = []
     for norm in norms:
-        policy = NORM_POLICY[norm]
+        info = norm_info(norm)
+        policy = info.policy
+        residuals = (False, True) if info.residual else (False,)
         for dtype in _dtypes.SUPPORTED:
             t = _dtypes.KERNEL_TYPE[dtype]
             params = sorted({_dtypes.KERNEL_TYPE[dtype], _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
-            affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in NORM_FLAGS[norm] if f for p in params]
+            affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in info.flags if f for p in params]
             for vec in _vector_widths(dtype):
                 vec_bytes = vec * dtype.itemsize
-                for residual in (False, True):
+                for residual in residuals:
                     out.append(Kernel("rows", split_partial_expr(policy, t, residual, vec)))
                 for p, flags in affine:
-                    for residual in (False, True):
+                    for residual in residuals:
                         common = (policy, t, p, flags, residual, vec)
                         for vpt in VECS_PER_THREAD_CHOICES:
                             cost = cached_cost(vpt, vec_bytes, residual, is_heavy(norm, dtype))
@@ -494,7 +570,8 @@ def all_kernels(norms=("rms", "ln")) -> list[Kernel]:
                                 out.append(Kernel("rows", rows_cached_expr(*common, vpt, True)))
                         out.append(Kernel("rows", rows_uncached_expr(*common)))
                         out.append(Kernel("rows", split_apply_expr(*common)))
-                        out.append(Kernel("rows", resident_expr(*common), cooperative=True))
+                        if info.residual:  # the norms of the resident tier's experiments
+                            out.append(Kernel("rows", resident_expr(*common), cooperative=True))
                     for cpt in (0,) + VECS_PER_THREAD_CHOICES:
                         if cpt * vec_bytes <= CACHE_BYTES_STRIDED:
                             out.append(Kernel("strided", strided_expr(policy, t, p, flags, vec, cpt)))

@@ -77,14 +77,30 @@ def get_function(family: str, expression: str, device: int | None = None, cooper
     return fn
 
 
-def precompile(verbose: bool = False) -> dict:
+def precompile(verbose: bool = False, jobs: int | None = None) -> dict:
     """Build every kernel instantiation the dispatch can choose for the
-    current GPU (filling CuPy's disk cache). Returns a summary with the time
-    it took."""
+    current GPU (filling CuPy's disk cache), compiling in ``jobs`` processes
+    (default: the CPU count; each compiles a share into the shared disk
+    cache, then this process loads them all from it). Returns a summary
+    with the time it took."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
     from ._dispatch import all_kernels
 
     kernels = all_kernels()
     start = time.perf_counter()
+    jobs = jobs or os.cpu_count() or 1
+    if jobs > 1:
+        shares = [kernels[i::jobs] for i in range(jobs)]
+        context = multiprocessing.get_context("spawn")  # CUDA does not survive fork
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            for done, _ in enumerate(concurrent.futures.as_completed(
+                    [pool.submit(_compile_share, [(k.family, k.expression, k.cooperative) for k in share])
+                     for share in shares])):
+                if verbose and sys.stdout.isatty():
+                    print(f"\r  {done + 1}/{jobs} compiling processes done", end="", flush=True)
     for i, kernel in enumerate(kernels):
         get_function(kernel.family, kernel.expression, cooperative=kernel.cooperative)
         if verbose and sys.stdout.isatty():
@@ -92,6 +108,13 @@ def precompile(verbose: bool = False) -> dict:
     if verbose and sys.stdout.isatty():
         print()
     return {"kernels": len(kernels), "seconds": time.perf_counter() - start, "source": source_digest()}
+
+
+def _compile_share(kernels) -> int:
+    """Compile (family, expression, cooperative) triples in a worker process."""
+    for family, expression, cooperative in kernels:
+        get_function(family, expression, cooperative=cooperative)
+    return len(kernels)
 
 
 # --- offline compile (no GPU): NVRTC through CuPy's low-level bindings --------

@@ -47,7 +47,12 @@ class Call:
         self.adapter = adapter
         xa = x if adapter is _interop.NUMPY else adapter.to_cupy(x, "x")
         check_dtype(xa.dtype, "x")
-        self.first, self.last = _plan.normalize_axes(axis, xa.ndim)
+        if axis is None:  # every axis (the Lp norms' whole-array form)
+            if xa.ndim == 0:
+                raise ValueError("x must have at least one dimension, got a 0-d array")
+            self.first, self.last = 0, xa.ndim - 1
+        else:
+            self.first, self.last = _plan.normalize_axes(axis, xa.ndim)
         self.norm_shape = tuple(xa.shape[self.first : self.last + 1])
         if math.prod(self.norm_shape) == 0:
             raise ValueError(
@@ -164,8 +169,9 @@ def run(call: Call, reference):
     """Compute the call's norm; return y (then h, then the statistics) as the
     caller's array type."""
     if not call.on_gpu:
-        kwargs = {"weight": call.weight, "axis": tuple(range(call.first, call.last + 1)), "eps": call.eps,
-                  "residual": call.residual, "return_stats": call.return_stats}
+        kwargs = {"axis": tuple(range(call.first, call.last + 1)), "eps": call.eps}
+        if call.norm in ("rms", "ln"):
+            kwargs.update(weight=call.weight, residual=call.residual, return_stats=call.return_stats)
         if call.norm == "ln":
             kwargs["bias"] = call.bias
         results = reference(call.x, **kwargs)
@@ -288,7 +294,8 @@ def _execute(plan, launch, x, y, w, b, r, h, center, scale, eps):
         steps_args = ((x, r, y, h, w, b, center, scale, rows, np.int32(plan.reduced), xs, eps_arg,
                        np.int32(launch.threads_per_row)),)
     elif launch.tier == "uncached":
-        steps_args = ((x, r, y, h, w, b, center, scale, rows, i64(plan.reduced), xs, eps_arg),)
+        steps_args = ((x, r, y, h, w, b, center, scale, rows, i64(plan.reduced), xs, eps_arg,
+                       i64(launch.chunk_vecs)),)
     elif launch.tier == "resident":
         ws = cupy.empty(launch.workspace_words, dtype=acc)
         arrived = cupy.zeros(plan.outer, dtype=np.uint32)
@@ -296,10 +303,10 @@ def _execute(plan, launch, x, y, w, b, r, h, center, scale, eps):
                        i64(launch.chunk_vecs), eps_arg),)
     elif launch.tier == "split":
         ws = cupy.empty(launch.workspace_words, dtype=acc)
-        n, chunks, chunk_vecs = i64(plan.reduced), i64(launch.chunks), i64(launch.chunk_vecs)
+        n, chunks = i64(plan.reduced), i64(launch.chunks)
         steps_args = (
-            (x, r, h, ws, rows, n, xs, chunks, chunk_vecs),
-            (x, h, y, w, b, center, scale, ws, rows, n, xs, chunks, chunk_vecs, eps_arg),
+            (x, r, h, ws, rows, n, xs, chunks),
+            (x, h, y, w, b, center, scale, ws, rows, n, xs, chunks, eps_arg),
         )
     else:  # strided
         steps_args = ((x, y, w, b, center, scale, rows, np.int32(plan.reduced), i64(plan.inner), xs,
@@ -317,28 +324,27 @@ def launch_steps(steps, steps_args, device: int):
         fn = get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
         if step.shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < step.shared_bytes:
             fn.max_dynamic_shared_size_bytes = step.shared_bytes
+        grid = step.grid
         if step.kernel.cooperative:
-            _check_co_resident(fn, step, device)
-        fn(step.grid, step.block, args, shared_mem=step.shared_bytes)
+            resident = _resident_blocks(fn, step, device)
+            if resident < math.prod(grid):
+                raise RuntimeError(f"{step.kernel.expression}: {math.prod(grid)} blocks cannot all be resident "
+                                   f"({resident} fit on the GPU)")
+        elif step.kernel.persistent:
+            grid = (max(1, min(grid[0], _resident_blocks(fn, step, device))),) + tuple(grid[1:])
+        fn(grid, step.block, args, shared_mem=step.shared_bytes)
 
 
-_co_resident_checked: set = set()
-
-
-def _check_co_resident(fn, step, device):
-    """A cooperative grid must fit on the GPU at once (CuPy would shrink it
-    with a warning, which the resident tier cannot take)."""
-    key = (device, step.kernel.expression, step.block, step.shared_bytes, step.grid)
-    if key in _co_resident_checked:
-        return
+@functools.lru_cache(maxsize=None)
+def _resident_blocks(fn, step, device) -> int:
+    """How many blocks of a step fit on the GPU at once (a cooperative grid
+    must, where CuPy would shrink it with a warning; a persistent grid is
+    capped at it)."""
     from cupy_backends.cuda.api import driver
 
     per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, math.prod(step.block),
                                                               step.shared_bytes)
-    if per_sm * device_info(device).sm_count < math.prod(step.grid):
-        raise RuntimeError(f"{step.kernel.expression}: {math.prod(step.grid)} blocks cannot all be resident "
-                           f"({per_sm} a multiprocessor)")
-    _co_resident_checked.add(key)
+    return per_sm * device_info(device).sm_count
 
 
 def _check_limits(step, device=None):

@@ -34,6 +34,10 @@ class Plan:
         inner == 1, else inner), the widest that every pointer, stride and
         extent allows, at most 16 bytes.
     norm: which policy of cunorm/kernels/norms.cuh.
+    peel_vec: the vector a kernel that peels each row's misaligned head
+        (rows_uncached) may use: wider than vec when rows start off
+        alignment (rows of 65535 floats) but x's and y's rows share their
+        misalignment and there are no parameters or residual; else vec.
     """
 
     norm: str
@@ -47,6 +51,7 @@ class Plan:
     outer_stride: int
     reduced_stride: int
     vec: int
+    peel_vec: int = 0
 
     @property
     def contiguous_rows(self) -> bool:
@@ -177,8 +182,22 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
         extent = inner
         other_strides = [s for s, n in ((s_outer, outer), (s_reduced, reduced)) if n > 1]
     vec = vector_width(itemsize, extent, other_strides, pointers)
+    peel_vec = vec
+    if inner == 1 and not flags and not residual:
+        peel_vec = max(vec, _peel_width(itemsize, reduced, s_outer if outer > 1 else reduced, x_ptr - y_ptr))
     return Plan(norm, dtype, param_dtype if flags else None, flags, residual, outer, reduced, inner, s_outer,
-                s_reduced, vec)
+                s_reduced, vec, peel_vec)
+
+
+def _peel_width(itemsize: int, n: int, x_row_stride: int, pointer_gap: int) -> int:
+    """Widest vector (at most 16 bytes) for rows whose starts may be
+    misaligned: every row of x (a row each x_row_stride elements) must start
+    as far off alignment as the matching row of y (C-contiguous, a row each
+    n elements), pointer_gap being x's address minus y's."""
+    vec = 16 // itemsize
+    while vec > 1 and ((x_row_stride - n) % vec or pointer_gap % (vec * itemsize)):
+        vec //= 2
+    return vec
 
 
 def kernel_types(plan: Plan) -> tuple[str, str]:

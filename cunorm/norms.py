@@ -1,9 +1,17 @@
 """The public normalization ops."""
 from __future__ import annotations
 
-from . import _channels, _ops, reference
+import functools
+import math
+import numbers
+
+import numpy as np
+
+from . import _channels, _dispatch, _ops, reference
 
 DEFAULT_EPS = 1e-5
+#: the Lp family's eps, as torch's F.normalize
+LP_EPS = 1e-12
 
 # The description of x, shared by the docstrings (filled in at the end).
 _ROW_X = """x : array
@@ -127,6 +135,126 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     call = _ops.Call("ln", x, axis, eps, out, weight=weight, bias=bias, residual=residual,
                      return_stats=return_stats)
     return _ops.run(call, reference.layer_norm)
+
+
+def _lp_norm(p) -> str:
+    """The norm name of the Lp norm for p (validated)."""
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real):
+        raise TypeError(f"p must be a positive real number or inf, got {type(p).__name__}")
+    value = float(p)
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"p must be > 0 (or inf), got {p!r}")
+    if value == 1.0:
+        return "l1"
+    if value == 2.0:
+        return "l2"
+    if value == math.inf:
+        return "linf"
+    return _dispatch.power_norm_name(value)
+
+
+def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
+    """Lp normalization, as torch's ``F.normalize``.
+
+    ``y = x / max(norm_p(x over axis), eps)`` with ``norm_p = sum(|x|**p)
+    ** (1/p)``; p = inf is the largest magnitude. The norm in float32
+    (float64 for float64 x); y rounded once to x's dtype.
+
+    Parameters
+    ----------
+    {x}
+    p : float, default 2
+        Any p > 0, or ``math.inf``. 1, 2 and inf run at memory speed; any
+        other p evaluates ``pow`` per element and compiles its own kernel on
+        first use (about a second, then cached on disk).
+    axis : int, tuple of int, or None, default -1
+        The axis, or several adjacent axes, to normalize over; None for every
+        axis (the whole array is one group: see :func:`frobenius_normalize`).
+    eps : float, default 1e-12
+        The smallest norm divided by (a clamp, not added); finite and >= 0.
+        An all-zero group gives zeros for eps > 0, NaN for eps = 0.
+    out : array, optional
+        Where to write y: same kind, shape and dtype as x, C-contiguous; may
+        be x itself (in place), may not otherwise overlap x.
+
+    Returns
+    -------
+    y
+        x's shape and dtype, as the caller's array type, C-contiguous; ``out``
+        if given.
+
+    Raises
+    ------
+    TypeError
+        x or out not an accepted array kind or of a dtype other than the four
+        floats; p not a real number.
+    ValueError
+        p <= 0 or NaN, a bad axis (out of range, repeated, not adjacent),
+        zero-length normalized axes, eps negative or not finite, a bad out.
+
+    Notes
+    -----
+    A group holding Inf or NaN comes out all NaN (torch gives 0 and NaN
+    there), as does a group whose float32 statistic overflows (for p = 2,
+    |x| beyond about 1e19; for large p much sooner: ``|x|**p`` is summed).
+    Other groups are unaffected.
+    """
+    norm = _lp_norm(p)
+    call = _ops.Call(norm, x, axis, eps, out)
+    return _ops.run(call, functools.partial(reference.normalize, p=float(p)))
+
+
+def mean_abs_normalize(x, *, axis=-1, eps=LP_EPS, out=None):
+    """Mean-absolute-value normalization: ``y = x / max(mean(|x| over axis),
+    eps)`` (KernelBench problem 38, with eps=0: ``x / mean(abs(x))``).
+
+    The L1 norm divided by the group's size: the same as ``normalize(x, 1)
+    * n``, at the same speed. Parameters, returns, errors and notes as for
+    :func:`normalize` (without p).
+
+    Parameters
+    ----------
+    {x}
+    axis : int, tuple of int, or None, default -1
+    eps : float, default 1e-12
+        The smallest mean divided by; finite and >= 0.
+    out : array, optional
+
+    Returns
+    -------
+    y
+    """
+    call = _ops.Call("mean_abs", x, axis, eps, out)
+    return _ops.run(call, reference.mean_abs_normalize)
+
+
+def frobenius_normalize(x, *, axis=None, eps=LP_EPS, out=None):
+    """Frobenius normalization: ``y = x / max(sqrt(sum(x**2)), eps)`` over the
+    whole array (KernelBench problem 37), or over the given adjacent axes.
+
+    ``normalize(x, 2, axis=axis)`` with every axis by default. The whole
+    array is one group: its sum of squares is combined from per-block
+    partials in a fixed order (bitwise the same every run), then every
+    element is scaled: x is read twice, y written once.
+
+    Parameters
+    ----------
+    {x}
+    axis : int, tuple of int, or None, default None
+    eps : float, default 1e-12
+    out : array, optional
+
+    Returns
+    -------
+    y
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`normalize`.
+    """
+    call = _ops.Call("l2", x, axis, eps, out)
+    return _ops.run(call, reference.frobenius_normalize)
 
 
 _CHANNEL_X = """x : array
@@ -269,7 +397,8 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     return _channels.run(call)
 
 
-for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (group_norm, _CHANNEL_X), (instance_norm, _CHANNEL_X),
+for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (normalize, _ROW_X), (mean_abs_normalize, _ROW_X),
+               (frobenius_normalize, _ROW_X), (group_norm, _CHANNEL_X), (instance_norm, _CHANNEL_X),
                (batch_norm, _CHANNEL_X)):
     _f.__doc__ = _f.__doc__.replace("{x}", _x)
 del _f, _x

@@ -71,6 +71,51 @@ def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact):
     return results[0] if len(results) == 1 else tuple(results)
 
 
+def normalize(x, p=2.0, *, axis=-1, eps=1e-12, exact=False):
+    """``x / max(norm_p(x over axis), eps)`` (torch's F.normalize); axis may
+    be None (every axis). p = inf is the largest magnitude."""
+    return _lp(x, float(p), False, axis, eps, exact)
+
+
+def mean_abs_normalize(x, *, axis=-1, eps=1e-12, exact=False):
+    """``x / max(mean(|x| over axis), eps)``."""
+    return _lp(x, 1.0, True, axis, eps, exact)
+
+
+def frobenius_normalize(x, *, axis=None, eps=1e-12, exact=False):
+    """``x / max(sqrt(sum(x**2)), eps)`` over every axis (or the given ones)."""
+    return _lp(x, 2.0, False, axis, eps, exact)
+
+
+def _lp(x, p, mean, axis, eps, exact):
+    from ._plan import normalize_axes
+
+    x = np.asarray(x)
+    if axis is None:
+        axes = tuple(range(x.ndim))
+    else:
+        first, last = normalize_axes(axis, x.ndim)
+        axes = tuple(range(first, last + 1))
+    xf = x.astype(np.float64)
+    a = np.abs(xf)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        if p == np.inf:
+            statistic = np.max(a, axis=axes, keepdims=True)
+            norm = statistic
+        elif p == 2.0:
+            statistic = np.sum(xf * xf, axis=axes, keepdims=True)
+            norm = np.sqrt(statistic)
+        elif p == 1.0:
+            statistic = np.sum(a, axis=axes, keepdims=True)
+            norm = statistic / int(np.prod([x.shape[i] for i in axes])) if mean else statistic
+        else:
+            statistic = np.sum(a**p, axis=axes, keepdims=True)
+            norm = statistic ** (1.0 / p)
+        y = xf / np.maximum(norm, eps)
+        y = np.where(np.isfinite(statistic), y, np.nan)
+    return y if exact else y.astype(x.dtype)
+
+
 def _channels_first(x, channel_axis):
     """x as (N, C, S) float64 with the channel axis moved to 1 and the
     spatial axes flattened, and the function that undoes it."""

@@ -107,13 +107,35 @@ def test_resident_chunks_cover_the_row_and_fit():
     assert step.shared_bytes == launch.chunk_vecs * 16 <= H200.max_shared_per_block
 
 
-def test_split_covers_every_vector():
+def test_split_chunks_are_never_empty():
+    """Chunks interleave a block's width of vectors at a time: no more chunks
+    than block widths in the row, at least 8 blocks an SM otherwise."""
     p = plan_for((3, 100_000_003), -1)
     launch = _dispatch.choose(p, H200)
     assert launch.tier == "split"
-    assert launch.chunks * launch.chunk_vecs >= p.reduced // p.vec
-    assert (launch.chunks - 1) * launch.chunk_vecs < p.reduced // p.vec
+    assert launch.chunks == _dispatch._ceil_div(8 * 132, 3)
     assert launch.workspace_words == 3 * launch.chunks
+    short = _dispatch.choose(plan_for((4, 70_000), -1), H200)
+    assert short.tier == "split" and (short.chunks - 1) * 256 < 70_000 // 4
+
+
+def test_uncached_stash_and_peeled_rows():
+    """Problem 38/39's rows of 65535 floats start off alignment: x and y
+    share it, so the uncached tier walks them in 16-byte vectors after a
+    peeled head, keeping as much of each row in shared memory as fits."""
+    p = plan_for((32768, 65535), -1, norm="l2")
+    assert p.vec == 1 and p.peel_vec == 4
+    launch = _dispatch.choose(p, H200)
+    (step,) = launch.steps
+    assert launch.tier == "uncached" and step.kernel.expression.endswith(", 4>") and step.kernel.persistent
+    assert step.grid == (132,)
+    assert step.shared_bytes == launch.chunk_vecs * 16 <= H200.max_shared_per_block - 1024
+    # a row of x at another offset than y's (a strided view): no peeling
+    q = make_plan("l2", np.dtype(np.float32), None, 0, False, (100, 65535), (65536, 1), 1, 1, 0, 0, 0, 0, 0, 0)
+    assert q.peel_vec == 1
+    # parameters or a residual: aligned rows only
+    assert plan_for((32768, 65535), -1, pdtype=_dtypes.float32).peel_vec == 1
+    assert plan_for((32768, 65535), -1, residual=True).peel_vec == 1
 
 
 @pytest.mark.parametrize("shape, axis", [((2, 3, 5), 1), ((4, 100000, 2), 1), ((8, 64, 7, 7), 1), ((5, 2, 1024), (0, 1))])
@@ -128,12 +150,12 @@ def test_strided_blocks_within_limits(shape, axis):
 def test_every_choice_is_compiled():
     """Whatever the dispatch picks over a sweep of shapes is in all_kernels()."""
     compiled = {k.expression for k in _dispatch.all_kernels()}
-    for norm, flag_sets in _dispatch.NORM_FLAGS.items():
+    for norm, info in _dispatch.NORMS.items():
         for dtype in _dtypes.SUPPORTED:
             acc = _dtypes.accumulation(dtype)
-            for flags in flag_sets:
+            for flags in info.flags:
                 for pdtype in ((None,) if not flags else (dtype, acc)):
-                    for residual in (False, True):
+                    for residual in (False, True) if info.residual else (False,):
                         for n in (1, 3, 8, 760, 1024, 4097, 8192, 32768, 65535, 65536, 300000):
                             for rows in (1, 200, 5000):
                                 for shape, axis in (((rows, n), -1), ((rows, n, 5), 1), ((2, n, 64), 1)):

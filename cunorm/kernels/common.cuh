@@ -143,18 +143,25 @@ __device__ __forceinline__ A param_b(const ParamVec<P, FLAGS, VEC>& p, int j) {
     else return A(0);
 }
 
-// y[0:VEC] = epilogue(h[0:VEC] - pivot) with the parameters of those
-// positions (pivot: the group's shift, 0 for unshifted norms).
+// epilogue(h[0:VEC] - pivot) with the parameters of those positions (pivot:
+// the group's shift, 0 for unshifted norms), rounded to the storage type.
 template <class T, class P, int FLAGS, int VEC, class A>
-__device__ __forceinline__ void write_normalized(T* dst, const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
-                                                 const Affine<A>& f, A pivot) {
+__device__ __forceinline__ Vec<T, VEC> normalized(const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
+                                                  const Affine<A>& f, A pivot) {
     Vec<T, VEC> out;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
         const A v = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot, f, param_w<A>(p, j), param_b<A>(p, j));
         narrow(v, out.v[j]);
     }
-    store_vec<T, VEC>(dst, out);
+    return out;
+}
+
+// y[0:VEC] = normalized(h[0:VEC]).
+template <class T, class P, int FLAGS, int VEC, class A>
+__device__ __forceinline__ void write_normalized(T* dst, const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
+                                                 const Affine<A>& f, A pivot) {
+    store_vec<T, VEC>(dst, normalized<T, P, FLAGS, VEC, A>(in, p, f, pivot));
 }
 
 // h = x + r, rounded to the storage type (the fused pre-norm residual add:

@@ -20,6 +20,8 @@
 //   kShifted                   whether the kernels feed it x - pivot (the
 //                              group's first element) instead of x, and
 //                              center the epilogue on the pivot too
+// A policy with a compile-time parameter (PowerNorm's p) is a member
+// template of a class template: cunorm::PowerNorm<bits of p>::Policy.
 #pragma once
 #include "common.cuh"
 
@@ -130,6 +132,134 @@ struct LayerNorm {
     // The unbiased variance m2 / (n - 1) (BatchNorm's running estimate).
     __device__ static __forceinline__ A unbiased_variance(const Stats& s, long long n) {
         return s.m2 * reciprocal(static_cast<A>(n - 1));
+    }
+};
+
+// --- the Lp family: y = x / max(norm(x), eps), as torch's F.normalize ---------
+// One accumulated word each; the epilogue multiplies by scale = 1 / max(norm,
+// eps) (within an ulp of dividing). A non-finite statistic (an Inf or NaN in
+// the group, or an overflowing sum) makes the group NaN, as for RMSNorm.
+
+template <class A>
+__device__ __forceinline__ Affine<A> lp_affine(A statistic, A norm, A eps) {
+    // float: the correctly rounded reciprocal; double: one division a group.
+    A scale;
+    if constexpr (sizeof(A) == 4) {
+        scale = reciprocal(fmax(norm, eps));
+    } else {
+        scale = A(1) / fmax(norm, eps);
+    }
+    if (!isfinite(statistic)) scale = quiet_nan<A>();
+    return Affine<A>{A(0), scale};
+}
+
+// The statistic of every Lp norm but p = inf: a sum of per-element terms
+// (of_values and finalize come from the norm that derives from it).
+template <class A>
+struct SumStatistic {
+    struct Stats {
+        A sum;
+    };
+    static constexpr int kStatWords = 1;
+    static constexpr bool kShifted = false;
+    __device__ static __forceinline__ Stats init() { return Stats{A(0)}; }
+    __device__ static __forceinline__ Stats combine(const Stats& a, const Stats& b) { return Stats{a.sum + b.sum}; }
+    __device__ static __forceinline__ Stats shfl_xor(const Stats& s, int mask, int width) {
+        return Stats{shfl_xor_acc(s.sum, mask, width)};
+    }
+};
+
+// L1:  norm = sum |x|.
+template <class A>
+struct L1Norm : SumStatistic<A> {
+    using Stats = typename SumStatistic<A>::Stats;
+    template <int N>
+    __device__ static __forceinline__ Stats of_values(const A (&v)[N]) {
+        A s = A(0);
+#pragma unroll
+        for (int j = 0; j < N; ++j) s += fabs(v[j]);
+        return Stats{s};
+    }
+    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
+        return lp_affine(s.sum, s.sum, eps);
+    }
+};
+
+// Mean-abs (problem 38):  norm = mean |x| = sum |x| / n.
+template <class A>
+struct MeanAbsNorm : L1Norm<A> {
+    using Stats = typename L1Norm<A>::Stats;
+    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
+        return lp_affine(s.sum, s.sum * reciprocal(static_cast<A>(n)), eps);
+    }
+};
+
+// L2:  norm = sqrt(sum x^2) (Frobenius over the whole array).
+template <class A>
+struct L2Norm : SumStatistic<A> {
+    using Stats = typename SumStatistic<A>::Stats;
+    template <int N>
+    __device__ static __forceinline__ Stats of_values(const A (&v)[N]) {
+        A s = A(0);
+#pragma unroll
+        for (int j = 0; j < N; ++j) s = fma(v[j], v[j], s);
+        return Stats{s};
+    }
+    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
+        return lp_affine(s.sum, sqrt(s.sum), eps);
+    }
+};
+
+// General p > 0 (not 1, 2 or inf):  norm = (sum |x|^p)^(1/p), p a template
+// argument (the bits of the double p: cunorm/_dispatch.py), one
+// instantiation a p. pow is the accurate library function (a few tens of
+// instructions an element: slower than the three above, which are plain
+// loads and adds).
+template <unsigned long long P_BITS>
+struct PowerNorm {
+    template <class A>
+    struct Policy : SumStatistic<A> {
+        using Stats = typename SumStatistic<A>::Stats;
+        __device__ static __forceinline__ A power() { return static_cast<A>(__longlong_as_double(P_BITS)); }
+        template <int N>
+        __device__ static __forceinline__ Stats of_values(const A (&v)[N]) {
+            A s = A(0);
+#pragma unroll
+            for (int j = 0; j < N; ++j) s += pow(fabs(v[j]), power());
+            return Stats{s};
+        }
+        __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
+            return lp_affine(s.sum, pow(s.sum, A(1) / power()), eps);
+        }
+    };
+};
+
+// L-infinity:  norm = max |x|. The max keeps a NaN once it has seen one
+// (fmax would drop it and hide the NaN group).
+template <class A>
+struct LinfNorm {
+    struct Stats {
+        A max_abs;
+    };
+    static constexpr int kStatWords = 1;
+    static constexpr bool kShifted = false;
+    __device__ static __forceinline__ A nan_max(A a, A b) { return (b > a || b != b) ? b : a; }
+    __device__ static __forceinline__ Stats init() { return Stats{A(0)}; }
+    template <int N>
+    __device__ static __forceinline__ Stats of_values(const A (&v)[N]) {
+        A m = A(0);
+#pragma unroll
+        for (int j = 0; j < N; ++j) m = nan_max(m, fabs(v[j]));
+        return Stats{m};
+    }
+    __device__ static __forceinline__ Stats combine(const Stats& a, const Stats& b) {
+        return Stats{nan_max(a.max_abs, b.max_abs)};
+    }
+    __device__ static __forceinline__ Stats shfl_xor(const Stats& s, int mask, int width) {
+        return Stats{shfl_xor_acc(s.max_abs, mask, width)};
+    }
+    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
+        return lp_affine(s.max_abs, s.max_abs, eps);
     }
 };
 

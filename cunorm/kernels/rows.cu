@@ -25,12 +25,12 @@
 //                  the whole block owns one row at a time and combines
 //                  through shared memory (rows up to the register budget of
 //                  one block: 128 KB of row).
-//   rows_uncached  one block per row, two sweeps over global memory (the
-//                  second mostly from L2): rows too long for registers when
-//                  there are enough of them to fill the GPU. With RESIDUAL
-//                  the first sweep writes h and the second reads it back.
-//   rows_split_*   few long rows: each row is cut into chunks, one block per
-//                  (row, chunk) on a 2-D grid (x: row, y: chunk: the blocks
+//   rows_uncached  rows too long for registers when there are enough of
+//                  them to fill the GPU: a block an SM walks rows, keeping
+//                  what fits of each in shared memory and registers (a row
+//                  of 65535 floats entirely) and reading the rest twice.
+//   rows_split_*   few long rows: each row is cut into interleaved chunks,
+//                  one block per (row, chunk) on a 2-D grid (x: row, y: chunk: the blocks
 //                  of one chunk run together, so its weight and bias are
 //                  read from memory once for all rows). Pass 1
 //                  writes every chunk's partial statistic to a workspace (and
@@ -106,20 +106,108 @@ __device__ __forceinline__ Vec<T, VEC> load_input(const T* x_row, const T* r_row
     return v;
 }
 
-// The write sweep of the streaming tiers (uncached, split): y[v] =
-// epilogue(src[v]) for v = first, first + blockDim.x, ... below end, a batch
-// of vectors and their parameters in flight at once.
-template <class T, class P, int FLAGS, int VEC, bool RESIDUAL, class A>
-__device__ __forceinline__ void write_sweep(const T* src, T* yr, const P* w, const P* b, long long first,
-                                            long long end, const Affine<A>& f, A pivot) {
-    for_each_batched<write_batch<T, P, FLAGS, VEC, RESIDUAL>()>(
-        first, end, blockDim.x,
-        [&](long long v) {
-            return Loaded<T, P, FLAGS, VEC>{load_vec<T, VEC>(src + v * VEC), load_params<P, FLAGS, VEC>(w, b, v * VEC)};
-        },
-        [&](long long v, const Loaded<T, P, FLAGS, VEC>& in) {
-            write_normalized<T, P, FLAGS, VEC, A>(yr + v * VEC, in.v, in.p, f, pivot);
-        });
+// Acquire load of an arrival counter (the partials it guards are then
+// visible) and the L2 prefetch of one 128-byte line.
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// L2 eviction policies (sm_80+): the resident tier marks the data it streams
+// (x in, y out) evict-first and the parameters it re-reads for every row
+// evict-last, so 32 MB of weight and bias stay in L2 across rows.
+__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ unsigned long long l2_policy_evict_last() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+
+// A vector load / store with an L2 policy, word by word (4-byte words; the
+// 2-byte vectors of half/bf16 VEC=1 go without a hint).
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec_hint(const T* p, unsigned long long policy) {
+    constexpr int kBytes = sizeof(T) * N;
+    if constexpr (kBytes % 4 != 0) {
+        return load_vec<T, N>(p);
+    } else {
+        union { Vec<T, N> v; unsigned u[kBytes / 4]; } r;
+        const unsigned* src = reinterpret_cast<const unsigned*>(p);
+        if constexpr (kBytes >= 16) {
+#pragma unroll
+            for (int k = 0; k < kBytes / 16; ++k) {
+                asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                             : "=r"(r.u[4 * k]), "=r"(r.u[4 * k + 1]), "=r"(r.u[4 * k + 2]), "=r"(r.u[4 * k + 3])
+                             : "l"(src + 4 * k), "l"(policy));
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < kBytes / 4; ++k) {
+                asm volatile("ld.global.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(r.u[k]) : "l"(src + k), "l"(policy));
+            }
+        }
+        return r.v;
+    }
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_vec_hint(T* p, const Vec<T, N>& v, unsigned long long policy) {
+    constexpr int kBytes = sizeof(T) * N;
+    if constexpr (kBytes % 16 != 0) {
+        store_vec<T, N>(p, v);
+    } else {
+        union { Vec<T, N> v; unsigned u[kBytes / 4]; } r;
+        r.v = v;
+        unsigned* dst = reinterpret_cast<unsigned*>(p);
+#pragma unroll
+        for (int k = 0; k < kBytes / 16; ++k) {
+            asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst + 4 * k),
+                         "r"(r.u[4 * k]), "r"(r.u[4 * k + 1]), "r"(r.u[4 * k + 2]), "r"(r.u[4 * k + 3]), "l"(policy)
+                         : "memory");
+        }
+    }
+}
+
+// Wait until at most `left` of this thread's cp.async groups are pending
+// (an immediate operand: `left` must fold to a constant, below 4).
+__device__ __forceinline__ void cp_async_wait_parts_left(int left) {
+    if (left == 0) asm volatile("cp.async.wait_group 0;" ::: "memory");
+    else if (left == 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
+    else if (left == 2) asm volatile("cp.async.wait_group 2;" ::: "memory");
+    else asm volatile("cp.async.wait_group 3;" ::: "memory");
+}
+// rows_uncached's stash arrives in this many parts (cp.async groups).
+constexpr int kStashParts = 4;
+
+// Asynchronous copy global -> shared of one vector (4, 8 or 16 bytes,
+// sm_80+): no register staging, so a thread can have its whole share of a
+// chunk in flight at once. HINTED 16-byte copies carry an L2 policy.
+// rows_uncached's stash copies go without: hinted, in four commit groups,
+// they raised an illegal-instruction fault at the copy on the H200
+// (compute-sanitizer, 2026-11-21; two groups, or no hint, ran clean).
+template <int BYTES, bool HINTED = false>
+__device__ __forceinline__ void copy_async(void* shared_dst, const void* global_src,
+                                           unsigned long long policy = 0) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+    if constexpr (BYTES == 16 && HINTED) {
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(global_src),
+                     "l"(policy)
+                     : "memory");
+    } else if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(global_src), "n"(BYTES) : "memory");
+    }
+}
+__device__ __forceinline__ void copy_async_wait_all() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
 template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC, int VECS_PER_THREAD,
@@ -200,45 +288,199 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
     }
 }
 
-// rows_uncached runs 512-thread blocks (cunorm/_dispatch.py, UNCACHED_BLOCK_THREADS), up
-// to 128 registers a thread: four batched vectors plus float32 weight and bias
-// vectors of 8 need more than 64.
+// Elements before the first VEC-aligned element of a row starting at p (0
+// when it is aligned), at most n.
+template <class T, int VEC>
+__device__ __forceinline__ int misaligned_head(const T* p, long long n) {
+    const int misaligned = static_cast<int>((reinterpret_cast<unsigned long long>(p) / sizeof(T)) & (VEC - 1));
+    return static_cast<int>(min(static_cast<long long>((VEC - misaligned) & (VEC - 1)), n));
+}
+
+// Vectors of each row a rows_uncached thread holds in registers after the
+// stash: a 65535-float row is 226 KB of stash plus 512 threads x 4 x 16
+// bytes, all of it on chip, read once. None with parameters or a residual,
+// whose registers are spent already (ptxas spilled there, sm_80 and sm_90).
+template <int FLAGS, bool RESIDUAL>
+__host__ __device__ constexpr int uncached_held_vectors() {
+    return (FLAGS == 0 && !RESIDUAL) ? 4 : 0;
+}
+
+// rows_uncached: rows too long for registers, when there are enough of them
+// to fill the GPU (problems 38/39: 32768 rows of 65535 floats, 256 KB each).
+// Math: the policy's statistic of the row, then the epilogue, as every tier.
+// Layout: a persistent grid of one 512-thread block an SM (cunorm/_dispatch.py,
+// UNCACHED_BLOCKS_PER_SM; capped at what fits), each walking rows
+// blockIdx.x, + gridDim.x, ... and keeping as much of each row on chip as
+// fits: the first stash_vecs vectors in shared memory (the stash, dynamic),
+// the next uncached_held_vectors() a thread in registers; the rest, if any,
+// is read twice. For each row:
+//   1. the stash's copies are in flight (cp.async, issued while the previous
+//      row was written, in kStashParts groups) while the held vectors and
+//      the rest are loaded and folded; the stash is folded part by part as
+//      it lands: the row's statistic;
+//   2. the stash is normalized and written, and its slots refilled with the
+//      block's next row (each thread reads and refills only its own slots,
+//      so no barrier guards them); then the held vectors;
+//   3. the rest is read again, backwards (the bytes read last come first,
+//      the likeliest still in L2), marked evict-first as it is read and as y
+//      is written, so spent bytes leave room for those still to be re-read.
+// Measured on the H200 (cunorm/_dispatch.py): problem 39 at 86% of copy
+// bandwidth with stash and registers, 67.5% reading everything twice.
+// Rows may start off VEC alignment (rows of 65535 floats): each row's head
+// (up to its first aligned element) and tail are folded and written an
+// element at a time by the first threads, the aligned body a vector at a
+// time. The plan allows a misaligned start only when x's and y's rows share
+// it and there are no parameters (whose index would be misaligned too) and
+// no residual (cunorm/_plan.py, peel_vec).
+// With RESIDUAL there is no stash (stash_vecs = 0: h is formed in
+// registers) and the rest's second sweep reads h back (written by other
+// threads of the block: block_reduce's barriers order it). Nor is there
+// one for 2-byte vectors, which cp.async cannot copy.
+// Up to 128 registers a thread: four batched vectors plus float32 weight
+// and bias vectors of 8 need more than 64.
 template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
 __global__ void __launch_bounds__(512, 1)
 rows_uncached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, T* __restrict__ h,
               const P* __restrict__ w, const P* __restrict__ b, typename AccOf<T>::type* center_out,
               typename AccOf<T>::type* scale_out, long long rows, long long n, long long x_row_stride,
-              typename AccOf<T>::type eps) {
+              typename AccOf<T>::type eps, long long stash_vecs) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
+    constexpr int kVecBytes = VEC * static_cast<int>(sizeof(T));
+    extern __shared__ __align__(16) unsigned char shared_raw[];
+    Vec<T, VEC>* stash = reinterpret_cast<Vec<T, VEC>*>(shared_raw);
     __shared__ Stats scratch[33];
-    const long long n_vec = n / VEC;
+    constexpr int kWriteBatch = write_batch<T, P, FLAGS, VEC, RESIDUAL>();
+    constexpr int kHeld = uncached_held_vectors<FLAGS, RESIDUAL>();
+    const unsigned long long stream = l2_policy_evict_first();
 
+    // Row geometry: the aligned body starts at element `head`; `kept` of its
+    // vectors are stashed.
+    struct Row {
+        const T* x;
+        long long head, body, kept;
+    };
+    auto row_at = [&](long long row) {
+        const T* xr = x + row * x_row_stride;
+        const long long head = misaligned_head<T, VEC>(xr, n);
+        const long long body = (n - head) / VEC;
+        return Row{xr, head, body, min(stash_vecs, body)};
+    };
+    // This thread's stash slots are i = threadIdx.x + j * blockDim.x, j <
+    // slots(kept); they are copied in kStashParts commit groups, folded
+    // part by part as each lands.
+    auto slots = [&](long long kept) -> long long {
+        return kept > threadIdx.x ? (kept - 1 - threadIdx.x) / blockDim.x + 1 : 0;
+    };
+    auto fill_stash = [&](const Row& row) {
+        if constexpr (!RESIDUAL && kVecBytes >= 4) {
+            const long long count = slots(row.kept);
+#pragma unroll
+            for (int part = 0; part < kStashParts; ++part) {
+                for (long long j = count * part / kStashParts; j < count * (part + 1) / kStashParts; ++j) {
+                    const long long i = threadIdx.x + j * blockDim.x;
+                    copy_async<kVecBytes>(stash + i, row.x + row.head + i * VEC);
+                }
+                asm volatile("cp.async.commit_group;" ::: "memory");
+            }
+        }
+    };
+
+    if (blockIdx.x < rows) fill_stash(row_at(blockIdx.x));
 #pragma unroll 1
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const T* xr = x + row * x_row_stride;
+        const Row g = row_at(row);
+        const T* xr = g.x;
         const T* rr = r + row * x_row_stride;
         T* hr = h + row * n;
+        T* yr = y + row * n;
+        const long long head = g.head, body = g.body, kept = g.kept;
+        const int odd = static_cast<int>(n - body * VEC);  // head + tail elements, < 2 * VEC
+        // the element of odd item k: the head, then the tail
+        const long long odd_e = threadIdx.x < head ? threadIdx.x : head + body * VEC + (threadIdx.x - head);
         const A pivot = row_pivot<Norm, A, T, RESIDUAL>(xr, rr, true);
+
+        // 1. The statistic: odd elements, the streamed rest, then the stash.
         Stats s = Norm::init();
+        if (static_cast<int>(threadIdx.x) < odd) {
+            s = fold<Norm, A, T, 1>(s, load_input<T, 1, RESIDUAL>(xr, rr, hr, odd_e), pivot);
+        }
+        const long long held_end = min(body, kept + static_cast<long long>(kHeld) * blockDim.x);
+        Vec<T, VEC> held[kHeld > 0 ? kHeld : 1];
+#pragma unroll
+        for (int k = 0; k < kHeld; ++k) {
+            const long long v = kept + threadIdx.x + static_cast<long long>(k) * blockDim.x;
+            if (v < held_end) held[k] = load_input<T, VEC, RESIDUAL>(xr + head, rr + head, hr + head, v * VEC);
+        }
         for_each_batched<kSweepUnroll>(
-            threadIdx.x, n_vec, blockDim.x,
-            [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC); },
+            held_end + threadIdx.x, body, blockDim.x,
+            [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr + head, rr + head, hr + head, v * VEC); },
             [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
+#pragma unroll
+        for (int k = 0; k < kHeld; ++k) {
+            const long long v = kept + threadIdx.x + static_cast<long long>(k) * blockDim.x;
+            if (v < held_end) s = fold<Norm, A, T, VEC>(s, held[k], pivot);
+        }
+        if (kept > 0) {
+            const long long count = slots(kept);
+#pragma unroll
+            for (int part = 0; part < kStashParts; ++part) {
+                cp_async_wait_parts_left(kStashParts - 1 - part);
+                for (long long j = count * part / kStashParts; j < count * (part + 1) / kStashParts; ++j)
+                    s = fold<Norm, A, T, VEC>(s, stash[threadIdx.x + j * blockDim.x], pivot);
+            }
+        }
         s = block_reduce<Norm>(s, scratch);
         const Affine<A> f = Norm::finalize(s, n, eps);
         if (threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
-        // Second sweep: h (written above by this same thread) or x again.
+
+        // 2. The stash and the odd elements out; the stash refilled.
         const T* src = RESIDUAL ? static_cast<const T*>(hr) : xr;
-        T* yr = y + row * n;
-        write_sweep<T, P, FLAGS, VEC, RESIDUAL>(src, yr, w, b, threadIdx.x, n_vec, f, pivot);
+        if (static_cast<int>(threadIdx.x) < odd) {
+            write_normalized<T, P, FLAGS, 1, A>(yr + odd_e, load_vec<T, 1>(src + odd_e),
+                                                load_params<P, FLAGS, 1>(w, b, odd_e), f, pivot);
+        }
+        for (long long i = threadIdx.x; i < kept; i += blockDim.x) {
+            const long long e = head + i * VEC;
+            store_vec_hint<T, VEC>(yr + e, normalized<T, P, FLAGS, VEC, A>(stash[i], load_params<P, FLAGS, VEC>(w, b, e),
+                                                                         f, pivot), stream);
+        }
+        if (kept > 0 && row + gridDim.x < rows) fill_stash(row_at(row + gridDim.x));
+#pragma unroll
+        for (int k = 0; k < kHeld; ++k) {
+            const long long v = kept + threadIdx.x + static_cast<long long>(k) * blockDim.x;
+            if (v < held_end) {
+                const long long e = head + v * VEC;
+                store_vec_hint<T, VEC>(yr + e, normalized<T, P, FLAGS, VEC, A>(held[k], load_params<P, FLAGS, VEC>(w, b, e),
+                                                                             f, pivot), stream);
+            }
+        }
+
+        // 3. The rest again, backwards: h (with RESIDUAL) or x.
+        const long long rest = body - held_end;
+        for_each_batched<kWriteBatch>(
+            threadIdx.x, rest, blockDim.x,
+            [&](long long v) {
+                const long long e = head + (body - 1 - v) * VEC;
+                return Loaded<T, P, FLAGS, VEC>{load_vec_hint<T, VEC>(src + e, stream),
+                                                load_params<P, FLAGS, VEC>(w, b, e)};
+            },
+            [&](long long v, const Loaded<T, P, FLAGS, VEC>& in) {
+                const long long e = head + (body - 1 - v) * VEC;
+                store_vec_hint<T, VEC>(yr + e, normalized<T, P, FLAGS, VEC, A>(in.v, in.p, f, pivot), stream);
+            });
     }
 }
 
+// The split tier's chunks are interleaved: chunk c of a row is its vectors
+// c * blockDim.x + threadIdx.x + k * chunks * blockDim.x, so the blocks of a
+// pass sweep memory together like a copy kernel, one front of addresses,
+// instead of as `chunks` separate streams (problem 37, one row of 7.5 GB:
+// chunk-contiguous, pass 2 ran at 62-76% of its floor; interleaved, 93%).
+//
 // Pass 1 of the split tier: partial[row * chunks + chunk] = statistic of the
-// chunk's elements (and h written). A chunk is chunk_vecs vectors (the last
-// one may be short).
+// chunk's elements (and h written).
 // The split tier runs 256-thread blocks (cunorm/_dispatch.py, SPLIT_BLOCK_THREADS),
 // up to 128 registers (a batch of x and r vectors with LayerNorm's fold
 // spilled at 64).
@@ -246,7 +488,7 @@ template <template <class> class NormT, class T, bool RESIDUAL, int VEC>
 __global__ void __launch_bounds__(256, 2)
 rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ h,
                    typename AccOf<T>::type* __restrict__ partial, long long rows, long long n,
-                   long long x_row_stride, long long chunks, long long chunk_vecs) {
+                   long long x_row_stride, long long chunks) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -258,15 +500,13 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
     for (long long chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y)
 #pragma unroll 1
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const long long begin = chunk * chunk_vecs;
-        const long long end = min(begin + chunk_vecs, n_vec);
         const T* xr = x + row * x_row_stride;
         const T* rr = r + row * x_row_stride;
         T* hr = h + row * n;
         const A pivot = row_pivot<Norm, A, T, RESIDUAL>(xr, rr, true);
         Stats s = Norm::init();
         for_each_batched<kSweepUnroll>(
-            begin + threadIdx.x, end, blockDim.x,
+            chunk * blockDim.x + threadIdx.x, n_vec, chunks * blockDim.x,
             [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC); },
             [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
         s = block_reduce<Norm>(s, scratch);
@@ -275,29 +515,27 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
 }
 
 // Pass 2 of the split tier: combine the row's partials (same order in every
-// block of the row), then scale this block's chunk (of h, with RESIDUAL).
+// block of the row), then scale this block's chunk (of h, with RESIDUAL),
+// walked from the end of the row (v -> n_vec - 1 - v): the first vectors
+// re-read are the last pass 1 read, still in L2.
 template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
 __global__ void __launch_bounds__(256, 2)
 rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict__ y, const P* __restrict__ w,
                  const P* __restrict__ b, typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out,
                  const typename AccOf<T>::type* __restrict__ partial, long long rows, long long n,
-                 long long x_row_stride, long long chunks, long long chunk_vecs, typename AccOf<T>::type eps) {
+                 long long x_row_stride, long long chunks, typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
     __shared__ Stats scratch[33];
     const long long n_vec = n / VEC;
     const Stats* parts = reinterpret_cast<const Stats*>(partial);
+    constexpr int kWriteBatch = write_batch<T, P, FLAGS, VEC, RESIDUAL>();
 
-    // Chunks in reverse: the first ones re-read are the last pass 1 read,
-    // still in L2.
 #pragma unroll 1
-    for (long long chunk_step = blockIdx.y; chunk_step < chunks; chunk_step += gridDim.y)
+    for (long long chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y)
 #pragma unroll 1
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const long long chunk = chunks - 1 - chunk_step;
-        const long long begin = chunk * chunk_vecs;
-        const long long end = min(begin + chunk_vecs, n_vec);
         Stats s = Norm::init();
 #pragma unroll 1
         for (long long c = threadIdx.x; c < chunks; c += blockDim.x) s = Norm::combine(s, parts[row * chunks + c]);
@@ -308,95 +546,16 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict
         const A pivot = row_pivot<Norm, A, T, false>(src, src, true);
         if (chunk == 0 && threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
         T* yr = y + row * n;
-        write_sweep<T, P, FLAGS, VEC, RESIDUAL>(src, yr, w, b, begin + threadIdx.x, end, f, pivot);
+        for_each_batched<kWriteBatch>(
+            chunk * blockDim.x + threadIdx.x, n_vec, chunks * blockDim.x,
+            [&](long long v) {
+                const long long e = (n_vec - 1 - v) * VEC;
+                return Loaded<T, P, FLAGS, VEC>{load_vec<T, VEC>(src + e), load_params<P, FLAGS, VEC>(w, b, e)};
+            },
+            [&](long long v, const Loaded<T, P, FLAGS, VEC>& in) {
+                write_normalized<T, P, FLAGS, VEC, A>(yr + (n_vec - 1 - v) * VEC, in.v, in.p, f, pivot);
+            });
     }
-}
-
-// Acquire load of an arrival counter (the partials it guards are then
-// visible) and the L2 prefetch of one 128-byte line.
-__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
-    unsigned int v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-// L2 eviction policies (sm_80+): the resident tier marks the data it streams
-// (x in, y out) evict-first and the parameters it re-reads for every row
-// evict-last, so 32 MB of weight and bias stay in L2 across rows.
-__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
-    unsigned long long p;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-__device__ __forceinline__ unsigned long long l2_policy_evict_last() {
-    unsigned long long p;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-
-// A vector load / store with an L2 policy, word by word (4-byte words; the
-// 2-byte vectors of half/bf16 VEC=1 go without a hint).
-template <class T, int N>
-__device__ __forceinline__ Vec<T, N> load_vec_hint(const T* p, unsigned long long policy) {
-    constexpr int kBytes = sizeof(T) * N;
-    if constexpr (kBytes % 4 != 0) {
-        return load_vec<T, N>(p);
-    } else {
-        union { Vec<T, N> v; unsigned u[kBytes / 4]; } r;
-        const unsigned* src = reinterpret_cast<const unsigned*>(p);
-        if constexpr (kBytes >= 16) {
-#pragma unroll
-            for (int k = 0; k < kBytes / 16; ++k) {
-                asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                             : "=r"(r.u[4 * k]), "=r"(r.u[4 * k + 1]), "=r"(r.u[4 * k + 2]), "=r"(r.u[4 * k + 3])
-                             : "l"(src + 4 * k), "l"(policy));
-            }
-        } else {
-#pragma unroll
-            for (int k = 0; k < kBytes / 4; ++k) {
-                asm volatile("ld.global.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(r.u[k]) : "l"(src + k), "l"(policy));
-            }
-        }
-        return r.v;
-    }
-}
-
-template <class T, int N>
-__device__ __forceinline__ void store_vec_hint(T* p, const Vec<T, N>& v, unsigned long long policy) {
-    constexpr int kBytes = sizeof(T) * N;
-    if constexpr (kBytes % 16 != 0) {
-        store_vec<T, N>(p, v);
-    } else {
-        union { Vec<T, N> v; unsigned u[kBytes / 4]; } r;
-        r.v = v;
-        unsigned* dst = reinterpret_cast<unsigned*>(p);
-#pragma unroll
-        for (int k = 0; k < kBytes / 16; ++k) {
-            asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst + 4 * k),
-                         "r"(r.u[4 * k]), "r"(r.u[4 * k + 1]), "r"(r.u[4 * k + 2]), "r"(r.u[4 * k + 3]), "l"(policy)
-                         : "memory");
-        }
-    }
-}
-
-// Asynchronous copy global -> shared of one vector (4, 8 or 16 bytes,
-// sm_80+): no register staging, so a thread can have its whole share of a
-// chunk in flight at once.
-template <int BYTES>
-__device__ __forceinline__ void copy_async(void* shared_dst, const void* global_src) {
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
-    if constexpr (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(global_src),
-                     "l"(l2_policy_evict_first())
-                     : "memory");
-    } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(global_src), "n"(BYTES) : "memory");
-    }
-}
-__device__ __forceinline__ void copy_async_wait_all() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
 // rows_resident: few long rows (problem 40: 16 rows of 4M floats) in ONE
@@ -447,7 +606,9 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
         constexpr int kVecBytes = VEC * static_cast<int>(sizeof(T));
         if constexpr (!RESIDUAL && kVecBytes >= 4) {
             // The whole chunk in flight at once, straight into shared memory.
-            for (int i = threadIdx.x; i < count; i += blockDim.x) copy_async<kVecBytes>(chunk + i, xr + i * VEC);
+            const unsigned long long first_out = l2_policy_evict_first();
+            for (int i = threadIdx.x; i < count; i += blockDim.x)
+                copy_async<kVecBytes, true>(chunk + i, xr + i * VEC, first_out);
             copy_async_wait_all();
             for (int i = threadIdx.x; i < count; i += blockDim.x) s = fold<Norm, A, T, VEC>(s, chunk[i], pivot);
         } else {
@@ -508,14 +669,7 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ 
                 return item;
             },
             [&](long long i, const Loaded<T, P, FLAGS, VEC>& in) {
-                Vec<T, VEC> out;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    narrow(apply_affine<FLAGS>(static_cast<A>(widen(in.v.v[j])) - pivot, f, param_w<A>(in.p, j),
-                                               param_b<A>(in.p, j)),
-                           out.v[j]);
-                }
-                store_vec_hint<T, VEC>(yr + i * VEC, out, stream);
+                store_vec_hint<T, VEC>(yr + i * VEC, normalized<T, P, FLAGS, VEC, A>(in.v, in.p, f, pivot), stream);
             });
         __syncthreads();  // the chunk buffer is refilled for the next row
     }
