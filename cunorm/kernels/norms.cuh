@@ -49,34 +49,49 @@ __device__ __forceinline__ A quiet_nan() {
     return static_cast<A>(__int_as_float(0x7fc00000));
 }
 
-// RMSNorm:  y = x * rsqrt(mean(x^2) + eps).
-// A non-finite sum of squares (an Inf or NaN in the group, or float overflow)
-// makes the whole group NaN rather than silently zero.
-template <class A>
-struct RmsNorm {
+// A sum of per-element terms: RMSNorm's statistic and every Lp norm's but
+// p = inf. Term::add(s, v) adds v's term to the running sum s (finalize
+// comes from the norm that derives from it).
+template <class A, class Term>
+struct SumStatistic {
     struct Stats {
-        A sum_sq;
+        A sum;
     };
     static constexpr int kStatWords = 1;
     static constexpr bool kShifted = false;
-
     __device__ static __forceinline__ Stats init() { return Stats{A(0)}; }
     template <int N>
     __device__ static __forceinline__ Stats of_values(const A (&v)[N]) {
         A s = A(0);
 #pragma unroll
-        for (int j = 0; j < N; ++j) s = fma(v[j], v[j], s);
+        for (int j = 0; j < N; ++j) s = Term::add(s, v[j]);
         return Stats{s};
     }
-    __device__ static __forceinline__ Stats combine(const Stats& a, const Stats& b) {
-        return Stats{a.sum_sq + b.sum_sq};
-    }
+    __device__ static __forceinline__ Stats combine(const Stats& a, const Stats& b) { return Stats{a.sum + b.sum}; }
     __device__ static __forceinline__ Stats shfl_xor(const Stats& s, int mask, int width) {
-        return Stats{shfl_xor_acc(s.sum_sq, mask, width)};
+        return Stats{shfl_xor_acc(s.sum, mask, width)};
     }
+};
+
+// The terms: x^2 (fused, one rounding), |x|.
+struct SquareTerm {
+    template <class A>
+    __device__ static __forceinline__ A add(A s, A v) { return fma(v, v, s); }
+};
+struct AbsTerm {
+    template <class A>
+    __device__ static __forceinline__ A add(A s, A v) { return s + fabs(v); }
+};
+
+// RMSNorm:  y = x * rsqrt(mean(x^2) + eps).
+// A non-finite sum of squares (an Inf or NaN in the group, or float overflow)
+// makes the whole group NaN rather than silently zero.
+template <class A>
+struct RmsNorm : SumStatistic<A, SquareTerm> {
+    using Stats = typename SumStatistic<A, SquareTerm>::Stats;
     __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
-        A scale = rsqrt(s.sum_sq * reciprocal(static_cast<A>(n)) + eps);
-        if (!isfinite(s.sum_sq)) scale = quiet_nan<A>();
+        A scale = rsqrt(s.sum * reciprocal(static_cast<A>(n)) + eps);
+        if (!isfinite(s.sum)) scale = quiet_nan<A>();
         return Affine<A>{A(0), scale};
     }
 };
@@ -153,33 +168,10 @@ __device__ __forceinline__ Affine<A> lp_affine(A statistic, A norm, A eps) {
     return Affine<A>{A(0), scale};
 }
 
-// The statistic of every Lp norm but p = inf: a sum of per-element terms
-// (of_values and finalize come from the norm that derives from it).
-template <class A>
-struct SumStatistic {
-    struct Stats {
-        A sum;
-    };
-    static constexpr int kStatWords = 1;
-    static constexpr bool kShifted = false;
-    __device__ static __forceinline__ Stats init() { return Stats{A(0)}; }
-    __device__ static __forceinline__ Stats combine(const Stats& a, const Stats& b) { return Stats{a.sum + b.sum}; }
-    __device__ static __forceinline__ Stats shfl_xor(const Stats& s, int mask, int width) {
-        return Stats{shfl_xor_acc(s.sum, mask, width)};
-    }
-};
-
 // L1:  norm = sum |x|.
 template <class A>
-struct L1Norm : SumStatistic<A> {
-    using Stats = typename SumStatistic<A>::Stats;
-    template <int N>
-    __device__ static __forceinline__ Stats of_values(const A (&v)[N]) {
-        A s = A(0);
-#pragma unroll
-        for (int j = 0; j < N; ++j) s += fabs(v[j]);
-        return Stats{s};
-    }
+struct L1Norm : SumStatistic<A, AbsTerm> {
+    using Stats = typename SumStatistic<A, AbsTerm>::Stats;
     __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
         return lp_affine(s.sum, s.sum, eps);
     }
@@ -196,15 +188,8 @@ struct MeanAbsNorm : L1Norm<A> {
 
 // L2:  norm = sqrt(sum x^2) (Frobenius over the whole array).
 template <class A>
-struct L2Norm : SumStatistic<A> {
-    using Stats = typename SumStatistic<A>::Stats;
-    template <int N>
-    __device__ static __forceinline__ Stats of_values(const A (&v)[N]) {
-        A s = A(0);
-#pragma unroll
-        for (int j = 0; j < N; ++j) s = fma(v[j], v[j], s);
-        return Stats{s};
-    }
+struct L2Norm : SumStatistic<A, SquareTerm> {
+    using Stats = typename SumStatistic<A, SquareTerm>::Stats;
     __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
         return lp_affine(s.sum, sqrt(s.sum), eps);
     }
@@ -218,18 +203,16 @@ struct L2Norm : SumStatistic<A> {
 template <unsigned long long P_BITS>
 struct PowerNorm {
     template <class A>
-    struct Policy : SumStatistic<A> {
-        using Stats = typename SumStatistic<A>::Stats;
-        __device__ static __forceinline__ A power() { return static_cast<A>(__longlong_as_double(P_BITS)); }
-        template <int N>
-        __device__ static __forceinline__ Stats of_values(const A (&v)[N]) {
-            A s = A(0);
-#pragma unroll
-            for (int j = 0; j < N; ++j) s += pow(fabs(v[j]), power());
-            return Stats{s};
-        }
+    __device__ static __forceinline__ A power() { return static_cast<A>(__longlong_as_double(P_BITS)); }
+    struct PowerTerm {
+        template <class A>
+        __device__ static __forceinline__ A add(A s, A v) { return s + pow(fabs(v), power<A>()); }
+    };
+    template <class A>
+    struct Policy : SumStatistic<A, PowerTerm> {
+        using Stats = typename SumStatistic<A, PowerTerm>::Stats;
         __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
-            return lp_affine(s.sum, pow(s.sum, A(1) / power()), eps);
+            return lp_affine(s.sum, pow(s.sum, A(1) / power<A>()), eps);
         }
     };
 };
