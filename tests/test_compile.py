@@ -11,10 +11,11 @@ from cunorm import _dispatch, _loader
 def test_all_instantiations_compile_without_spills(arch):
     kernels = _dispatch.all_kernels()
     results = _loader.compile_offline(arch, kernels)
-    assert len(results) == len(kernels)
-    spilled = [r for r in results if r["stack"] or r["spill_stores"] or r["spill_loads"]]
-    assert not spilled, f"{len(spilled)} kernels use local memory on {arch}, e.g. {spilled[:3]}"
-    assert all(0 < r["registers"] <= 255 for r in results)
+    compiled = [r for r in results if not r.get("helper")]
+    assert len(compiled) == len(kernels)
+    spilled = [r for r in results if r.get("stack") or r.get("spill_stores") or r.get("spill_loads")]
+    assert not spilled, f"{len(spilled)} kernels or their callees use local memory on {arch}, e.g. {spilled[:3]}"
+    assert all(0 < r["registers"] <= 255 for r in compiled)
 
 
 def test_source_inlines_every_header():
