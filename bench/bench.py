@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cunorm  # noqa: E402
-from cunorm import _dispatch, _dtypes, _ops  # noqa: E402
+from cunorm import _dtypes, _ops, norms  # noqa: E402
 
 try:
     import torch
@@ -134,9 +134,9 @@ LP_CASES = [
     ("linf normalize rows 32768x4096 fp32", "normalize_linf", (32768, 4096), -1, None),
     ("p=3 normalize rows 32768x4096 fp32", "normalize_p3", (32768, 4096), -1, None),
 ]
-LP_FORMS = {"normalize": ("l2", 2.0), "normalize_l1": ("l1", 1.0), "normalize_linf": ("linf", float("inf")),
-            "normalize_p3": (None, 3.0), "mean_abs_normalize": ("mean_abs", None),
-            "frobenius_normalize": ("l2", 2.0)}
+#: each Lp case's p (None: mean-abs)
+LP_FORMS = {"normalize": 2.0, "normalize_l1": 1.0, "normalize_linf": float("inf"), "normalize_p3": 3.0,
+            "mean_abs_normalize": None, "frobenius_normalize": 2.0}
 
 
 def _lp_call(op, x, axis, out=None):
@@ -144,7 +144,7 @@ def _lp_call(op, x, axis, out=None):
         return cunorm.mean_abs_normalize(x, axis=axis, out=out)
     if op == "frobenius_normalize":
         return cunorm.frobenius_normalize(x, axis=axis, out=out)
-    return cunorm.normalize(x, LP_FORMS[op][1], axis=axis, out=out)
+    return cunorm.normalize(x, LP_FORMS[op], axis=axis, out=out)
 
 
 def torch_lp(op, x, axis):
@@ -153,7 +153,7 @@ def torch_lp(op, x, axis):
         return x / x.abs().mean(dim=axis, keepdim=True)
     if op == "frobenius_normalize":
         return x / torch.linalg.vector_norm(x)
-    return torch.nn.functional.normalize(x, LP_FORMS[op][1], dim=axis)
+    return torch.nn.functional.normalize(x, LP_FORMS[op], dim=axis)
 
 
 def bench_lp_case(name, op, shape, axis, target, copy_bw, with_compile):
@@ -164,7 +164,7 @@ def bench_lp_case(name, op, shape, axis, target, copy_bw, with_compile):
            "residual": False, "bytes": nbytes, "target_floor_pct": target}
     ms, lo, hi = time_gpu(lambda: _lp_call(op, x, axis, out=y))
     first, last = (0, x.ndim - 1) if axis is None else _axes(axis, x.ndim)
-    norm = LP_FORMS[op][0] or _dispatch.power_norm_name(LP_FORMS[op][1])
+    norm = "mean_abs" if LP_FORMS[op] is None else norms._lp_norm(LP_FORMS[op])
     plan, launch = _ops.launch_on(norm, x, y, first=first, last=last, eps=1e-12)
     row.update(tier=launch.tier, kernel=launch.steps[0].kernel.expression, ms=ms, ms_min=lo, ms_max=hi)
     row["gbps"] = nbytes / (ms * 1e-3) / 1e9
@@ -175,7 +175,7 @@ def bench_lp_case(name, op, shape, axis, target, copy_bw, with_compile):
         ref = cupy.asnumpy(x[:1]).astype(np.float64) / np.sqrt(total)
     else:
         ref_fn = cunorm.reference.mean_abs_normalize if op == "mean_abs_normalize" else (
-            lambda a, **kw: cunorm.reference.normalize(a, LP_FORMS[op][1], **kw))
+            lambda a, **kw: cunorm.reference.normalize(a, LP_FORMS[op], **kw))
         ref = ref_fn(cupy.asnumpy(x[:2]), axis=axis, exact=True)
     got = cupy.asnumpy(y[: ref.shape[0]]).astype(np.float64)
     row["max_rel_err"] = float(np.max(np.abs(got - ref) / np.maximum(np.abs(ref), 1e-3 * np.max(np.abs(ref)))))

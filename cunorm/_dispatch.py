@@ -84,18 +84,19 @@ SPLIT_MAX_ROWS_PER_SM = 1
 #: (8 per SM) 59.5%, 33 chunks 57.8%, 16 chunks 49.2% (two reads + one write
 #: from DRAM bound it at 66.7%). Interleaved chunks (rows.cu), problem 37
 #: (one row of 7.5 GB): 1056 chunks 64.6%, 264 64.2%, 2112 64.6%; chunk-
-#: contiguous before, 47.7% / 54.0% / 55.0% (pass 2 at 62-76% of its own
-#: floor, now 93%). 16x4194304 interleaved: 66 chunks 59.6%, 33 57.9%.
+#: contiguous before (two runs), 45.7-47.7% / 54.0-55.3% / 55.0-55.4% (pass
+#: 2 at 62-76% of its own floor, now 93%). 16x4194304 interleaved: 66 chunks 59.6%, 33 57.9%.
 SPLIT_BLOCKS_PER_SM = 8
 SPLIT_BLOCK_THREADS = 256
 #: rows_uncached: 512-thread blocks (its launch bounds), one an SM in a
 #: persistent grid, each keeping as much of its row on chip as fits: the
 #: stash in shared memory plus 4 vectors a thread in registers. Problem 39
-#: (L2 normalize, 32768x65535 fp32): stash + registers 86.0%; stash only
-#: 82.5%; no stash, second sweep from L2 67.5%; 256-thread blocks 82.3%,
-#: two of them an SM (half the stash each) 61.6%; a block a row, no stash
-#: (before) 69.5%. Problem 34 (LayerNorm rows of 1 MB): 62.2% against 62.1%
-#: a block a row (H200, 2026-11-21).
+#: (L2 normalize, 32768x65535 fp32), one run: stash + registers 86.0%,
+#: the same without the stash (the row read twice) 67.5%, 256-thread blocks
+#: 82.3%. An earlier run, before the registers: stash only 82.5%, two
+#: 256-thread blocks an SM (half the stash each) 61.6%. Problem 34
+#: (LayerNorm rows of 1 MB): 62.2% against 62.1% a block a row without a
+#: stash (H200, 2026-11-21).
 UNCACHED_BLOCK_THREADS = 512
 #: rows_uncached's persistent grid: blocks an SM (0: a block a row) ...
 UNCACHED_BLOCKS_PER_SM = 1
@@ -172,7 +173,8 @@ class Launch:
     steps: tuple[Step, ...]
     threads_per_row: int = 0
     chunks: int = 0
-    chunk_vecs: int = 0  # split, resident: vectors a chunk; uncached: vectors stashed a row
+    chunk_vecs: int = 0  # resident: vectors a chunk
+    stash_vecs: int = 0  # uncached: vectors of each row kept in shared memory
     workspace_words: int = 0  # accumulation-type words of workspace
 
 
@@ -384,7 +386,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         if block > UNCACHED_BLOCK_THREADS or block % 32:
             raise ValueError(f"rows_uncached: {block} threads is over its 512-thread bounds or not whole warps")
         step = Step(Kernel("rows", expr, persistent=bool(per_sm)), (grid,), (block,), stash_vecs * vec_bytes)
-        return Launch("uncached", (step,), chunk_vecs=stash_vecs)
+        return Launch("uncached", (step,), stash_vecs=stash_vecs)
     if tier == "resident":
         grid = device.sm_count
         chunk_vecs = _ceil_div(n_vec, grid)

@@ -295,7 +295,7 @@ def _execute(plan, launch, x, y, w, b, r, h, center, scale, eps):
                        np.int32(launch.threads_per_row)),)
     elif launch.tier == "uncached":
         steps_args = ((x, r, y, h, w, b, center, scale, rows, i64(plan.reduced), xs, eps_arg,
-                       i64(launch.chunk_vecs)),)
+                       i64(launch.stash_vecs)),)
     elif launch.tier == "resident":
         ws = cupy.empty(launch.workspace_words, dtype=acc)
         arrived = cupy.zeros(plan.outer, dtype=np.uint32)
@@ -326,24 +326,24 @@ def launch_steps(steps, steps_args, device: int):
             fn.max_dynamic_shared_size_bytes = step.shared_bytes
         grid = step.grid
         if step.kernel.cooperative:
-            resident = _resident_blocks(fn, step, device)
+            resident = _resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
             if resident < math.prod(grid):
                 raise RuntimeError(f"{step.kernel.expression}: {math.prod(grid)} blocks cannot all be resident "
                                    f"({resident} fit on the GPU)")
         elif step.kernel.persistent:
-            grid = (max(1, min(grid[0], _resident_blocks(fn, step, device))),) + tuple(grid[1:])
+            resident = _resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
+            grid = (max(1, min(grid[0], resident)),) + tuple(grid[1:])
         fn(grid, step.block, args, shared_mem=step.shared_bytes)
 
 
 @functools.lru_cache(maxsize=None)
-def _resident_blocks(fn, step, device) -> int:
-    """How many blocks of a step fit on the GPU at once (a cooperative grid
-    must, where CuPy would shrink it with a warning; a persistent grid is
-    capped at it)."""
+def _resident_blocks(fn, threads: int, shared_bytes: int, device: int) -> int:
+    """How many blocks of ``threads`` and ``shared_bytes`` of a kernel fit on
+    the GPU at once (a cooperative grid must, where CuPy would shrink it
+    with a warning; a persistent grid is capped at it)."""
     from cupy_backends.cuda.api import driver
 
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, math.prod(step.block),
-                                                              step.shared_bytes)
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, shared_bytes)
     return per_sm * device_info(device).sm_count
 
 

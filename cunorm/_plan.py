@@ -51,7 +51,7 @@ class Plan:
     outer_stride: int
     reduced_stride: int
     vec: int
-    peel_vec: int = 0
+    peel_vec: int
 
     @property
     def contiguous_rows(self) -> bool:
@@ -184,20 +184,14 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
     vec = vector_width(itemsize, extent, other_strides, pointers)
     peel_vec = vec
     if inner == 1 and not flags and not residual:
-        peel_vec = max(vec, _peel_width(itemsize, reduced, s_outer if outer > 1 else reduced, x_ptr - y_ptr))
+        # every row of x must start as far off alignment as y's (C-contiguous,
+        # a row each `reduced` elements): their strides and addresses differ
+        # by whole vectors
+        x_row_stride = s_outer if outer > 1 else reduced
+        peel_vec = max(vec, vector_width(itemsize, 0, [x_row_stride - reduced], [(x_ptr - y_ptr, itemsize)]))
     return Plan(norm, dtype, param_dtype if flags else None, flags, residual, outer, reduced, inner, s_outer,
                 s_reduced, vec, peel_vec)
 
-
-def _peel_width(itemsize: int, n: int, x_row_stride: int, pointer_gap: int) -> int:
-    """Widest vector (at most 16 bytes) for rows whose starts may be
-    misaligned: every row of x (a row each x_row_stride elements) must start
-    as far off alignment as the matching row of y (C-contiguous, a row each
-    n elements), pointer_gap being x's address minus y's."""
-    vec = 16 // itemsize
-    while vec > 1 and ((x_row_stride - n) % vec or pointer_gap % (vec * itemsize)):
-        vec //= 2
-    return vec
 
 
 def kernel_types(plan: Plan) -> tuple[str, str]:

@@ -208,8 +208,8 @@ def mean_abs_normalize(x, *, axis=-1, eps=LP_EPS, out=None):
     """Mean-absolute-value normalization: ``y = x / max(mean(|x| over axis),
     eps)`` (KernelBench problem 38, with eps=0: ``x / mean(abs(x))``).
 
-    The L1 norm divided by the group's size: the same as ``normalize(x, 1)
-    * n``, at the same speed. Parameters, returns, errors and notes as for
+    The L1 norm divided by the group's size: ``normalize(x, 1) * n`` but for
+    where eps clamps, at the same speed. Parameters, returns, errors and notes as for
     :func:`normalize` (without p).
 
     Parameters

@@ -129,7 +129,7 @@ def test_uncached_stash_and_peeled_rows():
     (step,) = launch.steps
     assert launch.tier == "uncached" and step.kernel.expression.endswith(", 4>") and step.kernel.persistent
     assert step.grid == (132,)
-    assert step.shared_bytes == launch.chunk_vecs * 16 <= H200.max_shared_per_block - 1024
+    assert step.shared_bytes == launch.stash_vecs * 16 <= H200.max_shared_per_block - 1024
     # a row of x at another offset than y's (a strided view): no peeling
     q = make_plan("l2", np.dtype(np.float32), None, 0, False, (100, 65535), (65536, 1), 1, 1, 0, 0, 0, 0, 0, 0)
     assert q.peel_vec == 1
