@@ -455,17 +455,27 @@ def host_overhead(n_calls=3000):
         cupy.cuda.runtime.deviceSynchronize()
         out[label] = (time.perf_counter() - t) / n_calls * 1e6
     if torch is not None:
+        from cunorm import torch as cunorm_torch
+
         xt, wt = torch.from_dlpack(x), torch.from_dlpack(w)
+        yt = torch.empty_like(xt)
+        theirs = torch.nn.RMSNorm(4096, eps=1e-5, device="cuda", dtype=torch.bfloat16)
+        ours = cunorm_torch.replace_norms(torch.nn.RMSNorm(4096, eps=1e-5, device="cuda", dtype=torch.bfloat16))
         fns = [("cunorm (torch in, torch out)", lambda: cunorm.rms_norm(xt, wt)),
-               ("torch eager F.rms_norm", lambda: torch.nn.functional.rms_norm(xt, (4096,), wt, eps=1e-5))]
+               ("cunorm (torch in, out=)", lambda: cunorm.rms_norm(xt, wt, out=yt)),
+               ("cunorm.torch.rms_norm (registered op)", lambda: cunorm_torch.rms_norm(xt, wt)),
+               ("torch eager F.rms_norm", lambda: torch.nn.functional.rms_norm(xt, (4096,), wt, eps=1e-5)),
+               ("cunorm.torch.RMSNorm module, no_grad", lambda: ours(xt)),
+               ("torch.nn.RMSNorm module, no_grad", lambda: theirs(xt))]
         for label, fn in fns:
-            for _ in range(200):
-                fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(n_calls):
-                fn()
-            torch.cuda.synchronize()
+            with torch.no_grad():
+                for _ in range(200):
+                    fn()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(n_calls):
+                    fn()
+                torch.cuda.synchronize()
             out[label] = (time.perf_counter() - t) / n_calls * 1e6
     return out
 
@@ -523,7 +533,7 @@ def main():
                 for r in tune_channel_case(*case[:7], copy_bw):
                     tuning.append(r)
                     print("tune", json.dumps(r), flush=True)
-    overhead = host_overhead() if not args.only else {}
+    overhead = host_overhead() if not args.only or "host" in args.only else {}
     result = {"meta": meta, "cases": rows, "tuning": tuning, "host_overhead_us": overhead}
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
 

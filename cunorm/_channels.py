@@ -91,8 +91,7 @@ class ChannelCall:
             return None
         if self.norm != "batch":
             raise ValueError(f"{name} is a batch_norm argument")
-        if getattr(_interop.adapter_for(buf, name), "name", None) == "jax":
-            raise TypeError(f"{name} is a JAX array, which cannot be updated in place; pass a CuPy or torch buffer")
+        _ops._writable(buf, name)
         ba = self._same_kind(buf, name)
         _ops.check_dtype(ba.dtype, name)
         if tuple(ba.shape) != (channels,):
@@ -100,6 +99,7 @@ class ChannelCall:
         return ba
 
     def _out(self, out):
+        _ops._writable(out, "out")
         oa = self._same_kind(out, "out")
         if tuple(oa.shape) != tuple(self.x.shape) or oa.dtype != self.x.dtype:
             raise ValueError(f"out must have x's shape {tuple(self.x.shape)} and dtype {self.x.dtype}, "
@@ -138,11 +138,12 @@ def run(call: ChannelCall):
     """y (then mean, rstd) as the caller's array type."""
     if not call.on_gpu:
         return _run_reference(call)
-    x, y, last, stats = prepare(call)
-    if x.size:
-        execute(call, x, y, last, stats)
-    wrap = call.adapter.from_cupy
-    results = [call.out_given if call.out is not None else wrap(y, None)] + [wrap(s, None) for s in stats]
+    with call.adapter.scope(call.x.data.device_id):
+        x, y, last, stats = prepare(call)
+        if x.size:
+            execute(call, x, y, last, stats)
+        wrap = call.adapter.from_cupy
+        results = [call.out_given if call.out is not None else wrap(y)] + [wrap(s) for s in stats]
     return results[0] if len(results) == 1 else tuple(results)
 
 
@@ -155,12 +156,9 @@ def prepare(call: ChannelCall):
     x = call.x
     ca = call.channel_axis
     per_sample = call.norm != "batch"
-    last = _plan.channel_layout(x.shape, _elements(x), ca, per_sample)
-    if last is None:  # dense in neither layout: one copy, C order
+    last = output_layout(x.shape, _elements(x), ca, per_sample)
+    if _plan.channel_layout(x.shape, _elements(x), ca, per_sample) is None:  # dense in neither: one copy, C order
         x = cupy.ascontiguousarray(x)
-        last = _plan.channel_layout(x.shape, _elements(x), ca, per_sample)
-        if last is None:  # empty: nothing is laid out
-            last = ca != 1
     order = _plan.channel_orders(x.ndim, ca)[last]
     if call.out is not None:
         y = call.out
@@ -172,6 +170,27 @@ def prepare(call: ChannelCall):
     acc = _dtypes.accumulation(x.dtype)
     stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2)] if call.return_stats else []
     return x, y, last, stats
+
+
+def output_layout(shape, strides, channel_axis: int, per_sample: bool) -> bool:
+    """Whether y is channels-last in memory for x of ``shape`` and
+    ``strides`` (elements): x's own layout when x is dense in one of the two,
+    else that of x's C-order copy. (torch.compile's fake tensors take their
+    strides from here, so it must agree with prepare.)"""
+    last = _plan.channel_layout(shape, strides, channel_axis, per_sample)
+    if last is None:
+        c_order = [1] * len(shape)
+        for axis in range(len(shape) - 2, -1, -1):
+            c_order[axis] = c_order[axis + 1] * shape[axis + 1]
+        last = _plan.channel_layout(shape, tuple(c_order), channel_axis, per_sample)
+        if last is None:  # empty: nothing is laid out
+            last = channel_axis != 1
+    return last
+
+
+def output_order(shape, strides, channel_axis: int, per_sample: bool) -> tuple[int, ...]:
+    """y's axes in memory order, outermost first (see output_layout)."""
+    return _plan.channel_orders(len(shape), channel_axis)[output_layout(shape, strides, channel_axis, per_sample)]
 
 
 def _elements(a):

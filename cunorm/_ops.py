@@ -81,7 +81,9 @@ class Call:
             return a
         ac = adapter.to_cupy(a, name)
         if ac.data.device_id != self.x.data.device_id:
-            raise ValueError(f"{name} is on GPU {ac.data.device_id} but x is on GPU {self.x.data.device_id}")
+            raise ValueError(f"{name} is on GPU {ac.data.device_id} but x is on GPU {self.x.data.device_id}: "
+                             f"move it to x's GPU (torch: {name}.to(x.device); CuPy: cupy.asarray({name}) "
+                             f"under `with cupy.cuda.Device({self.x.data.device_id})`)")
         return ac
 
     def _param(self, p, name: str):
@@ -106,6 +108,7 @@ class Call:
         return ra
 
     def _out(self, out):
+        _writable(out, "out")
         oa = self._same_kind(out, "out")
         if tuple(oa.shape) != tuple(self.x.shape) or oa.dtype != self.x.dtype:
             raise ValueError(
@@ -128,6 +131,13 @@ class Call:
     def stats_shape(self) -> tuple:
         shape = tuple(self.x.shape)
         return shape[: self.first] + shape[self.last + 1 :]
+
+
+def _writable(a, name: str) -> None:
+    """Refuse a JAX array where cunorm would write (JAX arrays are immutable)."""
+    if getattr(_interop.adapter_for(a, name), "name", None) == "jax":
+        raise TypeError(f"{name} is a JAX array, which cunorm must not write into (JAX arrays are immutable); "
+                        f"leave {name} out and use the returned array")
 
 
 def _span(a):
@@ -181,6 +191,11 @@ def run(call: Call, reference):
         call.out[...] = first
         return (call.out_given,) + results[1:] if isinstance(results, tuple) else call.out_given
 
+    with call.adapter.scope(call.x.data.device_id):
+        return _run_gpu(call)
+
+
+def _run_gpu(call: Call):
     import cupy
 
     x = call.x
@@ -199,10 +214,10 @@ def run(call: Call, reference):
         launch_on(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
                   first=call.first, last=call.last, eps=call.eps)
     out = call.adapter.from_cupy
-    results = [call.out_given if call.out is not None else out(y, None)]
+    results = [call.out_given if call.out is not None else out(y)]
     if h is not None:
-        results.append(out(h, None))
-    results += [out(s, None) for s in stats]
+        results.append(out(h))
+    results += [out(s) for s in stats]
     return results[0] if len(results) == 1 else tuple(results)
 
 

@@ -7,7 +7,7 @@ import numbers
 
 import numpy as np
 
-from . import _channels, _dispatch, _ops, reference
+from . import _channels, _dispatch, _interop, _ops, reference
 
 DEFAULT_EPS = 1e-5
 #: the Lp family's eps, as torch's F.normalize
@@ -19,6 +19,13 @@ _ROW_X = """x : array
         that supports DLPack (zero-copy), of dtype float16, bfloat16, float32
         or float64, any shape and any strides. A NumPy array runs the float64
         NumPy reference instead (slow; for checking)."""
+
+def _torch():
+    """cunorm.torch (imported on first need: it registers the torch operators)."""
+    from . import torch as cunorm_torch
+
+    return cunorm_torch
+
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, out=None):
     """Root-mean-square normalization.
@@ -77,6 +84,8 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     all NaN; so does a group whose float32 sum of squares overflows
     (|x| beyond about 1e19). Other groups are unaffected.
     """
+    if _interop.torch_route(x, weight, residual, out=out):
+        return _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats)
     call = _ops.Call("rms", x, axis, eps, out, weight=weight, residual=residual, return_stats=return_stats)
     return _ops.run(call, reference.rms_norm)
 
@@ -132,6 +141,9 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     A group holding Inf or NaN comes out all NaN; other groups are
     unaffected.
     """
+    if _interop.torch_route(x, weight, bias, residual, out=out):
+        return _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
+                                   return_stats=return_stats)
     call = _ops.Call("ln", x, axis, eps, out, weight=weight, bias=bias, residual=residual,
                      return_stats=return_stats)
     return _ops.run(call, reference.layer_norm)
@@ -200,6 +212,8 @@ def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
     Other groups are unaffected.
     """
     norm = _lp_norm(p)
+    if _interop.torch_route(x, out=out):
+        return _torch().normalize(x, p, axis=axis, eps=eps)
     call = _ops.Call(norm, x, axis, eps, out)
     return _ops.run(call, functools.partial(reference.normalize, p=float(p)))
 
@@ -224,6 +238,8 @@ def mean_abs_normalize(x, *, axis=-1, eps=LP_EPS, out=None):
     -------
     y
     """
+    if _interop.torch_route(x, out=out):
+        return _torch().mean_abs_normalize(x, axis=axis, eps=eps)
     call = _ops.Call("mean_abs", x, axis, eps, out)
     return _ops.run(call, reference.mean_abs_normalize)
 
@@ -253,6 +269,8 @@ def frobenius_normalize(x, *, axis=None, eps=LP_EPS, out=None):
     TypeError, ValueError
         As for :func:`normalize`.
     """
+    if _interop.torch_route(x, out=out):
+        return _torch().frobenius_normalize(x, axis=axis, eps=eps)
     call = _ops.Call("l2", x, axis, eps, out)
     return _ops.run(call, reference.frobenius_normalize)
 
@@ -312,6 +330,9 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
     -----
     A group holding Inf or NaN comes out all NaN; other groups are unaffected.
     """
+    if _interop.torch_route(x, weight, bias, out=out):
+        return _torch().group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
+                                   return_stats=return_stats)
     call = _channels.ChannelCall("group", x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
                                  channel_axis=channel_axis, out=out, return_stats=return_stats)
     return _channels.run(call)
@@ -343,6 +364,9 @@ def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1,
         As for :func:`group_norm`; ValueError also for a single spatial
         element.
     """
+    if _interop.torch_route(x, weight, bias, out=out):
+        return _torch().instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
+                                      return_stats=return_stats)
     call = _channels.ChannelCall("instance", x, weight=weight, bias=bias, eps=eps, channel_axis=channel_axis,
                                  out=out, return_stats=return_stats)
     return _channels.run(call)
@@ -391,6 +415,10 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
         training=False without both running buffers; training with a single
         value per channel; momentum outside [0, 1].
     """
+    if _interop.torch_route(x, weight, bias, out=out):
+        return _torch().batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
+                                   training=training, momentum=momentum, eps=eps, channel_axis=channel_axis,
+                                   return_stats=return_stats)
     call = _channels.ChannelCall("batch", x, weight=weight, bias=bias, eps=eps, channel_axis=channel_axis,
                                  out=out, return_stats=return_stats, running_mean=running_mean,
                                  running_var=running_var, training=training, momentum=momentum)

@@ -1,98 +1,175 @@
-"""torch and JAX arrays in, their own type out, zero-copy (skipped without a GPU)."""
+"""JAX arrays; CuPy's current stream and arrays on other GPUs (skipped
+without a GPU; torch is tested in test_torch_gpu.py)."""
 import numpy as np
 import pytest
 
 import cunorm
 from cunorm import _dtypes, reference
-from helpers import assert_close, random
+from helpers import RTOL, assert_close, output_scale, random
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
-def test_torch_in_torch_out(rng, dtype):
-    torch = pytest.importorskip("torch")
-    import cupy
-
-    x = torch.randn(64, 4096, device="cuda").to(getattr(torch, dtype))
-    w = torch.randn(4096, device="cuda").to(getattr(torch, dtype))
-    before = x.clone()
-    # zero-copy in: the kernels read the tensor's own memory
-    assert cupy.from_dlpack(x).data.ptr == x.data_ptr()
-    y = cunorm.rms_norm(x, w)
-    assert isinstance(y, torch.Tensor) and y.device == x.device and y.dtype == x.dtype and y.shape == x.shape
-    assert torch.equal(x, before)
-    x_np = cupy.asnumpy(cupy.from_dlpack(x))
-    w_np = cupy.asnumpy(cupy.from_dlpack(w))
-    ref = reference.rms_norm(x_np, w_np, exact=True)
-    assert_close(cupy.asnumpy(cupy.from_dlpack(y)), ref, np.dtype(x_np.dtype))
-
-
-def test_torch_out_is_written_in_place(rng):
-    torch = pytest.importorskip("torch")
-    x = torch.randn(8, 1000, device="cuda")
-    out = torch.full_like(x, float("nan"))
-    ptr = out.data_ptr()
-    r = cunorm.rms_norm(x, out=out)
-    assert r is out and out.data_ptr() == ptr
-    expected = torch.nn.functional.rms_norm(x.double(), (1000,), eps=1e-5).float()
-    torch.testing.assert_close(out, expected, rtol=2e-5, atol=1e-6)
-
-
-def test_torch_requires_grad_input():
-    torch = pytest.importorskip("torch")
-    w = torch.nn.Parameter(torch.ones(256, device="cuda"))
-    x = torch.randn(4, 256, device="cuda")
-    y = cunorm.rms_norm(x, w)
-    assert isinstance(y, torch.Tensor) and not y.requires_grad
-
-
-def test_torch_cpu_tensor_is_refused():
-    torch = pytest.importorskip("torch")
-    with pytest.raises(TypeError, match=r"torch tensor on cpu.*\.cuda\(\)"):
-        cunorm.rms_norm(torch.ones(2, 4))
-
-
-def test_torch_int_tensor_is_refused():
-    torch = pytest.importorskip("torch")
-    with pytest.raises(TypeError, match="x must have dtype"):
-        cunorm.rms_norm(torch.ones(2, 4, dtype=torch.int32, device="cuda"))
-
-
-def test_torch_non_contiguous(rng):
-    torch = pytest.importorskip("torch")
-    x = torch.randn(4096, 64, device="cuda").t()  # (64, 4096), strides (1, 64)
-    y = cunorm.rms_norm(x)
-    expected = torch.nn.functional.rms_norm(x.double(), (4096,), eps=1e-5).float()
-    torch.testing.assert_close(y, expected, rtol=2e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_jax_in_jax_out(rng, dtype):
+@pytest.fixture
+def jax_gpu():
     jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
-
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
         pytest.skip("JAX sees no GPU")
-    x_np = random(rng, (32, 1024), np.dtype(getattr(_dtypes, dtype)))
-    x = jax.device_put(jnp.asarray(x_np), gpus[0])
-    y = cunorm.rms_norm(x)
-    assert isinstance(y, jax.Array) and y.dtype == x.dtype and y.shape == x.shape
-    assert np.array_equal(np.asarray(x).view(np.uint8), x_np.view(np.uint8)), "the JAX input was written to"
-    assert_close(np.asarray(y), reference.rms_norm(x_np, exact=True), x_np.dtype)
+    return gpus[0]
 
 
-def test_jax_traced_is_refused():
-    jax = pytest.importorskip("jax")
+def _jax(x_np, device):
+    import jax
     import jax.numpy as jnp
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("JAX sees no GPU")
+    return jax.device_put(jnp.asarray(x_np), device)
+
+
+JAX_OPS = {
+    "rms_norm": (lambda m, x, w, b: m.rms_norm(x, w), lambda x, w, b: reference.rms_norm(x, w, exact=True)),
+    "layer_norm": (lambda m, x, w, b: m.layer_norm(x, w, b),
+                   lambda x, w, b: reference.layer_norm(x, w, b, exact=True)),
+    "normalize": (lambda m, x, w, b: m.normalize(x, 3.0), lambda x, w, b: reference.normalize(x, 3.0, exact=True)),
+    "mean_abs_normalize": (lambda m, x, w, b: m.mean_abs_normalize(x),
+                           lambda x, w, b: reference.mean_abs_normalize(x, exact=True)),
+    "frobenius_normalize": (lambda m, x, w, b: m.frobenius_normalize(x),
+                            lambda x, w, b: reference.frobenius_normalize(x, exact=True)),
+    "group_norm": (lambda m, x, w, b: m.group_norm(x, 4, w[:8], b[:8]),
+                   lambda x, w, b: reference.group_norm(x, 4, w[:8], b[:8], exact=True)),
+    "instance_norm": (lambda m, x, w, b: m.instance_norm(x, w[:8], b[:8]),
+                      lambda x, w, b: reference.instance_norm(x, w[:8], b[:8], exact=True)),
+    "batch_norm": (lambda m, x, w, b: m.batch_norm(x, w[:8], b[:8]),
+                   lambda x, w, b: reference.batch_norm(x, w[:8], b[:8], exact=True)),
+}
+
+
+@pytest.mark.parametrize("namespace", ["cunorm", "cunorm.jax"])
+@pytest.mark.parametrize("name", list(JAX_OPS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_jax_in_jax_out(rng, jax_gpu, namespace, name, dtype):
+    import jax
+
+    import cunorm.jax
+
+    module = cunorm if namespace == "cunorm" else cunorm.jax
+    call, ref = JAX_OPS[name]
+    dt = np.dtype(getattr(_dtypes, dtype))
+    shape = (3, 760) if name in ("rms_norm", "layer_norm", "normalize", "mean_abs_normalize",
+                                 "frobenius_normalize") else (3, 8, 5, 7)
+    x_np = random(rng, shape, dt)
+    p = 760 if len(shape) == 2 else 8
+    w_np, b_np = random(rng, (p,), dt), random(rng, (p,), dt)
+    x, w, b = (_jax(a, jax_gpu) for a in (x_np, w_np, b_np))
+    y = call(module, x, w, b)
+    assert isinstance(y, jax.Array) and y.dtype == x.dtype and y.shape == x.shape
+    assert np.array_equal(np.asarray(x).view(np.uint8), x_np.view(np.uint8)), "the JAX input was written to"
+    want = ref(x_np, w_np, b_np)
+    tol = RTOL[dt]
+    assert_close(np.asarray(y), want, dt, rtol=tol, atol=tol * output_scale(want))
+
+
+def test_jax_zero_copy(jax_gpu):
+    import cupy
+
+    from cunorm._interop import jax as jax_adapter
+
+    x = _jax(np.ones((32, 1024), np.float32), jax_gpu)
+    assert jax_adapter.to_cupy(x).data.ptr == x.unsafe_buffer_pointer()
+    y = cupy.ones((4, 256), np.float32)
+    assert jax_adapter.from_cupy(y).unsafe_buffer_pointer() == y.data.ptr
+
+
+@pytest.mark.parametrize("name", list(JAX_OPS))
+def test_jax_traced_is_refused(jax_gpu, name):
+    import jax
+    import jax.numpy as jnp
+
+    import cunorm.jax
+
+    call = JAX_OPS[name][0]
+    shape = (3, 8, 5, 7)
 
     @jax.jit
     def f(x):
-        return cunorm.rms_norm(x)
+        return call(cunorm.jax, x, jnp.ones(x.shape[-1]), jnp.zeros(x.shape[-1]))
 
     with pytest.raises(TypeError, match="eager JAX arrays only"):
-        f(jnp.ones((2, 8)))
+        f(_jax(np.ones(shape, np.float32), jax_gpu))
+
+
+def test_jax_buffers_are_never_written(jax_gpu):
+    import cunorm.jax
+
+    x = _jax(np.ones((4, 8, 3), np.float32), jax_gpu)
+    with pytest.raises(TypeError, match="must not write into"):
+        cunorm.rms_norm(x, out=_jax(np.zeros((4, 8, 3), np.float32), jax_gpu))
+    with pytest.raises(TypeError, match="running_mean is a JAX array"):
+        cunorm.batch_norm(x, running_mean=_jax(np.zeros(8, np.float32), jax_gpu),
+                          running_var=_jax(np.ones(8, np.float32), jax_gpu))
+    with pytest.raises(TypeError, match="no out="):
+        cunorm.jax.rms_norm(x, out=x)
+    with pytest.raises(TypeError, match="x must be a JAX array"):
+        cunorm.jax.rms_norm(np.ones((2, 4), np.float32))
+
+
+# -- CuPy: the current stream, arrays on another GPU ---------------------------------------------------------------------------------------
+
+def test_runs_on_cupys_current_stream(rng):
+    """The same for CuPy: a kernel that spins ~100 ms, then x written, on a
+    CuPy stream; cunorm under that stream must not wait and must see x."""
+    import cupy
+
+    spin = cupy.RawKernel(r'''
+    extern "C" __global__ void spin(long long cycles) {
+        long long start = clock64();
+        while (clock64() - start < cycles) {}
+    }''', "spin")
+    source = cupy.asarray(rng.standard_normal((256, 4096)).astype(np.float32))
+    x = cupy.full_like(source, np.nan)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:  # compile and load first
+        spin((1,), (1,), (np.int64(1),))
+        cunorm.rms_norm(x)
+    cupy.cuda.Device().synchronize()
+    with stream:
+        spin((1,), (1,), (np.int64(200_000_000),))  # ~100 ms of GPU clock cycles
+        x[...] = source
+        y = cunorm.rms_norm(x)
+        assert not stream.done, "cunorm waited for the stream (a synchronize)"
+    stream.synchronize()
+    assert_close(cupy.asnumpy(y), reference.rms_norm(cupy.asnumpy(source), exact=True), np.float32)
+
+
+def _gpu_count():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no GPU, no driver
+        return 0
+
+
+@pytest.mark.skipif("_gpu_count() < 2")
+def test_cupy_array_on_another_gpu(rng):
+    import cupy
+
+    x_np = random(rng, (64, 3000), np.float32)
+    w_np = random(rng, (3000,), np.float32)
+    with cupy.cuda.Device(1):
+        x, w = cupy.asarray(x_np), cupy.asarray(w_np)
+        stream = cupy.cuda.Stream(non_blocking=True)
+    assert cupy.cuda.runtime.getDevice() == 0
+    y = cunorm.layer_norm(x, w)  # launched on GPU 1, though GPU 0 is current
+    assert y.data.device_id == 1 and cupy.cuda.runtime.getDevice() == 0
+    assert_close(cupy.asnumpy(y), reference.layer_norm(x_np, w_np, exact=True), np.float32, rtol=2e-5,
+                 atol=2e-8)
+    with cupy.cuda.Device(1), stream:  # GPU 1's current stream
+        z = cunorm.group_norm(x.reshape(64, 30, 100), 5)
+    stream.synchronize()
+    assert_close(cupy.asnumpy(z), reference.group_norm(x_np.reshape(64, 30, 100), 5, exact=True), np.float32,
+                 rtol=2e-5, atol=2e-8)
+    with cupy.cuda.Device(0):
+        w0 = cupy.asarray(w_np)
+    with pytest.raises(ValueError, match="weight is on GPU 0 but x is on GPU 1"):
+        cunorm.rms_norm(x, w0)

@@ -58,3 +58,24 @@ def adapter_for(x, name: str = "x"):
         )
     _by_type[kind] = adapter
     return adapter
+
+
+def torch_route(x, *arrays, out=None) -> bool:
+    """Whether a public op called on torch tensors must run as its registered
+    torch operator (cunorm.torch): under dynamo's tracing (torch.compile),
+    or when autograd must see the op (grad mode on and a tensor requiring
+    grad), so that a backward through it raises instead of silently giving
+    no gradient. False without torch, or for other arrays."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor):
+        return False
+    from . import torch as adapter
+
+    if not adapter.wants_autograd(x, *arrays):
+        return False
+    if out is not None:
+        if torch.compiler.is_compiling():
+            return False  # out= runs eagerly (dynamo breaks the graph around it)
+        raise RuntimeError("out= is not differentiable, and a tensor passed requires grad: leave out= off, "
+                           "or call under torch.no_grad()")
+    return True

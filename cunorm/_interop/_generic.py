@@ -2,6 +2,10 @@
 cupy.from_dlpack, out as a CuPy array (there is no generic way back)."""
 from __future__ import annotations
 
+from ._scope import device_scope
+
+scope = device_scope  # the launch scope: the array's device
+
 name = "dlpack"
 _CUDA = 2  # kDLCUDA
 _CUDA_MANAGED = 13  # kDLCUDAManaged
@@ -20,8 +24,10 @@ def owns(x) -> bool:
 def to_cupy(x, arg: str = "x"):
     import cupy
 
-    return cupy.from_dlpack(x)
+    _, device = x.__dlpack_device__()
+    with cupy.cuda.Device(int(device)):  # the producer orders its work before this device's current stream
+        return cupy.from_dlpack(x)
 
 
-def from_cupy(y, like):
+def from_cupy(y):
     return y

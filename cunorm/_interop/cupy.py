@@ -1,7 +1,12 @@
-"""CuPy arrays: used as they are."""
+"""CuPy arrays: used as they are, on CuPy's current stream of the array's
+device."""
 from __future__ import annotations
 
 import cupy
+
+from ._scope import device_scope
+
+scope = device_scope  # the launch scope: the array's device
 
 name = "cupy"
 
@@ -14,5 +19,5 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
     return x
 
 
-def from_cupy(y: cupy.ndarray, like):
+def from_cupy(y: cupy.ndarray):
     return y

@@ -1,13 +1,22 @@
-"""JAX arrays: zero-copy through DLPack in and out. cunorm never writes into a
-JAX buffer (JAX assumes its arrays are immutable)."""
+"""JAX arrays: zero-copy through DLPack in and out, eager arrays only.
+
+cunorm never writes into a JAX buffer (JAX assumes its arrays are
+immutable): JAX arrays are refused as ``out`` and as BatchNorm's running
+buffers. Inside ``jax.jit`` a value is a tracer with no buffer behind it, and
+the kernels are not XLA operations: a traced value is refused with an error
+that says so.
+"""
 from __future__ import annotations
 
 import cupy
 import jax
 import jax.numpy
 
-name = "jax"
+from ._scope import device_scope
 
+scope = device_scope  # the launch scope: the array's device
+
+name = "jax"
 
 def owns(x) -> bool:
     return isinstance(x, jax.Array)
@@ -18,13 +27,19 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
         devices = x.devices()
     except Exception:  # a tracer: no concrete buffer to hand to a kernel
         raise TypeError(
-            f"{arg} is a traced JAX value: cunorm takes eager JAX arrays only (call it outside jax.jit)"
+            f"{arg} is a traced JAX value (inside jax.jit, vmap or grad): cunorm takes eager JAX arrays only; "
+            f"call it outside the transformed function"
         ) from None
-    platform = next(iter(devices)).platform
-    if platform != "gpu":
-        raise TypeError(f"{arg} is a JAX array on {platform}; cunorm runs on GPU arrays (jax.device_put it to a GPU)")
-    return cupy.from_dlpack(x)
+    if len(devices) != 1:
+        raise TypeError(f"{arg} is a JAX array sharded over {len(devices)} devices; cunorm takes arrays on one GPU")
+    device = next(iter(devices))
+    if device.platform != "gpu":
+        raise TypeError(f"{arg} is a JAX array on {device.platform}; cunorm runs on GPU arrays "
+                        f"(jax.device_put it to a GPU)")
+    ordinal = getattr(device, "local_hardware_id", None)
+    with cupy.cuda.Device(device.id if ordinal is None else ordinal):
+        return cupy.from_dlpack(x)
 
 
-def from_cupy(y: cupy.ndarray, like):
+def from_cupy(y: cupy.ndarray):
     return jax.numpy.from_dlpack(y)

@@ -1,10 +1,34 @@
-"""torch tensors: zero-copy through DLPack in and out."""
+"""torch tensors: zero-copy in and out, on torch's current stream, in memory
+torch allocated.
+
+In: a CUDA tensor becomes a CuPy view of its own memory (same pointer, same
+strides), built from the tensor's pointer, shape and strides. That is what
+DLPack would hand over, without the capsule and the stream hand-shake:
+cunorm launches on torch's current stream, where the tensor's producer ran,
+so there is nothing to order. The view keeps the tensor alive.
+
+Out and workspaces: inside a call's scope CuPy allocates through torch's
+caching allocator (``_allocate``), so every output, workspace and copy of
+the call is torch memory on torch's current stream. A ``torch.cuda.graph``
+capture therefore records cunorm's launches and allocations like any torch
+op's (a CuPy pool allocation would invalidate the capture). Results go back
+as tensors over that same storage, not views of a byte buffer.
+"""
 from __future__ import annotations
+
+import functools
 
 import cupy
 import torch
 
+from .. import _dtypes
+from ._scope import DeviceScope
+
 name = "torch"
+
+_NUMPY_DTYPE = {torch.float16: _dtypes.float16, torch.bfloat16: _dtypes.bfloat16, torch.float32: _dtypes.float32,
+                torch.float64: _dtypes.float64}
+_TORCH_DTYPE = {v: k for k, v in _NUMPY_DTYPE.items()}
 
 
 def owns(x) -> bool:
@@ -13,14 +37,124 @@ def owns(x) -> bool:
 
 def to_cupy(x, arg: str = "x") -> cupy.ndarray:
     if x.device.type != "cuda":
-        raise TypeError(
-            f"{arg} is a torch tensor on {x.device}; cunorm runs on CUDA tensors: move it with "
-            f"{arg}.cuda(), or pass {arg}.numpy() to run the NumPy reference"
-        )
-    if x.requires_grad:  # DLPack refuses tensors that require grad; cunorm only reads x
-        x = x.detach()
-    return cupy.from_dlpack(x)
+        if arg == "x":
+            fix = "move it with x.cuda(), or pass x.numpy() (and NumPy parameters) to run the NumPy reference"
+        else:
+            fix = f"move it to x's device with {arg}.to(x.device)"
+        raise TypeError(f"{arg} is a torch tensor on {x.device}; cunorm runs on CUDA tensors: {fix}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{arg} is a {x.layout} torch tensor; cunorm takes dense (strided) tensors: "
+                        f"pass {arg}.to_dense()")
+    dtype = _NUMPY_DTYPE.get(x.dtype)
+    if dtype is None:
+        raise TypeError(f"{arg} must have dtype {_dtypes.SUPPORTED_NAMES}, got {x.dtype}: cast it first, "
+                        f"e.g. {arg}.float()")
+    itemsize = dtype.itemsize
+    shape = tuple(x.shape)
+    strides = tuple(s * itemsize for s in x.stride())
+    device = x.device.index
+    if x.numel() == 0:
+        memory = cupy.cuda.UnownedMemory(0, 0, x, device)
+    else:
+        span = (sum((n - 1) * s for n, s in zip(shape, strides)) + itemsize)
+        memory = cupy.cuda.UnownedMemory(x.data_ptr(), span, x, device)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
 
 
-def from_cupy(y: cupy.ndarray, like):
-    return torch.from_dlpack(y)
+def from_cupy(y: cupy.ndarray):
+    """y as a tensor over the same memory (y was allocated inside a torch
+    scope, so its memory is a torch tensor's)."""
+    dtype = _TORCH_DTYPE[y.dtype]
+    owner = getattr(y.data.mem, "_owner", None)
+    if y.size == 0 or not isinstance(owner, torch.Tensor):
+        if y.size:  # not allocated by torch (not expected): hand it over through DLPack
+            return torch.from_dlpack(y)
+        return torch.empty(y.shape, dtype=dtype, device=torch.device("cuda", y.data.device_id))
+    itemsize = y.itemsize
+    tensor = torch.empty(0, dtype=dtype, device=owner.device)
+    tensor.set_(owner.untyped_storage(), (y.data.ptr - owner.data_ptr()) // itemsize, y.shape,
+                [s // itemsize for s in y.strides])
+    return tensor
+
+
+def _allocate(nbytes: int, device: int):
+    """CuPy memory from torch's caching allocator, on torch's current stream
+    of ``device`` (tests replace this to poison every allocation)."""
+    block = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", device))
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block, device), 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _allocator(device: int):
+    return lambda nbytes: _allocate(nbytes, device)
+
+
+_streams: dict = {}
+
+
+def _cupy_stream(device: int):
+    """torch's current stream of ``device`` as a CuPy stream (cached by
+    handle: wrapping a handle costs more than the launch)."""
+    try:
+        handle = torch._C._cuda_getCurrentRawStream(device)  # what inductor's generated code calls
+    except AttributeError:  # pragma: no cover - older torch
+        handle = torch.cuda.current_stream(device).cuda_stream
+    stream = _streams.get((device, handle))
+    if stream is None:
+        stream = cupy.cuda.Stream.null if handle == 0 else _wrap(handle, device)
+        _streams[(device, handle)] = stream
+    return stream
+
+
+def _wrap(handle: int, device: int):
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:  # CuPy 13: the older spelling
+        return cupy.cuda.ExternalStream(handle, device)
+    return from_external(_Handle(handle))
+
+
+class _Handle:
+    """A raw stream handle in the CUDA stream protocol's clothes."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+class Scope(DeviceScope):
+    """The device, torch's current stream on it, and torch's allocator."""
+
+    __slots__ = ("stream", "allocation")
+
+    def __enter__(self):
+        super().__enter__()
+        self.stream = _cupy_stream(self.device)
+        self.stream.__enter__()
+        self.allocation = cupy.cuda.using_allocator(_allocator(self.device))
+        self.allocation.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.allocation.__exit__(*exc)
+            self.stream.__exit__(*exc)
+        finally:
+            super().__exit__(*exc)
+        return False
+
+
+def scope(device: int) -> Scope:
+    return Scope(device)
+
+
+def wants_autograd(*arrays) -> bool:
+    """Whether a call on these tensors must go through autograd (grad mode on
+    and a tensor requiring grad), or through dynamo's tracing: the public ops
+    then run as the registered torch op (cunorm.torch)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in arrays)

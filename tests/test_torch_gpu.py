@@ -1,0 +1,520 @@
+"""torch: tensors in and out zero-copy, torch's stream, torch's allocator
+(CUDA graph capture), the registered operators under torch.compile, the
+nn.Module layers and replace_norms, and the errors (skipped without a GPU)."""
+import math
+
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm import reference
+from helpers import RTOL, assert_close, output_scale
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+cupy = pytest.importorskip("cupy")
+from cunorm import torch as cunorm_torch  # noqa: E402
+from cunorm._interop import torch as torch_adapter  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
+
+
+def to_numpy(t):
+    """A tensor's values as NumPy (bfloat16 as ml_dtypes.bfloat16), through CuPy."""
+    return cupy.asnumpy(cupy.from_dlpack(t.detach().contiguous()))
+
+
+def check(y, ref, dtype_np, what=""):
+    tol = RTOL[np.dtype(dtype_np)]
+    assert_close(to_numpy(y), ref, dtype_np, rtol=tol, atol=tol * output_scale(ref), what=what)
+
+
+@pytest.fixture
+def gen():
+    """A torch generator on the GPU with a fresh seed (printed on failure)."""
+    seed = int.from_bytes(np.random.bytes(4), "little")
+    print(f"torch seed {seed}")
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def randn(gen, *shape, dtype=torch.float32, scale=1.0, offset=0.0):
+    return (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float64) * scale + offset).to(dtype)
+
+
+@pytest.fixture
+def poisoned_torch(monkeypatch):
+    """Every allocation cunorm makes through torch during the test starts as
+    all-ones bytes (NaN in every float dtype)."""
+    allocate = torch_adapter._allocate
+
+    def poisoned(nbytes, device):
+        memory = allocate(nbytes, device)
+        memory.memset_async(0xFF, nbytes)
+        return memory
+
+    monkeypatch.setattr(torch_adapter, "_allocate", poisoned)
+
+
+# -- every op, every dtype, zero-copy -----------------------------------------------------------------------------
+
+OPS = {
+    "rms_norm": (lambda op, x, w, b: op.rms_norm(x, w), lambda x, w, b: reference.rms_norm(x, w, exact=True)),
+    "layer_norm": (lambda op, x, w, b: op.layer_norm(x, w, b),
+                   lambda x, w, b: reference.layer_norm(x, w, b, exact=True)),
+    "normalize": (lambda op, x, w, b: op.normalize(x, 1), lambda x, w, b: reference.normalize(x, 1, exact=True)),
+    "mean_abs_normalize": (lambda op, x, w, b: op.mean_abs_normalize(x),
+                           lambda x, w, b: reference.mean_abs_normalize(x, exact=True)),
+    "frobenius_normalize": (lambda op, x, w, b: op.frobenius_normalize(x),
+                            lambda x, w, b: reference.frobenius_normalize(x, exact=True)),
+}
+CHANNEL_OPS = {
+    "group_norm": (lambda op, x, w, b: op.group_norm(x, 4, w, b),
+                   lambda x, w, b: reference.group_norm(x, 4, w, b, exact=True)),
+    "instance_norm": (lambda op, x, w, b: op.instance_norm(x, w, b),
+                      lambda x, w, b: reference.instance_norm(x, w, b, exact=True)),
+    "batch_norm": (lambda op, x, w, b: op.batch_norm(x, w, b),
+                   lambda x, w, b: reference.batch_norm(x, w, b, exact=True)),
+}
+
+
+@pytest.mark.parametrize("module", ["cunorm", "cunorm.torch"])
+@pytest.mark.parametrize("name", list(OPS) + list(CHANNEL_OPS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_every_op(gen, poisoned_torch, module, name, dtype):
+    op = cunorm if module == "cunorm" else cunorm_torch
+    call, ref = {**OPS, **CHANNEL_OPS}[name]
+    shape, params = ((3, 760), (760,)) if name in OPS else ((3, 8, 5, 7), (8,))
+    x = randn(gen, *shape, dtype=dtype)
+    w, b = randn(gen, *params, dtype=dtype), randn(gen, *params, dtype=dtype)
+    before = x.clone()
+    cupy_before = cupy.get_default_memory_pool().used_bytes()
+    y = call(op, x, w, b)
+    assert isinstance(y, torch.Tensor) and y.dtype == dtype and y.shape == x.shape and y.device == x.device
+    assert y.data_ptr() != x.data_ptr()
+    # the output is torch's memory: CuPy's pool gave nothing out
+    assert cupy.get_default_memory_pool().used_bytes() == cupy_before
+    assert torch.equal(x, before), "x was written to"
+    check(y, ref(to_numpy(x), to_numpy(w), to_numpy(b)), to_numpy(x).dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_zero_copy_in_and_out(gen, dtype):
+    x = randn(gen, 64, 4096, dtype=dtype)[:, 7:]  # a view with an offset and row stride
+    view = torch_adapter.to_cupy(x)
+    assert view.data.ptr == x.data_ptr() and view.strides == tuple(s * x.element_size() for s in x.stride())
+    seen = []
+    allocate = torch_adapter._allocate
+
+    def recording(nbytes, device):
+        memory = allocate(nbytes, device)
+        seen.append(memory.ptr)
+        return memory
+
+    torch_adapter._allocate = recording
+    try:
+        y, rstd = cunorm.rms_norm(x, return_stats=True)
+    finally:
+        torch_adapter._allocate = allocate
+    # y and rstd are the very buffers the kernel wrote, not copies
+    assert y.data_ptr() in seen and rstd.data_ptr() in seen
+    assert y._base is None and y.is_contiguous() and rstd.dtype == (torch.float64 if dtype == torch.float64
+                                                                     else torch.float32)
+    check(y, reference.rms_norm(to_numpy(x), exact=True), to_numpy(x).dtype)
+
+
+def test_out_is_written_in_place(gen):
+    x = randn(gen, 8, 1000)
+    out = torch.full_like(x, float("nan"))
+    ptr = out.data_ptr()
+    r = cunorm.rms_norm(x, out=out)
+    assert r is out and out.data_ptr() == ptr
+    check(out, reference.rms_norm(to_numpy(x), exact=True), np.float32)
+
+
+def test_channels_last_stays_channels_last(gen):
+    x = randn(gen, 2, 16, 9, 11).to(memory_format=torch.channels_last)
+    y = cunorm.group_norm(x, 4)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    check(y, reference.group_norm(to_numpy(x), 4, exact=True), np.float32)
+
+
+def test_non_contiguous(gen):
+    x = randn(gen, 4096, 64).t()  # (64, 4096), strides (1, 64)
+    y = cunorm.rms_norm(x)
+    check(y, reference.rms_norm(to_numpy(x), exact=True), np.float32)
+
+
+# -- streams --------------------------------------------------------------------------------------------------------
+
+def test_runs_on_torchs_current_stream(gen):
+    """x is produced on a side stream behind ~100 ms of sleep; cunorm called
+    under torch.cuda.stream(side) must return at once (no synchronize) and
+    still read the produced x (it runs on side, after the producer)."""
+    source = randn(gen, 256, 4096)
+    x = torch.full_like(source, float("nan"))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # compile and load the kernels first: that takes host time
+        cunorm.rms_norm(x)
+        cunorm.group_norm(x.view(256, 64, 64), 8)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~100 ms of GPU clock cycles
+        x.copy_(source)
+        y = cunorm.rms_norm(x)
+        h = cunorm.group_norm(x.view(256, 64, 64), 8)
+        assert not side.query(), "cunorm waited for the stream (a synchronize)"
+        consumed = y * 2
+    side.synchronize()
+    check(consumed / 2, reference.rms_norm(to_numpy(source), exact=True), np.float32)
+    check(h, reference.group_norm(to_numpy(source).reshape(256, 64, 64), 8, exact=True), np.float32)
+
+
+# -- CUDA graphs ----------------------------------------------------------------------------------------------------
+
+GRAPH_CASES = {
+    "rows cached": lambda x, w, b: cunorm.rms_norm(x.view(-1, 4096), w[:4096]),
+    "rows + residual": lambda x, w, b: cunorm.layer_norm(x.view(-1, 4096), w[:4096], b[:4096],
+                                                          residual=x.view(-1, 4096).flip(0))[0],
+    "rows uncached": lambda x, w, b: cunorm.normalize(x.view(160, -1)),
+    "split (workspace)": lambda x, w, b: cunorm.rms_norm(x.view(2, -1)),
+    "whole array (workspace)": lambda x, w, b: cunorm.frobenius_normalize(x),
+    "strided axis": lambda x, w, b: cunorm.rms_norm(x.view(8, 64, -1), axis=1),
+    "group_norm (workspace)": lambda x, w, b: cunorm.group_norm(x.view(8, 64, -1), 8, w[:64], b[:64]),
+    "float64 weight cast": lambda x, w, b: cunorm.rms_norm(x.view(-1, 4096), w[:4096].double()),
+}
+GRAPH_REFS = {
+    "rows cached": lambda x, w, b: reference.rms_norm(x.reshape(-1, 4096), w[:4096], exact=True),
+    "rows + residual": lambda x, w, b: reference.layer_norm(x.reshape(-1, 4096), w[:4096], b[:4096],
+                                                             residual=x.reshape(-1, 4096)[::-1], exact=True)[0],
+    "rows uncached": lambda x, w, b: reference.normalize(x.reshape(160, -1), exact=True),
+    "split (workspace)": lambda x, w, b: reference.rms_norm(x.reshape(2, -1), exact=True),
+    "whole array (workspace)": lambda x, w, b: reference.frobenius_normalize(x, exact=True),
+    "strided axis": lambda x, w, b: reference.rms_norm(x.reshape(8, 64, -1), axis=1, exact=True),
+    "group_norm (workspace)": lambda x, w, b: reference.group_norm(x.reshape(8, 64, -1), 8, w[:64], b[:64],
+                                                                    exact=True),
+    "float64 weight cast": lambda x, w, b: reference.rms_norm(x.reshape(-1, 4096), w[:4096], exact=True),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_cuda_graph_capture_and_replay(gen, case):
+    """Capture a cunorm call in a torch.cuda.graph, change x in place, replay:
+    the output buffer holds the norm of the new x."""
+    x = randn(gen, 8, 64, 10240)  # 160 rows of 32768 for the uncached tier, 2 for the split one
+    w, b = randn(gen, 4096), randn(gen, 4096)
+    fn = GRAPH_CASES[case]
+    side = torch.cuda.Stream()  # warm up (compile, load) off the capture, as torch advises
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(x, w, b)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fn(x, w, b)
+    for _ in range(2):
+        x.copy_(randn(gen, 8, 64, 10240))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(y, GRAPH_REFS[case](to_numpy(x), to_numpy(w), to_numpy(b)), np.float32, case)
+
+
+def test_cuda_graph_batch_norm_running_stats(gen):
+    x = randn(gen, 16, 32, 8, 8)
+    bn = cunorm_torch.BatchNorm2d(32).cuda()
+    ref_bn = torch.nn.BatchNorm2d(32).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with torch.no_grad():
+            bn(x)
+            ref_bn(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = bn(x)
+    with torch.no_grad():
+        for _ in range(3):
+            x.copy_(randn(gen, 16, 32, 8, 8, offset=1.0))
+            graph.replay()
+            want = ref_bn(x)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(y, want, rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(bn.running_mean, ref_bn.running_mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(bn.running_var, ref_bn.running_var, rtol=1e-5, atol=1e-6)
+
+
+# -- modules --------------------------------------------------------------------------------------------------------
+
+MODULES = {
+    "RMSNorm": lambda: torch.nn.RMSNorm((16, 24)),
+    "RMSNorm eps=1e-6 no affine": lambda: torch.nn.RMSNorm(24, eps=1e-6, elementwise_affine=False),
+    "LayerNorm": lambda: torch.nn.LayerNorm(24),
+    "LayerNorm no bias": lambda: torch.nn.LayerNorm((16, 24), bias=False),
+    "LayerNorm no affine": lambda: torch.nn.LayerNorm(24, elementwise_affine=False),
+    "GroupNorm": lambda: torch.nn.GroupNorm(4, 16),
+    "GroupNorm no affine": lambda: torch.nn.GroupNorm(16, 16, affine=False),
+    "InstanceNorm2d": lambda: torch.nn.InstanceNorm2d(16),
+    "InstanceNorm2d affine tracked": lambda: torch.nn.InstanceNorm2d(16, affine=True, track_running_stats=True),
+    "BatchNorm2d": lambda: torch.nn.BatchNorm2d(16),
+    "BatchNorm2d momentum=None": lambda: torch.nn.BatchNorm2d(16, momentum=None),
+    "BatchNorm2d untracked": lambda: torch.nn.BatchNorm2d(16, track_running_stats=False),
+}
+
+
+def _module_input(gen, name, dtype=torch.float32):
+    if name.startswith(("RMSNorm", "LayerNorm")):
+        return randn(gen, 5, 16, 24, dtype=dtype, offset=0.5)
+    return randn(gen, 4, 16, 6, 24, dtype=dtype, scale=2.0, offset=0.5)
+
+
+def _randomize(module, gen):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(randn(gen, *p.shape))
+        for name, buf in module.named_buffers():
+            if buf.is_floating_point():
+                buf.copy_(randn(gen, *buf.shape).abs() + (0.5 if "var" in name else 0.0))
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_module_matches_torch_and_shares_its_state_dict(gen, name):
+    theirs = MODULES[name]().cuda()
+    _randomize(theirs, gen)
+    ours = cunorm_torch.replace_norms(MODULES[name]().cuda())
+    assert type(ours).__name__ == type(theirs).__name__ and isinstance(ours, type(theirs))
+    assert type(ours).__module__ == "cunorm.torch"
+    # a checkpoint of either loads into the other, keys and all
+    ours.load_state_dict(theirs.state_dict())
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    assert repr(ours) == repr(theirs)
+    for training in (True, False, True):
+        ours.train(training)
+        theirs.train(training)
+        x = _module_input(gen, name)
+        with torch.no_grad():
+            y, want = ours(x), theirs(x)
+        torch.testing.assert_close(y, want, rtol=3e-5, atol=3e-5, msg=lambda m: f"{name} training={training}: {m}")
+        for (key, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+    fresh = MODULES[name]().cuda()
+    fresh.load_state_dict(ours.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_modules_16_bit_with_float32_parameters(gen, dtype):
+    """The usual mixed form: float32 parameters, 16-bit activations; within
+    twice the error of torch's own output, both against float64."""
+    for name in ("RMSNorm", "LayerNorm", "GroupNorm"):
+        theirs = MODULES[name]().cuda()
+        _randomize(theirs, gen)
+        ours = cunorm_torch.replace_norms(MODULES[name]().cuda())
+        ours.load_state_dict(theirs.state_dict())
+        x = _module_input(gen, name, dtype)
+        exact = MODULES[name]().cuda().double()
+        exact.load_state_dict(theirs.state_dict())
+        with torch.no_grad():
+            y, want, truth = ours(x), theirs(x.float()).to(dtype), exact(x.double())
+        assert y.dtype == dtype
+        ours_err = (y.double() - truth).abs().max().item()
+        theirs_err = (want.double() - truth).abs().max().item()
+        assert ours_err <= 2 * theirs_err + 1e-6, f"{name}: {ours_err} vs torch {theirs_err}"
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+            torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.GroupNorm(8, 64), torch.nn.SiLU(),
+            torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.InstanceNorm2d(64, affine=True), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, 10), torch.nn.LayerNorm(10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block (RMSNorm attention, LayerNorm MLP)."""
+
+    def __init__(self, d=256, heads=4):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.RMSNorm(d), torch.nn.LayerNorm(d)
+        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+@pytest.mark.parametrize("model_name", ["convnet", "transformer block"])
+def test_replace_norms_keeps_outputs_and_weights(gen, model_name):
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device="cuda")))
+    model = (ConvNet() if model_name == "convnet" else Block()).cuda()
+    for m in model.modules():
+        if isinstance(m, (torch.nn.BatchNorm2d, torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.RMSNorm,
+                          torch.nn.InstanceNorm2d)):
+            _randomize(m, gen)
+    x = randn(gen, 8, 3, 32, 32) if model_name == "convnet" else randn(gen, 4, 128, 256)
+    params = {n: p for n, p in model.named_parameters()}
+    model.eval()
+    with torch.no_grad():
+        before = model(x)
+    norms_before = [type(m) for m in model.modules() if isinstance(m, tuple(cunorm_torch._REPLACEMENTS))]
+    assert cunorm_torch.replace_norms(model) is model
+    swapped = [m for m in model.modules() if type(m).__module__ == "cunorm.torch"]
+    assert len(swapped) == len(norms_before) > 0
+    assert all(p is params[n] for n, p in model.named_parameters()), "parameters were replaced, not kept"
+    with torch.no_grad():
+        after = model(x)
+        torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+        model.train()  # BatchNorm's batch statistics and running-buffer update
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        after = model(x)
+        model.load_state_dict(state)
+        torch_model = (ConvNet() if model_name == "convnet" else Block()).cuda().train()
+        torch_model.load_state_dict(state)
+        torch.testing.assert_close(after, torch_model(x), rtol=1e-4, atol=1e-4)
+
+
+# -- autograd: a clear error until backward passes exist -------------------------------------------------------------
+
+def test_backward_through_a_module_raises():
+    model = cunorm_torch.replace_norms(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))).cuda()
+    y = model(torch.randn(4, 64, device="cuda"))
+    assert y.requires_grad
+    with pytest.raises(NotImplementedError, match="no backward pass yet"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("name", list(OPS) + list(CHANNEL_OPS))
+def test_backward_through_the_top_level_op_raises(gen, name):
+    call = {**OPS, **CHANNEL_OPS}[name][0]
+    shape, params = ((3, 760), (760,)) if name in OPS else ((3, 8, 5, 7), (8,))
+    x = randn(gen, *shape).requires_grad_()
+    w = torch.nn.Parameter(randn(gen, *params))
+    y = call(cunorm, x, w, None)
+    assert y.requires_grad
+    with pytest.raises(NotImplementedError, match="no backward pass yet"):
+        y.sum().backward()
+    with torch.no_grad():  # inference with parameters that require grad: no graph, no error
+        assert not call(cunorm, x, w, None).requires_grad
+
+
+def test_out_with_grad_is_refused():
+    x = torch.randn(4, 64, device="cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match="out= is not differentiable"):
+        cunorm.rms_norm(x, out=torch.empty(4, 64, device="cuda"))
+
+
+# -- torch.compile --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_name", ["convnet", "transformer block"])
+def test_torch_compile_fullgraph(gen, model_name):
+    """The cunorm layers are opaque ops to dynamo: fullgraph=True compiles
+    (no graph break) and the compiled model agrees with eager."""
+    torch._dynamo.reset()
+    model = (ConvNet() if model_name == "convnet" else Block()).cuda().eval()
+    cunorm_torch.replace_norms(model)
+    x = randn(gen, 8, 3, 32, 32) if model_name == "convnet" else randn(gen, 4, 128, 256)
+    if model_name == "convnet":
+        x = x.to(memory_format=torch.channels_last)  # the fake ops must give the real strides
+        model = model.to(memory_format=torch.channels_last)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_torch_compile_top_level_ops(gen):
+    """The top-level ops called on tensors inside a compiled function become
+    the registered ops: no graph break."""
+    torch._dynamo.reset()
+
+    def f(x, w):
+        h = cunorm.rms_norm(x * 2, w)
+        return cunorm.group_norm(h.view(4, 64, -1), 8) + 1
+
+    x, w = randn(gen, 4, 64, 96), randn(gen, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(f, fullgraph=True)(x, w), f(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck():
+    """torch's own checks of the registrations (schema, fake vs real, autograd registration)."""
+    x = torch.randn(4, 8, 6, 5, device="cuda")
+    w = torch.randn(8, device="cuda")
+    samples = [
+        (torch.ops.cunorm.rms_norm.default, (x, None, None, [-1], 1e-5, True)),
+        (torch.ops.cunorm.layer_norm.default, (x, None, None, x.clone(), [2, 3], 1e-5, True)),
+        (torch.ops.cunorm.normalize.default, (x, "l2", [], 1e-12)),
+        (torch.ops.cunorm.group_norm.default, (x.to(memory_format=torch.channels_last), 4, w, w, 1e-5, 1, True)),
+        (torch.ops.cunorm.instance_norm.default, (x, w, None, 1e-5, 1, False)),
+        (torch.ops.cunorm.batch_norm.default, (x, w, w, torch.zeros(8, device="cuda"), torch.ones(8, device="cuda"),
+                                               True, 0.1, 1e-5, 1, True)),
+    ]
+    for op, args in samples:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# -- errors ---------------------------------------------------------------------------------------------------------
+
+def test_cpu_tensor_is_refused():
+    with pytest.raises(TypeError, match=r"x is a torch tensor on cpu.*x\.cuda\(\)"):
+        cunorm.rms_norm(torch.ones(2, 4))
+    with pytest.raises(TypeError, match=r"weight is a torch tensor on cpu.*weight\.to\(x\.device\)"):
+        cunorm.layer_norm(torch.ones(2, 4, device="cuda"), torch.ones(4))
+    with pytest.raises(TypeError, match=r"x is a torch tensor on cpu"):
+        cunorm_torch.replace_norms(torch.nn.Sequential(torch.nn.LayerNorm(4)))(torch.ones(2, 4))
+
+
+def test_wrong_dtype_is_refused():
+    with pytest.raises(TypeError, match=r"x must have dtype float16, bfloat16, float32 or float64, got torch.int32"):
+        cunorm.rms_norm(torch.ones(2, 4, dtype=torch.int32, device="cuda"))
+    with pytest.raises(TypeError, match=r"weight must have dtype .* got torch.complex64"):
+        cunorm.rms_norm(torch.ones(2, 4, device="cuda"), torch.ones(4, dtype=torch.complex64, device="cuda"))
+    with pytest.raises(TypeError, match="to_dense"):
+        cunorm.rms_norm(torch.ones(2, 4, device="cuda").to_sparse())
+
+
+def test_bad_arguments_to_the_torch_functions():
+    x = torch.ones(2, 4, device="cuda")
+    with pytest.raises(TypeError, match="return_stats must be True or False"):
+        cunorm_torch.rms_norm(x, return_stats=1)
+    with pytest.raises(TypeError, match="eps must be a real number"):
+        cunorm_torch.layer_norm(x, eps="1e-5")
+    with pytest.raises(ValueError, match="axis"):
+        cunorm_torch.rms_norm(x, axis=2)
+    with pytest.raises(TypeError, match="num_groups must be an int"):
+        cunorm_torch.group_norm(x.view(2, 4, 1), 2.0)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        cunorm_torch.replace_norms(x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_another_gpu(gen):
+    x = randn(gen, 16, 1000).to("cuda:1")
+    w = torch.randn(1000, device="cuda:1")
+    assert torch.cuda.current_device() == 0
+    y = cunorm.rms_norm(x, w)
+    assert y.device == x.device and torch.cuda.current_device() == 0
+    check(y, reference.rms_norm(to_numpy(x), to_numpy(w), exact=True), np.float32)
+    with torch.cuda.stream(torch.cuda.Stream("cuda:1")):  # torch's current stream of GPU 1
+        z = cunorm.group_norm(x.view(16, 8, -1), 4)
+    torch.cuda.synchronize("cuda:1")
+    check(z, reference.group_norm(to_numpy(x).reshape(16, 8, -1), 4, exact=True), np.float32)
+    with pytest.raises(ValueError, match=r"weight is on GPU 0 but x is on GPU 1: .*weight\.to\(x\.device\)"):
+        cunorm.rms_norm(x, w.to("cuda:0"))
+
+
+def test_default_rms_eps_is_torchs():
+    """nn.RMSNorm(eps=None) uses the epsilon of torch's compute type."""
+    x = torch.full((2, 64), 1e-4, device="cuda", dtype=torch.bfloat16)
+    theirs = torch.nn.RMSNorm(64).cuda()
+    ours = cunorm_torch.replace_norms(torch.nn.RMSNorm(64).cuda())
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x))
+    assert math.isclose(cunorm_torch._default_rms_eps(torch.bfloat16), torch.finfo(torch.float32).eps)
