@@ -156,9 +156,11 @@ def prepare(call: ChannelCall):
     x = call.x
     ca = call.channel_axis
     per_sample = call.norm != "batch"
-    last = output_layout(x.shape, _elements(x), ca, per_sample)
-    if _plan.channel_layout(x.shape, _elements(x), ca, per_sample) is None:  # dense in neither: one copy, C order
+    strides = _elements(x)
+    last = _plan.channel_layout(x.shape, strides, ca, per_sample)
+    if last is None:  # dense in neither layout: one copy, C order
         x = cupy.ascontiguousarray(x)
+        last = output_layout(x.shape, strides, ca, per_sample)
     order = _plan.channel_orders(x.ndim, ca)[last]
     if call.out is not None:
         y = call.out

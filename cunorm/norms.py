@@ -18,7 +18,12 @@ _ROW_X = """x : array
         A CuPy array, a CUDA torch tensor, a GPU JAX array, or any CUDA array
         that supports DLPack (zero-copy), of dtype float16, bfloat16, float32
         or float64, any shape and any strides. A NumPy array runs the float64
-        NumPy reference instead (slow; for checking)."""
+        NumPy reference instead (slow; for checking). torch tensors run on
+        torch's current stream with outputs from torch's allocator; while
+        autograd records (a tensor requires grad) or dynamo traces
+        (torch.compile) the op runs as its registered torch operator
+        (cunorm.torch), whose backward raises until gradients exist."""
+
 
 def _torch():
     """cunorm.torch (imported on first need: it registers the torch operators)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cunorm import _dtypes
+from cunorm import _dtypes, reference
 
 DTYPES = [_dtypes.float16, _dtypes.bfloat16, _dtypes.float32, _dtypes.float64]
 DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
@@ -58,3 +58,33 @@ def output_scale(ref):
     ref = np.asarray(ref, dtype=np.float64)
     finite = ref[np.isfinite(ref)]
     return float(np.sqrt(np.mean(finite**2))) if finite.size else 0.0
+
+
+# Every public op, for the framework tests: name -> (call, ref, rows).
+# call(ops, x, w, b) runs it from a namespace of ops (cunorm, cunorm.torch,
+# cunorm.jax); ref(x, w, b) is the float64 reference on NumPy copies; rows
+# tells the shapes: x (3, 760) with (760,) parameters for the row ops, x
+# (3, 8, 5, 7) with (8,) parameters for the channel norms.
+OP_CALLS = {
+    "rms_norm": (lambda ops, x, w, b: ops.rms_norm(x, w),
+                 lambda x, w, b: reference.rms_norm(x, w, exact=True), True),
+    "layer_norm": (lambda ops, x, w, b: ops.layer_norm(x, w, b),
+                   lambda x, w, b: reference.layer_norm(x, w, b, exact=True), True),
+    "normalize": (lambda ops, x, w, b: ops.normalize(x, 3.0),
+                  lambda x, w, b: reference.normalize(x, 3.0, exact=True), True),
+    "mean_abs_normalize": (lambda ops, x, w, b: ops.mean_abs_normalize(x),
+                           lambda x, w, b: reference.mean_abs_normalize(x, exact=True), True),
+    "frobenius_normalize": (lambda ops, x, w, b: ops.frobenius_normalize(x),
+                            lambda x, w, b: reference.frobenius_normalize(x, exact=True), True),
+    "group_norm": (lambda ops, x, w, b: ops.group_norm(x, 4, w, b),
+                   lambda x, w, b: reference.group_norm(x, 4, w, b, exact=True), False),
+    "instance_norm": (lambda ops, x, w, b: ops.instance_norm(x, w, b),
+                      lambda x, w, b: reference.instance_norm(x, w, b, exact=True), False),
+    "batch_norm": (lambda ops, x, w, b: ops.batch_norm(x, w, b),
+                   lambda x, w, b: reference.batch_norm(x, w, b, exact=True), False),
+}
+
+
+def op_shapes(name):
+    """(x shape, parameter shape) of an OP_CALLS entry."""
+    return ((3, 760), (760,)) if OP_CALLS[name][2] else ((3, 8, 5, 7), (8,))

@@ -5,7 +5,7 @@ import pytest
 
 import cunorm
 from cunorm import _dtypes, reference
-from helpers import RTOL, assert_close, output_scale, random
+from helpers import OP_CALLS, RTOL, assert_close, op_shapes, output_scale, random
 
 pytestmark = pytest.mark.gpu
 
@@ -26,42 +26,21 @@ def _jax(x_np, device):
     return jax.device_put(jnp.asarray(x_np), device)
 
 
-JAX_OPS = {
-    "rms_norm": (lambda m, x, w, b: m.rms_norm(x, w), lambda x, w, b: reference.rms_norm(x, w, exact=True)),
-    "layer_norm": (lambda m, x, w, b: m.layer_norm(x, w, b),
-                   lambda x, w, b: reference.layer_norm(x, w, b, exact=True)),
-    "normalize": (lambda m, x, w, b: m.normalize(x, 3.0), lambda x, w, b: reference.normalize(x, 3.0, exact=True)),
-    "mean_abs_normalize": (lambda m, x, w, b: m.mean_abs_normalize(x),
-                           lambda x, w, b: reference.mean_abs_normalize(x, exact=True)),
-    "frobenius_normalize": (lambda m, x, w, b: m.frobenius_normalize(x),
-                            lambda x, w, b: reference.frobenius_normalize(x, exact=True)),
-    "group_norm": (lambda m, x, w, b: m.group_norm(x, 4, w[:8], b[:8]),
-                   lambda x, w, b: reference.group_norm(x, 4, w[:8], b[:8], exact=True)),
-    "instance_norm": (lambda m, x, w, b: m.instance_norm(x, w[:8], b[:8]),
-                      lambda x, w, b: reference.instance_norm(x, w[:8], b[:8], exact=True)),
-    "batch_norm": (lambda m, x, w, b: m.batch_norm(x, w[:8], b[:8]),
-                   lambda x, w, b: reference.batch_norm(x, w[:8], b[:8], exact=True)),
-}
-
-
 @pytest.mark.parametrize("namespace", ["cunorm", "cunorm.jax"])
-@pytest.mark.parametrize("name", list(JAX_OPS))
+@pytest.mark.parametrize("name", list(OP_CALLS))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_jax_in_jax_out(rng, jax_gpu, namespace, name, dtype):
     import jax
 
     import cunorm.jax
 
-    module = cunorm if namespace == "cunorm" else cunorm.jax
-    call, ref = JAX_OPS[name]
+    ops = cunorm if namespace == "cunorm" else cunorm.jax
+    call, ref, _ = OP_CALLS[name]
     dt = np.dtype(getattr(_dtypes, dtype))
-    shape = (3, 760) if name in ("rms_norm", "layer_norm", "normalize", "mean_abs_normalize",
-                                 "frobenius_normalize") else (3, 8, 5, 7)
-    x_np = random(rng, shape, dt)
-    p = 760 if len(shape) == 2 else 8
-    w_np, b_np = random(rng, (p,), dt), random(rng, (p,), dt)
+    shape, params = op_shapes(name)
+    x_np, w_np, b_np = random(rng, shape, dt), random(rng, params, dt), random(rng, params, dt)
     x, w, b = (_jax(a, jax_gpu) for a in (x_np, w_np, b_np))
-    y = call(module, x, w, b)
+    y = call(ops, x, w, b)
     assert isinstance(y, jax.Array) and y.dtype == x.dtype and y.shape == x.shape
     assert np.array_equal(np.asarray(x).view(np.uint8), x_np.view(np.uint8)), "the JAX input was written to"
     want = ref(x_np, w_np, b_np)
@@ -80,19 +59,19 @@ def test_jax_zero_copy(jax_gpu):
     assert jax_adapter.from_cupy(y).unsafe_buffer_pointer() == y.data.ptr
 
 
-@pytest.mark.parametrize("name", list(JAX_OPS))
+@pytest.mark.parametrize("name", list(OP_CALLS))
 def test_jax_traced_is_refused(jax_gpu, name):
     import jax
-    import jax.numpy as jnp
 
     import cunorm.jax
 
-    call = JAX_OPS[name][0]
-    shape = (3, 8, 5, 7)
+    call = OP_CALLS[name][0]
+    shape, params = op_shapes(name)
+    w = _jax(np.ones(params, np.float32), jax_gpu)
 
     @jax.jit
     def f(x):
-        return call(cunorm.jax, x, jnp.ones(x.shape[-1]), jnp.zeros(x.shape[-1]))
+        return call(cunorm.jax, x, w, w)
 
     with pytest.raises(TypeError, match="eager JAX arrays only"):
         f(_jax(np.ones(shape, np.float32), jax_gpu))
@@ -162,13 +141,13 @@ def test_cupy_array_on_another_gpu(rng):
     assert cupy.cuda.runtime.getDevice() == 0
     y = cunorm.layer_norm(x, w)  # launched on GPU 1, though GPU 0 is current
     assert y.data.device_id == 1 and cupy.cuda.runtime.getDevice() == 0
-    assert_close(cupy.asnumpy(y), reference.layer_norm(x_np, w_np, exact=True), np.float32, rtol=2e-5,
-                 atol=2e-8)
+    want = reference.layer_norm(x_np, w_np, exact=True)
+    assert_close(cupy.asnumpy(y), want, np.float32, atol=RTOL[np.dtype(np.float32)] * output_scale(want))
     with cupy.cuda.Device(1), stream:  # GPU 1's current stream
         z = cunorm.group_norm(x.reshape(64, 30, 100), 5)
     stream.synchronize()
-    assert_close(cupy.asnumpy(z), reference.group_norm(x_np.reshape(64, 30, 100), 5, exact=True), np.float32,
-                 rtol=2e-5, atol=2e-8)
+    want = reference.group_norm(x_np.reshape(64, 30, 100), 5, exact=True)
+    assert_close(cupy.asnumpy(z), want, np.float32, atol=RTOL[np.dtype(np.float32)] * output_scale(want))
     with cupy.cuda.Device(0):
         w0 = cupy.asarray(w_np)
     with pytest.raises(ValueError, match="weight is on GPU 0 but x is on GPU 1"):

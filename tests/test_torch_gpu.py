@@ -8,7 +8,7 @@ import pytest
 
 import cunorm
 from cunorm import reference
-from helpers import RTOL, assert_close, output_scale
+from helpers import OP_CALLS, RTOL, assert_close, op_shapes, output_scale
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -58,33 +58,13 @@ def poisoned_torch(monkeypatch):
 
 # -- every op, every dtype, zero-copy -----------------------------------------------------------------------------
 
-OPS = {
-    "rms_norm": (lambda op, x, w, b: op.rms_norm(x, w), lambda x, w, b: reference.rms_norm(x, w, exact=True)),
-    "layer_norm": (lambda op, x, w, b: op.layer_norm(x, w, b),
-                   lambda x, w, b: reference.layer_norm(x, w, b, exact=True)),
-    "normalize": (lambda op, x, w, b: op.normalize(x, 1), lambda x, w, b: reference.normalize(x, 1, exact=True)),
-    "mean_abs_normalize": (lambda op, x, w, b: op.mean_abs_normalize(x),
-                           lambda x, w, b: reference.mean_abs_normalize(x, exact=True)),
-    "frobenius_normalize": (lambda op, x, w, b: op.frobenius_normalize(x),
-                            lambda x, w, b: reference.frobenius_normalize(x, exact=True)),
-}
-CHANNEL_OPS = {
-    "group_norm": (lambda op, x, w, b: op.group_norm(x, 4, w, b),
-                   lambda x, w, b: reference.group_norm(x, 4, w, b, exact=True)),
-    "instance_norm": (lambda op, x, w, b: op.instance_norm(x, w, b),
-                      lambda x, w, b: reference.instance_norm(x, w, b, exact=True)),
-    "batch_norm": (lambda op, x, w, b: op.batch_norm(x, w, b),
-                   lambda x, w, b: reference.batch_norm(x, w, b, exact=True)),
-}
-
-
 @pytest.mark.parametrize("module", ["cunorm", "cunorm.torch"])
-@pytest.mark.parametrize("name", list(OPS) + list(CHANNEL_OPS))
+@pytest.mark.parametrize("name", list(OP_CALLS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_every_op(gen, poisoned_torch, module, name, dtype):
     op = cunorm if module == "cunorm" else cunorm_torch
-    call, ref = {**OPS, **CHANNEL_OPS}[name]
-    shape, params = ((3, 760), (760,)) if name in OPS else ((3, 8, 5, 7), (8,))
+    call, ref, _ = OP_CALLS[name]
+    shape, params = op_shapes(name)
     x = randn(gen, *shape, dtype=dtype)
     w, b = randn(gen, *params, dtype=dtype), randn(gen, *params, dtype=dtype)
     before = x.clone()
@@ -137,6 +117,14 @@ def test_channels_last_stays_channels_last(gen):
     y = cunorm.group_norm(x, 4)
     assert y.is_contiguous(memory_format=torch.channels_last)
     check(y, reference.group_norm(to_numpy(x), 4, exact=True), np.float32)
+
+
+def test_empty_tensors():
+    x = torch.empty(0, 64, device="cuda", dtype=torch.bfloat16)
+    y, rstd = cunorm.rms_norm(x, return_stats=True)
+    assert y.shape == (0, 64) and y.dtype == x.dtype and y.device == x.device and rstd.shape == (0,)
+    z = cunorm.group_norm(torch.empty(0, 8, 3, 3, device="cuda").to(memory_format=torch.channels_last), 2)
+    assert z.shape == (0, 8, 3, 3)
 
 
 def test_non_contiguous(gen):
@@ -391,10 +379,10 @@ def test_backward_through_a_module_raises():
         y.sum().backward()
 
 
-@pytest.mark.parametrize("name", list(OPS) + list(CHANNEL_OPS))
+@pytest.mark.parametrize("name", list(OP_CALLS))
 def test_backward_through_the_top_level_op_raises(gen, name):
-    call = {**OPS, **CHANNEL_OPS}[name][0]
-    shape, params = ((3, 760), (760,)) if name in OPS else ((3, 8, 5, 7), (8,))
+    call = OP_CALLS[name][0]
+    shape, params = op_shapes(name)
     x = randn(gen, *shape).requires_grad_()
     w = torch.nn.Parameter(randn(gen, *params))
     y = call(cunorm, x, w, None)

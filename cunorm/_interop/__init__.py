@@ -60,6 +60,17 @@ def adapter_for(x, name: str = "x"):
     return adapter
 
 
+_torch_adapter = None
+
+
+def _load_torch_adapter():
+    global _torch_adapter
+    from . import torch as adapter
+
+    _torch_adapter = adapter
+    return adapter
+
+
 def torch_route(x, *arrays, out=None) -> bool:
     """Whether a public op called on torch tensors must run as its registered
     torch operator (cunorm.torch): under dynamo's tracing (torch.compile),
@@ -69,8 +80,7 @@ def torch_route(x, *arrays, out=None) -> bool:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(x, torch.Tensor):
         return False
-    from . import torch as adapter
-
+    adapter = _torch_adapter or _load_torch_adapter()
     if not adapter.wants_autograd(x, *arrays):
         return False
     if out is not None:

@@ -56,7 +56,7 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
     if x.numel() == 0:
         memory = cupy.cuda.UnownedMemory(0, 0, x, device)
     else:
-        span = (sum((n - 1) * s for n, s in zip(shape, strides)) + itemsize)
+        span = sum((n - 1) * s for n, s in zip(shape, strides)) + itemsize
         memory = cupy.cuda.UnownedMemory(x.data_ptr(), span, x, device)
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
 
