@@ -40,8 +40,7 @@ class ChannelCall:
         channels = shape[self.channel_axis]
         spatial = math.prod(s for a, s in enumerate(shape) if a not in (0, self.channel_axis))
         if norm == "group":
-            if isinstance(num_groups, (bool, np.bool_)) or not isinstance(num_groups, (int, np.integer)):
-                raise TypeError(f"group_norm: num_groups must be an int, got {type(num_groups).__name__}")
+            num_groups = _ops.check_int(num_groups, "group_norm: num_groups")
             if num_groups < 1 or channels % num_groups:
                 raise ValueError(f"group_norm: num_groups must be >= 1 and divide the {channels} channels, "
                                  f"got {num_groups}")
@@ -55,12 +54,8 @@ class ChannelCall:
         self.weight = self._param(weight, "weight", channels)
         self.bias = self._param(bias, "bias", channels)
         self.eps = _ops.check_eps(eps)
-        if not isinstance(return_stats, (bool, np.bool_)):
-            raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
-        self.return_stats = bool(return_stats)
-        if not isinstance(training, (bool, np.bool_)):
-            raise TypeError(f"training must be True or False, got {training!r}")
-        self.training = bool(training)
+        self.return_stats = _ops.check_flag(return_stats, "return_stats")
+        self.training = _ops.check_flag(training, "training")
         self.momentum = _momentum(momentum)
         self.running_mean = self._running(running_mean, "running_mean", channels)
         self.running_var = self._running(running_var, "running_var", channels)
@@ -112,17 +107,21 @@ class ChannelCall:
 
     @property
     def stats_shape(self) -> tuple:
-        n, c = self.x.shape[0], self.x.shape[self.channel_axis]
-        return {"group": (n, self.groups), "instance": (n, c), "batch": (c,)}[self.norm]
+        return stats_shape(self.norm, tuple(self.x.shape), self.channel_axis, self.groups)
+
+
+def stats_shape(norm: str, shape: tuple, channel_axis: int, groups: int) -> tuple:
+    """The statistics' shape: (N, groups), (N, C) or (C,)."""
+    n, c = shape[0], shape[channel_axis]
+    return {"group": (n, groups), "instance": (n, c), "batch": (c,)}[norm]
 
 
 def _channel_axis(axis, ndim, fn) -> int:
-    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"{fn}: channel_axis must be an int, got {type(axis).__name__}")
-    if not -ndim <= axis < ndim or int(axis) % ndim not in (1, ndim - 1):
+    axis = _ops.check_int(axis, f"{fn}: channel_axis")
+    if not -ndim <= axis < ndim or axis % ndim not in (1, ndim - 1):
         raise ValueError(f"{fn}: channel_axis must be 1 (channels-first) or -1 (channels-last) for x of "
                          f"{ndim} dimensions, got {axis}")
-    return int(axis) % ndim
+    return axis % ndim
 
 
 def _momentum(momentum) -> float:

@@ -28,6 +28,18 @@ def check_eps(eps) -> float:
     return value
 
 
+def check_flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_int(value, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
 def check_dtype(dtype, name: str) -> np.dtype:
     if dtype not in _dtypes.KERNEL_TYPE:
         raise TypeError(f"{name} must have dtype {_dtypes.SUPPORTED_NAMES}, got {dtype}")
@@ -47,12 +59,7 @@ class Call:
         self.adapter = adapter
         xa = x if adapter is _interop.NUMPY else adapter.to_cupy(x, "x")
         check_dtype(xa.dtype, "x")
-        if axis is None:  # every axis (the Lp norms' whole-array form)
-            if xa.ndim == 0:
-                raise ValueError("x must have at least one dimension, got a 0-d array")
-            self.first, self.last = 0, xa.ndim - 1
-        else:
-            self.first, self.last = _plan.normalize_axes(axis, xa.ndim)
+        self.first, self.last = axis_span(axis, xa.ndim)
         self.norm_shape = tuple(xa.shape[self.first : self.last + 1])
         if math.prod(self.norm_shape) == 0:
             raise ValueError(
@@ -66,9 +73,7 @@ class Call:
         self.eps = check_eps(eps)
         self.out_given = out
         self.out = None if out is None else self._out(out)
-        if not isinstance(return_stats, (bool, np.bool_)):
-            raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
-        self.return_stats = bool(return_stats)
+        self.return_stats = check_flag(return_stats, "return_stats")
 
     def _same_kind(self, a, name: str):
         """``a`` as the same kind of array as x (NumPy with NumPy, GPU with GPU)."""
@@ -129,8 +134,22 @@ class Call:
 
     @property
     def stats_shape(self) -> tuple:
-        shape = tuple(self.x.shape)
-        return shape[: self.first] + shape[self.last + 1 :]
+        return stats_shape(tuple(self.x.shape), self.first, self.last)
+
+
+def axis_span(axis, ndim: int) -> tuple[int, int]:
+    """(first, last) of the normalized axes: ``axis`` an int or adjacent
+    ints, or None for every axis (the Lp norms' whole-array form)."""
+    if axis is None:
+        if ndim == 0:
+            raise ValueError("x must have at least one dimension, got a 0-d array")
+        return 0, ndim - 1
+    return _plan.normalize_axes(axis, ndim)
+
+
+def stats_shape(shape: tuple, first: int, last: int) -> tuple:
+    """The statistics' shape: x's without the normalized axes."""
+    return shape[:first] + shape[last + 1 :]
 
 
 def _writable(a, name: str) -> None:

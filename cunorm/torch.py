@@ -8,9 +8,10 @@ the ``cunorm`` torch library (``torch.ops.cunorm.*``), registered with
 shape, dtype and strides) instead of tracing into CuPy or breaking the graph.
 The top-level ``cunorm.*`` ops (and the modules below) route torch tensors
 here by themselves when autograd or dynamo needs it; in plain eager
-inference they take the shorter direct path (70 us of host time a call
-instead of 102 us on the H200 machine, 2026-11-21: torch's custom-op
-dispatch costs the difference).
+inference they take the shorter direct path (62 us of host time a call
+instead of 86 us in the benchmark run on 65e31ac, H200 machine, 2026-11-21;
+23-38 us less across that day's runs: torch's custom-op dispatch costs the
+difference).
 
 The modules subclass their ``torch.nn`` counterparts and replace only
 ``forward``: the constructor arguments, parameters, buffers, ``state_dict``
@@ -30,7 +31,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _channels, _ops, _plan, norms, reference
+from . import _channels, _dtypes, _ops, norms, reference
+from ._interop import torch as _adapter
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
            "instance_norm", "batch_norm", "RMSNorm", "LayerNorm", "GroupNorm", "InstanceNorm2d", "BatchNorm2d",
@@ -48,14 +50,9 @@ def _as_list(results) -> list[Tensor]:
 
 
 def _stats_like(x: Tensor, shape) -> Tensor:
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    """An empty statistics tensor: the accumulation dtype of x's dtype."""
+    dtype = _adapter.TORCH_DTYPE[_dtypes.accumulation(_adapter.NUMPY_DTYPE[x.dtype])]
     return x.new_empty(shape, dtype=dtype)
-
-
-def _row_axes(x: Tensor, axes: list[int]) -> tuple[int, int]:
-    if not axes:
-        return 0, x.dim() - 1
-    return _plan.normalize_axes(tuple(axes), x.dim())
 
 
 @torch.library.custom_op("cunorm::rms_norm", mutates_args=())
@@ -84,8 +81,7 @@ def _rows_fake(x, residual, axes, return_stats, statistics):
     if residual is not None:
         outputs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
     if return_stats:
-        first, last = _row_axes(x, axes)
-        shape = tuple(x.shape[:first]) + tuple(x.shape[last + 1:])
+        shape = _ops.stats_shape(tuple(x.shape), *_ops.axis_span(tuple(axes) if axes else None, x.dim()))
         outputs += [_stats_like(x, shape) for _ in range(statistics)]
     return outputs
 
@@ -138,27 +134,30 @@ def _batch_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     return _as_list(_channels.run(call)) + updated
 
 
-def _channels_fake(x, channel_axis, per_sample, stats_shape, return_stats):
-    ndim = x.dim()
-    order = _channels.output_order(tuple(x.shape), tuple(x.stride()), channel_axis % ndim, per_sample)
-    y = x.new_empty([x.shape[a] for a in order]).permute(*[order.index(axis) for axis in range(ndim)])
-    return [y] + ([_stats_like(x, stats_shape) for _ in range(2)] if return_stats else [])
+def _channels_fake(norm, x, channel_axis, groups, return_stats):
+    ndim, axis = x.dim(), channel_axis % x.dim()
+    order = _channels.output_order(tuple(x.shape), tuple(x.stride()), axis, norm != "batch")
+    y = x.new_empty([x.shape[a] for a in order]).permute(*[order.index(a) for a in range(ndim)])
+    if not return_stats:
+        return [y]
+    shape = _channels.stats_shape(norm, tuple(x.shape), axis, groups)
+    return [y] + [_stats_like(x, shape) for _ in range(2)]
 
 
 @_group_norm_op.register_fake
 def _(x, num_groups, weight, bias, eps, channel_axis, return_stats):
-    return _channels_fake(x, channel_axis, True, (x.shape[0], num_groups), return_stats)
+    return _channels_fake("group", x, channel_axis, num_groups, return_stats)
 
 
 @_instance_norm_op.register_fake
 def _(x, weight, bias, eps, channel_axis, return_stats):
-    return _channels_fake(x, channel_axis, True, (x.shape[0], x.shape[channel_axis]), return_stats)
+    return _channels_fake("instance", x, channel_axis, None, return_stats)
 
 
 @_batch_norm_op.register_fake
 def _(x, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis, return_stats):
     updated = [torch.empty_like(b) for b in (running_mean, running_var) if b is not None] if training else []
-    return _channels_fake(x, channel_axis, False, (x.shape[channel_axis],), return_stats) + updated
+    return _channels_fake("batch", x, channel_axis, None, return_stats) + updated
 
 
 def _no_backward(op: str):
@@ -186,26 +185,15 @@ del _op, _name
 # -- functions ------------------------------------------------------------------------------------------------------
 # The array-level ops' signatures and semantics (see cunorm.rms_norm etc.),
 # without ``out=``: registered operators return new tensors. Arguments are
-# checked as the array-level ops check them, before the operator is called.
-
-def _flag(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
-
-
-def _int(value, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return int(value)
-
+# checked by the array-level ops' checks before the operator is called (its
+# schema needs them typed).
 
 def _axes(axis) -> list[int]:
     if axis is None:
         return _ALL_AXES
     if isinstance(axis, (tuple, list)):
-        return [_int(a, "axis") for a in axis]
-    return [_int(axis, "axis")]
+        return [_ops.check_int(a, "axis") for a in axis]
+    return [_ops.check_int(axis, "axis")]
 
 
 def _unpack(results: list[Tensor]):
@@ -214,13 +202,13 @@ def _unpack(results: list[Tensor]):
 
 def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False):
     """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm``."""
-    stats = _flag(return_stats, "return_stats")
+    stats = _ops.check_flag(return_stats, "return_stats")
     return _unpack(torch.ops.cunorm.rms_norm(x, weight, residual, _axes(axis), _ops.check_eps(eps), stats))
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False):
     """:func:`cunorm.layer_norm` as the registered op ``torch.ops.cunorm.layer_norm``."""
-    stats = _flag(return_stats, "return_stats")
+    stats = _ops.check_flag(return_stats, "return_stats")
     return _unpack(torch.ops.cunorm.layer_norm(x, weight, bias, residual, _axes(axis), _ops.check_eps(eps), stats))
 
 
@@ -242,14 +230,14 @@ def frobenius_normalize(x, *, axis=None, eps=norms.LP_EPS):
 def group_norm(x, num_groups, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_axis=1,
                return_stats=False):
     """:func:`cunorm.group_norm` as the registered op ``torch.ops.cunorm.group_norm``."""
-    groups, axis = _int(num_groups, "num_groups"), _int(channel_axis, "channel_axis")
-    stats = _flag(return_stats, "return_stats")
+    groups, axis = _ops.check_int(num_groups, "num_groups"), _ops.check_int(channel_axis, "channel_axis")
+    stats = _ops.check_flag(return_stats, "return_stats")
     return _unpack(torch.ops.cunorm.group_norm(x, groups, weight, bias, _ops.check_eps(eps), axis, stats))
 
 
 def instance_norm(x, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_axis=1, return_stats=False):
     """:func:`cunorm.instance_norm` as the registered op ``torch.ops.cunorm.instance_norm``."""
-    axis, stats = _int(channel_axis, "channel_axis"), _flag(return_stats, "return_stats")
+    axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
     return _unpack(torch.ops.cunorm.instance_norm(x, weight, bias, _ops.check_eps(eps), axis, stats))
 
 
@@ -257,8 +245,8 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                eps=norms.DEFAULT_EPS, channel_axis=1, return_stats=False):
     """:func:`cunorm.batch_norm` as the registered op ``torch.ops.cunorm.batch_norm``; in training the
     running buffers are updated in place as there (the op returns them, this copies them back)."""
-    axis, stats = _int(channel_axis, "channel_axis"), _flag(return_stats, "return_stats")
-    training = _flag(training, "training")
+    axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
+    training = _ops.check_flag(training, "training")
     results = torch.ops.cunorm.batch_norm(x, weight, bias, running_mean, running_var, training,
                                           _channels._momentum(momentum), _ops.check_eps(eps), axis, stats)
     buffers = [b for b in (running_mean, running_var) if b is not None] if training else []
@@ -272,8 +260,8 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
 # -- modules ----------------------------------------------------------------------------------------------------------
 # Their forward calls the array-level ops, which run as the registered
 # operators when autograd or dynamo needs them (training, torch.compile) and
-# take the shorter direct path otherwise (inference: ~30 us less host time a
-# call, measured on the H200 machine, 2026-11-21).
+# take the shorter direct path otherwise (inference: 23-38 us less host time
+# a call, H200 machine, 2026-11-21).
 
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` computed by cunorm (same arguments, parameters and
@@ -288,7 +276,7 @@ class RMSNorm(torch.nn.RMSNorm):
 def _default_rms_eps(dtype) -> float:
     # torch's rms_norm takes the epsilon of its compute type (float32 for the
     # 16-bit dtypes), which is cunorm's accumulation dtype too.
-    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    return float(np.finfo(_dtypes.accumulation(_adapter.NUMPY_DTYPE[dtype])).eps)
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -296,7 +284,7 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         return norms.layer_norm(x, self.weight, self.bias, axis=tuple(range(-len(self.normalized_shape), 0)),
-                          eps=self.eps)
+                                eps=self.eps)
 
 
 class GroupNorm(torch.nn.GroupNorm):

@@ -11,8 +11,6 @@ import sys
 
 import numpy as np
 
-from . import _generic
-
 NUMPY = "numpy"
 
 
@@ -49,6 +47,8 @@ def adapter_for(x, name: str = "x"):
         adapter = NUMPY
     else:
         adapter = next((a for a in _adapters() if a.owns(x)), None)
+        from . import _generic  # CuPy is imported with the first GPU array, not with cunorm
+
         if adapter is None and _generic.owns(x):
             return _generic  # not memoized: owns() looks at the device
     if adapter is None:
@@ -85,7 +85,7 @@ def torch_route(x, *arrays, out=None) -> bool:
         return False
     if out is not None:
         if torch.compiler.is_compiling():
-            return False  # out= runs eagerly (dynamo breaks the graph around it)
+            return False  # the operators have no out=: the direct path
         raise RuntimeError("out= is not differentiable, and a tensor passed requires grad: leave out= off, "
                            "or call under torch.no_grad()")
     return True

@@ -1,8 +1,7 @@
 """Where a call's launches go: the GPU its arrays live on.
 
 Every kernel, allocation and copy of a call runs inside one scope, entered
-after validation (which makes no CUDA calls) and left after the results are
-wrapped. The base scope makes the arrays' device current for the call when
+after validation and left after the results are wrapped. The base scope makes the arrays' device current for the call when
 it is not already (kernels are loaded per device, and CuPy allocates and
 launches on the current one); the torch adapter's scope adds torch's current
 stream and torch's allocator.
@@ -10,6 +9,8 @@ stream and torch's allocator.
 from __future__ import annotations
 
 import contextlib
+
+from cupy.cuda import runtime
 
 _NOTHING = contextlib.nullcontext()
 
@@ -26,8 +27,6 @@ class DeviceScope:
         self.previous = None
 
     def __enter__(self):
-        from cupy.cuda import runtime
-
         current = runtime.getDevice()
         if current != self.device:
             runtime.setDevice(self.device)
@@ -36,8 +35,6 @@ class DeviceScope:
 
     def __exit__(self, *exc):
         if self.previous is not None:
-            from cupy.cuda import runtime
-
             runtime.setDevice(self.previous)
             self.previous = None
         return False

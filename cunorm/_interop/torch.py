@@ -26,9 +26,9 @@ from ._scope import DeviceScope
 
 name = "torch"
 
-_NUMPY_DTYPE = {torch.float16: _dtypes.float16, torch.bfloat16: _dtypes.bfloat16, torch.float32: _dtypes.float32,
+NUMPY_DTYPE = {torch.float16: _dtypes.float16, torch.bfloat16: _dtypes.bfloat16, torch.float32: _dtypes.float32,
                 torch.float64: _dtypes.float64}
-_TORCH_DTYPE = {v: k for k, v in _NUMPY_DTYPE.items()}
+TORCH_DTYPE = {v: k for k, v in NUMPY_DTYPE.items()}
 
 
 def owns(x) -> bool:
@@ -45,7 +45,7 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
     if x.layout != torch.strided:
         raise TypeError(f"{arg} is a {x.layout} torch tensor; cunorm takes dense (strided) tensors: "
                         f"pass {arg}.to_dense()")
-    dtype = _NUMPY_DTYPE.get(x.dtype)
+    dtype = NUMPY_DTYPE.get(x.dtype)
     if dtype is None:
         raise TypeError(f"{arg} must have dtype {_dtypes.SUPPORTED_NAMES}, got {x.dtype}: cast it first, "
                         f"e.g. {arg}.float()")
@@ -64,12 +64,10 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
 def from_cupy(y: cupy.ndarray):
     """y as a tensor over the same memory (y was allocated inside a torch
     scope, so its memory is a torch tensor's)."""
-    dtype = _TORCH_DTYPE[y.dtype]
-    owner = getattr(y.data.mem, "_owner", None)
-    if y.size == 0 or not isinstance(owner, torch.Tensor):
-        if y.size:  # not allocated by torch (not expected): hand it over through DLPack
-            return torch.from_dlpack(y)
+    dtype = TORCH_DTYPE[y.dtype]
+    if y.size == 0:  # nothing was allocated
         return torch.empty(y.shape, dtype=dtype, device=torch.device("cuda", y.data.device_id))
+    owner = y.data.mem._owner  # the uint8 tensor _allocate made
     itemsize = y.itemsize
     tensor = torch.empty(0, dtype=dtype, device=owner.device)
     tensor.set_(owner.untyped_storage(), (y.data.ptr - owner.data_ptr()) // itemsize, y.shape,
