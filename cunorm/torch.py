@@ -10,7 +10,7 @@ The top-level ``cunorm.*`` ops (and the modules below) route torch tensors
 here by themselves when autograd or dynamo needs it; in plain eager
 inference they take the shorter direct path (62 us of host time a call
 instead of 86 us in the benchmark run on 65e31ac, H200 machine, 2026-11-21;
-23-38 us less across that day's runs: torch's custom-op dispatch costs the
+23-43 us less across that day's runs: torch's custom-op dispatch costs the
 difference).
 
 The modules subclass their ``torch.nn`` counterparts and replace only
@@ -260,7 +260,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
 # -- modules ----------------------------------------------------------------------------------------------------------
 # Their forward calls the array-level ops, which run as the registered
 # operators when autograd or dynamo needs them (training, torch.compile) and
-# take the shorter direct path otherwise (inference: 23-38 us less host time
+# take the shorter direct path otherwise (inference: 23-43 us less host time
 # a call, H200 machine, 2026-11-21).
 
 class RMSNorm(torch.nn.RMSNorm):
