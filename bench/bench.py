@@ -288,6 +288,98 @@ def bench_case(name, op, shape, dtype, axis, params, residual, target, copy_bw, 
         torch.cuda.empty_cache()
     return row
 
+# --- backward passes -----------------------------------------------------------------------------------------------
+#: (name, op, shape, dtype, axis or groups, target floor%)
+BACKWARD_CASES = [
+    ("backward rms_norm bf16 32768x4096 +w", "rms", (32768, 4096), "bfloat16", -1, 80),
+    ("backward layer_norm bf16 32768x4096 +w+b", "ln", (32768, 4096), "bfloat16", -1, 80),
+    ("backward rms_norm fp32 65536x1024 +w", "rms", (65536, 1024), "float32", -1, None),
+    ("backward layer_norm bf16 4096x32768 +w+b (streamed)", "ln", (4096, 32768), "bfloat16", -1, None),
+    ("backward problem 40 layer_norm (16,64,256,256) fp32 +w+b", "ln", (16, 64, 256, 256), "float32", (1, 2, 3), 60),
+    ("backward problem 35 group_norm(8) (112,64,512,512) fp32 +w+b", "group", (112, 64, 512, 512), "float32", 8, 60),
+    ("backward problem 36 rms_norm axis 1 (112,64,512,512) fp32 +w", "rms", (112, 64, 512, 512), "float32", 1, None),
+]
+
+
+def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_compile):
+    """dx (and dweight, dbias) from dy, x and the forward's statistics.
+    Bytes: x and dy read, dx written, the parameters and their gradients once."""
+    rng = cupy.random.default_rng(0)
+    dt = np.dtype(getattr(_dtypes, dtype))
+    x = rng.standard_normal(shape, dtype=np.float32).astype(dt)
+    dy = rng.standard_normal(shape, dtype=np.float32).astype(dt)
+    if op == "group":
+        pshape = (shape[1],)
+    elif isinstance(axis, tuple):
+        pshape = tuple(shape[a] for a in axis)
+    else:
+        pshape = (shape[axis],)
+    w = rng.standard_normal(pshape, dtype=np.float32).astype(dt)
+    b = None if op == "rms" else rng.standard_normal(pshape, dtype=np.float32).astype(dt)
+    if op == "rms":
+        _, rstd = cunorm.rms_norm(x, w, axis=axis, return_stats=True)
+        run = lambda: cunorm.rms_norm_backward(dy, x, rstd, w, axis=axis)  # noqa: E731
+    elif op == "ln":
+        _, mean, rstd = cunorm.layer_norm(x, w, b, axis=axis, return_stats=True)
+        run = lambda: cunorm.layer_norm_backward(dy, x, mean, rstd, w, b, axis=axis)  # noqa: E731
+    else:
+        _, mean, rstd = cunorm.group_norm(x, axis, w, b, return_stats=True)
+        run = lambda: cunorm.group_norm_backward(dy, x, mean, rstd, axis, w, b)  # noqa: E731
+    nbytes = 3 * x.nbytes + w.nbytes * (2 if b is None else 3)
+    row = {"case": name, "op": f"{op} backward", "shape": list(shape), "dtype": dtype, "axis": axis,
+           "bytes": nbytes, "target_floor_pct": target}
+    ms, lo, hi = time_gpu(run)
+    row.update(ms=ms, ms_min=lo, ms_max=hi, gbps=nbytes / (ms * 1e-3) / 1e9)
+    row["floor_pct"] = 100 * row["gbps"] / copy_bw
+    row["tier"] = "channels" if op == "group" else _backward_tier(op, x, axis)
+    if torch is not None:
+        xt = torch.from_dlpack(x).requires_grad_()
+        wt = torch.from_dlpack(w).requires_grad_()
+        bt = None if b is None else torch.from_dlpack(b).requires_grad_()
+        dyt = torch.from_dlpack(dy)
+        inputs = [t for t in (xt, wt, bt) if t is not None]
+
+        def forward(a, c, d):
+            if op == "group":
+                return torch.nn.functional.group_norm(a, axis, c, d, 1e-5)
+            return torch_norm("rms_norm" if op == "rms" else "layer_norm", a, c, d, axis, 1e-5)
+
+        for key, fn in (("torch", forward), ("compile", torch.compile(forward) if with_compile else None)):
+            if fn is None:
+                continue
+            try:
+                y = fn(xt, wt, bt)
+                t_ms, _, _ = time_gpu(lambda: torch.autograd.grad(y, inputs, dyt, retain_graph=True), reps=10,
+                                      warmup=2)
+                row[f"{key}_ms"] = t_ms
+                row[f"{key}_floor_pct"] = 100 * nbytes / (t_ms * 1e-3) / 1e9 / copy_bw
+                del y
+            except Exception as err:  # report, keep going
+                row[f"{key}_error"] = repr(err)[:200]
+        del xt, wt, bt, dyt, inputs
+    del x, dy, w, b
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.empty_cache()
+    return row
+
+
+def _backward_tier(op, x, axis):
+    from cunorm import _grad  # noqa: F401  (the launch choice is memoized there)
+    from cunorm._ops import axis_span
+
+    first, last = axis_span(axis, x.ndim)
+    outer = int(np.prod(x.shape[:first]))
+    reduced = int(np.prod(x.shape[first:last + 1]))
+    inner = int(np.prod(x.shape[last + 1:]))
+    from cunorm import _dispatch
+    from cunorm._plan import vector_width
+
+    vec = vector_width(x.itemsize, reduced if inner == 1 else inner, [], [(x.data.ptr, x.itemsize)])
+    return _dispatch.choose_rows_grad("rms" if op == "rms" else "ln", x.dtype, x.dtype, 1, outer, reduced, inner,
+                                      vec, _ops.device_info(x.data.device_id)).tier
+
+
 #: channel cases: the chunks each channel's positions are cut into (the split walk's
 #: wave quantization), against the default.
 CHANNEL_TUNE = {
@@ -519,6 +611,10 @@ def main():
         print(json.dumps(row), flush=True)
     for case in [c for c in LP_CASES if args.only in c[0]]:
         row = bench_lp_case(*case, copy_bw, with_compile=not args.no_compile)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for case in [c for c in BACKWARD_CASES if args.only in c[0]]:
+        row = bench_backward_case(*case, copy_bw, with_compile=not args.no_compile)
         rows.append(row)
         print(json.dumps(row), flush=True)
     tuning = []

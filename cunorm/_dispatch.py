@@ -580,7 +580,7 @@ def all_kernels(norms=None) -> list[Kernel]:
     for dtype in _dtypes.SUPPORTED:
         for vec in _vector_widths(dtype):
             out.append(Kernel("strided", residual_add_expr(_dtypes.KERNEL_TYPE[dtype], vec)))
-    return out + channel_kernels()
+    return out + channel_kernels() + backward_kernels()
 
 
 def channel_kernels() -> list[Kernel]:
@@ -598,4 +598,242 @@ def channel_kernels() -> list[Kernel]:
                 out.append(Kernel("channels", channel_partial_expr(t, vec, last)))
                 for p, flags in affine:
                     out.append(Kernel("channels", channel_apply_expr(t, p, flags, vec, last)))
+    return out
+
+
+# --- backward passes (cunorm/kernels/backward.cu, cunorm/_grad.py) -------------
+#
+# Contiguous rows of at most GRAD_CACHED_MAX_ELEMS elements a thread x 512
+# threads (8192 elements) run rows_grad_cached: threads = n_vec / vpt with
+# the fewest vectors a thread (vpt) that keeps the block within
+# GRAD_CACHED_TARGET_THREADS, else within 512; one block of those an SM
+# slot, walking rows. Anything else (longer rows, a strided axis, the whole
+# array) runs rows_grad_sums + rows_grad_finalize + rows_grad_apply, chunked
+# so each pass has about GRAD_BLOCKS_PER_SM blocks an SM.
+#: elements a rows_grad_cached thread holds (x and dy in registers, plus
+#: its columns' weight and dweight/dbias sums: 128 registers, no spill on
+#: sm_80/sm_90 in the compile check)
+GRAD_CACHED_MAX_ELEMS = 16
+GRAD_CACHED_MAX_BYTES = 64
+#: block of rows_grad_cached when the row allows (several blocks an SM)
+GRAD_CACHED_TARGET_THREADS = 256
+GRAD_CACHED_MAX_THREADS = 512  # mirrors kGradCachedMaxThreads
+GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads
+GRAD_BLOCKS_PER_SM = 8
+#: a pass-1 chunk is at least this many vectors a thread (for_each_batched's batch)
+GRAD_MIN_CHUNK_PER_THREAD = 4
+
+
+def grad_policy(norm: str, acc: str) -> str:
+    """The gradient policy (grads.cuh) of a norm, for accumulation type acc."""
+    if norm == "rms":
+        return f"cunorm::RmsGrad<{acc}>"
+    if norm in ("ln", "group", "instance", "batch"):
+        return f"cunorm::LayerGrad<{acc}>"
+    if norm == "linf":
+        return f"cunorm::LinfGrad<{acc}>"
+    forward = norm_info(norm).policy
+    return f"cunorm::LpGrad<{forward}<{acc}>, {acc}>"
+
+
+def grad_cached_expr(grad, t, p, flags, vec, vpt) -> str:
+    return f"cunorm::rows_grad_cached<{grad}, {t}, {p}, {flags}, {vec}, {vpt}>"
+
+
+def grad_sums_expr(grad, t, p, flags, vec, strided) -> str:
+    return f"cunorm::rows_grad_sums<{grad}, {t}, {p}, {flags}, {vec}, {_b(strided)}>"
+
+
+def grad_finalize_expr(grad, a) -> str:
+    return f"cunorm::rows_grad_finalize<{grad}, {a}>"
+
+
+def grad_apply_expr(grad, t, p, flags, vec, strided) -> str:
+    return f"cunorm::rows_grad_apply<{grad}, {t}, {p}, {flags}, {vec}, {_b(strided)}>"
+
+
+def column_sum_expr(a, p) -> str:
+    return f"cunorm::column_sum<{a}, {p}>"
+
+
+def channel_grad_sums_expr(t, vec, last) -> str:
+    return f"cunorm::channel_grad_sums<{t}, {vec}, {_b(last)}>"
+
+
+def channel_grad_combine_expr(a) -> str:
+    return f"cunorm::channel_grad_combine<{a}>"
+
+
+def channel_grad_finalize_expr(a, p, flags, training) -> str:
+    return f"cunorm::channel_grad_finalize<{a}, {p}, {flags}, {_b(training)}>"
+
+
+def channel_grad_apply_expr(t, vec, last) -> str:
+    return f"cunorm::channel_grad_apply<{t}, {vec}, {_b(last)}>"
+
+
+def _vpt_choices(vec: int, itemsize: int) -> list[int]:
+    # at most 8 vectors and 64 bytes of x a thread: 16 scalar (VEC=1)
+    # LayerNorm elements with weight and bias, and 16 doubles, spilled at 128
+    # registers (sm_80)
+    return [v for v in (1, 2, 4, 8)
+            if v * vec <= GRAD_CACHED_MAX_ELEMS and v * vec * itemsize <= GRAD_CACHED_MAX_BYTES]
+
+
+def grad_cached_shape(n_vec: int, vec: int, itemsize: int) -> tuple[int, int] | None:
+    """(threads, vectors a thread) of rows_grad_cached for rows of n_vec
+    vectors, or None when the row is longer than its register cache."""
+    for cap in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
+        for vpt in _vpt_choices(vec, itemsize):
+            threads = _ceil_div(_ceil_div(n_vec, vpt), 32) * 32
+            if threads <= cap:
+                return threads, vpt
+    return None
+
+
+@dataclass(frozen=True)
+class GradLaunch:
+    """The backward strategy of a plan: cached (one launch, the grid capped
+    at the resident blocks when launched) or streamed (sums, finalize,
+    apply); parameter partials are then added by column_sum."""
+
+    tier: str  # "cached" or "streamed"
+    steps: tuple[Step, ...]
+    chunks: int = 0  # pass-1 chunks a group
+    chunk_len: int = 0  # vectors (rows: along the row; strided: reduced indices) a chunk
+    apply_chunks: int = 0  # pass-2 chunks (of rows, or of outer indices)
+    apply_chunk_len: int = 0
+    parts: int = 0  # rows of parameter partials (cached: set at launch)
+    stat_words: int = 2  # words of the gradient statistic (LinfGrad: 3)
+
+
+def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: int, inner: int, vec: int,
+                     device: Device) -> GradLaunch:
+    """The backward launch of a row norm over C-contiguous (outer, reduced,
+    inner) arrays, vec elements a vector along the contiguous axis."""
+    from ._dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
+
+    a = KERNEL_TYPE[accumulation(dtype)]
+    t = KERNEL_TYPE[dtype]
+    p = NO_PARAMS if not flags else KERNEL_TYPE[pdtype]
+    grad = grad_policy(norm, a)
+    sm = device.sm_count
+    if inner == 1:
+        n_vec = reduced // vec
+        shape = grad_cached_shape(n_vec, vec, dtype.itemsize)
+        if shape is not None:
+            threads, vpt = shape
+            step = Step(Kernel("backward", grad_cached_expr(grad, t, p, flags, vec, vpt), persistent=True),
+                        (min(outer, MAX_GRID_X),), (threads,))
+            return GradLaunch("cached", (step,))
+        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, outer))
+        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, _ceil_div(n_vec, want))
+        chunks = _ceil_div(n_vec, chunk_len)
+        tiles = _ceil_div(n_vec, GRAD_BLOCK_THREADS)
+        apply_chunk_len = max(1, _ceil_div(outer, max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, tiles))))
+        apply_chunks = _ceil_div(outer, apply_chunk_len)
+        sums_grid = (outer * chunks,)
+        apply_grid = (tiles, apply_chunks)
+    else:
+        inner_vec = inner // vec
+        tiles = _ceil_div(inner_vec, GRAD_BLOCK_THREADS)
+        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, outer * tiles))
+        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD, _ceil_div(reduced, want))
+        chunks = _ceil_div(reduced, chunk_len)
+        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, reduced * tiles))
+        apply_chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD, _ceil_div(outer, want))
+        apply_chunks = _ceil_div(outer, apply_chunk_len)
+        sums_grid = (outer * chunks * tiles,)
+        apply_grid = (reduced * apply_chunks * tiles,)
+    strided = inner > 1
+    groups = outer * inner
+    steps = (
+        Step(Kernel("backward", grad_sums_expr(grad, t, p, flags, vec, strided)), sums_grid, (GRAD_BLOCK_THREADS,)),
+        Step(Kernel("backward", grad_finalize_expr(grad, a)), (_ceil_div(groups, GRAD_BLOCK_THREADS),),
+             (GRAD_BLOCK_THREADS,)),
+        Step(Kernel("backward", grad_apply_expr(grad, t, p, flags, vec, strided)), apply_grid,
+             (GRAD_BLOCK_THREADS,)),
+    )
+    parts = apply_chunks * (tiles if strided else 1)
+    return GradLaunch("streamed", steps, chunks=chunks, chunk_len=chunk_len, apply_chunks=apply_chunks,
+                      apply_chunk_len=apply_chunk_len, parts=parts, stat_words=3 if norm == "linf" else 2)
+
+
+def column_sum_step(a: str, p: str, parts: int, n: int) -> Step:
+    return Step(Kernel("backward", column_sum_expr(a, p)), (_ceil_div(n, 32),), (32, 32))
+
+
+def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> GradLaunch:
+    """The backward launch of a channel norm: sums, combine, finalize, apply."""
+    from ._dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
+
+    acc = accumulation(plan.dtype)
+    a, t = KERNEL_TYPE[acc], KERNEL_TYPE[plan.dtype]
+    p = NO_PARAMS if not plan.flags else KERNEL_TYPE[plan.param_dtype]
+    sm = device.sm_count
+    if plan.channels_last:
+        vecs = plan.channels // plan.vec
+        bx = min(GRAD_BLOCK_THREADS, next_pow2(vecs))
+        by = GRAD_BLOCK_THREADS // bx
+        block = (bx, by)
+        tiles = _ceil_div(vecs, bx)
+        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, plan.batch * tiles))
+        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * by, _ceil_div(plan.spatial, want))
+        chunks = _ceil_div(plan.spatial, chunk_len)
+        grid = (chunks, tiles, plan.batch)
+        shared = bx * by * plan.vec * 2 * acc.itemsize
+    else:
+        vecs = plan.spatial // plan.vec
+        block = (GRAD_BLOCK_THREADS,)
+        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, plan.batch * plan.channels))
+        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, _ceil_div(vecs, want))
+        chunks = _ceil_div(vecs, chunk_len)
+        grid = (chunks, plan.channels, plan.batch)
+        shared = 0
+    members = plan.batch * plan.channels
+    per_member = (_ceil_div(members, GRAD_BLOCK_THREADS),)
+    steps = (
+        Step(Kernel("backward", channel_grad_sums_expr(t, plan.vec, plan.channels_last)), grid, block, shared),
+        Step(Kernel("backward", channel_grad_combine_expr(a)), per_member, (GRAD_BLOCK_THREADS,)),
+        Step(Kernel("backward", channel_grad_finalize_expr(a, p, plan.flags, training)), per_member,
+             (GRAD_BLOCK_THREADS,)),
+        Step(Kernel("backward", channel_grad_apply_expr(t, plan.vec, plan.channels_last)), grid, block),
+    )
+    return GradLaunch("channels", steps, chunks=chunks, chunk_len=chunk_len)
+
+
+GRAD_NORMS = ("rms", "ln", "l1", "l2", "linf", "mean_abs")
+
+
+def backward_kernels() -> list[Kernel]:
+    """Every instantiation the backward dispatch can pick (the general-p
+    norm represented by REPRESENTATIVE_POWER)."""
+    from . import _dtypes
+
+    out = []
+    for dtype in _dtypes.SUPPORTED:
+        acc = _dtypes.accumulation(dtype)
+        a, t = _dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[dtype]
+        params = sorted({t, a})
+        for p in params:
+            out.append(Kernel("backward", column_sum_expr(a, p)))
+        for norm in (*GRAD_NORMS, power_norm_name(REPRESENTATIVE_POWER)):
+            grad = grad_policy(norm, a)
+            affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in norm_info(norm).flags if f for p in params]
+            out.append(Kernel("backward", grad_finalize_expr(grad, a)))
+            for vec in _vector_widths(dtype):
+                for p, flags in affine:
+                    for vpt in _vpt_choices(vec, dtype.itemsize):
+                        out.append(Kernel("backward", grad_cached_expr(grad, t, p, flags, vec, vpt), persistent=True))
+                    for strided in (False, True):
+                        out.append(Kernel("backward", grad_sums_expr(grad, t, p, flags, vec, strided)))
+                        out.append(Kernel("backward", grad_apply_expr(grad, t, p, flags, vec, strided)))
+        out.append(Kernel("backward", channel_grad_combine_expr(a)))
+        for p, flags in [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]:
+            for training in (False, True):
+                out.append(Kernel("backward", channel_grad_finalize_expr(a, p, flags, training)))
+        for vec in _vector_widths(dtype):
+            for last in (False, True):
+                out.append(Kernel("backward", channel_grad_sums_expr(t, vec, last)))
+                out.append(Kernel("backward", channel_grad_apply_expr(t, vec, last)))
     return out

@@ -22,7 +22,7 @@ _ROW_X = """x : array
         torch's current stream with outputs from torch's allocator; while
         autograd records (a tensor requires grad) or dynamo traces
         (torch.compile) the op runs as its registered torch operator
-        (cunorm.torch), whose backward raises until gradients exist."""
+        (cunorm.torch), whose autograd formula is cunorm.backward."""
 
 
 def _torch():

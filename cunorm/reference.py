@@ -219,3 +219,163 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
         stats_dtype = np.float64 if exact else accumulation(x.dtype)
         results += [center.reshape(c).astype(stats_dtype), scale.reshape(c).astype(stats_dtype)]
     return results[0] if len(results) == 1 else tuple(results)
+
+
+# --- gradients -----------------------------------------------------------------
+# Each takes what the forward saved (x or h, its statistics, the weight) and
+# dy, computes in float64 from those statistics, and returns dx (plus dh
+# when given: the gradient that reached h) and the parameters' gradients
+# (None where the forward had no such parameter). NaN statistics give NaN.
+
+
+def _row_axes(x, axis):
+    from ._plan import normalize_axes
+
+    if axis is None:
+        return tuple(range(x.ndim)), x.ndim - 1
+    first, last = normalize_axes(axis, x.ndim)
+    return tuple(range(first, last + 1)), last
+
+
+def _param_grads(dy, xhat, axes, weight, bias, exact):
+    """sum of dy * xhat and of dy over every axis but the normalized ones."""
+    others = tuple(a for a in range(dy.ndim) if a not in axes)
+    dw = db = None
+    if weight is not None:
+        dw = np.sum(dy * xhat, axis=others)
+        dw = dw if exact else dw.astype(np.asarray(weight).dtype)
+    if bias is not None:
+        db = np.sum(dy, axis=others)
+        db = db if exact else db.astype(np.asarray(bias).dtype)
+    return dw, db
+
+
+def rms_norm_backward(dy, x, rstd, weight=None, *, axis=-1, dh=None, exact=False):
+    """(dx, dweight) of rms_norm: ``dx = rstd * (g - xhat * mean(g * xhat))``
+    with ``xhat = x * rstd``, ``g = dy * weight``; ``dweight = sum(dy * xhat)``."""
+    x = np.asarray(x)
+    axes, last = _row_axes(x, axis)
+    n = int(np.prod([x.shape[a] for a in axes]))
+    xf, dyf = x.astype(np.float64), np.asarray(dy).astype(np.float64)
+    r = np.expand_dims(np.asarray(rstd).astype(np.float64), axes)
+    tail = (1,) * (x.ndim - 1 - last)
+    w = 1.0 if weight is None else np.asarray(weight).astype(np.float64).reshape(np.shape(weight) + tail)
+    xhat = xf * r
+    g = dyf * w
+    dx = r * (g - xhat * np.sum(g * xhat, axis=axes, keepdims=True) / n)
+    if dh is not None:
+        dx = dx + np.asarray(dh).astype(np.float64)
+    dw, _ = _param_grads(dyf, xhat, axes, weight, None, exact)
+    return (dx if exact else dx.astype(x.dtype)), dw
+
+
+def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, dh=None, exact=False):
+    """(dx, dweight, dbias) of layer_norm: ``dx = rstd * (g - mean(g) - xhat *
+    mean(g * xhat))`` with ``xhat = (x - mean) * rstd``, ``g = dy * weight``."""
+    x = np.asarray(x)
+    axes, last = _row_axes(x, axis)
+    n = int(np.prod([x.shape[a] for a in axes]))
+    xf, dyf = x.astype(np.float64), np.asarray(dy).astype(np.float64)
+    mu = np.expand_dims(np.asarray(mean).astype(np.float64), axes)
+    r = np.expand_dims(np.asarray(rstd).astype(np.float64), axes)
+    tail = (1,) * (x.ndim - 1 - last)
+    w = 1.0 if weight is None else np.asarray(weight).astype(np.float64).reshape(np.shape(weight) + tail)
+    xhat = (xf - mu) * r
+    g = dyf * w
+    dx = r * (g - np.sum(g, axis=axes, keepdims=True) / n - xhat * np.sum(g * xhat, axis=axes, keepdims=True) / n)
+    if dh is not None:
+        dx = dx + np.asarray(dh).astype(np.float64)
+    dw, db = _param_grads(dyf, xhat, axes, weight, bias, exact)
+    return (dx if exact else dx.astype(x.dtype)), dw, db
+
+
+def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=1e-12, mean=False, exact=False):
+    """dx of normalize (``mean=True``: of mean_abs_normalize), the norm
+    recomputed from x: ``dx = dy / N - sum(dy * x) / N**2 * dN/dx`` where
+    the norm N >= eps, ``dy / eps`` where the clamp holds. For p = inf,
+    dN/dx is sign(x) shared evenly by the elements of largest magnitude."""
+    x = np.asarray(x)
+    p = float(p)
+    axes, _ = _row_axes(x, axis)
+    n = int(np.prod([x.shape[a] for a in axes]))
+    xf, dyf = x.astype(np.float64), np.asarray(dy).astype(np.float64)
+    a = np.abs(xf)
+    sign = np.sign(xf)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        if p == np.inf:
+            norm = np.max(a, axis=axes, keepdims=True)
+            at_max = a == norm
+            dnorm = sign * at_max / np.sum(at_max, axis=axes, keepdims=True)
+        elif p == 2.0:
+            norm = np.sqrt(np.sum(xf * xf, axis=axes, keepdims=True))
+            dnorm = xf / norm
+        elif p == 1.0:
+            norm = np.sum(a, axis=axes, keepdims=True) / (n if mean else 1)
+            dnorm = sign / (n if mean else 1)
+        else:
+            norm = np.sum(a**p, axis=axes, keepdims=True) ** (1.0 / p)
+            dnorm = sign * (a / norm) ** (p - 1)
+        clamped = ~(norm >= eps)
+        denom = np.maximum(norm, eps)
+        through = np.where(clamped, 0.0, np.sum(dyf * xf, axis=axes, keepdims=True) / denom**2)
+        dx = dyf / denom - through * np.where(clamped, 0.0, dnorm)
+        dx = np.where(np.isfinite(norm), dx, np.nan)
+    return dx if exact else dx.astype(x.dtype)
+
+
+def _channel_backward(dy, x, mean, rstd, num_groups, per_sample, weight, bias, channel_axis, training, exact):
+    """(dx, dweight, dbias) of a channel norm from its statistics, broadcast
+    as (N or 1, G, 1, 1) over x viewed as (N, G, C // G, S)."""
+    x = np.asarray(x)
+    xf, back = _channels_first(x, channel_axis)
+    dyf, _ = _channels_first(np.asarray(dy), channel_axis)
+    n, c, s = xf.shape
+    g = num_groups
+    shape = (n if per_sample else 1, g, 1, 1)
+    mu = np.asarray(mean).astype(np.float64).reshape(shape)
+    r = np.asarray(rstd).astype(np.float64).reshape(shape)
+    xg, dyg = xf.reshape(n, g, c // g, s), dyf.reshape(n, g, c // g, s)
+    w = 1.0 if weight is None else np.asarray(weight).astype(np.float64).reshape(1, g, c // g, 1)
+    xhat = (xg - mu) * r
+    grad = dyg * w
+    if training:
+        axes = (2, 3) if per_sample else (0, 2, 3)
+        count = (c // g) * s * (1 if per_sample else n)
+        dx = r * (grad - np.sum(grad, axis=axes, keepdims=True) / count
+                  - xhat * np.sum(grad * xhat, axis=axes, keepdims=True) / count)
+    else:
+        dx = r * grad
+    dx = back(dx)
+    dw = db = None
+    if weight is not None:
+        dw = np.sum(dyg * xhat, axis=(0, 3)).reshape(c)
+        dw = dw if exact else dw.astype(np.asarray(weight).dtype)
+    if bias is not None:
+        db = np.sum(dyg, axis=(0, 3)).reshape(c)
+        db = db if exact else db.astype(np.asarray(bias).dtype)
+    return (dx if exact else dx.astype(x.dtype)), dw, db
+
+
+def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None, bias=None, *, channel_axis=1, exact=False):
+    """(dx, dweight, dbias) of group_norm from its (N, num_groups) mean and rstd."""
+    return _channel_backward(dy, x, mean, rstd, num_groups, True, weight, bias, channel_axis, True, exact)
+
+
+def instance_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, channel_axis=1, exact=False):
+    """(dx, dweight, dbias) of instance_norm from its (N, C) mean and rstd."""
+    x = np.asarray(x)
+    c = x.shape[channel_axis % x.ndim]
+    return _channel_backward(dy, x, mean, rstd, c, True, weight, bias, channel_axis, True, exact)
+
+
+def batch_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, training=True, eps=1e-5, channel_axis=1,
+                        exact=False):
+    """(dx, dweight, dbias) of batch_norm. Training: from the batch's (C,)
+    mean and rstd. Eval (``training=False``): mean and rstd are the running
+    mean and variance (rstd = 1 / sqrt(running_var + eps)) and dx is
+    elementwise."""
+    x = np.asarray(x)
+    c = x.shape[channel_axis % x.ndim]
+    if not training:
+        rstd = 1.0 / np.sqrt(np.asarray(rstd).astype(np.float64) + eps)
+    return _channel_backward(dy, x, mean, rstd, c, False, weight, bias, channel_axis, training, exact)

@@ -18,9 +18,13 @@ The modules subclass their ``torch.nn`` counterparts and replace only
 keys and ``repr`` are torch's own, so a checkpoint loads into either, and
 ``replace_norms(model)`` swaps a model's norm layers for cunorm's in place.
 
-Backward passes are not built yet: a backward through any of these ops
-raises an error saying so (never a wrong or missing gradient). Train with
-torch's layers until then, or call cunorm under ``torch.no_grad()``.
+Every op is differentiable: its autograd formula is cunorm's backward
+pass (cunorm.backward), itself a registered operator
+(``torch.ops.cunorm.*_backward``), so ``torch.compile`` traces training
+steps through both. The forward operators return their statistics when
+autograd records them (the functions and layers here ask for them and drop
+them from what they return); the statistics outputs are not
+differentiated through. Double backward is not supported.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _channels, _dtypes, _ops, norms, reference
+from . import _channels, _dtypes, _grad, _ops, backward, norms, reference
 from ._interop import torch as _adapter
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
@@ -160,26 +164,216 @@ def _(x, weight, bias, running_mean, running_var, training, momentum, eps, chann
     return _channels_fake("batch", x, channel_axis, None, return_stats) + updated
 
 
-def _no_backward(op: str):
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"cunorm.{op} has no backward pass yet: gradients through cunorm are not implemented (they are "
-            f"planned). Train with torch.nn's layers (or undo cunorm.torch.replace_norms), or run cunorm under "
-            f"torch.no_grad() / torch.inference_mode() for inference."
-        )
-
-    return backward
-
-
-def _no_context(ctx, inputs, output):
-    pass
+# -- backward ---------------------------------------------------------------------------------------------------------
+# The backward passes are operators too (so torch.compile sees them as
+# opaque ops with fake implementations), registered as the forward
+# operators' autograd formulas. They compute from what the forward saved: x
+# (or the h it returned), its statistics, the weight. The forward operators
+# return their statistics whenever autograd needs them (the functions below
+# ask for them and drop them again); the statistics outputs themselves are
+# not differentiated through.
 
 
-for _op, _name in ((_rms_norm_op, "rms_norm"), (_layer_norm_op, "layer_norm"), (_normalize_op, "normalize"),
-                   (_group_norm_op, "group_norm"), (_instance_norm_op, "instance_norm"),
-                   (_batch_norm_op, "batch_norm")):
-    _op.register_autograd(_no_backward(_name), setup_context=_no_context)
-del _op, _name
+def _param_grads(results: list[Tensor], weight, bias):
+    """(dweight, dbias) from a backward operator's [dx, dweight?, dbias?]."""
+    rest = iter(results[1:])
+    return (next(rest) if weight is not None else None), (next(rest) if bias is not None else None)
+
+
+def _present(*tensors) -> list[Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+@torch.library.custom_op("cunorm::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(dy: Tensor, x: Tensor, rstd: Tensor, weight: Optional[Tensor], dh: Optional[Tensor],
+                          axes: list[int]) -> list[Tensor]:
+    dx, dw = backward.rms_norm_backward(dy, x, rstd, weight, axis=tuple(axes), dh=dh)
+    return [dx] + _present(dw)
+
+
+@torch.library.custom_op("cunorm::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
+                            bias: Optional[Tensor], dh: Optional[Tensor], axes: list[int]) -> list[Tensor]:
+    dx, dw, db = backward.layer_norm_backward(dy, x, mean, rstd, weight, bias, axis=tuple(axes), dh=dh)
+    return [dx] + _present(dw, db)
+
+
+@torch.library.custom_op("cunorm::normalize_backward", mutates_args=())
+def _normalize_backward_op(dy: Tensor, x: Tensor, norm: str, axes: list[int], eps: float) -> Tensor:
+    g = _grad.RowGradCall(norm, dy, x, axis=tuple(axes) if axes else None, eps=eps)
+    return _grad.run_rows(g, None)
+
+
+@torch.library.custom_op("cunorm::channel_norm_backward", mutates_args=())
+def _channel_norm_backward_op(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, norm: str, num_groups: int,
+                              weight: Optional[Tensor], bias: Optional[Tensor], training: bool, eps: float,
+                              channel_axis: int) -> list[Tensor]:
+    g = _grad.ChannelGradCall(norm, dy, x, mean, rstd, num_groups=num_groups if norm == "group" else None,
+                              weight=weight, bias=bias, channel_axis=channel_axis, training=training, eps=eps)
+    dx, dw, db = _grad.run_channels(g, None)
+    return [dx] + _present(dw, db)
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, x, rstd, weight, dh, axes):
+    return [torch.empty_like(x, memory_format=torch.contiguous_format)] + [torch.empty_like(p) for p in
+                                                                          _present(weight)]
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, x, mean, rstd, weight, bias, dh, axes):
+    return [torch.empty_like(x, memory_format=torch.contiguous_format)] + [torch.empty_like(p) for p in
+                                                                          _present(weight, bias)]
+
+
+@_normalize_backward_op.register_fake
+def _(dy, x, norm, axes, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_channel_norm_backward_op.register_fake
+def _(dy, x, mean, rstd, norm, num_groups, weight, bias, training, eps, channel_axis):
+    dx = _channels_fake(norm, x, channel_axis, num_groups, False)[0]
+    return [dx] + [torch.empty_like(p) for p in _present(weight, bias)]
+
+
+_NO_STATS = ("cunorm.{op}: the operator was called with return_stats=False while autograd recorded it, so the "
+             "statistics its backward needs were not kept. Call it through cunorm.torch.{op} (or cunorm.{op}), "
+             "which asks for them, or pass return_stats=True.")
+
+
+def _output_grads(grads) -> list:
+    """The gradients of a list-returning operator's outputs, in order."""
+    return list(grads[0]) if len(grads) == 1 and isinstance(grads[0], (list, tuple)) else list(grads)
+
+
+def _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, statistics):
+    ctx.kept = return_stats
+    if not return_stats:
+        return
+    h = output[1] if residual is not None else x
+    ctx.save_for_backward(h, weight, bias, *output[-statistics:])
+    ctx.axes, ctx.residual = axes, residual is not None
+
+
+def _check_kept(ctx):
+    if not ctx.kept:
+        raise RuntimeError(_NO_STATS.format(op=ctx.op))
+
+
+def _rows_dy(ctx, grads, h):
+    """(dy, dh): the gradients of y and of the returned h (residual form)."""
+    grads = _output_grads(grads)
+    dy = grads[0] if grads[0] is not None else torch.zeros_like(h)
+    return dy, (grads[1] if ctx.residual else None)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, residual, axes, eps, return_stats = inputs
+    ctx.op = "rms_norm"
+    _rows_setup(ctx, x, weight, None, residual, axes, return_stats, output, 1)
+
+
+def _rms_backward(ctx, *grads):
+    _check_kept(ctx)
+    h, weight, _, rstd = ctx.saved_tensors
+    dy, dh = _rows_dy(ctx, grads, h)
+    results = torch.ops.cunorm.rms_norm_backward(dy, h, rstd, weight, dh, ctx.axes)
+    dw, _ = _param_grads(results, weight, None)
+    return results[0], dw, results[0] if ctx.residual else None, None, None, None
+
+
+def _ln_setup(ctx, inputs, output):
+    x, weight, bias, residual, axes, eps, return_stats = inputs
+    ctx.op = "layer_norm"
+    _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, 2)
+
+
+def _ln_backward(ctx, *grads):
+    _check_kept(ctx)
+    h, weight, bias, mean, rstd = ctx.saved_tensors
+    dy, dh = _rows_dy(ctx, grads, h)
+    results = torch.ops.cunorm.layer_norm_backward(dy, h, mean, rstd, weight, bias, dh, ctx.axes)
+    dw, db = _param_grads(results, weight, bias)
+    return results[0], dw, db, results[0] if ctx.residual else None, None, None, None
+
+
+def _normalize_setup(ctx, inputs, output):
+    x, norm, axes, eps = inputs
+    ctx.save_for_backward(x)
+    ctx.norm, ctx.axes, ctx.eps = norm, axes, eps
+
+
+def _normalize_backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return torch.ops.cunorm.normalize_backward(dy, x, ctx.norm, ctx.axes, ctx.eps), None, None, None
+
+
+def _channel_setup(ctx, norm, x, num_groups, weight, bias, channel_axis, return_stats, output, training=True,
+                   eps=0.0, running=(None, None)):
+    ctx.kept = return_stats or not training
+    if not ctx.kept:
+        return
+    mean, rstd = (output[1], output[2]) if training else running
+    ctx.save_for_backward(x, mean, rstd, weight, bias)
+    ctx.norm, ctx.num_groups, ctx.channel_axis, ctx.training, ctx.eps = norm, num_groups, channel_axis, training, eps
+
+
+def _channel_grads(ctx, grads):
+    if not ctx.kept:
+        raise RuntimeError(_NO_STATS.format(op=f"{ctx.norm}_norm"))
+    x, mean, rstd, weight, bias = ctx.saved_tensors
+    dy = _output_grads(grads)[0]
+    if dy is None:
+        dy = torch.zeros_like(x)
+    results = torch.ops.cunorm.channel_norm_backward(dy, x, mean, rstd, ctx.norm, ctx.num_groups, weight, bias,
+                                                     ctx.training, ctx.eps, ctx.channel_axis)
+    return (results[0],) + _param_grads(results, weight, bias)
+
+
+def _group_setup(ctx, inputs, output):
+    x, num_groups, weight, bias, eps, channel_axis, return_stats = inputs
+    _channel_setup(ctx, "group", x, num_groups, weight, bias, channel_axis, return_stats, output)
+
+
+def _group_backward(ctx, *grads):
+    dx, dw, db = _channel_grads(ctx, grads)
+    return dx, None, dw, db, None, None, None
+
+
+def _instance_setup(ctx, inputs, output):
+    x, weight, bias, eps, channel_axis, return_stats = inputs
+    _channel_setup(ctx, "instance", x, 0, weight, bias, channel_axis, return_stats, output)
+
+
+def _instance_backward(ctx, *grads):
+    dx, dw, db = _channel_grads(ctx, grads)
+    return dx, dw, db, None, None, None
+
+
+def _batch_setup(ctx, inputs, output):
+    x, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis, return_stats = inputs
+    _channel_setup(ctx, "batch", x, 0, weight, bias, channel_axis, return_stats, output, training, eps,
+                   (running_mean, running_var))
+
+
+def _batch_backward(ctx, *grads):
+    dx, dw, db = _channel_grads(ctx, grads)
+    return dx, dw, db, None, None, None, None, None, None, None
+
+
+_rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
+_layer_norm_op.register_autograd(_ln_backward, setup_context=_ln_setup)
+_normalize_op.register_autograd(_normalize_backward, setup_context=_normalize_setup)
+_group_norm_op.register_autograd(_group_backward, setup_context=_group_setup)
+_instance_norm_op.register_autograd(_instance_backward, setup_context=_instance_setup)
+_batch_norm_op.register_autograd(_batch_backward, setup_context=_batch_setup)
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd records a call on these tensors (then the forward
+    operators are asked for the statistics their backward needs)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # -- functions ------------------------------------------------------------------------------------------------------
@@ -200,20 +394,29 @@ def _unpack(results: list[Tensor]):
     return results[0] if len(results) == 1 else tuple(results)
 
 
+def _dropped(results: list[Tensor], wanted: bool, asked: bool, count: int) -> list[Tensor]:
+    """The results without the ``count`` statistics asked for autograd only."""
+    return results[:-count] if asked and not wanted else results
+
+
 def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False):
-    """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm``."""
+    """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm`` (differentiable)."""
     stats = _ops.check_flag(return_stats, "return_stats")
-    return _unpack(torch.ops.cunorm.rms_norm(x, weight, residual, _axes(axis), _ops.check_eps(eps), stats))
+    asked = stats or _needs_grad(x, weight, residual)
+    results = torch.ops.cunorm.rms_norm(x, weight, residual, _axes(axis), _ops.check_eps(eps), asked)
+    return _unpack(_dropped(results, stats, asked, 1))
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False):
-    """:func:`cunorm.layer_norm` as the registered op ``torch.ops.cunorm.layer_norm``."""
+    """:func:`cunorm.layer_norm` as the registered op ``torch.ops.cunorm.layer_norm`` (differentiable)."""
     stats = _ops.check_flag(return_stats, "return_stats")
-    return _unpack(torch.ops.cunorm.layer_norm(x, weight, bias, residual, _axes(axis), _ops.check_eps(eps), stats))
+    asked = stats or _needs_grad(x, weight, bias, residual)
+    results = torch.ops.cunorm.layer_norm(x, weight, bias, residual, _axes(axis), _ops.check_eps(eps), asked)
+    return _unpack(_dropped(results, stats, asked, 2))
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=norms.LP_EPS):
-    """:func:`cunorm.normalize` as the registered op ``torch.ops.cunorm.normalize``."""
+    """:func:`cunorm.normalize` as the registered op ``torch.ops.cunorm.normalize`` (differentiable)."""
     return torch.ops.cunorm.normalize(x, norms._lp_norm(p), _axes(axis), _ops.check_eps(eps))
 
 
@@ -229,16 +432,20 @@ def frobenius_normalize(x, *, axis=None, eps=norms.LP_EPS):
 
 def group_norm(x, num_groups, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_axis=1,
                return_stats=False):
-    """:func:`cunorm.group_norm` as the registered op ``torch.ops.cunorm.group_norm``."""
+    """:func:`cunorm.group_norm` as the registered op ``torch.ops.cunorm.group_norm`` (differentiable)."""
     groups, axis = _ops.check_int(num_groups, "num_groups"), _ops.check_int(channel_axis, "channel_axis")
     stats = _ops.check_flag(return_stats, "return_stats")
-    return _unpack(torch.ops.cunorm.group_norm(x, groups, weight, bias, _ops.check_eps(eps), axis, stats))
+    asked = stats or _needs_grad(x, weight, bias)
+    results = torch.ops.cunorm.group_norm(x, groups, weight, bias, _ops.check_eps(eps), axis, asked)
+    return _unpack(_dropped(results, stats, asked, 2))
 
 
 def instance_norm(x, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_axis=1, return_stats=False):
-    """:func:`cunorm.instance_norm` as the registered op ``torch.ops.cunorm.instance_norm``."""
+    """:func:`cunorm.instance_norm` as the registered op ``torch.ops.cunorm.instance_norm`` (differentiable)."""
     axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
-    return _unpack(torch.ops.cunorm.instance_norm(x, weight, bias, _ops.check_eps(eps), axis, stats))
+    asked = stats or _needs_grad(x, weight, bias)
+    results = torch.ops.cunorm.instance_norm(x, weight, bias, _ops.check_eps(eps), axis, asked)
+    return _unpack(_dropped(results, stats, asked, 2))
 
 
 def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
@@ -247,14 +454,16 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     running buffers are updated in place as there (the op returns them, this copies them back)."""
     axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
     training = _ops.check_flag(training, "training")
+    asked = stats or (training and _needs_grad(x, weight, bias))
     results = torch.ops.cunorm.batch_norm(x, weight, bias, running_mean, running_var, training,
-                                          _channels._momentum(momentum), _ops.check_eps(eps), axis, stats)
+                                          _channels._momentum(momentum), _ops.check_eps(eps), axis, asked)
     buffers = [b for b in (running_mean, running_var) if b is not None] if training else []
     if buffers:
-        for buffer, updated in zip(buffers, results[-len(buffers):]):
-            buffer.copy_(updated)
+        with torch.no_grad():
+            for buffer, updated in zip(buffers, results[-len(buffers):]):
+                buffer.copy_(updated)
         results = results[:-len(buffers)]
-    return _unpack(results)
+    return _unpack(_dropped(results, stats, asked, 2))
 
 
 # -- modules ----------------------------------------------------------------------------------------------------------

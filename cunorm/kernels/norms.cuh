@@ -168,31 +168,54 @@ __device__ __forceinline__ Affine<A> lp_affine(A statistic, A norm, A eps) {
     return Affine<A>{A(0), scale};
 }
 
-// L1:  norm = sum |x|.
+// The sign of x, 0 at 0 (the derivative of |x| as torch takes it).
+template <class A>
+__device__ __forceinline__ A sign_of(A x) {
+    return static_cast<A>((x > A(0)) - (x < A(0)));
+}
+
+// Each Lp policy also carries its gradient (grads.cuh, LpGrad): with
+// s = 1 / norm, where the clamp does not hold,
+//   dx = s * dy - s^2 * sum(dy * x) * dnorm/dx,
+// and dnorm/dx = grad_factor(s, n) * grad_phi(x, s).
+
+// L1:  norm = sum |x|;  dnorm/dx = sign(x).
 template <class A>
 struct L1Norm : SumStatistic<A, AbsTerm> {
     using Stats = typename SumStatistic<A, AbsTerm>::Stats;
-    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
-        return lp_affine(s.sum, s.sum, eps);
+    __device__ static __forceinline__ A norm_value(const Stats& s, long long) { return s.sum; }
+    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
+        return lp_affine(s.sum, norm_value(s, n), eps);
     }
+    __device__ static __forceinline__ A grad_phi(A x, A) { return sign_of(x); }
+    __device__ static __forceinline__ A grad_factor(A, long long) { return A(1); }
 };
 
 // Mean-abs (problem 38):  norm = mean |x| = sum |x| / n.
+//   dnorm/dx = sign(x) / n.
 template <class A>
 struct MeanAbsNorm : L1Norm<A> {
     using Stats = typename L1Norm<A>::Stats;
-    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
-        return lp_affine(s.sum, s.sum * reciprocal(static_cast<A>(n)), eps);
+    __device__ static __forceinline__ A norm_value(const Stats& s, long long n) {
+        return s.sum * reciprocal(static_cast<A>(n));
     }
+    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
+        return lp_affine(s.sum, norm_value(s, n), eps);
+    }
+    __device__ static __forceinline__ A grad_factor(A, long long n) { return reciprocal(static_cast<A>(n)); }
 };
 
-// L2:  norm = sqrt(sum x^2) (Frobenius over the whole array).
+// L2:  norm = sqrt(sum x^2) (Frobenius over the whole array);
+//   dnorm/dx = x / norm = s * x.
 template <class A>
 struct L2Norm : SumStatistic<A, SquareTerm> {
     using Stats = typename SumStatistic<A, SquareTerm>::Stats;
-    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
-        return lp_affine(s.sum, sqrt(s.sum), eps);
+    __device__ static __forceinline__ A norm_value(const Stats& s, long long) { return sqrt(s.sum); }
+    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
+        return lp_affine(s.sum, norm_value(s, n), eps);
     }
+    __device__ static __forceinline__ A grad_phi(A x, A) { return x; }
+    __device__ static __forceinline__ A grad_factor(A scale, long long) { return scale; }
 };
 
 // General p > 0 (not 1, 2 or inf):  norm = (sum |x|^p)^(1/p), p a template
@@ -208,12 +231,20 @@ struct PowerNorm {
         template <class A>
         __device__ static __forceinline__ A add(A s, A v) { return s + pow(fabs(v), power<A>()); }
     };
+    //   dnorm/dx = sign(x) |x|^(p-1) / norm^(p-1) = sign(x) |s x|^(p-1).
     template <class A>
     struct Policy : SumStatistic<A, PowerTerm> {
         using Stats = typename SumStatistic<A, PowerTerm>::Stats;
-        __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
-            return lp_affine(s.sum, pow(s.sum, A(1) / power<A>()), eps);
+        __device__ static __forceinline__ A norm_value(const Stats& s, long long) {
+            return pow(s.sum, A(1) / power<A>());
         }
+        __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
+            return lp_affine(s.sum, norm_value(s, n), eps);
+        }
+        __device__ static __forceinline__ A grad_phi(A x, A scale) {
+            return sign_of(x) * pow(fabs(x) * scale, power<A>() - A(1));
+        }
+        __device__ static __forceinline__ A grad_factor(A, long long) { return A(1); }
     };
 };
 
@@ -241,8 +272,9 @@ struct LinfNorm {
     __device__ static __forceinline__ Stats shfl_xor(const Stats& s, int mask, int width) {
         return Stats{shfl_xor_acc(s.max_abs, mask, width)};
     }
-    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long, A eps) {
-        return lp_affine(s.max_abs, s.max_abs, eps);
+    __device__ static __forceinline__ A norm_value(const Stats& s, long long) { return s.max_abs; }
+    __device__ static __forceinline__ Affine<A> finalize(const Stats& s, long long n, A eps) {
+        return lp_affine(s.max_abs, norm_value(s, n), eps);
     }
 };
 

@@ -1,0 +1,233 @@
+"""The backward passes of the ops, at the array level.
+
+Each takes dy (the gradient of the forward's output y) and what the forward
+had or returned: x (for the residual forms, the returned h = x + residual),
+the axes or channel layout, the weight (and bias), and the statistics the
+forward returned with ``return_stats=True`` (the Lp norms recompute their
+norm from x instead). They return dx and the parameters' gradients.
+
+Array kinds are the forward's: CuPy, CUDA torch tensors (zero-copy, on
+torch's current stream), GPU JAX arrays and other DLPack arrays run the
+kernels; NumPy arrays run the float64 reference. Statistics are float32
+(float64 for float64 x), as the forward returns them.
+
+dweight and dbias sum over every row (every sample and position): each block
+of the kernels keeps float32 sums of its own rows and a second pass adds
+those partials in a fixed order, so gradients are bitwise identical run to
+run. They come back in the weight's (bias') dtype.
+
+To train through cunorm with torch, use :mod:`cunorm.torch`: its functions
+and layers are differentiable (these functions are their backward).
+"""
+from __future__ import annotations
+
+from . import _grad, reference
+from .norms import DEFAULT_EPS, LP_EPS, _lp_norm
+
+__all__ = ["rms_norm_backward", "layer_norm_backward", "normalize_backward", "mean_abs_normalize_backward",
+           "frobenius_normalize_backward", "group_norm_backward", "instance_norm_backward", "batch_norm_backward"]
+
+_ERRORS = """Raises
+    ------
+    TypeError
+        dy, dh or a statistic of another array kind or dtype than the
+        forward's (statistics: float32, or float64 for float64 x), a missing
+        statistic; the forward's TypeErrors for x and the parameters.
+    ValueError
+        dy or dh not of x's shape, a statistic not of the forward's
+        statistics shape; the forward's ValueErrors (axes, parameter shapes,
+        eps, groups, channel axis)."""
+
+
+def rms_norm_backward(dy, x, rstd, weight=None, *, axis=-1, dh=None):
+    """The gradients of :func:`cunorm.rms_norm`.
+
+    ``dx = rstd * (g - xhat * mean(g * xhat))`` with ``xhat = x * rstd`` and
+    ``g = dy * weight``; ``dweight = sum(dy * xhat)`` over every row.
+
+    Parameters
+    ----------
+    dy : array
+        The gradient of y: x's shape and dtype.
+    x : array
+        The forward's input; for the residual form, the h it returned.
+    rstd : array
+        The forward's ``rstd`` (``return_stats=True``).
+    weight : array, optional
+        The forward's weight.
+    axis : int or tuple of int, default -1
+        The forward's axes.
+    dh : array, optional
+        The residual form: the gradient that reached the returned h, added
+        to dx (which is then the gradient of both x and residual).
+
+    Returns
+    -------
+    (dx, dweight)
+        dx of x's shape and dtype (C-contiguous); dweight of the weight's
+        shape and dtype, None without a weight.
+
+    {errors}
+    """
+    g = _grad.RowGradCall("rms", dy, x, axis=axis, rstd=rstd, weight=weight, dh=dh)
+    return _grad.run_rows(g, lambda g: reference.rms_norm_backward(
+        g.dy, g.call.x, g.scale, g.call.weight, axis=_axes(g.call), dh=g.dh))
+
+
+def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, dh=None):
+    """The gradients of :func:`cunorm.layer_norm`.
+
+    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``xhat = (x -
+    mean) * rstd`` and ``g = dy * weight``; ``dweight = sum(dy * xhat)``,
+    ``dbias = sum(dy)`` over every row.
+
+    Parameters
+    ----------
+    dy : array
+        The gradient of y: x's shape and dtype.
+    x : array
+        The forward's input; for the residual form, the h it returned.
+    mean, rstd : array
+        The forward's statistics (``return_stats=True``).
+    weight, bias : array, optional
+        The forward's parameters (the bias only says that dbias is wanted).
+    axis : int or tuple of int, default -1
+        The forward's axes.
+    dh : array, optional
+        The residual form: the gradient that reached the returned h.
+
+    Returns
+    -------
+    (dx, dweight, dbias)
+        dx of x's shape and dtype; dweight and dbias of the parameters'
+        shapes and dtypes, None for a parameter the forward did not have.
+
+    {errors}
+    """
+    g = _grad.RowGradCall("ln", dy, x, axis=axis, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh)
+    return _grad.run_rows(g, lambda g: reference.layer_norm_backward(
+        g.dy, g.call.x, g.center, g.scale, g.call.weight, g.call.bias, axis=_axes(g.call), dh=g.dh))
+
+
+def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=LP_EPS):
+    """The gradient of :func:`cunorm.normalize`, the norm recomputed from x.
+
+    ``dx = dy / N - sum(dy * x) / N**2 * dN/dx`` where the norm ``N >= eps``,
+    ``dy / eps`` where the clamp holds (as torch's ``F.normalize``). For
+    p = inf the norm's gradient goes to the elements of largest magnitude,
+    shared evenly between ties; for p < 1 it is infinite at zeros.
+
+    Parameters
+    ----------
+    dy : array
+        The gradient of y: x's shape and dtype.
+    x : array
+        The forward's input.
+    p, axis, eps
+        The forward's.
+
+    Returns
+    -------
+    dx
+        x's shape and dtype.
+
+    {errors}
+    """
+    norm = _lp_norm(p)
+    g = _grad.RowGradCall(norm, dy, x, axis=axis, eps=eps)
+    return _grad.run_rows(g, lambda g: reference.normalize_backward(
+        g.dy, g.call.x, float(p), axis=_axes(g.call), eps=g.call.eps))
+
+
+def mean_abs_normalize_backward(dy, x, *, axis=-1, eps=LP_EPS):
+    """The gradient of :func:`cunorm.mean_abs_normalize` (as
+    :func:`normalize_backward`, with ``dN/dx = sign(x) / n``)."""
+    g = _grad.RowGradCall("mean_abs", dy, x, axis=axis, eps=eps)
+    return _grad.run_rows(g, lambda g: reference.normalize_backward(
+        g.dy, g.call.x, 1.0, axis=_axes(g.call), eps=g.call.eps, mean=True))
+
+
+def frobenius_normalize_backward(dy, x, *, axis=None, eps=LP_EPS):
+    """The gradient of :func:`cunorm.frobenius_normalize`: ``normalize_backward``
+    with p = 2 over every axis by default."""
+    g = _grad.RowGradCall("l2", dy, x, axis=axis, eps=eps)
+    return _grad.run_rows(g, lambda g: reference.normalize_backward(
+        g.dy, g.call.x, 2.0, axis=_axes(g.call), eps=g.call.eps))
+
+
+def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None, bias=None, *, channel_axis=1):
+    """The gradients of :func:`cunorm.group_norm`, from its (N, num_groups)
+    mean and rstd (``return_stats=True``).
+
+    With ``xhat = (x - mean) * rstd`` and ``g = dy * weight[c]``, over each
+    (sample, group): ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``;
+    ``dweight[c] = sum(dy * xhat)``, ``dbias[c] = sum(dy)`` over samples and
+    positions.
+
+    Parameters
+    ----------
+    dy : array
+        The gradient of y: x's shape and dtype, any layout (copied to x's
+        when it differs).
+    x, num_groups, weight, bias, channel_axis
+        The forward's (the bias only says that dbias is wanted).
+    mean, rstd : array
+        The forward's statistics.
+
+    Returns
+    -------
+    (dx, dweight, dbias)
+        dx with x's memory layout (channels-first or channels-last; C order
+        if x is neither); dweight and dbias (C,) in the parameters' dtypes,
+        None for a parameter the forward did not have.
+
+    {errors}
+    """
+    g = _grad.ChannelGradCall("group", dy, x, mean, rstd, num_groups=num_groups, weight=weight, bias=bias,
+                              channel_axis=channel_axis)
+    return _grad.run_channels(g, lambda g: reference.group_norm_backward(
+        g.dy, g.call.x, g.mean, g.rstd, g.call.groups, g.call.weight, g.call.bias,
+        channel_axis=g.call.channel_axis))
+
+
+def instance_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, channel_axis=1):
+    """The gradients of :func:`cunorm.instance_norm`, from its (N, C) mean
+    and rstd: :func:`group_norm_backward` with a group per channel."""
+    g = _grad.ChannelGradCall("instance", dy, x, mean, rstd, weight=weight, bias=bias, channel_axis=channel_axis)
+    return _grad.run_channels(g, lambda g: reference.instance_norm_backward(
+        g.dy, g.call.x, g.mean, g.rstd, g.call.weight, g.call.bias, channel_axis=g.call.channel_axis))
+
+
+def batch_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, training=True, eps=DEFAULT_EPS,
+                        channel_axis=1):
+    """The gradients of :func:`cunorm.batch_norm`.
+
+    Training (``training=True``): mean and rstd are the (C,) batch
+    statistics the forward returned (``return_stats=True``), and dx couples
+    every element of a channel as in :func:`group_norm_backward`. Eval
+    (``training=False``): pass the running mean and running variance as
+    ``mean`` and ``rstd`` (and the forward's eps); the statistics are
+    constants and ``dx = dy * weight / sqrt(running_var + eps)``.
+
+    Returns
+    -------
+    (dx, dweight, dbias)
+        As for :func:`group_norm_backward`.
+
+    {errors}
+    """
+    g = _grad.ChannelGradCall("batch", dy, x, mean, rstd, weight=weight, bias=bias, channel_axis=channel_axis,
+                              training=training, eps=eps)
+    return _grad.run_channels(g, lambda g: reference.batch_norm_backward(
+        g.dy, g.call.x, g.mean, g.rstd, g.call.weight, g.call.bias, training=g.training, eps=g.call.eps,
+        channel_axis=g.call.channel_axis))
+
+
+def _axes(call):
+    return tuple(range(call.first, call.last + 1))
+
+
+for _f in (rms_norm_backward, layer_norm_backward, normalize_backward, group_norm_backward, instance_norm_backward,
+           batch_norm_backward):
+    _f.__doc__ = _f.__doc__.replace("{errors}", _ERRORS)
+del _f

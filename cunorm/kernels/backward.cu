@@ -1,0 +1,657 @@
+// backward.cu: the gradients of every norm (the policies: grads.cuh).
+//
+// Inputs: dy (the gradient of y), x (the forward's normalized input: h for
+// the residual forms), the forward's saved float32 statistics (RMSNorm,
+// LayerNorm, the channel norms; the Lp norms recompute theirs), the weight.
+// Outputs: dx (plus dh, the gradient that reached h, when the forward
+// returned h), and dweight / dbias. All arrays here are C-contiguous in the
+// layout the Python side names (rows; (outer, reduced, inner); channels-first
+// or channels-last).
+//
+// dweight and dbias sum over every row: each block writes float32 partials
+// of its own rows, and column_sum adds the partials of a column in a fixed
+// order. No atomics anywhere, so every gradient is bitwise the same run to
+// run.
+//
+// Families (cunorm/_grad.py picks):
+//   rows_grad_cached   contiguous rows of up to 16 elements a thread (8192
+//                      elements with 512 threads): a block walks rows with
+//                      its row in registers, reads x and dy once, and keeps
+//                      its columns' dweight/dbias partials in registers
+//                      across rows (each thread owns the same columns in
+//                      every row). One read of x and dy, one write of dx.
+//   rows_grad_sums / rows_grad_finalize / rows_grad_apply
+//                      any (outer, reduced, inner) view: longer rows
+//                      (STRIDED=false) and a strided reduced axis
+//                      (STRIDED=true). Pass 1 reduces chunks of each group,
+//                      the finalize combines a group's chunks in order into
+//                      its GradCoeffs, pass 2 writes dx and the parameter
+//                      partials. x and dy are read twice.
+//   channel_grad_*     GroupNorm, InstanceNorm, BatchNorm: everything
+//                      follows from two sums per (sample, channel),
+//                      A = sum dy and B = sum dy * (x - mean): dweight[c] =
+//                      sum_n rstd B, dbias[c] = sum_n A, and each group's
+//                      coefficients from its channels' A and B weighted by
+//                      the weight. Pass 1 reduces (sample, channel) chunks,
+//                      two small launches combine them, pass 2 writes dx.
+#include "grads.cuh"
+
+namespace cunorm {
+
+// The largest block of rows_grad_cached (a budget of 128 registers a thread).
+// Every kernel here states a minimum of one resident block: with the
+// maximum alone, ptxas (CUDA 12, sm_80) capped some instantiations at 32
+// or 64 registers and spilled 8-56 bytes; with (max, 1) none spill.
+constexpr int kGradCachedMaxThreads = 512;
+// Block of the streaming passes (rows_grad_sums/apply, channel_grad_*).
+constexpr int kGradBlockThreads = 256;
+
+// What a streaming sweep keeps in flight per position: the x and dy vectors
+// (and the weights of the positions, or one weight for all of them).
+template <class T, int VEC>
+struct GradPair {
+    Vec<T, VEC> x, dy;
+};
+template <class T, class P, int VEC>
+struct GradItem {
+    Vec<T, VEC> x, dy;
+    Vec<P, VEC> w;
+};
+template <class T, class A, int VEC>
+struct GradItemScalarWeight {
+    Vec<T, VEC> x, dy;
+    A w;
+};
+
+template <class T, int VEC>
+__device__ __forceinline__ GradPair<T, VEC> load_pair(const T* x, const T* dy, long long e) {
+    return GradPair<T, VEC>{load_vec<T, VEC>(x + e), load_vec<T, VEC>(dy + e)};
+}
+
+// g = dy * weight of one lane of a vector.
+template <class A, class P, int FLAGS, int VEC>
+__device__ __forceinline__ A scaled_grad(A dy, const Vec<P, VEC>& w, int j) {
+    if constexpr (FLAGS & kWeight) return dy * static_cast<A>(widen(w.v[j]));
+    else return dy;
+}
+
+// --- rows_grad_cached ----------------------------------------------------------
+// Thread layout: blockDim.x threads (a multiple of 32, at most 512) own
+// vectors tid, tid + blockDim.x, ... (VPT of them) of every row; grid =
+// min(rows, the blocks resident at once), block b taking rows b, b + grid,
+// ... partial (FLAGS: 2 x gridDim.x x n words) receives each block's sums
+// of dy * xhat (dweight) and dy (dbias) per column.
+template <class Grad, class T, class P, int FLAGS, int VEC, int VPT>
+__global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
+    rows_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
+                     T* __restrict__ dx, const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
+                     const typename AccOf<T>::type* __restrict__ scale, typename AccOf<T>::type* __restrict__ partial,
+                     long long rows, int n, typename AccOf<T>::type eps) {
+    using A = typename AccOf<T>::type;
+    using Stats = typename Grad::Stats;
+    __shared__ Stats scratch[33];
+    const int n_vec = n / VEC;
+    Vec<P, VEC> wv[VPT];
+    A dw_acc[VPT][VEC];
+    A db_acc[VPT][VEC];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        const int v = threadIdx.x + k * blockDim.x;
+        if constexpr (FLAGS & kWeight) {
+            if (v < n_vec) wv[k] = load_vec<P, VEC>(w + static_cast<long long>(v) * VEC);
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dw_acc[k][j] = db_acc[k][j] = A(0);
+    }
+#pragma unroll 1
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long base = row * n;
+        Vec<T, VEC> xv[VPT];
+        Vec<T, VEC> gv[VPT];
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int v = threadIdx.x + k * blockDim.x;
+            if (v < n_vec) {
+                xv[k] = load_vec<T, VEC>(x + base + static_cast<long long>(v) * VEC);
+                gv[k] = load_vec<T, VEC>(dy + base + static_cast<long long>(v) * VEC);
+            }
+        }
+        A c0 = A(0), s0 = A(1);
+        if constexpr (Grad::kSaved) {
+            if (center != nullptr) c0 = center[row];
+            s0 = scale[row];
+        }
+        Stats s = Grad::init();
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            if (threadIdx.x + k * blockDim.x < n_vec) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const A g = scaled_grad<A, P, FLAGS, VEC>(static_cast<A>(widen(gv[k].v[j])), wv[k], j);
+                    s = Grad::accumulate(s, static_cast<A>(widen(xv[k].v[j])), g, c0, s0);
+                }
+            }
+        }
+        s = block_reduce<Grad>(s, scratch);
+        const GradCoeffs<A> c = Grad::coeffs(s, n, eps, c0, s0);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int v = threadIdx.x + k * blockDim.x;
+            if (v < n_vec) {
+                const long long e = base + static_cast<long long>(v) * VEC;
+                Vec<T, VEC> hv;
+                if (dh != nullptr) hv = load_vec<T, VEC>(dh + e);
+                Vec<T, VEC> out;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const A xj = static_cast<A>(widen(xv[k].v[j]));
+                    const A dyj = static_cast<A>(widen(gv[k].v[j]));
+                    A d = grad_of<Grad>(xj, scaled_grad<A, P, FLAGS, VEC>(dyj, wv[k], j), c);
+                    if (dh != nullptr) d += static_cast<A>(widen(hv.v[j]));
+                    narrow(d, out.v[j]);
+                    if constexpr (FLAGS & kWeight) dw_acc[k][j] = fma(dyj, (xj - c.center) * c.scale, dw_acc[k][j]);
+                    if constexpr (FLAGS & kBias) db_acc[k][j] += dyj;
+                }
+                store_vec<T, VEC>(dx + e, out);
+            }
+        }
+    }
+    if constexpr (FLAGS != 0) {
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int v = threadIdx.x + k * blockDim.x;
+            if (v < n_vec) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const long long col = static_cast<long long>(v) * VEC + j;
+                    if constexpr (FLAGS & kWeight) partial[static_cast<long long>(blockIdx.x) * n + col] = dw_acc[k][j];
+                    if constexpr (FLAGS & kBias)
+                        partial[(static_cast<long long>(gridDim.x) + blockIdx.x) * n + col] = db_acc[k][j];
+                }
+            }
+        }
+    }
+}
+
+// --- column_sum ------------------------------------------------------------------
+// out[c] = sum over p < parts of partial[p * n + c], rounded once to P.
+// Block (32, 32): threadIdx.x a column of the block's 32, threadIdx.y takes
+// parts y, y + 32, ...; the 32 sums of a column are then added in y order.
+template <class A, class P>
+__global__ void __launch_bounds__(1024)
+    column_sum(const A* __restrict__ partial, P* __restrict__ out, int parts, long long n) {
+    __shared__ A tile[32][33];
+    const long long col = static_cast<long long>(blockIdx.x) * 32 + threadIdx.x;
+    A s = A(0);
+    if (col < n) {
+        for (int p = threadIdx.y; p < parts; p += 32) s += partial[static_cast<long long>(p) * n + col];
+    }
+    tile[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < n) {
+        A t = A(0);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) t += tile[i][threadIdx.x];
+        narrow(static_cast<typename AccOf<P>::type>(t), out[col]);
+    }
+}
+
+// --- rows_grad_sums / rows_grad_finalize / rows_grad_apply ------------------------
+// x, dy (and dh, dx) are (outer, reduced, inner), C-contiguous; a group is
+// (o, i), its elements x[o, r, i] for r < reduced, its statistics and
+// coefficients at o * inner + i. The weight is indexed by r.
+//
+// rows_grad_sums, STRIDED=false (inner 1): block gx = group * chunks +
+// chunk reduces vectors [chunk * chunk_len, ...) of the group's row.
+// STRIDED=true: block gx = (o * chunks + chunk) * inner_tiles + tile;
+// thread t of the tile takes inner vector tile * blockDim.x + t and keeps a
+// statistic for each of its VEC lanes over r in the chunk.
+// partial: [groups][chunks][kStatWords].
+template <class Grad, class T, class P, int FLAGS, int VEC, bool STRIDED>
+__global__ void __launch_bounds__(kGradBlockThreads, 1)
+    rows_grad_sums(const T* __restrict__ dy, const T* __restrict__ x, const P* __restrict__ w,
+                   const typename AccOf<T>::type* __restrict__ center,
+                   const typename AccOf<T>::type* __restrict__ scale, typename AccOf<T>::type* __restrict__ partial,
+                   long long outer, long long reduced, long long inner, long long chunks, long long chunk_len) {
+    using A = typename AccOf<T>::type;
+    using Stats = typename Grad::Stats;
+    if constexpr (!STRIDED) {
+        __shared__ Stats scratch[33];
+        const long long group = blockIdx.x / chunks;
+        const long long chunk = blockIdx.x % chunks;
+        const long long n_vec = reduced / VEC;
+        A c0 = A(0), s0 = A(1);
+        if constexpr (Grad::kSaved) {
+            if (center != nullptr) c0 = center[group];
+            s0 = scale[group];
+        }
+        const long long end = min(n_vec, (chunk + 1) * chunk_len);
+        Stats s = Grad::init();
+        for_each_batched<4>(
+            chunk * chunk_len + threadIdx.x, end, blockDim.x,
+            [&](long long v) {
+                GradItem<T, P, VEC> it;
+                it.x = load_vec<T, VEC>(x + group * reduced + v * VEC);
+                it.dy = load_vec<T, VEC>(dy + group * reduced + v * VEC);
+                if constexpr (FLAGS & kWeight) it.w = load_vec<P, VEC>(w + v * VEC);
+                return it;
+            },
+            [&](long long, const GradItem<T, P, VEC>& it) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const A g = scaled_grad<A, P, FLAGS, VEC>(static_cast<A>(widen(it.dy.v[j])), it.w, j);
+                    s = Grad::accumulate(s, static_cast<A>(widen(it.x.v[j])), g, c0, s0);
+                }
+            });
+        s = block_reduce<Grad>(s, scratch);
+        if (threadIdx.x == 0) Grad::store(partial + blockIdx.x * Grad::kStatWords, s);
+    } else {
+        const long long inner_vec = inner / VEC;
+        const long long tiles = (inner_vec + blockDim.x - 1) / blockDim.x;
+        const long long tile = blockIdx.x % tiles;
+        const long long chunk = (blockIdx.x / tiles) % chunks;
+        const long long o = blockIdx.x / tiles / chunks;
+        const long long iv = tile * blockDim.x + threadIdx.x;
+        if (iv >= inner_vec) return;
+        A c0[VEC], s0[VEC];
+        Stats s[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const long long group = o * inner + iv * VEC + j;
+            c0[j] = A(0);
+            s0[j] = A(1);
+            if constexpr (Grad::kSaved) {
+                if (center != nullptr) c0[j] = center[group];
+                s0[j] = scale[group];
+            }
+            s[j] = Grad::init();
+        }
+        const long long end = min(reduced, (chunk + 1) * chunk_len);
+        const long long base = o * reduced * inner + iv * VEC;
+        for_each_batched<4>(
+            chunk * chunk_len, end, 1,
+            [&](long long r) {
+                GradItemScalarWeight<T, A, VEC> it;
+                it.x = load_vec<T, VEC>(x + base + r * inner);
+                it.dy = load_vec<T, VEC>(dy + base + r * inner);
+                it.w = A(1);
+                if constexpr (FLAGS & kWeight) it.w = static_cast<A>(widen(w[r]));
+                return it;
+            },
+            [&](long long, const GradItemScalarWeight<T, A, VEC>& it) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    s[j] = Grad::accumulate(s[j], static_cast<A>(widen(it.x.v[j])),
+                                            static_cast<A>(widen(it.dy.v[j])) * it.w, c0[j], s0[j]);
+                }
+            });
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const long long group = o * inner + iv * VEC + j;
+            Grad::store(partial + (group * chunks + chunk) * Grad::kStatWords, s[j]);
+        }
+    }
+}
+
+// One thread a group: combine its chunks in chunk order, then its
+// coefficients (kCoeffWords words at coeffs + group * kCoeffWords).
+template <class Grad, class A>
+__global__ void __launch_bounds__(kGradBlockThreads, 1)
+    rows_grad_finalize(const A* __restrict__ partial, const A* __restrict__ center, const A* __restrict__ scale,
+                       A* __restrict__ coeffs, long long groups, long long chunks, long long n, A eps) {
+    const long long group = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (group >= groups) return;
+    typename Grad::Stats s = Grad::init();
+    for (long long c = 0; c < chunks; ++c) {
+        s = Grad::combine(s, Grad::load(partial + (group * chunks + c) * Grad::kStatWords));
+    }
+    A c0 = A(0), s0 = A(1);
+    if constexpr (Grad::kSaved) {
+        if (center != nullptr) c0 = center[group];
+        s0 = scale[group];
+    }
+    store_coeffs(coeffs + group * kCoeffWords, Grad::coeffs(s, n, eps, c0, s0));
+}
+
+// Pass 2: dx, and the parameter partials.
+// STRIDED=false: block (gx: column tile, gy: row chunk); thread t owns
+// column vector tile * blockDim.x + t and walks the rows of its chunk,
+// keeping that column's dweight/dbias sums; partial: [2][row chunks][n].
+// STRIDED=true: block gx = (r * chunks + chunk) * inner_tiles + tile;
+// thread t takes inner vector tile * blockDim.x + t of the outer indices in
+// the chunk at reduced index r; the block's sums for r go to
+// partial[2][chunks * inner_tiles][reduced].
+template <class Grad, class T, class P, int FLAGS, int VEC, bool STRIDED>
+__global__ void __launch_bounds__(kGradBlockThreads, 1)
+    rows_grad_apply(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh, T* __restrict__ dx,
+                    const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ coeffs,
+                    typename AccOf<T>::type* __restrict__ partial, long long outer, long long reduced,
+                    long long inner, long long chunks, long long chunk_len) {
+    using A = typename AccOf<T>::type;
+    if constexpr (!STRIDED) {
+        const long long n_vec = reduced / VEC;
+        const long long v = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+        if (v >= n_vec) return;
+        Vec<P, VEC> wv;
+        if constexpr (FLAGS & kWeight) wv = load_vec<P, VEC>(w + v * VEC);
+        A dw_acc[VEC], db_acc[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dw_acc[j] = db_acc[j] = A(0);
+        const long long first = blockIdx.y * chunk_len;
+        const long long end = min(outer, first + chunk_len);
+        for_each_batched<4>(
+            first, end, 1,
+            [&](long long row) {
+                return load_pair<T, VEC>(x, dy, row * reduced + v * VEC);
+            },
+            [&](long long row, const GradPair<T, VEC>& it) {
+                const GradCoeffs<A> c = load_coeffs(coeffs + row * kCoeffWords);
+                const long long e = row * reduced + v * VEC;
+                Vec<T, VEC> hv;
+                if (dh != nullptr) hv = load_vec<T, VEC>(dh + e);
+                Vec<T, VEC> out;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const A xj = static_cast<A>(widen(it.x.v[j]));
+                    const A dyj = static_cast<A>(widen(it.dy.v[j]));
+                    A d = grad_of<Grad>(xj, scaled_grad<A, P, FLAGS, VEC>(dyj, wv, j), c);
+                    if (dh != nullptr) d += static_cast<A>(widen(hv.v[j]));
+                    narrow(d, out.v[j]);
+                    if constexpr (FLAGS & kWeight) dw_acc[j] = fma(dyj, (xj - c.center) * c.scale, dw_acc[j]);
+                    if constexpr (FLAGS & kBias) db_acc[j] += dyj;
+                }
+                store_vec<T, VEC>(dx + e, out);
+            });
+        if constexpr (FLAGS != 0) {
+            const long long parts = gridDim.y;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const long long col = v * VEC + j;
+                if constexpr (FLAGS & kWeight) partial[blockIdx.y * reduced + col] = dw_acc[j];
+                if constexpr (FLAGS & kBias) partial[(parts + blockIdx.y) * reduced + col] = db_acc[j];
+            }
+        }
+    } else {
+        using Sums = PairSum<A>;
+        __shared__ typename Sums::Stats scratch[33];
+        const long long inner_vec = inner / VEC;
+        const long long tiles = (inner_vec + blockDim.x - 1) / blockDim.x;
+        const long long tile = blockIdx.x % tiles;
+        const long long chunk = (blockIdx.x / tiles) % chunks;
+        const long long r = blockIdx.x / tiles / chunks;
+        const long long iv = tile * blockDim.x + threadIdx.x;
+        A wr = A(1);
+        if constexpr (FLAGS & kWeight) wr = static_cast<A>(widen(w[r]));
+        typename Sums::Stats sums = Sums::init();  // (dweight, dbias) of r
+        if (iv < inner_vec) {
+            const long long end = min(outer, (chunk + 1) * chunk_len);
+            for_each_batched<4>(
+                chunk * chunk_len, end, 1,
+                [&](long long o) {
+                    const long long e = (o * reduced + r) * inner + iv * VEC;
+                    return load_pair<T, VEC>(x, dy, e);
+                },
+                [&](long long o, const GradPair<T, VEC>& it) {
+                    const long long e = (o * reduced + r) * inner + iv * VEC;
+                    Vec<T, VEC> hv;
+                    if (dh != nullptr) hv = load_vec<T, VEC>(dh + e);
+                    Vec<T, VEC> out;
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const GradCoeffs<A> c = load_coeffs(coeffs + (o * inner + iv * VEC + j) * kCoeffWords);
+                        const A xj = static_cast<A>(widen(it.x.v[j]));
+                        const A dyj = static_cast<A>(widen(it.dy.v[j]));
+                        A d = grad_of<Grad>(xj, dyj * wr, c);
+                        if (dh != nullptr) d += static_cast<A>(widen(hv.v[j]));
+                        narrow(d, out.v[j]);
+                        if constexpr (FLAGS & kWeight) sums.a = fma(dyj, (xj - c.center) * c.scale, sums.a);
+                        if constexpr (FLAGS & kBias) sums.b += dyj;
+                    }
+                    store_vec<T, VEC>(dx + e, out);
+                });
+        }
+        if constexpr (FLAGS != 0) {
+            sums = block_reduce<Sums>(sums, scratch);
+            if (threadIdx.x == 0) {
+                const long long parts = chunks * tiles;
+                const long long part = chunk * tiles + tile;
+                if constexpr (FLAGS & kWeight) partial[part * reduced + r] = sums.a;
+                if constexpr (FLAGS & kBias) partial[(parts + part) * reduced + r] = sums.b;
+            }
+        }
+    }
+}
+
+// --- the channel norms -----------------------------------------------------------
+// x and dy dense, channels-first (batch, channels, spatial) or channels-last
+// (batch, spatial, channels); the forward's mean/rstd of channel c of sample
+// n at stat_index = n * stat_batch + c / channels_per_group (stat_batch:
+// the groups of a sample, or 0 for BatchNorm).
+__device__ __forceinline__ long long stat_index(long long n, int c, int channels_per_group, int stat_batch) {
+    return n * stat_batch + c / channels_per_group;
+}
+
+// Pass 1: (A, B) = (sum dy, sum dy * (x - mean)) of each (n, c, chunk) into
+// partial[((n * channels + c) * chunks + chunk) * 2].
+// Channels-first: block (chunk, c, n) reduces its chunk of the (n, c) run.
+// Channels-last: block (chunk, channel tile, n) of (bx, by) threads: x a
+// channel vector, y a position of the chunk (stride by); the by partial
+// sums of a channel are added in y order through shared memory.
+template <class T, int VEC, bool LAST>
+__global__ void __launch_bounds__(kGradBlockThreads, 1)
+    channel_grad_sums(const T* __restrict__ dy, const T* __restrict__ x,
+                      const typename AccOf<T>::type* __restrict__ mean, typename AccOf<T>::type* __restrict__ partial,
+                      long long batch, long long spatial, int channels, int channels_per_group, int stat_batch,
+                      long long chunks, long long chunk_len) {
+    using A = typename AccOf<T>::type;
+    using Sums = PairSum<A>;
+    const long long n = blockIdx.z;
+    const long long chunk = blockIdx.x;
+    if constexpr (!LAST) {
+        __shared__ typename Sums::Stats scratch[33];
+        const int c = blockIdx.y;
+        const A m = mean[stat_index(n, c, channels_per_group, stat_batch)];
+        const long long base = (n * channels + c) * spatial;
+        const long long end = min(spatial / VEC, (chunk + 1) * chunk_len);
+        typename Sums::Stats s = Sums::init();
+        for_each_batched<4>(
+            chunk * chunk_len + threadIdx.x, end, blockDim.x,
+            [&](long long v) {
+                return load_pair<T, VEC>(x, dy, base + v * VEC);
+            },
+            [&](long long, const GradPair<T, VEC>& it) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const A g = static_cast<A>(widen(it.dy.v[j]));
+                    s.a += g;
+                    s.b = fma(g, static_cast<A>(widen(it.x.v[j])) - m, s.b);
+                }
+            });
+        s = block_reduce<Sums>(s, scratch);
+        if (threadIdx.x == 0) Sums::store(partial + ((n * channels + c) * chunks + chunk) * 2, s);
+    } else {
+        extern __shared__ unsigned char shared_raw[];
+        auto* shared = reinterpret_cast<typename Sums::Stats*>(shared_raw);  // [by][bx * VEC]
+        const int cv = blockIdx.y * blockDim.x + threadIdx.x;
+        const bool active = cv < channels / VEC;
+        A m[VEC];
+        typename Sums::Stats s[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            m[j] = active ? mean[stat_index(n, cv * VEC + j, channels_per_group, stat_batch)] : A(0);
+            s[j] = Sums::init();
+        }
+        if (active) {
+            const long long end = min(spatial, (chunk + 1) * chunk_len);
+            const long long base = n * spatial * channels + static_cast<long long>(cv) * VEC;
+            for_each_batched<4>(
+                chunk * chunk_len + threadIdx.y, end, blockDim.y,
+                [&](long long p) {
+                    return load_pair<T, VEC>(x, dy, base + p * channels);
+                },
+                [&](long long, const GradPair<T, VEC>& it) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const A g = static_cast<A>(widen(it.dy.v[j]));
+                        s[j].a += g;
+                        s[j].b = fma(g, static_cast<A>(widen(it.x.v[j])) - m[j], s[j].b);
+                    }
+                });
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) shared[(threadIdx.y * blockDim.x + threadIdx.x) * VEC + j] = s[j];
+        __syncthreads();
+        if (threadIdx.y == 0 && active) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                typename Sums::Stats t = shared[threadIdx.x * VEC + j];
+                for (int y = 1; y < static_cast<int>(blockDim.y); ++y) {
+                    t = Sums::combine(t, shared[(y * blockDim.x + threadIdx.x) * VEC + j]);
+                }
+                Sums::store(partial + ((n * channels + cv * VEC + j) * chunks + chunk) * 2, t);
+            }
+        }
+    }
+}
+
+// One thread a (n, c): combine its chunks in order into sums[(n, c) * 2].
+template <class A>
+__global__ void __launch_bounds__(kGradBlockThreads, 1)
+    channel_grad_combine(const A* __restrict__ partial, A* __restrict__ sums, long long members, long long chunks) {
+    const long long m = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (m >= members) return;
+    A a = A(0), b = A(0);
+    for (long long c = 0; c < chunks; ++c) {
+        a += partial[(m * chunks + c) * 2];
+        b += partial[(m * chunks + c) * 2 + 1];
+    }
+    sums[m * 2] = a;
+    sums[m * 2 + 1] = b;
+}
+
+// One thread a (n, c): the coefficients of dx = alpha * dy + beta *
+// (x - mean) + gamma for that sample and channel, from the sums of its
+// statistic group (the group's channels of sample n, or channel c over the
+// whole batch), each group's members added in (n, c) order; coeffs[(n, c)
+// * 3]. Threads c < channels (of n = 0) also write dweight[c] and dbias[c]
+// (sums over n in order). TRAINING=false (BatchNorm on running
+// statistics): the statistics are constants, alpha alone remains.
+template <class A, class P, int FLAGS, bool TRAINING>
+__global__ void __launch_bounds__(kGradBlockThreads, 1)
+    channel_grad_finalize(const A* __restrict__ sums, const A* __restrict__ mean, const A* __restrict__ rstd,
+                          const P* __restrict__ w, A* __restrict__ coeffs, P* __restrict__ dw, P* __restrict__ db,
+                          long long batch, long long spatial, int channels, int channels_per_group, int stat_batch) {
+    using Out = typename AccOf<P>::type;
+    const long long m = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (m >= batch * channels) return;
+    const long long n = m / channels;
+    const int c = static_cast<int>(m % channels);
+    const long long stat = stat_index(n, c, channels_per_group, stat_batch);
+    const A r = rstd[stat];
+    A wc = A(1);
+    if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
+    A beta = A(0), gamma = A(0);
+    if constexpr (TRAINING) {
+        // the group's members: channels c0..c0+cpg of sample n, or of every
+        // sample for BatchNorm (stat_batch 0)
+        const int c0 = c - c % channels_per_group;
+        const long long n0 = stat_batch == 0 ? 0 : n;
+        const long long n1 = stat_batch == 0 ? batch : n + 1;
+        A sum_g = A(0), sum_gx = A(0);
+        for (long long k = n0; k < n1; ++k) {
+            for (int cc = c0; cc < c0 + channels_per_group; ++cc) {
+                A wk = A(1);
+                if constexpr ((FLAGS & kWeight) != 0) wk = static_cast<A>(widen(w[cc]));
+                sum_g = fma(wk, sums[(k * channels + cc) * 2], sum_g);
+                sum_gx = fma(wk, sums[(k * channels + cc) * 2 + 1], sum_gx);
+            }
+        }
+        const A count = static_cast<A>((n1 - n0) * channels_per_group) * static_cast<A>(spatial);
+        const A inv = A(1) / count;
+        // sum g * xhat = r * sum_gx
+        beta = -r * r * r * sum_gx * inv;
+        gamma = -r * sum_g * inv;
+    }
+    coeffs[m * 3] = r * wc;
+    coeffs[m * 3 + 1] = beta;
+    coeffs[m * 3 + 2] = gamma;
+    if constexpr (FLAGS != 0) {
+        if (m >= channels) return;
+        A sw = A(0), sb = A(0);
+        for (long long k = 0; k < batch; ++k) {
+            const A rk = rstd[stat_index(k, c, channels_per_group, stat_batch)];
+            sw = fma(rk, sums[(k * channels + c) * 2 + 1], sw);
+            sb += sums[(k * channels + c) * 2];
+        }
+        if constexpr (FLAGS & kWeight) narrow(static_cast<Out>(sw), dw[c]);
+        if constexpr (FLAGS & kBias) narrow(static_cast<Out>(sb), db[c]);
+    }
+}
+
+// Pass 2: dx = alpha * dy + beta * (x - mean) + gamma, blocks as in
+// channel_grad_sums (channels-last: each thread a channel vector, its
+// positions y, y + by, ... of the chunk).
+template <class T, int VEC, bool LAST>
+__global__ void __launch_bounds__(kGradBlockThreads, 1)
+    channel_grad_apply(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
+                       const typename AccOf<T>::type* __restrict__ mean,
+                       const typename AccOf<T>::type* __restrict__ coeffs, long long batch, long long spatial,
+                       int channels, int channels_per_group, int stat_batch, long long chunks, long long chunk_len) {
+    using A = typename AccOf<T>::type;
+    const long long n = blockIdx.z;
+    const long long chunk = blockIdx.x;
+    if constexpr (!LAST) {
+        const int c = blockIdx.y;
+        const long long m = n * channels + c;
+        const A alpha = coeffs[m * 3], beta = coeffs[m * 3 + 1], gamma = coeffs[m * 3 + 2];
+        const A mu = mean[stat_index(n, c, channels_per_group, stat_batch)];
+        const long long base = m * spatial;
+        const long long end = min(spatial / VEC, (chunk + 1) * chunk_len);
+        for_each_batched<4>(
+            chunk * chunk_len + threadIdx.x, end, blockDim.x,
+            [&](long long v) {
+                return load_pair<T, VEC>(x, dy, base + v * VEC);
+            },
+            [&](long long v, const GradPair<T, VEC>& it) {
+                Vec<T, VEC> out;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const A d = fma(alpha, static_cast<A>(widen(it.dy.v[j])),
+                                    fma(beta, static_cast<A>(widen(it.x.v[j])) - mu, gamma));
+                    narrow(d, out.v[j]);
+                }
+                store_vec<T, VEC>(dx + base + v * VEC, out);
+            });
+    } else {
+        const int cv = blockIdx.y * blockDim.x + threadIdx.x;
+        if (cv >= channels / VEC) return;
+        A alpha[VEC], beta[VEC], gamma[VEC], mu[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const long long m = n * channels + cv * VEC + j;
+            alpha[j] = coeffs[m * 3];
+            beta[j] = coeffs[m * 3 + 1];
+            gamma[j] = coeffs[m * 3 + 2];
+            mu[j] = mean[stat_index(n, cv * VEC + j, channels_per_group, stat_batch)];
+        }
+        const long long end = min(spatial, (chunk + 1) * chunk_len);
+        const long long base = n * spatial * channels + static_cast<long long>(cv) * VEC;
+        for_each_batched<4>(
+            chunk * chunk_len + threadIdx.y, end, blockDim.y,
+            [&](long long p) {
+                return load_pair<T, VEC>(x, dy, base + p * channels);
+            },
+            [&](long long p, const GradPair<T, VEC>& it) {
+                Vec<T, VEC> out;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const A d = fma(alpha[j], static_cast<A>(widen(it.dy.v[j])),
+                                    fma(beta[j], static_cast<A>(widen(it.x.v[j])) - mu[j], gamma[j]));
+                    narrow(d, out.v[j]);
+                }
+                store_vec<T, VEC>(dx + base + p * channels, out);
+            });
+    }
+}
+
+}  // namespace cunorm

@@ -1,0 +1,343 @@
+"""The backward passes on the GPU against the float64 reference gradients
+(skipped without a GPU): every op and dtype, short rows (one launch, rows in
+registers), long rows and a strided axis (the streamed passes), the whole
+array, the residual form's dh, both channel layouts, mixed parameter dtypes,
+empty inputs, and bitwise reproducibility of dweight and dx.
+
+The statistics come from cunorm's own forward (what a training step feeds
+the backward), the same float32 values for the kernel and the reference.
+Fresh random data every run; every allocation poisoned (NaN) first; inputs
+checked unchanged afterwards. dx and the parameter gradients sum terms of
+both signs, so their error is judged against the size of the reference
+(atol = rtol * its root mean square), as for LayerNorm's outputs.
+"""
+import math
+
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm import _dtypes, reference
+from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _poison(poisoned):
+    yield
+
+
+def _close(got, ref, dtype, what, factor=1.0, magnitude=0.0):
+    """``magnitude``: the size of the terms dx is the difference of (scale *
+    dy * weight): a group whose exact dx cancels to ~0 (a row of one
+    element) is judged against them."""
+    rtol = RTOL[np.dtype(dtype)] * factor
+    return assert_close(got, ref, dtype, rtol=rtol, atol=rtol * max(output_scale(ref), magnitude), what=what)
+
+
+def _term_scale(dy, x, axis, weight, scale):
+    """The root mean square of scale * dy * weight, scale per group."""
+    from cunorm._ops import axis_span
+
+    first, last = axis_span(axis, x.ndim)
+    s = np.expand_dims(np.asarray(scale, np.float64), tuple(range(first, last + 1)))
+    w = 1.0 if weight is None else np.asarray(weight, np.float64).reshape(weight.shape + (1,) * (x.ndim - 1 - last))
+    return output_scale(dy.astype(np.float64) * w * s)
+
+
+def _lp_scale(x, p, axis):
+    """1 / max(norm, eps) per group, from the reference's y = x * scale."""
+    from cunorm._ops import axis_span
+
+    first, last = axis_span(axis, x.ndim)
+    axes = tuple(range(first, last + 1))
+    y = reference.normalize(x, p, axis=axis, exact=True) if p != "mean_abs" else \
+        reference.mean_abs_normalize(x, axis=axis, exact=True)
+    ax, ay = np.abs(x.astype(np.float64)).sum(axes), np.abs(y).sum(axes)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(ax > 0, ay / ax, 1e12)
+
+
+def _unchanged(before, after):
+    for b, a in zip(before, after):
+        assert np.array_equal(b, a, equal_nan=True), "an input was written to"
+
+
+def _computed_in(param_dtype, x_dtype):
+    """The dtype a parameter's gradient is computed in: float32 unless x is
+    float64 (a float64 bias of bf16 x is summed in float32, then cast)."""
+    if np.dtype(x_dtype) == np.float64 or np.dtype(param_dtype).itemsize <= 4:
+        return np.dtype(param_dtype)
+    return np.dtype(np.float32)
+
+
+def _param_factor(dtype, rows):
+    # float32 sums of `rows` terms a column: sqrt(rows) roundings
+    return 1.0 if np.dtype(dtype).itemsize == 2 else max(1.0, math.sqrt(rows))
+
+
+def check_rows(op, x_np, *, axis=-1, weight=None, bias=None, residual=False, rng, p=None):
+    import cupy
+
+    dtype = x_np.dtype
+    x = cupy.asarray(x_np)
+    dy_np = random(rng, x_np.shape, dtype)
+    dy = cupy.asarray(dy_np)
+    w = None if weight is None else cupy.asarray(weight)
+    b = None if bias is None else cupy.asarray(bias)
+    dh_np = random(rng, x_np.shape, dtype) if residual else None
+    dh = None if dh_np is None else cupy.asarray(dh_np)
+    inputs = [a for a in (x, dy, w, b, dh) if a is not None]
+    before = [cupy.asnumpy(a) for a in inputs]
+    axes = axis
+    if op == "rms":
+        _, rstd = cunorm.rms_norm(x, w, axis=axis, return_stats=True)
+        dx, dw = cunorm.rms_norm_backward(dy, x, rstd, w, axis=axis, dh=dh)
+        rdx, rdw = reference.rms_norm_backward(dy_np, x_np, cupy.asnumpy(rstd), weight, axis=axes, dh=dh_np,
+                                               exact=True)
+        grads = [(dw, rdw, "dweight", weight)]
+        terms = _term_scale(dy_np, x_np, axis, weight, cupy.asnumpy(rstd))
+    elif op == "ln":
+        _, mean, rstd = cunorm.layer_norm(x, w, b, axis=axis, return_stats=True)
+        dx, dw, db = cunorm.layer_norm_backward(dy, x, mean, rstd, w, b, axis=axis, dh=dh)
+        rdx, rdw, rdb = reference.layer_norm_backward(dy_np, x_np, cupy.asnumpy(mean), cupy.asnumpy(rstd), weight,
+                                                      bias, axis=axes, dh=dh_np, exact=True)
+        grads = [(dw, rdw, "dweight", weight), (db, rdb, "dbias", bias)]
+        terms = _term_scale(dy_np, x_np, axis, weight, cupy.asnumpy(rstd))
+    else:
+        if op == "mean_abs":
+            dx = cunorm.mean_abs_normalize_backward(dy, x, axis=axis)
+            rdx = reference.normalize_backward(dy_np, x_np, 1.0, axis=axes, mean=True, exact=True)
+        else:
+            dx = cunorm.normalize_backward(dy, x, p, axis=axis)
+            rdx = reference.normalize_backward(dy_np, x_np, p, axis=axes, exact=True)
+        grads = []
+        terms = _term_scale(dy_np, x_np, axis, None, _lp_scale(x_np, "mean_abs" if op == "mean_abs" else p, axis))
+    _unchanged(before, [cupy.asnumpy(a) for a in inputs])
+    assert dx.dtype == dtype and dx.flags.c_contiguous
+    _close(cupy.asnumpy(dx), rdx, dtype, f"{op} dx", factor=4.0 if op not in ("rms", "ln") else 1.0,
+           magnitude=terms)
+    param = weight if weight is not None else bias
+    rows = x_np.size // (param.size if param is not None else 1)
+    for got, ref, name, param in grads:
+        if param is None:
+            assert got is None
+            continue
+        assert got.dtype == param.dtype and got.shape == param.shape
+        prec = _computed_in(param.dtype, dtype)
+        _close(cupy.asnumpy(got), ref, prec, f"{op} {name}", factor=_param_factor(prec, rows))
+    return dx
+
+
+ROW_SHAPES = [(1, 1), (3, 3), (37, 760), (5, 4097), (2, 8192), (3, 65535), (2, 3, 96)]
+ROW_IDS = ["1x1", "3x3", "37x760", "5x4097", "2x8192", "3x65535", "2x3x96"]
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", ["rms", "ln"])
+def test_rows_backward(op, dtype, shape, rng):
+    n = shape[-1]
+    x = random(rng, shape, dtype)
+    w = random(rng, (n,), dtype, offset=1.0)
+    b = random(rng, (n,), dtype) if op == "ln" else None
+    check_rows(op, x, weight=w, bias=b, rng=rng)
+
+
+@pytest.mark.parametrize("shape", [(4, 760), (3, 65535)], ids=["cached", "streamed"])
+@pytest.mark.parametrize("op", ["rms", "ln"])
+def test_rows_backward_residual_and_params(op, shape, rng):
+    """dh added to dx; no parameters; float32 parameters of bf16 x; weight or bias alone."""
+    n = shape[-1]
+    bf16 = _dtypes.bfloat16
+    x = random(rng, shape, bf16)
+    check_rows(op, x, residual=True, rng=rng)
+    check_rows(op, x, weight=random(rng, (n,), np.float32), residual=True, rng=rng)
+    if op == "ln":
+        check_rows(op, x, bias=random(rng, (n,), bf16), rng=rng)
+        check_rows(op, x, weight=random(rng, (n,), bf16), bias=random(rng, (n,), np.float64), rng=rng)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", ["rms", "ln"])
+def test_strided_axis_backward(op, dtype, rng):
+    """axis 1 of (N, C, H, W) and of (2, 3, 760), and two middle axes."""
+    x = random(rng, (3, 24, 5, 7), dtype)
+    check_rows(op, x, axis=1, weight=random(rng, (24,), dtype), bias=random(rng, (24,), dtype) if op == "ln" else None,
+               rng=rng)
+    x = random(rng, (2, 3, 760), dtype)
+    check_rows(op, x, axis=1, weight=random(rng, (3,), dtype), rng=rng)
+    x = random(rng, (2, 3, 4, 5), dtype)
+    check_rows(op, x, axis=(1, 2), weight=random(rng, (3, 4), dtype), rng=rng)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf, "mean_abs"])
+@pytest.mark.parametrize("shape,axis", [((37, 760), -1), ((3, 65535), -1), ((3, 24, 5, 7), 1), ((3, 5, 7), None)],
+                         ids=["cached", "streamed", "strided", "whole"])
+def test_normalize_backward(p, dtype, shape, axis, rng):
+    x = random(rng, shape, dtype)
+    if p == math.inf:  # ties at the largest magnitude share the gradient
+        x.reshape(-1)[:2] = 9.0
+        x.reshape(-1)[-1] = -9.0
+    if p == "mean_abs":
+        check_rows("mean_abs", x, axis=axis, rng=rng)
+    else:
+        check_rows("lp", x, axis=axis, p=p, rng=rng)
+
+
+def test_normalize_backward_clamped_and_nan(rng):
+    import cupy
+
+    x = np.zeros((3, 760), np.float32)
+    x[1] = random(rng, (760,), np.float32)
+    x[2, 5] = np.nan
+    dy = random(rng, x.shape, np.float32)
+    dx = cupy.asnumpy(cunorm.normalize_backward(cupy.asarray(dy), cupy.asarray(x)))
+    assert_close(dx[0], dy[0].astype(np.float64) / 1e-12, np.float32, what="clamped: dy / eps")
+    assert np.all(np.isfinite(dx[1])) and np.all(np.isnan(dx[2]))
+
+
+def test_frobenius_backward_whole_array(rng):
+    import cupy
+
+    x = random(rng, (64, 3, 97, 41), np.float32)
+    dy = random(rng, x.shape, np.float32)
+    dx = cunorm.frobenius_normalize_backward(cupy.asarray(dy), cupy.asarray(x))
+    _close(cupy.asnumpy(dx), reference.normalize_backward(dy, x, 2.0, axis=None, exact=True), np.float32,
+           "frobenius dx", factor=4.0)
+
+
+def check_channels(op, x_np, *, groups=None, weight=None, bias=None, channel_axis=1, memory="c", training=True,
+                   rng):
+    import cupy
+
+    from test_channel_gpu import to_layout
+
+    dtype = x_np.dtype
+    x = to_layout(cupy, x_np, memory, channel_axis)
+    dy_np = random(rng, x_np.shape, dtype)
+    dy = to_layout(cupy, dy_np, "c", channel_axis)
+    w = None if weight is None else cupy.asarray(weight)
+    b = None if bias is None else cupy.asarray(bias)
+    before = [cupy.asnumpy(a) for a in (x, dy)]
+    kw = {"channel_axis": channel_axis}
+    c = x_np.shape[channel_axis]
+    if op == "batch" and not training:
+        mean = cupy.asarray(random(rng, (c,), np.float32))
+        var = cupy.asarray(np.abs(random(rng, (c,), np.float32)) + 0.5)
+        dx, dw, db = cunorm.batch_norm_backward(dy, x, mean, var, w, b, training=False, **kw)
+        ref = reference.batch_norm_backward(dy_np, x_np, cupy.asnumpy(mean), cupy.asnumpy(var), weight, bias,
+                                            training=False, exact=True, **kw)
+    else:
+        fwd = getattr(cunorm, f"{op}_norm")
+        args = (x, groups) if op == "group" else (x,)
+        _, mean, rstd = fwd(*args, w, b, return_stats=True, **kw)
+        bwd = getattr(cunorm, f"{op}_norm_backward")
+        rbwd = getattr(reference, f"{op}_norm_backward")
+        extra = (groups,) if op == "group" else ()
+        dx, dw, db = bwd(dy, x, mean, rstd, *extra, w, b, **kw)
+        ref = rbwd(dy_np, x_np, cupy.asnumpy(mean), cupy.asnumpy(rstd), *extra, weight, bias, exact=True, **kw)
+    _unchanged(before, [cupy.asnumpy(a) for a in (x, dy)])
+    assert dx.dtype == dtype
+    if memory == "swapped":  # dx keeps x's memory layout
+        assert dx.strides == x.strides
+    _close(cupy.asnumpy(dx), ref[0], dtype, f"{op} dx")
+    rows = x_np.size // c
+    for got, want, param, name in ((dw, ref[1], weight, "dweight"), (db, ref[2], bias, "dbias")):
+        if param is None:
+            assert got is None
+            continue
+        assert got.dtype == param.dtype
+        prec = _computed_in(param.dtype, dtype)
+        _close(cupy.asnumpy(got), want, prec, f"{op} {name}", factor=_param_factor(prec, rows))
+
+
+CHANNEL_CASES = [
+    ("group", (3, 8, 5, 7), 4), ("group", (2, 6, 33), 1), ("group", (2, 6, 33), 6), ("group", (4, 64, 9, 9), 8),
+    ("instance", (3, 8, 5, 7), None), ("batch", (3, 8, 5, 7), None), ("batch", (5, 6, 1), None),
+]
+
+
+@pytest.mark.parametrize("memory", ["c", "swapped", "sliced"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", CHANNEL_CASES, ids=lambda c: f"{c[0]}{c[2] or ''}-{'x'.join(map(str, c[1]))}")
+def test_channel_backward(case, dtype, memory, rng):
+    op, shape, groups = case
+    c = shape[1]
+    x = random(rng, shape, dtype)
+    check_channels(op, x, groups=groups, weight=random(rng, (c,), dtype, offset=1.0), bias=random(rng, (c,), dtype),
+                   memory=memory, rng=rng)
+
+
+@pytest.mark.parametrize("op", ["group", "instance", "batch"])
+def test_channel_backward_channels_last_and_params(op, rng):
+    x = random(rng, (2, 5, 7, 16), _dtypes.bfloat16)
+    groups = 4 if op == "group" else None
+    check_channels(op, x, groups=groups, channel_axis=-1, rng=rng)
+    check_channels(op, x, groups=groups, channel_axis=-1, weight=random(rng, (16,), np.float32), rng=rng)
+    check_channels(op, x, groups=groups, channel_axis=-1, bias=random(rng, (16,), _dtypes.bfloat16), rng=rng)
+
+
+@pytest.mark.parametrize("memory", ["c", "swapped"])
+def test_batch_norm_backward_eval(memory, rng):
+    x = random(rng, (3, 8, 5, 7), np.float32)
+    check_channels("batch", x, weight=random(rng, (8,), np.float32), bias=random(rng, (8,), np.float32),
+                   memory=memory, training=False, rng=rng)
+
+
+def test_backward_of_empty_rows_gives_zero_parameter_gradients():
+    import cupy
+
+    x = cupy.empty((0, 760), np.float32)
+    w = cupy.ones(760, np.float32)
+    dx, dw, db = cunorm.layer_norm_backward(x, x, cupy.empty(0, np.float32), cupy.empty(0, np.float32), w, w)
+    assert dx.shape == (0, 760) and float(cupy.abs(dw).sum()) == 0 and float(cupy.abs(db).sum()) == 0
+
+
+@pytest.mark.parametrize("case", ["cached", "streamed", "strided", "channels", "channels_last"])
+def test_gradients_are_bitwise_reproducible(case, rng):
+    """Two runs on the same inputs give the same bytes (no atomics: partials
+    are added in a fixed order)."""
+    import cupy
+
+    if case.startswith("channels"):
+        last = case == "channels_last"
+        x = cupy.asarray(random(rng, (16, 64, 32, 32), np.float32))
+        if last:
+            x = cupy.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+        dy = cupy.asarray(random(rng, x.shape, np.float32))
+        w = cupy.asarray(random(rng, (64,), np.float32))
+        _, mean, rstd = cunorm.group_norm(x, 8, w, w, return_stats=True)
+        run = lambda: cunorm.group_norm_backward(dy, x, mean, rstd, 8, w, w)  # noqa: E731
+    else:
+        shape, axis = {"cached": ((4096, 1024), -1), "streamed": ((64, 100000), -1),
+                       "strided": ((16, 64, 32, 32), 1)}[case]
+        x = cupy.asarray(random(rng, shape, np.float32))
+        dy = cupy.asarray(random(rng, shape, np.float32))
+        w = cupy.asarray(random(rng, (shape[1],), np.float32))
+        _, mean, rstd = cunorm.layer_norm(x, w, w, axis=axis, return_stats=True)
+        run = lambda: cunorm.layer_norm_backward(dy, x, mean, rstd, w, w, axis=axis)  # noqa: E731
+    first = [cupy.asnumpy(a).tobytes() for a in run()]
+    second = [cupy.asnumpy(a).tobytes() for a in run()]
+    assert first == second
+
+
+def test_backward_errors():
+    import cupy
+
+    x = cupy.ones((4, 8), np.float32)
+    _, rstd = cunorm.rms_norm(x, return_stats=True)
+    with pytest.raises(ValueError, match="dy must have x's shape"):
+        cunorm.rms_norm_backward(x[:2], x, rstd)
+    with pytest.raises(TypeError, match="dy must have x's dtype"):
+        cunorm.rms_norm_backward(x.astype(np.float64), x, rstd)
+    with pytest.raises(TypeError, match="rstd must have dtype float32"):
+        cunorm.rms_norm_backward(x, x, rstd.astype(np.float64))
+    with pytest.raises(ValueError, match="statistics shape"):
+        cunorm.rms_norm_backward(x, x, rstd[:2])
+    with pytest.raises(TypeError, match="dy is a NumPy array"):
+        cunorm.rms_norm_backward(np.ones((4, 8), np.float32), x, rstd)
+    with pytest.raises(ValueError, match="weight must have the shape"):
+        cunorm.rms_norm_backward(x, x, rstd, cupy.ones(7, np.float32))
