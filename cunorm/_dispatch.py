@@ -760,7 +760,9 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
 
 
 def column_sum_step(a: str, p: str, parts: int, n: int) -> Step:
-    return Step(Kernel("backward", column_sum_expr(a, p)), (_ceil_div(n, 32),), (32, 32))
+    by = min(32, next_pow2(parts))
+    bx = GRAD_BLOCK_THREADS // by
+    return Step(Kernel("backward", column_sum_expr(a, p)), (_ceil_div(n, bx),), (bx, by))
 
 
 def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> GradLaunch:

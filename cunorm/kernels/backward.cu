@@ -175,23 +175,25 @@ __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
 
 // --- column_sum ------------------------------------------------------------------
 // out[c] = sum over p < parts of partial[p * n + c], rounded once to P.
-// Block (32, 32): threadIdx.x a column of the block's 32, threadIdx.y takes
-// parts y, y + 32, ...; the 32 sums of a column are then added in y order.
+// Block (bx, by), bx * by = 256, by the power of two nearest above parts (at
+// most 32): threadIdx.x a column of the block's bx, threadIdx.y takes parts
+// y, y + by, ...; a column's by sums are then added in y order. (A fixed
+// 32 x 32 block launched 128K blocks of 1024 threads for problem 40's 4M
+// columns of one partial row each: 16.8% of copy bandwidth for the pass.)
 template <class A, class P>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(kGradBlockThreads, 1)
     column_sum(const A* __restrict__ partial, P* __restrict__ out, int parts, long long n) {
-    __shared__ A tile[32][33];
-    const long long col = static_cast<long long>(blockIdx.x) * 32 + threadIdx.x;
+    __shared__ A tile[kGradBlockThreads];
+    const long long col = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     A s = A(0);
     if (col < n) {
-        for (int p = threadIdx.y; p < parts; p += 32) s += partial[static_cast<long long>(p) * n + col];
+        for (int p = threadIdx.y; p < parts; p += blockDim.y) s += partial[static_cast<long long>(p) * n + col];
     }
-    tile[threadIdx.y][threadIdx.x] = s;
+    tile[threadIdx.y * blockDim.x + threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && col < n) {
-        A t = A(0);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) t += tile[i][threadIdx.x];
+        A t = tile[threadIdx.x];
+        for (int i = 1; i < static_cast<int>(blockDim.y); ++i) t += tile[i * blockDim.x + threadIdx.x];
         narrow(static_cast<typename AccOf<P>::type>(t), out[col]);
     }
 }
