@@ -228,12 +228,8 @@ def execute(call, x, y, last, stats, override: dict | None = None) -> str:
     ca = call.channel_axis
     batch, channels = shape[0], shape[ca]
     spatial = x.size // (batch * channels)
-    w, b = call.weight, call.bias
-    flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
-    pdtype = None
-    if flags:
-        pdtype = _dtypes.param_storage(x.dtype, [p.dtype for p in (w, b) if p is not None])
-        w, b = _ops._as_param(w, pdtype), _ops._as_param(b, pdtype)
+    flags, pdtype = _ops.kernel_params(x.dtype, call.weight, call.bias)
+    w, b = _ops._as_param(call.weight, pdtype), _ops._as_param(call.bias, pdtype)
     from_running = call.norm == "batch" and not call.training
     key = (call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial, channels // call.groups,
            call.norm != "batch", x.data.ptr % 32, y.data.ptr % 32, from_running, x.data.device_id,

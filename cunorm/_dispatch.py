@@ -603,8 +603,9 @@ def channel_kernels() -> list[Kernel]:
 
 # --- backward passes (cunorm/kernels/backward.cu, cunorm/_grad.py) -------------
 #
-# Contiguous rows of at most GRAD_CACHED_MAX_ELEMS elements a thread x 512
-# threads (8192 elements) run rows_grad_cached: threads = n_vec / vpt with
+# Contiguous rows of at most GRAD_CACHED_MAX_ELEMS elements (and
+# GRAD_CACHED_MAX_BYTES of x) a thread x 512 threads (8192 elements of 16- or
+# 32-bit data) run rows_grad_cached: threads = n_vec / vpt with
 # the fewest vectors a thread (vpt) that keeps the block within
 # GRAD_CACHED_TARGET_THREADS, else within 512; one block of those an SM
 # slot, walking rows. Anything else (longer rows, a strided axis, the whole
@@ -615,10 +616,13 @@ def channel_kernels() -> list[Kernel]:
 #: sm_80/sm_90 in the compile check)
 GRAD_CACHED_MAX_ELEMS = 16
 GRAD_CACHED_MAX_BYTES = 64
-#: block of rows_grad_cached when the row allows (several blocks an SM)
+#: block of rows_grad_cached when the row allows (several blocks an SM):
+#: LayerNorm backward bf16 32768x4096, 256 threads x 2 vectors 64.9% vs
+#: 512 x 1 45.4% (H200, 2026-11-21, bench/tune_backward.py)
 GRAD_CACHED_TARGET_THREADS = 256
 GRAD_CACHED_MAX_THREADS = 512  # mirrors kGradCachedMaxThreads
 GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads
+GRAD_COEFF_WORDS = 5  # mirrors kCoeffWords (grads.cuh)
 GRAD_BLOCKS_PER_SM = 8
 #: a pass-1 chunk is at least this many vectors a thread (for_each_batched's batch)
 GRAD_MIN_CHUNK_PER_THREAD = 4

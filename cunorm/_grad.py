@@ -9,6 +9,7 @@ forward's canonical layout: inputs in any other layout are copied once first.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -89,14 +90,9 @@ def _rows_gpu(g: RowGradCall):
     call = g.call
     x, dy, dh = (_contiguous(a) for a in (call.x, g.dy, g.dh))
     dx = cupy.empty(x.shape, dtype=x.dtype)
-    w, b = call.weight, call.bias
-    flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
-    pdtype = None
-    if flags:
-        pdtype = _dtypes.param_storage(x.dtype, [p.dtype for p in (w, b) if p is not None])
-        w = _ops._as_param(w, pdtype)
-    dw = None if w is None else cupy.empty(call.norm_shape, dtype=pdtype)
-    db = None if b is None else cupy.empty(call.norm_shape, dtype=pdtype)
+    flags, pdtype = _ops.kernel_params(x.dtype, call.weight, call.bias)
+    w = _ops._as_param(call.weight, pdtype)  # the bias is not read: only dbias is wanted
+    dw, db = _param_grad_buffers(call, call.norm_shape, pdtype)
     center, scale = (_contiguous(s) for s in (g.center, g.scale))
     if x.size:
         outer = math.prod(x.shape[: call.first])
@@ -109,16 +105,29 @@ def _rows_gpu(g: RowGradCall):
         vec = _plan.vector_width(x.itemsize, extent, [], pointers)
         launch = _rows_launch(g.norm, x.dtype, pdtype, flags, outer, reduced, inner, vec, x.data.device_id)
         _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, call.eps)
-    else:  # no rows: the parameters' gradients are empty sums
-        for a in (dw, db):
-            if a is not None:
-                a.fill(0)
-    # parameters cast for the kernels come back in their own dtype
-    if dw is not None and dw.dtype != call.weight.dtype:
-        dw = dw.astype(call.weight.dtype)
-    if db is not None and db.dtype != call.bias.dtype:
-        db = db.astype(call.bias.dtype)
-    return dx, dw, db
+    return (dx,) + _param_grads(call, dw, db, empty=not x.size)
+
+
+def _param_grad_buffers(call, shape, pdtype):
+    """dweight and dbias as the kernels write them (the parameters' kernel
+    dtype), None for an absent parameter."""
+    import cupy
+
+    return tuple(None if p is None else cupy.empty(shape, dtype=pdtype) for p in (call.weight, call.bias))
+
+
+def _param_grads(call, dw, db, *, empty: bool):
+    """dweight and dbias as returned: zeros when there were no rows (empty
+    sums), in each parameter's own dtype (the kernels' may differ)."""
+    out = []
+    for grad, param in ((dw, call.weight), (db, call.bias)):
+        if grad is not None:
+            if empty:
+                grad.fill(0)
+            if grad.dtype != param.dtype:
+                grad = grad.astype(param.dtype)
+        out.append(grad)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -133,8 +142,6 @@ def _rows_launch(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device_
 def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, eps):
     import cupy
 
-    from ._loader import get_function
-
     acc = _dtypes.accumulation(x.dtype)
     i64 = np.int64
     device = x.data.device_id
@@ -142,22 +149,23 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
     w_arg = x if w is None else w
     center_arg = _NULL if center is None else center
     scale_arg = _NULL if scale is None else scale
-    wants = [a for a in (dw, db) if a is not None]
-    flags_words = 2 if wants else 0
+    wants = dw is not None or db is not None
     if launch.tier == "cached":
+        # the partials' rows are the grid's blocks: cap it first (as
+        # launch_steps would), then size the workspace
         (step,) = launch.steps
-        fn = get_function(step.kernel.family, step.kernel.expression, device)
-        grid = max(1, min(step.grid[0], _ops._resident_blocks(fn, step.block[0], 0, device)))
-        partial = cupy.empty(flags_words * grid * reduced if wants else 1, dtype=acc)
-        fn((grid,), step.block, (dy, x, dh_arg, dx, w_arg, center_arg, scale_arg, partial, i64(outer),
-                                 np.int32(reduced), acc.type(eps)))
-        parts = grid
+        grid = _ops.persistent_grid(step, device)
+        parts = grid[0]
+        partial = cupy.empty(2 * parts * reduced if wants else 1, dtype=acc)
+        _ops.launch_steps((dataclasses.replace(step, grid=grid),),
+                          ((dy, x, dh_arg, dx, w_arg, center_arg, scale_arg, partial, i64(outer),
+                            np.int32(reduced), acc.type(eps)),), device)
     else:
-        sums, finalize, apply = launch.steps
         groups = outer * inner
+        parts = launch.parts
         ws = cupy.empty(groups * launch.chunks * launch.stat_words, dtype=acc)
-        coeffs = cupy.empty(groups * 5, dtype=acc)
-        partial = cupy.empty(2 * launch.parts * reduced if wants else 1, dtype=acc)
+        coeffs = cupy.empty(groups * _dispatch.GRAD_COEFF_WORDS, dtype=acc)
+        partial = cupy.empty(2 * parts * reduced if wants else 1, dtype=acc)
         dims = (i64(outer), i64(reduced), i64(inner))
         _ops.launch_steps(
             launch.steps,
@@ -166,15 +174,18 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
              (dy, x, dh_arg, dx, w_arg, coeffs, partial) + dims + (i64(launch.apply_chunks),
                                                                     i64(launch.apply_chunk_len))),
             device)
-        parts = launch.parts
-    a = _dtypes.KERNEL_TYPE[acc]
     for k, out in ((0, dw), (1, db)):
-        if out is None:
-            continue
-        step = _dispatch.column_sum_step(a, _dtypes.KERNEL_TYPE[out.dtype], parts, reduced)
-        _ops._check_limits(step)
-        get_function(step.kernel.family, step.kernel.expression, device)(
-            step.grid, step.block, (partial[k * parts * reduced :], out, np.int32(parts), i64(reduced)))
+        if out is not None:
+            step = _column_sum(acc, out.dtype, parts, reduced)
+            _ops.launch_steps((step,), ((partial[k * parts * reduced :], out, np.int32(parts), i64(reduced)),),
+                              device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _column_sum(acc, pdtype, parts, n):
+    step = _dispatch.column_sum_step(_dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[pdtype], parts, n)
+    _ops._check_limits(step)
+    return step
 
 
 # --- the channel norms -----------------------------------------------------------
@@ -227,28 +238,17 @@ def _channels_gpu(g: ChannelGradCall):
     import cupy
 
     call = g.call
-    x = call.x
-    ca = call.channel_axis
+    # x dense in one of the two layouts (copied if not), dx in the same
+    x, dx, last, _ = _channels.prepare(call)
     per_sample = call.norm != "batch"
-    last = _plan.channel_layout(x.shape, _channels._elements(x), ca, per_sample)
-    if last is None:
-        x = cupy.ascontiguousarray(x)
-        last = _channels.output_layout(x.shape, _channels._elements(x), ca, per_sample)
-    order = _plan.channel_orders(x.ndim, ca)[last]
     dy = g.dy
-    if not _plan.dense_order(dy.shape, _channels._elements(dy), order) or dy.strides != x.strides:
-        dy = cupy.empty([x.shape[a] for a in order], dtype=x.dtype).transpose(np.argsort(order))
+    if dy.strides != x.strides or dy.data.ptr % 16:  # dy into x's (and dx's) layout, 16-byte aligned
+        dy = cupy.ndarray(dx.shape, dx.dtype, cupy.cuda.alloc(dx.nbytes), strides=dx.strides)
         dy[...] = g.dy
-    dx = cupy.empty([x.shape[a] for a in order], dtype=x.dtype).transpose(np.argsort(order))
-    w, b = call.weight, call.bias
-    flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
-    pdtype = None
-    if flags:
-        pdtype = _dtypes.param_storage(x.dtype, [p.dtype for p in (w, b) if p is not None])
-        w = _ops._as_param(w, pdtype)
-    channels = x.shape[ca]
-    dw = None if w is None else cupy.empty((channels,), dtype=pdtype)
-    db = None if b is None else cupy.empty((channels,), dtype=pdtype)
+    flags, pdtype = _ops.kernel_params(x.dtype, call.weight, call.bias)
+    w = _ops._as_param(call.weight, pdtype)
+    channels = x.shape[call.channel_axis]
+    dw, db = _param_grad_buffers(call, (channels,), pdtype)
     acc = _dtypes.accumulation(x.dtype)
     mean, rstd = g.mean, g.rstd
     if call.norm == "batch" and not g.training:
@@ -260,8 +260,6 @@ def _channels_gpu(g: ChannelGradCall):
         spatial = x.size // (batch * channels)
         plan = _plan.make_channel_plan(call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial,
                                        channels // call.groups, per_sample, x.data.ptr % 32, dx.data.ptr % 32)
-        if dy.data.ptr % (plan.vec * x.itemsize):  # dy off the vector alignment x and dx share
-            dy = dy.copy(order="K")
         launch = _channel_launch(plan, g.training, x.data.device_id)
         i32, i64 = np.int32, np.int64
         stat_batch = 0 if not per_sample else call.groups
@@ -282,15 +280,7 @@ def _channels_gpu(g: ChannelGradCall):
              (sums, mean, rstd, w_arg, coeffs, dw_arg, db_arg) + dims,
              (dy, x, dx, mean, coeffs) + dims + chunking),
             x.data.device_id)
-    elif dw is not None or db is not None:
-        for a in (dw, db):
-            if a is not None:
-                a.fill(0)
-    if dw is not None and dw.dtype != call.weight.dtype:
-        dw = dw.astype(call.weight.dtype)
-    if db is not None and db.dtype != call.bias.dtype:
-        db = db.astype(call.bias.dtype)
-    return dx, dw, db
+    return (dx,) + _param_grads(call, dw, db, empty=not x.size)
 
 
 @functools.lru_cache(maxsize=1024)

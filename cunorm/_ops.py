@@ -225,10 +225,8 @@ def _run_gpu(call: Call):
         acc = _dtypes.accumulation(x.dtype)
         stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2 if call.norm == "ln" else 1)]
     if x.size:
-        w, b = call.weight, call.bias
-        if w is not None or b is not None:
-            pdtype = _dtypes.param_storage(x.dtype, [p.dtype for p in (w, b) if p is not None])
-            w, b = _as_param(w, pdtype), _as_param(b, pdtype)
+        _, pdtype = kernel_params(x.dtype, call.weight, call.bias)
+        w, b = _as_param(call.weight, pdtype), _as_param(call.bias, pdtype)
         center, scale = (stats if call.norm == "ln" else [None] + stats) if stats else (None, None)
         launch_on(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
                   first=call.first, last=call.last, eps=call.eps)
@@ -238,6 +236,17 @@ def _run_gpu(call: Call):
         results.append(out(h))
     results += [out(s) for s in stats]
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def kernel_params(x_dtype, w, b) -> tuple[int, np.dtype | None]:
+    """(flags, dtype) of the affine parameters as the kernels read them:
+    which are present (FLAG_WEIGHT | FLAG_BIAS) and the one storage dtype
+    (_dtypes.param_storage; None without parameters). Callers cast what they
+    read with _as_param."""
+    flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
+    if not flags:
+        return 0, None
+    return flags, _dtypes.param_storage(x_dtype, [p.dtype for p in (w, b) if p is not None])
 
 
 def _as_param(p, dtype):
@@ -365,9 +374,18 @@ def launch_steps(steps, steps_args, device: int):
                 raise RuntimeError(f"{step.kernel.expression}: {math.prod(grid)} blocks cannot all be resident "
                                    f"({resident} fit on the GPU)")
         elif step.kernel.persistent:
-            resident = _resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
-            grid = (max(1, min(grid[0], resident)),) + tuple(grid[1:])
+            grid = persistent_grid(step, device)
         fn(grid, step.block, args, shared_mem=step.shared_bytes)
+
+
+def persistent_grid(step, device: int) -> tuple[int, ...]:
+    """A persistent step's grid, its x extent capped at the blocks resident
+    at once (so no block starts its share late)."""
+    from ._loader import get_function
+
+    fn = get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
+    resident = _resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
+    return (max(1, min(step.grid[0], resident)),) + tuple(step.grid[1:])
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,6 +27,11 @@ from .norms import DEFAULT_EPS, LP_EPS, _lp_norm
 __all__ = ["rms_norm_backward", "layer_norm_backward", "normalize_backward", "mean_abs_normalize_backward",
            "frobenius_normalize_backward", "group_norm_backward", "instance_norm_backward", "batch_norm_backward"]
 
+_DY_X = """dy : array
+        The gradient of y: x's shape and dtype.
+    x : array
+        The forward's input; for the residual form, the h it returned."""
+
 _ERRORS = """Raises
     ------
     TypeError
@@ -47,10 +52,7 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, axis=-1, dh=None):
 
     Parameters
     ----------
-    dy : array
-        The gradient of y: x's shape and dtype.
-    x : array
-        The forward's input; for the residual form, the h it returned.
+    {dy_x}
     rstd : array
         The forward's ``rstd`` (``return_stats=True``).
     weight : array, optional
@@ -83,10 +85,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, d
 
     Parameters
     ----------
-    dy : array
-        The gradient of y: x's shape and dtype.
-    x : array
-        The forward's input; for the residual form, the h it returned.
+    {dy_x}
     mean, rstd : array
         The forward's statistics (``return_stats=True``).
     weight, bias : array, optional
@@ -229,5 +228,5 @@ def _axes(call):
 
 for _f in (rms_norm_backward, layer_norm_backward, normalize_backward, group_norm_backward, instance_norm_backward,
            batch_norm_backward):
-    _f.__doc__ = _f.__doc__.replace("{errors}", _ERRORS)
+    _f.__doc__ = _f.__doc__.replace("{errors}", _ERRORS).replace("{dy_x}", _DY_X)
 del _f

@@ -324,20 +324,10 @@ def test_gradients_are_bitwise_reproducible(case, rng):
     assert first == second
 
 
-def test_backward_errors():
+def test_backward_refuses_mixed_array_kinds():
     import cupy
 
     x = cupy.ones((4, 8), np.float32)
     _, rstd = cunorm.rms_norm(x, return_stats=True)
-    with pytest.raises(ValueError, match="dy must have x's shape"):
-        cunorm.rms_norm_backward(x[:2], x, rstd)
-    with pytest.raises(TypeError, match="dy must have x's dtype"):
-        cunorm.rms_norm_backward(x.astype(np.float64), x, rstd)
-    with pytest.raises(TypeError, match="rstd must have dtype float32"):
-        cunorm.rms_norm_backward(x, x, rstd.astype(np.float64))
-    with pytest.raises(ValueError, match="statistics shape"):
-        cunorm.rms_norm_backward(x, x, rstd[:2])
     with pytest.raises(TypeError, match="dy is a NumPy array"):
         cunorm.rms_norm_backward(np.ones((4, 8), np.float32), x, rstd)
-    with pytest.raises(ValueError, match="weight must have the shape"):
-        cunorm.rms_norm_backward(x, x, rstd, cupy.ones(7, np.float32))

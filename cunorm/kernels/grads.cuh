@@ -137,21 +137,11 @@ struct LinfGrad {
     static constexpr int kStatWords = 3;
     static constexpr bool kSaved = false;
     __device__ static __forceinline__ Stats init() { return Stats{A(0), A(0), A(0)}; }
-    // The larger maximum wins (a NaN wins, as in the forward); equal maxima
-    // add their ties.
+    // The forward's maximum (a NaN wins); the ties of each side that
+    // reaches it.
     __device__ static __forceinline__ Stats combine(const Stats& x, const Stats& y) {
-        A ties;
-        A m;
-        if (y.max_abs > x.max_abs || y.max_abs != y.max_abs) {
-            m = y.max_abs;
-            ties = y.ties;
-        } else if (y.max_abs == x.max_abs) {
-            m = x.max_abs;
-            ties = x.ties + y.ties;
-        } else {
-            m = x.max_abs;
-            ties = x.ties;
-        }
+        const A m = LinfNorm<A>::nan_max(x.max_abs, y.max_abs);
+        const A ties = (x.max_abs == m ? x.ties : A(0)) + (y.max_abs == m ? y.ties : A(0));
         return Stats{m, ties, x.gx + y.gx};
     }
     __device__ static __forceinline__ Stats shfl_xor(const Stats& s, int mask, int width) {
