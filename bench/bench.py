@@ -346,6 +346,8 @@ def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_comp
 
         # the timing loop reuses one graph (retain_graph), which a compiled
         # backward with donated buffers refuses
+        import torch._functorch.config
+
         torch._functorch.config.donated_buffer = False
         for key, fn in (("torch", forward), ("compile", torch.compile(forward) if with_compile else None)):
             if fn is None:
