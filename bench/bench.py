@@ -11,6 +11,7 @@ Writes bench.json and bench.md to --out. Also: host overhead per call on a
 from __future__ import annotations
 
 import argparse
+import importlib
 import datetime
 import json
 import statistics
@@ -346,9 +347,7 @@ def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_comp
 
         # the timing loop reuses one graph (retain_graph), which a compiled
         # backward with donated buffers refuses
-        import torch._functorch.config
-
-        torch._functorch.config.donated_buffer = False
+        importlib.import_module("torch._functorch.config").donated_buffer = False
         for key, fn in (("torch", forward), ("compile", torch.compile(forward) if with_compile else None)):
             if fn is None:
                 continue
