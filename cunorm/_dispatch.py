@@ -604,22 +604,27 @@ def channel_kernels() -> list[Kernel]:
 # --- backward passes (cunorm/kernels/backward.cu, cunorm/_grad.py) -------------
 #
 # Contiguous rows of at most GRAD_CACHED_MAX_ELEMS elements (and
-# GRAD_CACHED_MAX_BYTES of x) a thread x 512 threads (8192 elements of 16- or
-# 32-bit data) run rows_grad_cached: threads = n_vec / vpt with
-# the fewest vectors a thread (vpt) that keeps the block within
-# GRAD_CACHED_TARGET_THREADS, else within 512; one block of those an SM
-# slot, walking rows. Anything else (longer rows, a strided axis, the whole
-# array) runs rows_grad_sums + rows_grad_finalize + rows_grad_apply, chunked
-# so each pass has about GRAD_BLOCKS_PER_SM blocks an SM.
-#: elements a rows_grad_cached thread holds (x and dy in registers, plus
-#: its columns' weight and dweight/dbias sums: 128 registers, no spill on
-#: sm_80/sm_90 in the compile check)
-GRAD_CACHED_MAX_ELEMS = 16
+# GRAD_CACHED_MAX_BYTES of x) a thread x 512 threads (16384 elements of
+# 16-bit data, 8192 of 32-bit) run rows_grad_cached: threads = n_vec / vpt
+# with the fewest vectors a thread (vpt) that keeps the block within
+# GRAD_CACHED_TARGET_THREADS, else within 512; as many blocks as are
+# resident, walking rows, their column sums in shared memory (so rows the
+# shared memory cannot hold stream). Anything else (longer rows, a strided
+# axis, the whole array) runs rows_grad_sums + rows_grad_finalize +
+# rows_grad_apply, chunked so each pass has about GRAD_BLOCKS_PER_SM blocks
+# an SM.
+#: elements a rows_grad_cached thread holds in registers (x, dy and its
+#: columns' weights): 32 of 16-bit data, 16 of 32-bit, 8 doubles, at most
+#: 128 registers and no spill on sm_80/sm_90 in the compile check
+GRAD_CACHED_MAX_ELEMS = 32
 GRAD_CACHED_MAX_BYTES = 64
-#: block of rows_grad_cached when the row allows (several blocks an SM):
-#: LayerNorm backward bf16 32768x4096, 256 threads x 2 vectors 64.9% vs
-#: 512 x 1 45.4% (H200, 2026-11-21, bench/tune_backward.py)
-GRAD_CACHED_TARGET_THREADS = 256
+#: block of rows_grad_cached when the row allows (more blocks an SM): bf16
+#: 32768x4096 backward, 128 threads x 4 vectors (4 blocks an SM) against
+#: 256 x 2 (2-3 blocks) and 512 x 1: RMSNorm 88.7% / 69.8% / 45.0%,
+#: LayerNorm 65.8% / 65.7% / 58.7% (H200, 2026-11-21, bench/tune_backward.py).
+#: Loading the next row during the reduction (tried the same day) needed
+#: 108 registers for LayerNorm's 256 x 2 and read less: 61.9% / 79.0%.
+GRAD_CACHED_TARGET_THREADS = 128
 GRAD_CACHED_MAX_THREADS = 512  # mirrors kGradCachedMaxThreads
 GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads
 GRAD_COEFF_WORDS = 5  # mirrors kCoeffWords (grads.cuh)
@@ -677,9 +682,10 @@ def channel_grad_apply_expr(t, vec, last) -> str:
 
 
 def _vpt_choices(vec: int, itemsize: int) -> list[int]:
-    # at most 8 vectors and 64 bytes of x a thread: 16 scalar (VEC=1)
-    # LayerNorm elements with weight and bias, and 16 doubles, spilled at 128
-    # registers (sm_80)
+    # at most 8 vectors, GRAD_CACHED_MAX_ELEMS elements and 64 bytes of x a
+    # thread (16 doubles, or 16 scalar LayerNorm elements with weight and
+    # bias, spilled at 128 registers on sm_80 when the column sums were
+    # registers too)
     return [v for v in (1, 2, 4, 8)
             if v * vec <= GRAD_CACHED_MAX_ELEMS and v * vec * itemsize <= GRAD_CACHED_MAX_BYTES]
 
@@ -693,6 +699,12 @@ def grad_cached_shape(n_vec: int, vec: int, itemsize: int) -> tuple[int, int] | 
             if threads <= cap:
                 return threads, vpt
     return None
+
+
+def grad_cached_shared_bytes(flags: int, vec: int, threads: int, vpt: int, acc_itemsize: int) -> int:
+    """rows_grad_cached's dynamic shared memory: a column sum a thread's
+    element for dweight and for dbias, each where flags ask for it."""
+    return bin(flags & 3).count("1") * vpt * vec * threads * acc_itemsize
 
 
 @dataclass(frozen=True)
@@ -725,10 +737,11 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
     if inner == 1:
         n_vec = reduced // vec
         shape = grad_cached_shape(n_vec, vec, dtype.itemsize)
-        if shape is not None:
+        shared = 0 if shape is None else grad_cached_shared_bytes(flags, vec, *shape, accumulation(dtype).itemsize)
+        if shape is not None and shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
             threads, vpt = shape
             step = Step(Kernel("backward", grad_cached_expr(grad, t, p, flags, vec, vpt), persistent=True),
-                        (min(outer, MAX_GRID_X),), (threads,))
+                        (min(outer, MAX_GRID_X),), (threads,), shared)
             return GradLaunch("cached", (step,))
         want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, outer))
         chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, _ceil_div(n_vec, want))

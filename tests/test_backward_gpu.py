@@ -130,8 +130,10 @@ def check_rows(op, x_np, *, axis=-1, weight=None, bias=None, residual=False, rng
     return dx
 
 
-ROW_SHAPES = [(1, 1), (3, 3), (37, 760), (5, 4097), (2, 8192), (3, 65535), (2, 3, 96)]
-ROW_IDS = ["1x1", "3x3", "37x760", "5x4097", "2x8192", "3x65535", "2x3x96"]
+# 600x4096: more rows than resident blocks, so a cached block sums several
+# rows into its column partials; 3x16384: the cached path's longest 16-bit rows
+ROW_SHAPES = [(1, 1), (3, 3), (37, 760), (5, 4097), (600, 4096), (2, 8192), (3, 16384), (3, 65535), (2, 3, 96)]
+ROW_IDS = ["1x1", "3x3", "37x760", "5x4097", "600x4096", "2x8192", "3x16384", "3x65535", "2x3x96"]
 
 
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_IDS)

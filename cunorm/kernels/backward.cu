@@ -14,10 +14,10 @@
 // run.
 //
 // Families (cunorm/_grad.py picks):
-//   rows_grad_cached   contiguous rows of up to 16 elements a thread (8192
-//                      elements with 512 threads): a block walks rows with
-//                      its row in registers, reads x and dy once, and keeps
-//                      its columns' dweight/dbias partials in registers
+//   rows_grad_cached   contiguous rows of up to 32 elements (64 bytes of x)
+//                      a thread: a block walks rows with its row in
+//                      registers, reads x and dy once, and keeps its
+//                      columns' dweight/dbias partials in shared memory
 //                      across rows (each thread owns the same columns in
 //                      every row). One read of x and dy, one write of dx.
 //   rows_grad_sums / rows_grad_finalize / rows_grad_apply
@@ -81,6 +81,16 @@ __device__ __forceinline__ A scaled_grad(A dy, const Vec<P, VEC>& w, int j) {
 // min(rows, the blocks resident at once), block b taking rows b, b + grid,
 // ... partial (FLAGS: 2 x gridDim.x x n words) receives each block's sums
 // of dy * xhat (dweight) and dy (dbias) per column.
+//
+// The column sums live in dynamic shared memory (one word per element a
+// thread owns and parameter: VPT x VEC x blockDim.x words for dweight, as
+// many for dbias). Element (k, j) of lane l of warp q sits at
+// (q * VPT * VEC + k * VEC + j) * 32 + l: a warp's words fall in distinct
+// banks, and the offsets from a thread's first word are constants (a
+// stride of blockDim.x instead cost a register per element for its
+// address). Held in registers the sums took 32 of LayerNorm's 114 (bf16, 2
+// vectors of 8), leaving two 256-thread blocks an SM and too few rows in
+// flight to cover the memory latency.
 template <class Grad, class T, class P, int FLAGS, int VEC, int VPT>
 __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
     rows_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
@@ -90,10 +100,12 @@ __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
     __shared__ Stats scratch[33];
+    extern __shared__ __align__(16) unsigned char grad_column_sums[];
+    A* const dw_acc =
+        reinterpret_cast<A*>(grad_column_sums) + (threadIdx.x / 32) * (VPT * VEC * 32) + threadIdx.x % 32;
+    A* const db_acc = dw_acc + ((FLAGS & kWeight) ? VPT * VEC * blockDim.x : 0);
     const int n_vec = n / VEC;
     Vec<P, VEC> wv[VPT];
-    A dw_acc[VPT][VEC];
-    A db_acc[VPT][VEC];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
         const int v = threadIdx.x + k * blockDim.x;
@@ -101,7 +113,11 @@ __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
             if (v < n_vec) wv[k] = load_vec<P, VEC>(w + static_cast<long long>(v) * VEC);
         }
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) dw_acc[k][j] = db_acc[k][j] = A(0);
+        for (int j = 0; j < VEC; ++j) {
+            const int slot = (k * VEC + j) * 32;
+            if constexpr (FLAGS & kWeight) dw_acc[slot] = A(0);
+            if constexpr (FLAGS & kBias) db_acc[slot] = A(0);
+        }
     }
 #pragma unroll 1
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -149,8 +165,9 @@ __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
                     A d = grad_of<Grad>(xj, scaled_grad<A, P, FLAGS, VEC>(dyj, wv[k], j), c);
                     if (dh != nullptr) d += static_cast<A>(widen(hv.v[j]));
                     narrow(d, out.v[j]);
-                    if constexpr (FLAGS & kWeight) dw_acc[k][j] = fma(dyj, (xj - c.center) * c.scale, dw_acc[k][j]);
-                    if constexpr (FLAGS & kBias) db_acc[k][j] += dyj;
+                    const int slot = (k * VEC + j) * 32;
+                    if constexpr (FLAGS & kWeight) dw_acc[slot] = fma(dyj, (xj - c.center) * c.scale, dw_acc[slot]);
+                    if constexpr (FLAGS & kBias) db_acc[slot] += dyj;
                 }
                 store_vec<T, VEC>(dx + e, out);
             }
@@ -164,9 +181,10 @@ __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const long long col = static_cast<long long>(v) * VEC + j;
-                    if constexpr (FLAGS & kWeight) partial[static_cast<long long>(blockIdx.x) * n + col] = dw_acc[k][j];
+                    const int slot = (k * VEC + j) * 32;
+                    if constexpr (FLAGS & kWeight) partial[static_cast<long long>(blockIdx.x) * n + col] = dw_acc[slot];
                     if constexpr (FLAGS & kBias)
-                        partial[(static_cast<long long>(gridDim.x) + blockIdx.x) * n + col] = db_acc[k][j];
+                        partial[(static_cast<long long>(gridDim.x) + blockIdx.x) * n + col] = db_acc[slot];
                 }
             }
         }
