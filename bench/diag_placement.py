@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy
 import numpy as np
 
-from bench import copy_bandwidth, time_gpu
+from cunorm.bench._cases import copy_bandwidth, time_gpu
 from cunorm import _dtypes, _ops
 
 bw = copy_bandwidth()

@@ -5,8 +5,7 @@ import sys, cupy, numpy as np
 sys.path.insert(0, ".")
 import cunorm
 from cunorm import _dispatch, _grad, _dtypes
-sys.path.insert(0, "bench")
-from bench import time_gpu, copy_bandwidth
+from cunorm.bench._cases import time_gpu, copy_bandwidth
 bw = copy_bandwidth()
 print("copy", bw)
 rng = cupy.random.default_rng(0)

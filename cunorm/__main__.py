@@ -1,9 +1,10 @@
-"""python -m cunorm [check | precompile]
+"""python -m cunorm [check | precompile | bench]
 
 check (the default): on a GPU, run every op on random data against the
 float64 reference and print errors and timings; without a GPU, say so and
 compile every kernel instantiation with NVRTC for sm_80 and sm_90.
 precompile: build every kernel for the current GPU ahead of time.
+bench: the benchmark suites (``python -m cunorm bench --help``; cunorm/bench).
 """
 from __future__ import annotations
 
@@ -133,8 +134,13 @@ def check_compile() -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m cunorm", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", default="check", choices=["check", "precompile"])
+    parser.add_argument("command", nargs="?", default="check", choices=["check", "precompile", "bench"])
     parser.add_argument("--jobs", type=int, default=None,
                         help="precompile: compiling processes (default: the CPU count)")
     args = parser.parse_args(argv)

@@ -1,0 +1,109 @@
+"""python -m cunorm bench: the suites' cases, the report files and the
+no-GPU exit on the CPU; one quick case end to end on the GPU."""
+import csv
+import json
+import math
+
+import pytest
+
+from cunorm import bench
+from cunorm.__main__ import main as cli_main
+from conftest import HAS_GPU
+
+
+def test_suites_cover_the_issue():
+    kb = bench.cases(("kernelbench",))
+    assert [c.name.split()[0] for c in kb] == [str(p) for p in range(33, 41)]
+    # problems at their full shapes (ops.md)
+    shapes = {c.name.split()[0]: c.args[1] for c in kb}
+    assert shapes["35"] == (112, 64, 512, 512) and shapes["33"] == (64, 64, 512, 512)
+    assert shapes["38"] == (32768, 65535) and shapes["40"] == (16, 64, 256, 256)
+    llm = bench.cases(("llm",))
+    hidden = {c.args[1][1] for c in llm}
+    assert hidden == set(bench.LLM_HIDDEN) and min(hidden) == 1024 and max(hidden) == 32768
+    assert {c.args[2] for c in llm} == {"bfloat16", "float16", "float32"}
+    assert {c.args[5] for c in llm} == {False, True}
+    assert {c.op for c in bench.cases(("sweep",))} >= {"rms_norm", "layer_norm", "group_norm", "instance_norm",
+                                                        "batch_norm", "normalize", "frobenius_normalize"}
+    assert len(bench.cases(("backward",))) >= 4
+
+
+def test_quick_shapes_are_smaller():
+    for suite in bench.SUITES:
+        full = sum(c.x_bytes for c in bench.cases((suite,)))
+        quick = sum(c.x_bytes for c in bench.cases((suite,), quick=True))
+        assert quick < full / 10, suite
+    # every quick case is small enough for a minute's run
+    assert max(c.x_bytes for c in bench.cases(bench.SUITES, quick=True)) <= 300 << 20
+
+
+def test_sweep_shapes_hold_their_size():
+    for c in bench.cases(("sweep",)):
+        assert c.x_bytes == math.prod(c.args[1]) * 4, c.name
+
+
+def test_unknown_suite():
+    with pytest.raises(ValueError, match="unknown suite"):
+        bench.cases(("nope",))
+
+
+def _fake_result():
+    meta = {"gpu": "Test GPU", "driver": "1.0", "date": "2026-11-21", "commit": "abc1234", "quick": True,
+            "suites": ["kernelbench", "sweep"], "copy_gbps": 4000.0, "versions": {"cunorm": "0"}}
+    rows = [
+        {"suite": "kernelbench", "case": "35 group_norm(8)", "series": "group_norm", "tier": "channels",
+         "shape": [4, 64, 512, 512], "dtype": "float32", "bytes": 1 << 28, "ms": 0.1, "ms_min": 0.09,
+         "ms_max": 0.12, "gbps": 2684.0, "floor_pct": 67.1, "torch_ms": 0.2, "torch_speedup": 2.0,
+         "max_rel_err": 1e-6},
+        {"suite": "kernelbench", "case": "38 mean_abs_normalize", "series": "x", "skipped": "needs about 90 GiB"},
+    ] + [{"suite": "sweep", "case": f"rms_norm {n}", "series": "rms_norm", "bytes": n, "ms": n / 3e9,
+          "ms_min": n / 3e9, "ms_max": n / 3e9, "gbps": 3000.0, "floor_pct": 75.0, "torch_ms": n / 1e9}
+         for n in (1 << 20, 1 << 24)]
+    return {"meta": meta, "cases": rows}
+
+
+def test_report_files(tmp_path):
+    result = _fake_result()
+    paths = bench.write_results(result, tmp_path)
+    names = {p.name for p in paths}
+    assert {"results.json", "results.csv", "results.md"} <= names
+    assert json.loads((tmp_path / "results.json").read_text())["meta"]["gpu"] == "Test GPU"
+    with open(tmp_path / "results.csv") as fh:
+        lines = list(csv.reader(fh))
+    assert "Test GPU" in lines[0][0] and "abc1234" in lines[0][0]
+    assert lines[1] == list(bench.COLUMNS) and len(lines) == 2 + len(result["cases"])
+    table = bench.format_table(result)
+    assert "Test GPU" in table and "4000 GB/s" in table and "skipped: needs about 90 GiB" in table
+    assert "2.00" in table  # the speed-up over torch eager
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert {"sweep.png", "speedup.png"} <= names
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_from_saved_run(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps(_fake_result()))
+    assert cli_main(["bench", "--plot", str(saved), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "sweep.png").exists()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")
+def test_no_gpu_exits_2(capsys):
+    assert cli_main(["bench", "--quick"]) == bench.NO_GPU_EXIT == 2
+    assert "No CUDA GPU" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_quick_case_end_to_end(tmp_path):
+    result = bench.run(("llm",), quick=True, only="rms_norm bf16 1024x1024", progress=False)
+    (row,) = result["cases"]
+    assert result["meta"]["copy_gbps"] > 100
+    assert row["ms"] > 0 and row["ms_min"] <= row["ms"] <= row["ms_max"]
+    assert 0 < row["floor_pct"] < 150 and row["max_rel_err"] < 1e-2
+    assert not math.isnan(row["max_rel_err"])
+    bench.write_results(result, tmp_path)
+    assert (tmp_path / "results.csv").exists()
