@@ -100,7 +100,7 @@ def test_no_gpu_exits_2(capsys):
 @pytest.mark.gpu
 def test_quick_case_end_to_end(tmp_path):
     result = bench.run(("llm",), quick=True, only="rms_norm bf16 1024x1024", progress=False)
-    (row,) = result["cases"]
+    (row,) = [r for r in result["cases"] if r["case"] == "rms_norm bf16 1024x1024"]
     assert result["meta"]["copy_gbps"] > 100
     assert row["ms"] > 0 and row["ms_min"] <= row["ms"] <= row["ms_max"]
     assert 0 < row["floor_pct"] < 150 and row["max_rel_err"] < 1e-2
