@@ -1,29 +1,100 @@
-"""Sweep rows_grad_cached's preferred block (GRAD_CACHED_TARGET_THREADS) on
-LayerNorm and RMSNorm backward, bf16 32768x4096 and problem 40; floor% against the copy
-bandwidth of the same run. PYTHONPATH=. python bench/tune_backward.py"""
-import sys, cupy, numpy as np
+"""Tuning sweep of the backward passes' knobs, floor% against the copy
+bandwidth of the same run, plus the time of each launch of one call (a
+1 GB fill before it, as in the benchmark):
+
+- rows_grad_cached on bf16 32768x4096 (RMSNorm, LayerNorm): the preferred
+  block (GRAD_CACHED_TARGET_THREADS) and the blocks an SM its launch bounds
+  ask for (GRAD_CACHED_TARGET_MIN_BLOCKS) x the rows fetched into L2 ahead
+  (GRAD_CACHED_PREFETCH_ROWS);
+- the streamed rows (problem 40, LayerNorm bf16 4096x32768): their launches;
+- the channel backward (problem 35): its launches.
+
+PYTHONPATH=. python bench/tune_backward.py [--only TEXT]"""
+import argparse
+import sys
+
+import cupy
+import numpy as np
+
 sys.path.insert(0, ".")
-import cunorm
-from cunorm import _dispatch, _grad, _dtypes
-from cunorm.bench._cases import time_gpu, copy_bandwidth
-bw = copy_bandwidth()
-print("copy", bw)
-rng = cupy.random.default_rng(0)
-bf = np.dtype(_dtypes.bfloat16)
-for shape, axis in (((32768, 4096), -1), ((16, 64, 256, 256), (1, 2, 3))):
-    dt = bf if shape[0] == 32768 else np.dtype(np.float32)
-    x = rng.standard_normal(shape, dtype=np.float32).astype(dt); dy = rng.standard_normal(shape, dtype=np.float32).astype(dt)
-    ps = shape[1:] if isinstance(axis, tuple) else (shape[-1],)
-    w = rng.standard_normal(ps, dtype=np.float32).astype(dt); b = w.copy()
-    _, mean, rstd = cunorm.layer_norm(x, w, b, axis=axis, return_stats=True)
-    nbytes = 3 * x.nbytes + 3 * w.nbytes
-    for target in (128, 256, 512):
-        _dispatch.GRAD_CACHED_TARGET_THREADS = target
-        _grad._rows_launch.cache_clear()
-        ms = time_gpu(lambda: cunorm.layer_norm_backward(dy, x, mean, rstd, w, b, axis=axis))[0]
-        print(shape, "layer_norm target", target, f"{ms:.3f} ms {100 * nbytes / ms / 1e6 / bw:.1f}%", flush=True)
-        _, rstd1 = cunorm.rms_norm(x, w, axis=axis, return_stats=True)
-        ms = time_gpu(lambda: cunorm.rms_norm_backward(dy, x, rstd1, w, axis=axis))[0]
-        print(shape, "rms_norm target", target,
-              f"{ms:.3f} ms {100 * (3 * x.nbytes + 2 * w.nbytes) / ms / 1e6 / bw:.1f}%", flush=True)
-    del x, dy
+from cunorm import _dispatch, _grad, _ops  # noqa: E402
+from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu  # noqa: E402
+
+
+def launch_times(run):
+    """ms of each launch of one run() (after a fill that evicts L2)."""
+    original = _ops.launch_steps
+    records = []
+
+    def timed(steps, steps_args, device):
+        for step, args in zip(steps, steps_args):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            original((step,), (args,), device)
+            stop.record()
+            records.append((step.kernel.expression.split("<")[0].replace("cunorm::", ""), start, stop))
+
+    run()
+    cupy.cuda.runtime.deviceSynchronize()
+    cupy.empty(256 << 20, dtype=np.float32).fill(0)
+    _ops.launch_steps = timed
+    try:
+        run()
+    finally:
+        _ops.launch_steps = original
+    cupy.cuda.runtime.deviceSynchronize()
+    return [(name, cupy.cuda.get_elapsed_time(a, b)) for name, a, b in records]
+
+
+def case(op, shape, dtype, axis):
+    *_, run, nbytes = backward_call(op, shape, dtype, axis, cupy.random.default_rng())
+    return run, nbytes
+
+
+def report(label, run, nbytes, bw, steps=False):
+    ms, lo, hi = time_gpu(run)
+    print(f"{label:60s} {ms:8.3f} ms ({lo:.3f}-{hi:.3f}) {100 * nbytes / ms / 1e6 / bw:6.1f}%", flush=True)
+    if steps:
+        for name, t in launch_times(run):
+            print(f"    {name:40s} {t:8.3f} ms")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="")
+    args = parser.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw:.0f} GB/s")
+    if "cached" in args.only or not args.only:
+        for op in ("ln", "rms"):
+            run, nbytes = case(op, (32768, 4096), "bfloat16", -1)
+            defaults = (_dispatch.GRAD_CACHED_TARGET_THREADS, _dispatch.GRAD_CACHED_TARGET_MIN_BLOCKS,
+                        _dispatch.GRAD_CACHED_PREFETCH_ROWS)
+            for target, min_blocks in ((128, 4), (256, 3)):
+                for ahead in (0, 1):
+                    _dispatch.GRAD_CACHED_TARGET_THREADS = target
+                    _dispatch.GRAD_CACHED_TARGET_MIN_BLOCKS = min_blocks
+                    _dispatch.GRAD_CACHED_PREFETCH_ROWS = ahead
+                    _grad._rows_launch.cache_clear()
+                    report(f"{op} bf16 32768x4096 threads {target} min blocks {min_blocks} prefetch {ahead}", run,
+                           nbytes, bw)
+            (_dispatch.GRAD_CACHED_TARGET_THREADS, _dispatch.GRAD_CACHED_TARGET_MIN_BLOCKS,
+             _dispatch.GRAD_CACHED_PREFETCH_ROWS) = defaults
+            _grad._rows_launch.cache_clear()
+            report(f"{op} bf16 32768x4096 (the dispatch's choice)", run, nbytes, bw, steps=True)
+            del run
+    if "streamed" in args.only or not args.only:
+        for label, shape, dtype, axis in (("problem 40", (16, 64, 256, 256), "float32", (1, 2, 3)),
+                                          ("ln bf16 4096x32768", (4096, 32768), "bfloat16", -1)):
+            run, nbytes = case("ln", shape, dtype, axis)
+            report(f"{label}, streamed", run, nbytes, bw, steps=True)
+            del run
+    if "channels" in args.only or not args.only:
+        run, nbytes = case("group", (112, 64, 512, 512), "float32", 8)
+        report("problem 35 group_norm(8)", run, nbytes, bw, steps=True)
+        del run
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()

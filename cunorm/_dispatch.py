@@ -609,10 +609,10 @@ def channel_kernels() -> list[Kernel]:
 # with the fewest vectors a thread (vpt) that keeps the block within
 # GRAD_CACHED_TARGET_THREADS, else within 512; as many blocks as are
 # resident, walking rows, their column sums in shared memory (so rows the
-# shared memory cannot hold stream). Anything else (longer rows, a strided
-# axis, the whole array) runs rows_grad_sums + rows_grad_finalize +
-# rows_grad_apply, chunked so each pass has about GRAD_BLOCKS_PER_SM blocks
-# an SM.
+# shared memory cannot hold stream). Longer contiguous rows (and the whole
+# array) run rows_grad_chunks + rows_grad_finalize_wide + rows_grad_apply, a
+# strided axis rows_grad_sums + rows_grad_finalize + rows_grad_apply, each
+# pass chunked to about GRAD_BLOCKS_PER_SM blocks an SM.
 #: elements a rows_grad_cached thread holds in registers (x, dy and its
 #: columns' weights): 32 of 16-bit data, 16 of 32-bit, 8 doubles, at most
 #: 128 registers and no spill on sm_80/sm_90 in the compile check
@@ -624,11 +624,19 @@ GRAD_CACHED_MAX_BYTES = 64
 #: LayerNorm 65.8% / 65.7% / 58.7% (H200, 2026-11-21, bench/tune_backward.py).
 #: Loading the next row during the reduction (tried the same day) needed
 #: 108 registers for LayerNorm's 256 x 2 and read less: 61.9% / 79.0%.
-GRAD_CACHED_TARGET_THREADS = 128
-GRAD_CACHED_MAX_THREADS = 512  # mirrors kGradCachedMaxThreads
+GRAD_CACHED_TARGET_THREADS = 256
+#: blocks of the preferred size an SM that its launch bounds ask for (the
+#: registers then fit that many)
+GRAD_CACHED_TARGET_MIN_BLOCKS = 3
+#: rows ahead of its current one (in its own sequence: row + k * grid) that
+#: a rows_grad_cached block fetches into L2 while it works
+GRAD_CACHED_PREFETCH_ROWS = 1
+GRAD_CACHED_MAX_THREADS = 512
 GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads
 GRAD_COEFF_WORDS = 5  # mirrors kCoeffWords (grads.cuh)
 GRAD_BLOCKS_PER_SM = 8
+#: block of rows_grad_finalize_wide (at most; a block a row, over its chunks)
+GRAD_FINALIZE_THREADS = 1024  # mirrors kGradFinalizeThreads
 #: a pass-1 chunk is at least this many vectors a thread (for_each_batched's batch)
 GRAD_MIN_CHUNK_PER_THREAD = 4
 
@@ -645,16 +653,32 @@ def grad_policy(norm: str, acc: str) -> str:
     return f"cunorm::LpGrad<{forward}<{acc}>, {acc}>"
 
 
-def grad_cached_expr(grad, t, p, flags, vec, vpt) -> str:
-    return f"cunorm::rows_grad_cached<{grad}, {t}, {p}, {flags}, {vec}, {vpt}>"
+def grad_cached_expr(grad, t, p, flags, vec, vpt, bounds) -> str:
+    max_threads, min_blocks = bounds
+    return f"cunorm::rows_grad_cached<{grad}, {t}, {p}, {flags}, {vec}, {vpt}, {max_threads}, {min_blocks}>"
 
 
-def grad_sums_expr(grad, t, p, flags, vec, strided) -> str:
-    return f"cunorm::rows_grad_sums<{grad}, {t}, {p}, {flags}, {vec}, {_b(strided)}>"
+def grad_cached_bounds(threads: int, vpt: int) -> tuple[int, int]:
+    """rows_grad_cached's launch bounds (most threads, fewest blocks an SM)
+    for a block of ``threads``, ``vpt`` vectors a thread: the preferred
+    block's, which caps the registers for more blocks an SM (4 and 8
+    vectors a thread spilled at 3 blocks' 80 registers: 2 blocks, 128), or
+    the largest block's."""
+    if threads <= GRAD_CACHED_TARGET_THREADS:
+        return GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_TARGET_MIN_BLOCKS if vpt <= 2 else 2
+    return GRAD_CACHED_MAX_THREADS, 1
 
 
-def grad_finalize_expr(grad, a) -> str:
-    return f"cunorm::rows_grad_finalize<{grad}, {a}>"
+def grad_chunks_expr(grad, t, p, flags, vec) -> str:
+    return f"cunorm::rows_grad_chunks<{grad}, {t}, {p}, {flags}, {vec}>"
+
+
+def grad_sums_expr(grad, t, p, flags, vec) -> str:
+    return f"cunorm::rows_grad_sums<{grad}, {t}, {p}, {flags}, {vec}>"
+
+
+def grad_finalize_expr(grad, a, wide=False) -> str:
+    return f"cunorm::rows_grad_finalize{'_wide' if wide else ''}<{grad}, {a}>"
 
 
 def grad_apply_expr(grad, t, p, flags, vec, strided) -> str:
@@ -710,17 +734,19 @@ def grad_cached_shared_bytes(flags: int, vec: int, threads: int, vpt: int, acc_i
 @dataclass(frozen=True)
 class GradLaunch:
     """The backward strategy of a plan: cached (one launch, the grid capped
-    at the resident blocks when launched) or streamed (sums, finalize,
-    apply); parameter partials are then added by column_sum."""
+    at the resident blocks when launched), streamed (contiguous rows: chunks,
+    finalize, apply) or strided (sums, finalize, apply); parameter partials
+    are then added by column_sum, except for streamed rows of one part."""
 
-    tier: str  # "cached" or "streamed"
+    tier: str  # "cached", "streamed" or "strided"
     steps: tuple[Step, ...]
     chunks: int = 0  # pass-1 chunks a group
-    chunk_len: int = 0  # vectors (rows: along the row; strided: reduced indices) a chunk
+    chunk_len: int = 0  # vectors (streamed) or reduced indices (strided) a chunk
     apply_chunks: int = 0  # pass-2 chunks (of rows, or of outer indices)
     apply_chunk_len: int = 0
-    parts: int = 0  # rows of parameter partials (cached: set at launch)
+    parts: int = 0  # rows of parameter partials (cached: set at launch; streamed: 1 = written directly)
     stat_words: int = 2  # words of the gradient statistic (LinfGrad: 3)
+    prefetch_rows: int = 0  # cached: rows fetched into L2 ahead
 
 
 def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: int, inner: int, vec: int,
@@ -734,52 +760,61 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
     p = NO_PARAMS if not flags else KERNEL_TYPE[pdtype]
     grad = grad_policy(norm, a)
     sm = device.sm_count
+    stat_words = 3 if norm == "linf" else 2
     if inner == 1:
         n_vec = reduced // vec
         shape = grad_cached_shape(n_vec, vec, dtype.itemsize)
         shared = 0 if shape is None else grad_cached_shared_bytes(flags, vec, *shape, accumulation(dtype).itemsize)
         if shape is not None and shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
             threads, vpt = shape
-            step = Step(Kernel("backward", grad_cached_expr(grad, t, p, flags, vec, vpt), persistent=True),
+            step = Step(Kernel("backward", grad_cached_expr(grad, t, p, flags, vec, vpt, grad_cached_bounds(threads, vpt)),
+                               persistent=True),
                         (min(outer, MAX_GRID_X),), (threads,), shared)
-            return GradLaunch("cached", (step,))
+            return GradLaunch("cached", (step,), prefetch_rows=GRAD_CACHED_PREFETCH_ROWS)
+        # pass 1: chunks of each row, about GRAD_BLOCKS_PER_SM blocks an SM;
+        # pass 2: column tiles down row chunks, as many blocks
         want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, outer))
         chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, _ceil_div(n_vec, want))
         chunks = _ceil_div(n_vec, chunk_len)
-        tiles = _ceil_div(n_vec, GRAD_BLOCK_THREADS)
-        apply_chunk_len = max(1, _ceil_div(outer, max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, tiles))))
+        apply_tiles = _ceil_div(n_vec, GRAD_BLOCK_THREADS)
+        apply_chunk_len = max(1, _ceil_div(outer, max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, apply_tiles))))
         apply_chunks = _ceil_div(outer, apply_chunk_len)
-        sums_grid = (outer * chunks,)
-        apply_grid = (tiles, apply_chunks)
-    else:
-        inner_vec = inner // vec
-        tiles = _ceil_div(inner_vec, GRAD_BLOCK_THREADS)
-        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, outer * tiles))
-        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD, _ceil_div(reduced, want))
-        chunks = _ceil_div(reduced, chunk_len)
-        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, reduced * tiles))
-        apply_chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD, _ceil_div(outer, want))
-        apply_chunks = _ceil_div(outer, apply_chunk_len)
-        sums_grid = (outer * chunks * tiles,)
-        apply_grid = (reduced * apply_chunks * tiles,)
-    strided = inner > 1
+        steps = (
+            Step(Kernel("backward", grad_chunks_expr(grad, t, p, flags, vec)), (outer * chunks,),
+                 (GRAD_BLOCK_THREADS,)),
+            Step(Kernel("backward", grad_finalize_expr(grad, a, wide=True)), (outer,),
+                 (min(GRAD_FINALIZE_THREADS, max(32, next_pow2(chunks))),)),
+            Step(Kernel("backward", grad_apply_expr(grad, t, p, flags, vec, False)), (apply_tiles, apply_chunks),
+                 (GRAD_BLOCK_THREADS,)),
+        )
+        return GradLaunch("streamed", steps, chunks=chunks, chunk_len=chunk_len, apply_chunks=apply_chunks,
+                          apply_chunk_len=apply_chunk_len, parts=apply_chunks, stat_words=stat_words)
+    inner_vec = inner // vec
+    tiles = _ceil_div(inner_vec, GRAD_BLOCK_THREADS)
+    want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, outer * tiles))
+    chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD, _ceil_div(reduced, want))
+    chunks = _ceil_div(reduced, chunk_len)
+    want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, reduced * tiles))
+    apply_chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD, _ceil_div(outer, want))
+    apply_chunks = _ceil_div(outer, apply_chunk_len)
     groups = outer * inner
     steps = (
-        Step(Kernel("backward", grad_sums_expr(grad, t, p, flags, vec, strided)), sums_grid, (GRAD_BLOCK_THREADS,)),
+        Step(Kernel("backward", grad_sums_expr(grad, t, p, flags, vec)), (outer * chunks * tiles,),
+             (GRAD_BLOCK_THREADS,)),
         Step(Kernel("backward", grad_finalize_expr(grad, a)), (_ceil_div(groups, GRAD_BLOCK_THREADS),),
              (GRAD_BLOCK_THREADS,)),
-        Step(Kernel("backward", grad_apply_expr(grad, t, p, flags, vec, strided)), apply_grid,
+        Step(Kernel("backward", grad_apply_expr(grad, t, p, flags, vec, True)), (reduced * apply_chunks * tiles,),
              (GRAD_BLOCK_THREADS,)),
     )
-    parts = apply_chunks * (tiles if strided else 1)
-    return GradLaunch("streamed", steps, chunks=chunks, chunk_len=chunk_len, apply_chunks=apply_chunks,
-                      apply_chunk_len=apply_chunk_len, parts=parts, stat_words=3 if norm == "linf" else 2)
+    return GradLaunch("strided", steps, chunks=chunks, chunk_len=chunk_len, apply_chunks=apply_chunks,
+                      apply_chunk_len=apply_chunk_len, parts=apply_chunks * tiles, stat_words=stat_words)
 
 
-def column_sum_step(a: str, p: str, parts: int, n: int) -> Step:
+def column_sum_step(a: str, p: str, parts: int, n: int, outputs: int) -> Step:
+    """column_sum of dweight (outputs 1) or dweight and dbias (2)."""
     by = min(32, next_pow2(parts))
     bx = GRAD_BLOCK_THREADS // by
-    return Step(Kernel("backward", column_sum_expr(a, p)), (_ceil_div(n, bx),), (bx, by))
+    return Step(Kernel("backward", column_sum_expr(a, p)), (_ceil_div(n, bx), outputs), (bx, by))
 
 
 def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> GradLaunch:
@@ -840,12 +875,16 @@ def backward_kernels() -> list[Kernel]:
             grad = grad_policy(norm, a)
             affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in norm_info(norm).flags if f for p in params]
             out.append(Kernel("backward", grad_finalize_expr(grad, a)))
+            out.append(Kernel("backward", grad_finalize_expr(grad, a, wide=True)))
             for vec in _vector_widths(dtype):
                 for p, flags in affine:
                     for vpt in _vpt_choices(vec, dtype.itemsize):
-                        out.append(Kernel("backward", grad_cached_expr(grad, t, p, flags, vec, vpt), persistent=True))
+                        for threads in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
+                            expr = grad_cached_expr(grad, t, p, flags, vec, vpt, grad_cached_bounds(threads, vpt))
+                            out.append(Kernel("backward", expr, persistent=True))
+                    out.append(Kernel("backward", grad_chunks_expr(grad, t, p, flags, vec)))
+                    out.append(Kernel("backward", grad_sums_expr(grad, t, p, flags, vec)))
                     for strided in (False, True):
-                        out.append(Kernel("backward", grad_sums_expr(grad, t, p, flags, vec, strided)))
                         out.append(Kernel("backward", grad_apply_expr(grad, t, p, flags, vec, strided)))
         out.append(Kernel("backward", channel_grad_combine_expr(a)))
         for p, flags in [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]:

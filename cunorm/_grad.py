@@ -150,6 +150,7 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
     center_arg = _NULL if center is None else center
     scale_arg = _NULL if scale is None else scale
     wants = dw is not None or db is not None
+    direct = False
     if launch.tier == "cached":
         # the partials' rows are the grid's blocks: cap it first (as
         # launch_steps would), then size the workspace
@@ -159,31 +160,41 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
         partial = cupy.empty(2 * parts * reduced if wants else 1, dtype=acc)
         _ops.launch_steps((dataclasses.replace(step, grid=grid),),
                           ((dy, x, dh_arg, dx, w_arg, center_arg, scale_arg, partial, i64(outer),
-                            np.int32(reduced), acc.type(eps)),), device)
+                            np.int32(reduced), acc.type(eps), np.int32(launch.prefetch_rows)),), device)
     else:
         groups = outer * inner
         parts = launch.parts
         ws = cupy.empty(groups * launch.chunks * launch.stat_words, dtype=acc)
         coeffs = cupy.empty(groups * _dispatch.GRAD_COEFF_WORDS, dtype=acc)
-        partial = cupy.empty(2 * parts * reduced if wants else 1, dtype=acc)
+        # streamed rows write dweight/dbias themselves when they are one part
+        direct = launch.tier == "streamed" and parts == 1
+        partial = cupy.empty(2 * parts * reduced if wants and not direct else 1, dtype=acc)
         dims = (i64(outer), i64(reduced), i64(inner))
-        _ops.launch_steps(
-            launch.steps,
-            ((dy, x, w_arg, center_arg, scale_arg, ws) + dims + (i64(launch.chunks), i64(launch.chunk_len)),
-             (ws, center_arg, scale_arg, coeffs, i64(groups), i64(launch.chunks), i64(reduced), acc.type(eps)),
-             (dy, x, dh_arg, dx, w_arg, coeffs, partial) + dims + (i64(launch.apply_chunks),
-                                                                    i64(launch.apply_chunk_len))),
-            device)
-    for k, out in ((0, dw), (1, db)):
-        if out is not None:
-            step = _column_sum(acc, out.dtype, parts, reduced)
-            _ops.launch_steps((step,), ((partial[k * parts * reduced :], out, np.int32(parts), i64(reduced)),),
-                              device)
+        dw_arg, db_arg = (x if a is None else a for a in (dw, db))
+        apply_args = (dy, x, dh_arg, dx, w_arg, coeffs, partial, dw_arg, db_arg) + dims + (
+            i64(launch.apply_chunks), i64(launch.apply_chunk_len))
+        if launch.tier == "streamed":
+            steps_args = ((dy, x, w_arg, center_arg, scale_arg, ws, i64(outer), i64(reduced), i64(launch.chunks),
+                           i64(launch.chunk_len)),
+                          (ws, center_arg, scale_arg, coeffs, i64(launch.chunks), i64(reduced), acc.type(eps)),
+                          apply_args)
+        else:
+            steps_args = ((dy, x, w_arg, center_arg, scale_arg, ws) + dims + (i64(launch.chunks),
+                                                                                i64(launch.chunk_len)),
+                          (ws, center_arg, scale_arg, coeffs, i64(groups), i64(launch.chunks), i64(reduced),
+                           acc.type(eps)),
+                          apply_args)
+        _ops.launch_steps(launch.steps, steps_args, device)
+    if wants and not direct:
+        pdtype = (dw if dw is not None else db).dtype
+        step = _column_sum(acc, pdtype, parts, reduced, 1 if db is None else 2)
+        dw_arg, db_arg = (_NULL if a is None else a for a in (dw, db))
+        _ops.launch_steps((step,), ((partial, dw_arg, db_arg, np.int32(parts), i64(reduced)),), device)
 
 
 @functools.lru_cache(maxsize=1024)
-def _column_sum(acc, pdtype, parts, n):
-    step = _dispatch.column_sum_step(_dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[pdtype], parts, n)
+def _column_sum(acc, pdtype, parts, n, outputs):
+    step = _dispatch.column_sum_step(_dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[pdtype], parts, n, outputs)
     _ops._check_limits(step)
     return step
 

@@ -16,7 +16,7 @@ of the kernels keeps float32 sums of its own rows and a second pass adds
 those partials in a fixed order, so gradients are bitwise identical run to
 run. They come back in the weight's (bias') dtype.
 
-To train through cunorm with torch, use :mod:`cunorm.torch`: its functions
+To train through cunorm with torch, use ``cunorm.torch``: its functions
 and layers are differentiable (these functions are their backward).
 """
 from __future__ import annotations

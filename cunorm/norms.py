@@ -87,7 +87,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     -----
     A group (the elements normalized together) holding Inf or NaN comes out
     all NaN; so does a group whose float32 sum of squares overflows
-    (|x| beyond about 1e19). Other groups are unaffected.
+    (``|x|`` beyond about 1e19). Other groups are unaffected.
     """
     if _interop.torch_route(x, weight, residual, out=out):
         return _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats)
@@ -213,7 +213,7 @@ def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
     -----
     A group holding Inf or NaN comes out all NaN (torch gives 0 and NaN
     there), as does a group whose float32 statistic overflows (for p = 2,
-    |x| beyond about 1e19; for large p much sooner: ``|x|**p`` is summed).
+    ``|x|`` beyond about 1e19; for large p much sooner: ``|x|**p`` is summed).
     Other groups are unaffected.
     """
     norm = _lp_norm(p)
@@ -281,7 +281,7 @@ def frobenius_normalize(x, *, axis=None, eps=LP_EPS, out=None):
 
 
 _CHANNEL_X = """x : array
-        (N, C, *spatial) with ``channel_axis=1`` (NCHW), or (N, *spatial, C)
+        ``(N, C, *spatial)`` with ``channel_axis=1`` (NCHW), or ``(N, *spatial, C)``
         with ``channel_axis=-1`` (channels-last, NHWC); any number of spatial
         axes, including none. Array kinds and dtypes as for
         :func:`layer_norm`. Dense channels-first or channels-last memory is
@@ -344,7 +344,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
 
 
 def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False, out=None):
-    """Instance normalization (torch.nn.InstanceNorm*d, using the input's
+    """Instance normalization (``torch.nn.InstanceNorm*d``, using the input's
     statistics): GroupNorm with one channel per group; each (sample, channel)
     is normalized over its spatial positions.
 
@@ -379,7 +379,7 @@ def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1,
 
 def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
                eps=DEFAULT_EPS, channel_axis=1, return_stats=False, out=None):
-    """Batch normalization (torch.nn.BatchNorm*d's forward).
+    """Batch normalization (``torch.nn.BatchNorm*d``'s forward).
 
     Training (the default): each channel is normalized with its statistics
     over the batch and every spatial position (var biased), and the running

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dtypes, reference
+from cunorm import _dispatch, _dtypes, reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
 pytestmark = pytest.mark.gpu
@@ -159,6 +159,22 @@ def test_rows_backward_residual_and_params(op, shape, rng):
     if op == "ln":
         check_rows(op, x, bias=random(rng, (n,), bf16), rng=rng)
         check_rows(op, x, weight=random(rng, (n,), bf16), bias=random(rng, (n,), np.float64), rng=rng)
+
+
+@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, np.float32], ids=["bf16", "f32"])
+def test_streamed_backward_one_part(dtype, rng):
+    """Few long rows (problem 40's regime): pass 2 has one row chunk and
+    writes dweight/dbias itself, no column_sum."""
+    from cunorm import _grad, _ops
+
+    device = _ops.device_info(0)
+    n = _dispatch.GRAD_BLOCKS_PER_SM * device.sm_count * _dispatch.GRAD_BLOCK_THREADS * 8 + 8
+    x = random(rng, (2, n), dtype)
+    vec = 16 // x.itemsize
+    launch = _grad._rows_launch("ln", np.dtype(dtype), np.dtype(dtype), 3, 2, n, 1, vec, 0)
+    assert launch.tier == "streamed" and launch.parts == 1
+    check_rows("ln", x, weight=random(rng, (n,), dtype, offset=1.0), bias=random(rng, (n,), dtype), rng=rng)
+    check_rows("rms", x, weight=random(rng, (n,), dtype, offset=1.0), rng=rng)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

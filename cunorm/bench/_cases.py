@@ -333,10 +333,11 @@ BACKWARD_CASES = [
 ]
 
 
-def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_compile):
-    """dx (and dweight, dbias) from dy, x and the forward's statistics.
-    Bytes: x and dy read, dx written, the parameters and their gradients once."""
-    rng = cupy.random.default_rng(0)
+def backward_call(op, shape, dtype, axis, rng):
+    """Random x, dy and parameters, the forward's statistics, and the
+    backward call on them: (x, dy, w, b, stats, run, nbytes). op: "rms",
+    "ln" or "group" (axis: the group count). Bytes: x and dy read, dx
+    written, the parameters and their gradients once."""
     dt = np.dtype(getattr(_dtypes, dtype))
     x = rng.standard_normal(shape, dtype=np.float32).astype(dt)
     dy = rng.standard_normal(shape, dtype=np.float32).astype(dt)
@@ -357,7 +358,15 @@ def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_comp
     else:
         _, mean, rstd = cunorm.group_norm(x, axis, w, b, return_stats=True)
         run = lambda: cunorm.group_norm_backward(dy, x, mean, rstd, axis, w, b)  # noqa: E731
-    nbytes = 3 * x.nbytes + w.nbytes * (2 if b is None else 3)
+    stats = (rstd,) if op == "rms" else (mean, rstd)
+    return x, dy, w, b, stats, run, 3 * x.nbytes + w.nbytes * (2 if b is None else 3)
+
+
+def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_compile):
+    """dx (and dweight, dbias) from dy, x and the forward's statistics."""
+    x, dy, w, b, stats, run, nbytes = backward_call(op, shape, dtype, axis, cupy.random.default_rng(0))
+    rstd = stats[-1]
+    mean = stats[0] if op != "rms" else None
     row = {"case": name, "op": f"{op} backward", "shape": list(shape), "dtype": dtype, "axis": axis,
            "bytes": nbytes, "target_floor_pct": target}
     ms, lo, hi = time_gpu(run)

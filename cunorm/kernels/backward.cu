@@ -20,13 +20,18 @@
 //                      columns' dweight/dbias partials in shared memory
 //                      across rows (each thread owns the same columns in
 //                      every row). One read of x and dy, one write of dx.
-//   rows_grad_sums / rows_grad_finalize / rows_grad_apply
-//                      any (outer, reduced, inner) view: longer rows
-//                      (STRIDED=false) and a strided reduced axis
-//                      (STRIDED=true). Pass 1 reduces chunks of each group,
-//                      the finalize combines a group's chunks in order into
-//                      its GradCoeffs, pass 2 writes dx and the parameter
-//                      partials. x and dy are read twice.
+//   rows_grad_chunks / rows_grad_finalize_wide / rows_grad_apply<false>
+//                      contiguous rows too long for that (the whole array
+//                      is one such row): pass 1 reduces chunks of each row
+//                      (chunk-major), a block a row combines its chunks
+//                      into its GradCoeffs, pass 2 walks column tiles down
+//                      the rows for dx and the dweight/dbias partials. x and
+//                      dy are read twice.
+//   rows_grad_sums / rows_grad_finalize / rows_grad_apply<true>
+//                      a strided reduced axis: pass 1 reduces chunks of
+//                      each group, the finalize combines a group's chunks
+//                      in order, pass 2 writes dx and the parameter
+//                      partials.
 //   channel_grad_*     GroupNorm, InstanceNorm, BatchNorm: everything
 //                      follows from two sums per (sample, channel),
 //                      A = sum dy and B = sum dy * (x - mean): dweight[c] =
@@ -38,13 +43,15 @@
 
 namespace cunorm {
 
-// The largest block of rows_grad_cached (a budget of 128 registers a thread).
-// Every kernel here states a minimum of one resident block: with the
-// maximum alone, ptxas (CUDA 12, sm_80) capped some instantiations at 32
-// or 64 registers and spilled 8-56 bytes; with (max, 1) none spill.
-constexpr int kGradCachedMaxThreads = 512;
-// Block of the streaming passes (rows_grad_sums/apply, channel_grad_*).
+// Every kernel here states a minimum of resident blocks in its launch
+// bounds: with the maximum alone, ptxas (CUDA 12, sm_80) capped some
+// instantiations at 32 or 64 registers and spilled 8-56 bytes; with (max,
+// 1) none spill. rows_grad_cached takes its bounds as template arguments
+// (the dispatch's choice: its preferred block asks for more blocks an SM).
+// Block of the streaming passes (rows_grad_chunks/sums/apply, channel_grad_*).
 constexpr int kGradBlockThreads = 256;
+// Block of rows_grad_finalize_wide (at most).
+constexpr int kGradFinalizeThreads = 1024;
 
 // What a streaming sweep keeps in flight per position: the x and dy vectors
 // (and the weights of the positions, or one weight for all of them).
@@ -74,49 +81,81 @@ __device__ __forceinline__ A scaled_grad(A dy, const Vec<P, VEC>& w, int j) {
     if constexpr (FLAGS & kWeight) return dy * static_cast<A>(widen(w.v[j]));
     else return dy;
 }
+// g = dy * weight, the weight already widened.
+template <int FLAGS, class A>
+__device__ __forceinline__ A weighted(A dy, A w) {
+    if constexpr (FLAGS & kWeight) return dy * w;
+    else return dy;
+}
 
 // --- rows_grad_cached ----------------------------------------------------------
-// Thread layout: blockDim.x threads (a multiple of 32, at most 512) own
-// vectors tid, tid + blockDim.x, ... (VPT of them) of every row; grid =
+// Thread layout: blockDim.x threads (a multiple of 32, at most MAX_THREADS)
+// own vectors tid, tid + blockDim.x, ... (VPT of them) of every row; grid =
 // min(rows, the blocks resident at once), block b taking rows b, b + grid,
 // ... partial (FLAGS: 2 x gridDim.x x n words) receives each block's sums
 // of dy * xhat (dweight) and dy (dbias) per column.
 //
 // The column sums live in dynamic shared memory (one word per element a
 // thread owns and parameter: VPT x VEC x blockDim.x words for dweight, as
-// many for dbias). Element (k, j) of lane l of warp q sits at
-// (q * VPT * VEC + k * VEC + j) * 32 + l: a warp's words fall in distinct
-// banks, and the offsets from a thread's first word are constants (a
+// many for dbias), in groups of W = ColumnSums::kWidth consecutive elements
+// of a vector (16 bytes) so that a group is one 16-byte shared access:
+// group g of vector k of lane l of warp q sits at words (q * VPT * VEC + k *
+// VEC + g * W) * 32 + l * W ... + W - 1. A warp's group is 512 contiguous
+// bytes (no bank conflict), and the offsets from a thread's first word are constants (a
 // stride of blockDim.x instead cost a register per element for its
 // address). Held in registers the sums took 32 of LayerNorm's 114 (bf16, 2
 // vectors of 8), leaving two 256-thread blocks an SM and too few rows in
-// flight to cover the memory latency.
-template <class Grad, class T, class P, int FLAGS, int VEC, int VPT>
-__global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
+// flight to cover the memory latency; a word per access (before the groups)
+// cost LayerNorm 128 shared-memory instructions a row a thread, 32 now.
+template <class A, int VEC>
+struct ColumnSums {
+    static constexpr int kWidth = VEC * sizeof(A) <= 16 ? VEC : 16 / static_cast<int>(sizeof(A));
+    using Group = Vec<A, kWidth>;
+    A* first;  // this thread's first word
+    __device__ __forceinline__ Group* group(int k, int g) const {
+        return reinterpret_cast<Group*>(first + (k * VEC + g * kWidth) * 32);
+    }
+};
+
+template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
     rows_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
                      T* __restrict__ dx, const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
                      const typename AccOf<T>::type* __restrict__ scale, typename AccOf<T>::type* __restrict__ partial,
-                     long long rows, int n, typename AccOf<T>::type eps) {
+                     long long rows, int n, typename AccOf<T>::type eps, int prefetch_rows) {
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
+    using Sums = ColumnSums<A, VEC>;
+    constexpr int W = Sums::kWidth;
     __shared__ Stats scratch[33];
     extern __shared__ __align__(16) unsigned char grad_column_sums[];
-    A* const dw_acc =
-        reinterpret_cast<A*>(grad_column_sums) + (threadIdx.x / 32) * (VPT * VEC * 32) + threadIdx.x % 32;
-    A* const db_acc = dw_acc + ((FLAGS & kWeight) ? VPT * VEC * blockDim.x : 0);
+    A* const sums_base = reinterpret_cast<A*>(grad_column_sums) + (threadIdx.x / 32) * (VPT * VEC * 32) +
+                         (threadIdx.x % 32) * W;
+    const Sums dw_sums{sums_base};
+    const Sums db_sums{sums_base + ((FLAGS & kWeight) ? VPT * VEC * blockDim.x : 0)};
     const int n_vec = n / VEC;
-    Vec<P, VEC> wv[VPT];
+    // the weights widened once (not twice a row: 16-bit weights cost a
+    // conversion an element a pass)
+    A wf[VPT][VEC];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
         const int v = threadIdx.x + k * blockDim.x;
-        if constexpr (FLAGS & kWeight) {
-            if (v < n_vec) wv[k] = load_vec<P, VEC>(w + static_cast<long long>(v) * VEC);
-        }
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            const int slot = (k * VEC + j) * 32;
-            if constexpr (FLAGS & kWeight) dw_acc[slot] = A(0);
-            if constexpr (FLAGS & kBias) db_acc[slot] = A(0);
+        for (int j = 0; j < VEC; ++j) wf[k][j] = A(1);
+        if constexpr (FLAGS & kWeight) {
+            if (v < n_vec) {
+                const Vec<P, VEC> wv = load_vec<P, VEC>(w + static_cast<long long>(v) * VEC);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) wf[k][j] = static_cast<A>(widen(wv.v[j]));
+            }
+        }
+        typename Sums::Group zero;
+#pragma unroll
+        for (int i = 0; i < W; ++i) zero.v[i] = A(0);
+#pragma unroll
+        for (int g = 0; g < VEC / W; ++g) {
+            if constexpr (FLAGS & kWeight) *dw_sums.group(k, g) = zero;
+            if constexpr (FLAGS & kBias) *db_sums.group(k, g) = zero;
         }
     }
 #pragma unroll 1
@@ -132,6 +171,20 @@ __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
                 gv[k] = load_vec<T, VEC>(dy + base + static_cast<long long>(v) * VEC);
             }
         }
+        // Row row + prefetch_rows * gridDim.x (all rows up to it on the first
+        // pass) into L2 while this one is reduced and written: its loads then
+        // wait on L2, not on DRAM, at the top of its iteration.
+        if (prefetch_rows > 0) {
+            const int lines = static_cast<int>((static_cast<long long>(n) * sizeof(T) + 127) / 128);
+            for (int ahead = row == blockIdx.x ? 1 : prefetch_rows; ahead <= prefetch_rows; ++ahead) {
+                const long long next = row + static_cast<long long>(ahead) * gridDim.x;
+                if (next >= rows) break;
+                for (int l = threadIdx.x; l < 2 * lines; l += blockDim.x) {
+                    const T* src = (l < lines ? x : dy) + next * n;
+                    prefetch_l2(reinterpret_cast<const char*>(src) + static_cast<long long>(l % lines) * 128);
+                }
+            }
+        }
         A c0 = A(0), s0 = A(1);
         if constexpr (Grad::kSaved) {
             if (center != nullptr) c0 = center[row];
@@ -143,7 +196,7 @@ __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
             if (threadIdx.x + k * blockDim.x < n_vec) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
-                    const A g = scaled_grad<A, P, FLAGS, VEC>(static_cast<A>(widen(gv[k].v[j])), wv[k], j);
+                    const A g = weighted<FLAGS>(static_cast<A>(widen(gv[k].v[j])), wf[k][j]);
                     s = Grad::accumulate(s, static_cast<A>(widen(xv[k].v[j])), g, c0, s0);
                 }
             }
@@ -159,15 +212,23 @@ __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
                 if (dh != nullptr) hv = load_vec<T, VEC>(dh + e);
                 Vec<T, VEC> out;
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const A xj = static_cast<A>(widen(xv[k].v[j]));
-                    const A dyj = static_cast<A>(widen(gv[k].v[j]));
-                    A d = grad_of<Grad>(xj, scaled_grad<A, P, FLAGS, VEC>(dyj, wv[k], j), c);
-                    if (dh != nullptr) d += static_cast<A>(widen(hv.v[j]));
-                    narrow(d, out.v[j]);
-                    const int slot = (k * VEC + j) * 32;
-                    if constexpr (FLAGS & kWeight) dw_acc[slot] = fma(dyj, (xj - c.center) * c.scale, dw_acc[slot]);
-                    if constexpr (FLAGS & kBias) db_acc[slot] += dyj;
+                for (int g = 0; g < VEC / W; ++g) {
+                    typename Sums::Group dw_group, db_group;
+                    if constexpr (FLAGS & kWeight) dw_group = *dw_sums.group(k, g);
+                    if constexpr (FLAGS & kBias) db_group = *db_sums.group(k, g);
+#pragma unroll
+                    for (int i = 0; i < W; ++i) {
+                        const int j = g * W + i;
+                        const A xj = static_cast<A>(widen(xv[k].v[j]));
+                        const A dyj = static_cast<A>(widen(gv[k].v[j]));
+                        A d = grad_of<Grad>(xj, weighted<FLAGS>(dyj, wf[k][j]), c);
+                        if (dh != nullptr) d += static_cast<A>(widen(hv.v[j]));
+                        narrow(d, out.v[j]);
+                        if constexpr (FLAGS & kWeight) dw_group.v[i] = fma(dyj, (xj - c.center) * c.scale, dw_group.v[i]);
+                        if constexpr (FLAGS & kBias) db_group.v[i] += dyj;
+                    }
+                    if constexpr (FLAGS & kWeight) *dw_sums.group(k, g) = dw_group;
+                    if constexpr (FLAGS & kBias) *db_sums.group(k, g) = db_group;
                 }
                 store_vec<T, VEC>(dx + e, out);
             }
@@ -179,12 +240,17 @@ __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
             const int v = threadIdx.x + k * blockDim.x;
             if (v < n_vec) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const long long col = static_cast<long long>(v) * VEC + j;
-                    const int slot = (k * VEC + j) * 32;
-                    if constexpr (FLAGS & kWeight) partial[static_cast<long long>(blockIdx.x) * n + col] = dw_acc[slot];
-                    if constexpr (FLAGS & kBias)
-                        partial[(static_cast<long long>(gridDim.x) + blockIdx.x) * n + col] = db_acc[slot];
+                for (int g = 0; g < VEC / W; ++g) {
+                    const long long col = static_cast<long long>(v) * VEC + g * W;
+                    typename Sums::Group dw_group, db_group;
+                    if constexpr (FLAGS & kWeight) dw_group = *dw_sums.group(k, g);
+                    if constexpr (FLAGS & kBias) db_group = *db_sums.group(k, g);
+#pragma unroll
+                    for (int i = 0; i < W; ++i) {
+                        if constexpr (FLAGS & kWeight) partial[static_cast<long long>(blockIdx.x) * n + col + i] = dw_group.v[i];
+                        if constexpr (FLAGS & kBias)
+                            partial[(static_cast<long long>(gridDim.x) + blockIdx.x) * n + col + i] = db_group.v[i];
+                    }
                 }
             }
         }
@@ -192,20 +258,30 @@ __global__ void __launch_bounds__(kGradCachedMaxThreads, 1)
 }
 
 // --- column_sum ------------------------------------------------------------------
-// out[c] = sum over p < parts of partial[p * n + c], rounded once to P.
-// Block (bx, by), bx * by = 256, by the power of two nearest above parts (at
-// most 32): threadIdx.x a column of the block's bx, threadIdx.y takes parts
-// y, y + by, ...; a column's by sums are then added in y order. (A fixed
-// 32 x 32 block launched 128K blocks of 1024 threads for problem 40's 4M
-// columns of one partial row each: 16.8% of copy bandwidth for the pass.)
+// dweight and dbias in one launch: block row gy = 0 (dweight, into out_w)
+// or 1 (dbias, into out_b; a null output skips its blocks) adds partial
+// rows [gy * parts, (gy + 1) * parts): out[c] = sum over p < parts of
+// partial[(gy * parts + p) * n + c], rounded once to P. Block (bx, by), bx
+// * by = 256, by the power of two nearest above parts (at most 32):
+// threadIdx.x a column of the block's bx, threadIdx.y takes parts y, y +
+// by, ...; a column's by sums are then added in y order. Eight loads in
+// flight a thread: one at a time, LayerNorm bf16 32768x4096's 396 partial
+// rows took 10 us. (A fixed 32 x 32 block launched 128K blocks of 1024
+// threads for 4M columns of one partial row each: 16.8% of copy bandwidth.)
 template <class A, class P>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
-    column_sum(const A* __restrict__ partial, P* __restrict__ out, int parts, long long n) {
+    column_sum(const A* __restrict__ partial, P* __restrict__ out_w, P* __restrict__ out_b, int parts,
+               long long n) {
     __shared__ A tile[kGradBlockThreads];
+    P* const out = blockIdx.y == 0 ? out_w : out_b;
+    if (out == nullptr) return;
+    partial += static_cast<long long>(blockIdx.y) * parts * n;
     const long long col = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     A s = A(0);
     if (col < n) {
-        for (int p = threadIdx.y; p < parts; p += blockDim.y) s += partial[static_cast<long long>(p) * n + col];
+        for_each_batched<8>(
+            threadIdx.y, parts, blockDim.y, [&](long long p) { return partial[p * n + col]; },
+            [&](long long, A v) { s += v; });
     }
     tile[threadIdx.y * blockDim.x + threadIdx.x] = s;
     __syncthreads();
@@ -216,18 +292,72 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
     }
 }
 
-// --- rows_grad_sums / rows_grad_finalize / rows_grad_apply ------------------------
+// --- the streamed rows: pass 1, finalize, pass 2 ---------------------------------
 // x, dy (and dh, dx) are (outer, reduced, inner), C-contiguous; a group is
 // (o, i), its elements x[o, r, i] for r < reduced, its statistics and
 // coefficients at o * inner + i. The weight is indexed by r.
 //
-// rows_grad_sums, STRIDED=false (inner 1): block gx = group * chunks +
-// chunk reduces vectors [chunk * chunk_len, ...) of the group's row.
-// STRIDED=true: block gx = (o * chunks + chunk) * inner_tiles + tile;
-// thread t of the tile takes inner vector tile * blockDim.x + t and keeps a
-// statistic for each of its VEC lanes over r in the chunk.
-// partial: [groups][chunks][kStatWords].
-template <class Grad, class T, class P, int FLAGS, int VEC, bool STRIDED>
+// Contiguous rows (inner 1): rows_grad_chunks + rows_grad_finalize_wide +
+// rows_grad_apply<STRIDED=false>. A strided reduced axis: rows_grad_sums +
+// rows_grad_finalize + rows_grad_apply<STRIDED=true>.
+
+// rows_grad_chunks (pass 1 of contiguous rows longer than the cached tier
+// holds, and of the whole array as one row): block gx reduces chunk gx /
+// rows of row gx % rows into stat_partial[(row * chunks + chunk) *
+// kStatWords]. The grid is chunk-major, so the blocks resident together
+// (every row's same chunk) share the chunk's weights through L2: weights
+// are read from DRAM once, not once a row (problem 40: 16 times 16 MB).
+// dweight/dbias are left to pass 2, which walks each column down the rows
+// anyway. (Tried on problem 40, H200, 2026-11-22: pass 1 by column tiles
+// down the rows, the weights in registers and dweight/dbias summed there,
+// 0.155 ms against this kernel's 0.140, the whole backward 56.6% against
+// 57.5%; the layout before, row-major with the weights re-read from DRAM
+// for each row and a column_sum of one part copying dweight/dbias, 49.1%.)
+template <class Grad, class T, class P, int FLAGS, int VEC>
+__global__ void __launch_bounds__(kGradBlockThreads, 1)
+    rows_grad_chunks(const T* __restrict__ dy, const T* __restrict__ x, const P* __restrict__ w,
+                     const typename AccOf<T>::type* __restrict__ center,
+                     const typename AccOf<T>::type* __restrict__ scale,
+                     typename AccOf<T>::type* __restrict__ stat_partial, long long rows, long long n, long long chunks,
+                     long long chunk_len) {
+    using A = typename AccOf<T>::type;
+    using Stats = typename Grad::Stats;
+    __shared__ Stats scratch[33];
+    const long long group = blockIdx.x % rows;
+    const long long chunk = blockIdx.x / rows;
+    const long long n_vec = n / VEC;
+    A c0 = A(0), s0 = A(1);
+    if constexpr (Grad::kSaved) {
+        if (center != nullptr) c0 = center[group];
+        s0 = scale[group];
+    }
+    const long long end = min(n_vec, (chunk + 1) * chunk_len);
+    Stats s = Grad::init();
+    for_each_batched<4>(
+        chunk * chunk_len + threadIdx.x, end, blockDim.x,
+        [&](long long v) {
+            GradItem<T, P, VEC> it;
+            it.x = load_vec<T, VEC>(x + group * n + v * VEC);
+            it.dy = load_vec<T, VEC>(dy + group * n + v * VEC);
+            if constexpr (FLAGS & kWeight) it.w = load_vec<P, VEC>(w + v * VEC);
+            return it;
+        },
+        [&](long long, const GradItem<T, P, VEC>& it) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const A g = scaled_grad<A, P, FLAGS, VEC>(static_cast<A>(widen(it.dy.v[j])), it.w, j);
+                s = Grad::accumulate(s, static_cast<A>(widen(it.x.v[j])), g, c0, s0);
+            }
+        });
+    s = block_reduce<Grad>(s, scratch);
+    if (threadIdx.x == 0) Grad::store(stat_partial + (group * chunks + chunk) * Grad::kStatWords, s);
+}
+
+// rows_grad_sums (pass 1 of a strided reduced axis): block gx = (o * chunks
+// + chunk) * inner_tiles + tile; thread t of the tile takes inner vector
+// tile * blockDim.x + t and keeps a statistic for each of its VEC lanes
+// over r in the chunk. partial: [groups][chunks][kStatWords].
+template <class Grad, class T, class P, int FLAGS, int VEC>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     rows_grad_sums(const T* __restrict__ dy, const T* __restrict__ x, const P* __restrict__ w,
                    const typename AccOf<T>::type* __restrict__ center,
@@ -235,86 +365,68 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                    long long outer, long long reduced, long long inner, long long chunks, long long chunk_len) {
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
-    if constexpr (!STRIDED) {
-        __shared__ Stats scratch[33];
-        const long long group = blockIdx.x / chunks;
-        const long long chunk = blockIdx.x % chunks;
-        const long long n_vec = reduced / VEC;
-        A c0 = A(0), s0 = A(1);
+    const long long inner_vec = inner / VEC;
+    const long long tiles = (inner_vec + blockDim.x - 1) / blockDim.x;
+    const long long tile = blockIdx.x % tiles;
+    const long long chunk = (blockIdx.x / tiles) % chunks;
+    const long long o = blockIdx.x / tiles / chunks;
+    const long long iv = tile * blockDim.x + threadIdx.x;
+    if (iv >= inner_vec) return;
+    A c0[VEC], s0[VEC];
+    Stats s[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        const long long group = o * inner + iv * VEC + j;
+        c0[j] = A(0);
+        s0[j] = A(1);
         if constexpr (Grad::kSaved) {
-            if (center != nullptr) c0 = center[group];
-            s0 = scale[group];
+            if (center != nullptr) c0[j] = center[group];
+            s0[j] = scale[group];
         }
-        const long long end = min(n_vec, (chunk + 1) * chunk_len);
-        Stats s = Grad::init();
-        for_each_batched<4>(
-            chunk * chunk_len + threadIdx.x, end, blockDim.x,
-            [&](long long v) {
-                GradItem<T, P, VEC> it;
-                it.x = load_vec<T, VEC>(x + group * reduced + v * VEC);
-                it.dy = load_vec<T, VEC>(dy + group * reduced + v * VEC);
-                if constexpr (FLAGS & kWeight) it.w = load_vec<P, VEC>(w + v * VEC);
-                return it;
-            },
-            [&](long long, const GradItem<T, P, VEC>& it) {
+        s[j] = Grad::init();
+    }
+    const long long end = min(reduced, (chunk + 1) * chunk_len);
+    const long long base = o * reduced * inner + iv * VEC;
+    for_each_batched<4>(
+        chunk * chunk_len, end, 1,
+        [&](long long r) {
+            GradItemScalarWeight<T, A, VEC> it;
+            it.x = load_vec<T, VEC>(x + base + r * inner);
+            it.dy = load_vec<T, VEC>(dy + base + r * inner);
+            it.w = A(1);
+            if constexpr (FLAGS & kWeight) it.w = static_cast<A>(widen(w[r]));
+            return it;
+        },
+        [&](long long, const GradItemScalarWeight<T, A, VEC>& it) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const A g = scaled_grad<A, P, FLAGS, VEC>(static_cast<A>(widen(it.dy.v[j])), it.w, j);
-                    s = Grad::accumulate(s, static_cast<A>(widen(it.x.v[j])), g, c0, s0);
-                }
-            });
-        s = block_reduce<Grad>(s, scratch);
-        if (threadIdx.x == 0) Grad::store(partial + blockIdx.x * Grad::kStatWords, s);
-    } else {
-        const long long inner_vec = inner / VEC;
-        const long long tiles = (inner_vec + blockDim.x - 1) / blockDim.x;
-        const long long tile = blockIdx.x % tiles;
-        const long long chunk = (blockIdx.x / tiles) % chunks;
-        const long long o = blockIdx.x / tiles / chunks;
-        const long long iv = tile * blockDim.x + threadIdx.x;
-        if (iv >= inner_vec) return;
-        A c0[VEC], s0[VEC];
-        Stats s[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            const long long group = o * inner + iv * VEC + j;
-            c0[j] = A(0);
-            s0[j] = A(1);
-            if constexpr (Grad::kSaved) {
-                if (center != nullptr) c0[j] = center[group];
-                s0[j] = scale[group];
+            for (int j = 0; j < VEC; ++j) {
+                s[j] = Grad::accumulate(s[j], static_cast<A>(widen(it.x.v[j])),
+                                        static_cast<A>(widen(it.dy.v[j])) * it.w, c0[j], s0[j]);
             }
-            s[j] = Grad::init();
-        }
-        const long long end = min(reduced, (chunk + 1) * chunk_len);
-        const long long base = o * reduced * inner + iv * VEC;
-        for_each_batched<4>(
-            chunk * chunk_len, end, 1,
-            [&](long long r) {
-                GradItemScalarWeight<T, A, VEC> it;
-                it.x = load_vec<T, VEC>(x + base + r * inner);
-                it.dy = load_vec<T, VEC>(dy + base + r * inner);
-                it.w = A(1);
-                if constexpr (FLAGS & kWeight) it.w = static_cast<A>(widen(w[r]));
-                return it;
-            },
-            [&](long long, const GradItemScalarWeight<T, A, VEC>& it) {
+        });
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    s[j] = Grad::accumulate(s[j], static_cast<A>(widen(it.x.v[j])),
-                                            static_cast<A>(widen(it.dy.v[j])) * it.w, c0[j], s0[j]);
-                }
-            });
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            const long long group = o * inner + iv * VEC + j;
-            Grad::store(partial + (group * chunks + chunk) * Grad::kStatWords, s[j]);
-        }
+    for (int j = 0; j < VEC; ++j) {
+        const long long group = o * inner + iv * VEC + j;
+        Grad::store(partial + (group * chunks + chunk) * Grad::kStatWords, s[j]);
     }
 }
 
-// One thread a group: combine its chunks in chunk order, then its
-// coefficients (kCoeffWords words at coeffs + group * kCoeffWords).
+// A group's coefficients (kCoeffWords words at coeffs + group * kCoeffWords)
+// from its chunks' statistics.
+template <class Grad, class A>
+__device__ __forceinline__ void finalize_group(const typename Grad::Stats& s, const A* __restrict__ center,
+                                               const A* __restrict__ scale, A* __restrict__ coeffs, long long group,
+                                               long long n, A eps) {
+    A c0 = A(0), s0 = A(1);
+    if constexpr (Grad::kSaved) {
+        if (center != nullptr) c0 = center[group];
+        s0 = scale[group];
+    }
+    store_coeffs(coeffs + group * kCoeffWords, Grad::coeffs(s, n, eps, c0, s0));
+}
+
+// rows_grad_finalize: one thread a group (the strided axis: many groups of
+// a few chunks), its chunks combined in chunk order.
 template <class Grad, class A>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     rows_grad_finalize(const A* __restrict__ partial, const A* __restrict__ center, const A* __restrict__ scale,
@@ -325,39 +437,59 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
     for (long long c = 0; c < chunks; ++c) {
         s = Grad::combine(s, Grad::load(partial + (group * chunks + c) * Grad::kStatWords));
     }
-    A c0 = A(0), s0 = A(1);
-    if constexpr (Grad::kSaved) {
-        if (center != nullptr) c0 = center[group];
-        s0 = scale[group];
-    }
-    store_coeffs(coeffs + group * kCoeffWords, Grad::coeffs(s, n, eps, c0, s0));
+    finalize_group<Grad>(s, center, scale, coeffs, group, n, eps);
 }
 
-// Pass 2: dx, and the parameter partials.
-// STRIDED=false: block (gx: column tile, gy: row chunk); thread t owns
-// column vector tile * blockDim.x + t and walks the rows of its chunk,
-// keeping that column's dweight/dbias sums; partial: [2][row chunks][n].
+// rows_grad_finalize_wide: one block a group (contiguous rows: few rows
+// have many chunks, about a thousand for the whole array, which one thread
+// would add serially): thread t combines chunks t, t + blockDim.x, ... in
+// order, four loads in flight (eight spilled LinfGrad<double> at the 64
+// registers of 1024 threads), then block_reduce in its fixed order.
+template <class Grad, class A>
+__global__ void __launch_bounds__(kGradFinalizeThreads, 1)
+    rows_grad_finalize_wide(const A* __restrict__ partial, const A* __restrict__ center,
+                            const A* __restrict__ scale, A* __restrict__ coeffs, long long chunks, long long n,
+                            A eps) {
+    __shared__ typename Grad::Stats scratch[33];
+    const long long group = blockIdx.x;
+    typename Grad::Stats s = Grad::init();
+    for_each_batched<4>(
+        threadIdx.x, chunks, blockDim.x,
+        [&](long long c) { return Grad::load(partial + (group * chunks + c) * Grad::kStatWords); },
+        [&](long long, const typename Grad::Stats& t) { s = Grad::combine(s, t); });
+    s = block_reduce<Grad>(s, scratch);
+    if (threadIdx.x == 0) finalize_group<Grad>(s, center, scale, coeffs, group, n, eps);
+}
+
+// Pass 2: dx, and dweight/dbias.
+// STRIDED=false: block (gx: column tile, gy: row chunk), both walked in
+// reverse (the last chunks pass 1 read are the likeliest still in L2);
+// thread t owns column vector tile * blockDim.x + t and walks the rows of
+// its chunk, summing that column's dweight/dbias: written directly (as P)
+// when there is one row chunk (problem 40), else as float partials
+// [2][row chunks][n] for column_sum.
 // STRIDED=true: block gx = (r * chunks + chunk) * inner_tiles + tile;
 // thread t takes inner vector tile * blockDim.x + t of the outer indices in
-// the chunk at reduced index r; the block's sums for r go to
+// the chunk at reduced index r; the block's dweight/dbias sums for r go to
 // partial[2][chunks * inner_tiles][reduced].
 template <class Grad, class T, class P, int FLAGS, int VEC, bool STRIDED>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     rows_grad_apply(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh, T* __restrict__ dx,
                     const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ coeffs,
-                    typename AccOf<T>::type* __restrict__ partial, long long outer, long long reduced,
-                    long long inner, long long chunks, long long chunk_len) {
+                    typename AccOf<T>::type* __restrict__ partial, P* __restrict__ dw, P* __restrict__ db,
+                    long long outer, long long reduced, long long inner, long long chunks, long long chunk_len) {
     using A = typename AccOf<T>::type;
     if constexpr (!STRIDED) {
         const long long n_vec = reduced / VEC;
-        const long long v = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+        const long long v = static_cast<long long>(gridDim.x - 1 - blockIdx.x) * blockDim.x + threadIdx.x;
         if (v >= n_vec) return;
         Vec<P, VEC> wv;
         if constexpr (FLAGS & kWeight) wv = load_vec<P, VEC>(w + v * VEC);
         A dw_acc[VEC], db_acc[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dw_acc[j] = db_acc[j] = A(0);
-        const long long first = blockIdx.y * chunk_len;
+        const long long part = gridDim.y - 1 - blockIdx.y;
+        const long long first = part * chunk_len;
         const long long end = min(outer, first + chunk_len);
         for_each_batched<4>(
             first, end, 1,
@@ -383,12 +515,18 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                 store_vec<T, VEC>(dx + e, out);
             });
         if constexpr (FLAGS != 0) {
+            using Out = typename AccOf<P>::type;
             const long long parts = gridDim.y;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const long long col = v * VEC + j;
-                if constexpr (FLAGS & kWeight) partial[blockIdx.y * reduced + col] = dw_acc[j];
-                if constexpr (FLAGS & kBias) partial[(parts + blockIdx.y) * reduced + col] = db_acc[j];
+                if (parts == 1) {
+                    if constexpr (FLAGS & kWeight) narrow(static_cast<Out>(dw_acc[j]), dw[col]);
+                    if constexpr (FLAGS & kBias) narrow(static_cast<Out>(db_acc[j]), db[col]);
+                } else {
+                    if constexpr (FLAGS & kWeight) partial[part * reduced + col] = dw_acc[j];
+                    if constexpr (FLAGS & kBias) partial[(parts + part) * reduced + col] = db_acc[j];
+                }
             }
         }
     } else {
@@ -610,7 +748,8 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
 
 // Pass 2: dx = alpha * dy + beta * (x - mean) + gamma, blocks as in
 // channel_grad_sums (channels-last: each thread a channel vector, its
-// positions y, y + by, ... of the chunk).
+// positions y, y + by, ... of the chunk), the grid walked in reverse: its
+// first blocks re-read what pass 1 read last, the likeliest still in L2.
 template <class T, int VEC, bool LAST>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     channel_grad_apply(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
@@ -618,10 +757,11 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                        const typename AccOf<T>::type* __restrict__ coeffs, long long batch, long long spatial,
                        int channels, int channels_per_group, int stat_batch, long long chunks, long long chunk_len) {
     using A = typename AccOf<T>::type;
-    const long long n = blockIdx.z;
-    const long long chunk = blockIdx.x;
+    const long long n = gridDim.z - 1 - blockIdx.z;
+    const long long chunk = gridDim.x - 1 - blockIdx.x;
+    const int tile_y = gridDim.y - 1 - blockIdx.y;
     if constexpr (!LAST) {
-        const int c = blockIdx.y;
+        const int c = tile_y;
         const long long m = n * channels + c;
         const A alpha = coeffs[m * 3], beta = coeffs[m * 3 + 1], gamma = coeffs[m * 3 + 2];
         const A mu = mean[stat_index(n, c, channels_per_group, stat_batch)];
@@ -643,7 +783,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                 store_vec<T, VEC>(dx + base + v * VEC, out);
             });
     } else {
-        const int cv = blockIdx.y * blockDim.x + threadIdx.x;
+        const int cv = tile_y * blockDim.x + threadIdx.x;
         if (cv >= channels / VEC) return;
         A alpha[VEC], beta[VEC], gamma[VEC], mu[VEC];
 #pragma unroll

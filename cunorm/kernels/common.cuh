@@ -86,6 +86,11 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
     }
 }
 
+// Fetch the 128-byte line holding p into L2 (no register, nothing waits on
+// it): the resident rows tier and the cached backward fetch their next row
+// this way while working on the current one.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Elementwise epilogue shared by every family:
 //   y = (x - center) * scale [* weight] [+ bias]
 // in the accumulation type, rounded once to the storage type. Subtracting

@@ -60,6 +60,7 @@ struct PairSum {
         A b;
     };
     static constexpr int kStatWords = 2;
+    static constexpr bool kCheapCombine = true;  // block_reduce: every thread adds the warps' sums
     __device__ static __forceinline__ Stats init() { return Stats{A(0), A(0)}; }
     __device__ static __forceinline__ Stats combine(const Stats& x, const Stats& y) {
         return Stats{x.a + y.a, x.b + y.b};
@@ -74,32 +75,34 @@ struct PairSum {
     __device__ static __forceinline__ Stats load(const A* src) { return Stats{src[0], src[1]}; }
 };
 
-// RMSNorm: b = sum g * xhat.
+// RMSNorm: b = sum g * x (sum g * xhat = rstd * b: the constant factor
+// leaves the per-element loop).
 template <class A>
 struct RmsGrad : PairSum<A> {
     using Stats = typename PairSum<A>::Stats;
     static constexpr bool kSaved = true;  // reads the forward's statistics
-    __device__ static __forceinline__ Stats accumulate(const Stats& s, A x, A g, A, A scale) {
-        return Stats{s.a, fma(g, x * scale, s.b)};
+    __device__ static __forceinline__ Stats accumulate(const Stats& s, A x, A g, A, A) {
+        return Stats{s.a, fma(g, x, s.b)};
     }
     __device__ static __forceinline__ GradCoeffs<A> coeffs(const Stats& s, long long n, A, A, A scale) {
-        return GradCoeffs<A>{scale, A(0), A(0), -scale * scale * s.b * reciprocal(static_cast<A>(n)), A(0)};
+        return GradCoeffs<A>{scale, A(0), A(0), -scale * scale * (scale * s.b) * reciprocal(static_cast<A>(n)), A(0)};
     }
     __device__ static __forceinline__ A phi(A x, const GradCoeffs<A>&) { return x; }
 };
 
-// LayerNorm: a = sum g, b = sum g * xhat (xhat formed from x - mean: no
-// cancellation for rows whose mean is far above their spread).
+// LayerNorm: a = sum g, b = sum g * (x - mean) (x - mean, not x: no
+// cancellation for rows whose mean is far above their spread; sum g * xhat
+// = rstd * b).
 template <class A>
 struct LayerGrad : PairSum<A> {
     using Stats = typename PairSum<A>::Stats;
     static constexpr bool kSaved = true;
-    __device__ static __forceinline__ Stats accumulate(const Stats& s, A x, A g, A center, A scale) {
-        return Stats{s.a + g, fma(g, (x - center) * scale, s.b)};
+    __device__ static __forceinline__ Stats accumulate(const Stats& s, A x, A g, A center, A) {
+        return Stats{s.a + g, fma(g, x - center, s.b)};
     }
     __device__ static __forceinline__ GradCoeffs<A> coeffs(const Stats& s, long long n, A, A center, A scale) {
         const A inv_n = reciprocal(static_cast<A>(n));
-        return GradCoeffs<A>{scale, center, -scale * s.a * inv_n, -scale * scale * s.b * inv_n, A(0)};
+        return GradCoeffs<A>{scale, center, -scale * s.a * inv_n, -scale * scale * (scale * s.b) * inv_n, A(0)};
     }
     __device__ static __forceinline__ A phi(A x, const GradCoeffs<A>& c) { return x - c.center; }
 };
@@ -135,6 +138,7 @@ struct LinfGrad {
         A gx;
     };
     static constexpr int kStatWords = 3;
+    static constexpr bool kCheapCombine = true;
     static constexpr bool kSaved = false;
     __device__ static __forceinline__ Stats init() { return Stats{A(0), A(0), A(0)}; }
     // The forward's maximum (a NaN wins); the ties of each side that

@@ -79,16 +79,28 @@ __device__ __forceinline__ typename Norm::Stats group_reduce(typename Norm::Stat
     return s;
 }
 
+// Statistics whose combine is a few additions (the gradient sums of
+// grads.cuh) say so with `static constexpr bool kCheapCombine = true`.
+template <class Norm, class = void>
+struct cheap_combine {
+    static constexpr bool value = false;
+};
+template <class Norm>
+struct cheap_combine<Norm, decltype(void(Norm::kCheapCombine))> {
+    static constexpr bool value = Norm::kCheapCombine;
+};
+
 // All threads of the block end with the block's combined partial.
 // `scratch` holds 33 Stats; every thread of the block must call it. With up
-// to four warps every thread combines the warps' partials itself (two
-// barriers); with more, warp 0 combines them by a butterfly over lanes (the
-// identity padding the missing warps) and shares the result: log2(32)
-// combines a thread instead of one per warp, which matters for LayerNorm's
-// division-bearing combine, for one more barrier (with 2-warp LayerNorm
-// blocks the extra barrier cost 11 points of bandwidth). Either way the
-// order is fixed by blockDim: bitwise reproducible. The leading barrier
-// protects scratch from a previous call's readers.
+// to four warps, or a cheap combine, every thread combines the warps'
+// partials itself in warp order (two barriers); with more, warp 0 combines
+// them by a butterfly over lanes (the identity padding the missing warps)
+// and shares the result: log2(32) combines a thread instead of one per
+// warp, which matters for LayerNorm's division-bearing combine, for one
+// more barrier (with 2-warp LayerNorm blocks the extra barrier cost 11
+// points of bandwidth). Either way the order is fixed by blockDim: bitwise
+// reproducible. The leading barrier protects scratch from a previous
+// call's readers.
 template <class Norm>
 __device__ __forceinline__ typename Norm::Stats block_reduce(typename Norm::Stats s,
                                                              typename Norm::Stats* scratch) {
@@ -99,7 +111,7 @@ __device__ __forceinline__ typename Norm::Stats block_reduce(typename Norm::Stat
     __syncthreads();
     if (lane == 0) scratch[warp] = s;
     __syncthreads();
-    if (warps <= 4) {
+    if (warps <= 4 || cheap_combine<Norm>::value) {
         typename Norm::Stats total = scratch[0];
         for (int i = 1; i < warps; ++i) total = Norm::combine(total, scratch[i]);
         return total;

@@ -107,13 +107,12 @@ __device__ __forceinline__ Vec<T, VEC> load_input(const T* x_row, const T* r_row
 }
 
 // Acquire load of an arrival counter (the partials it guards are then
-// visible) and the L2 prefetch of one 128-byte line.
+// visible).
 __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
     unsigned int v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // L2 eviction policies (sm_80+): the resident tier marks the data it streams
 // (x in, y out) evict-first and the parameters it re-reads for every row
