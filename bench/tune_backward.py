@@ -6,7 +6,8 @@ bandwidth of the same run, plus the time of each launch of one call (a
   block (GRAD_CACHED_TARGET_THREADS) and the blocks an SM its launch bounds
   ask for (GRAD_CACHED_TARGET_MIN_BLOCKS) x the rows fetched into L2 ahead
   (GRAD_CACHED_PREFETCH_ROWS);
-- the streamed rows (problem 40, LayerNorm bf16 4096x32768): their launches;
+- the streamed rows (problem 40, LayerNorm bf16 4096x32768): the blocks an
+  SM of pass 1 (GRAD_CHUNK_BLOCKS_PER_SM), and their launches;
 - the channel backward (problem 35): its launches.
 
 PYTHONPATH=. python bench/tune_backward.py [--only TEXT]"""
@@ -87,7 +88,13 @@ def main():
         for label, shape, dtype, axis in (("problem 40", (16, 64, 256, 256), "float32", (1, 2, 3)),
                                           ("ln bf16 4096x32768", (4096, 32768), "bfloat16", -1)):
             run, nbytes = case("ln", shape, dtype, axis)
-            report(f"{label}, streamed", run, nbytes, bw, steps=True)
+            default = _dispatch.GRAD_CHUNK_BLOCKS_PER_SM
+            for per_sm in (3, 6, 8, 12, 24):
+                _dispatch.GRAD_CHUNK_BLOCKS_PER_SM = per_sm
+                _grad._rows_launch.cache_clear()
+                report(f"{label}, streamed, pass-1 blocks an SM {per_sm}", run, nbytes, bw, steps=per_sm == default)
+            _dispatch.GRAD_CHUNK_BLOCKS_PER_SM = default
+            _grad._rows_launch.cache_clear()
             del run
     if "channels" in args.only or not args.only:
         run, nbytes = case("group", (112, 64, 512, 512), "float32", 8)

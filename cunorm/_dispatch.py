@@ -635,6 +635,11 @@ GRAD_CACHED_MAX_THREADS = 512
 GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads
 GRAD_COEFF_WORDS = 5  # mirrors kCoeffWords (grads.cuh)
 GRAD_BLOCKS_PER_SM = 8
+#: rows_grad_chunks' blocks an SM (pass 1 of streamed rows; it runs 3 at
+#: a time an SM): problem 40 backward with 3 / 6 / 8 / 12 / 24, 55.7 /
+#: 58.0 / 58.3 / 58.9 / 58.7%; LayerNorm bf16 4096x32768 49.2-49.3% for
+#: all (H200, 2026-11-22, bench/tune_backward.py)
+GRAD_CHUNK_BLOCKS_PER_SM = 12
 #: block of rows_grad_finalize_wide (at most; a block a row, over its chunks)
 GRAD_FINALIZE_THREADS = 1024  # mirrors kGradFinalizeThreads
 #: a pass-1 chunk is at least this many vectors a thread (for_each_batched's batch)
@@ -771,9 +776,9 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
                                persistent=True),
                         (min(outer, MAX_GRID_X),), (threads,), shared)
             return GradLaunch("cached", (step,), prefetch_rows=GRAD_CACHED_PREFETCH_ROWS)
-        # pass 1: chunks of each row, about GRAD_BLOCKS_PER_SM blocks an SM;
-        # pass 2: column tiles down row chunks, as many blocks
-        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, outer))
+        # pass 1: chunks of each row, about GRAD_CHUNK_BLOCKS_PER_SM blocks an
+        # SM; pass 2: column tiles down row chunks, GRAD_BLOCKS_PER_SM
+        want = max(1, _ceil_div(GRAD_CHUNK_BLOCKS_PER_SM * sm, outer))
         chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, _ceil_div(n_vec, want))
         chunks = _ceil_div(n_vec, chunk_len)
         apply_tiles = _ceil_div(n_vec, GRAD_BLOCK_THREADS)

@@ -472,8 +472,13 @@ __global__ void __launch_bounds__(kGradFinalizeThreads, 1)
 // thread t takes inner vector tile * blockDim.x + t of the outer indices in
 // the chunk at reduced index r; the block's dweight/dbias sums for r go to
 // partial[2][chunks * inner_tiles][reduced].
+// Three blocks an SM (80 registers) for 32-bit data: problem 40's apply
+// held 88 and ran two blocks an SM; 16-bit and 64-bit data spill at 80.
+template <class T>
+constexpr int kApplyMinBlocks = sizeof(T) == 4 ? 3 : 1;
+
 template <class Grad, class T, class P, int FLAGS, int VEC, bool STRIDED>
-__global__ void __launch_bounds__(kGradBlockThreads, 1)
+__global__ void __launch_bounds__(kGradBlockThreads, kApplyMinBlocks<T>)
     rows_grad_apply(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh, T* __restrict__ dx,
                     const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ coeffs,
                     typename AccOf<T>::type* __restrict__ partial, P* __restrict__ dw, P* __restrict__ db,
