@@ -335,7 +335,8 @@ BACKWARD_CASES = [
 
 def backward_call(op, shape, dtype, axis, rng):
     """Random x, dy and parameters, the forward's statistics, and the
-    backward call on them: (x, dy, w, b, stats, run, nbytes). op: "rms",
+    backward call on them: (x, dy, w, b, mean, rstd, run, nbytes), mean
+    None for "rms". op: "rms",
     "ln" or "group" (axis: the group count). Bytes: x and dy read, dx
     written, the parameters and their gradients once."""
     dt = np.dtype(getattr(_dtypes, dtype))
@@ -358,15 +359,14 @@ def backward_call(op, shape, dtype, axis, rng):
     else:
         _, mean, rstd = cunorm.group_norm(x, axis, w, b, return_stats=True)
         run = lambda: cunorm.group_norm_backward(dy, x, mean, rstd, axis, w, b)  # noqa: E731
-    stats = (rstd,) if op == "rms" else (mean, rstd)
-    return x, dy, w, b, stats, run, 3 * x.nbytes + w.nbytes * (2 if b is None else 3)
+    if op == "rms":
+        mean = None
+    return x, dy, w, b, mean, rstd, run, 3 * x.nbytes + w.nbytes * (2 if b is None else 3)
 
 
 def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_compile):
     """dx (and dweight, dbias) from dy, x and the forward's statistics."""
-    x, dy, w, b, stats, run, nbytes = backward_call(op, shape, dtype, axis, cupy.random.default_rng(0))
-    rstd = stats[-1]
-    mean = stats[0] if op != "rms" else None
+    x, dy, w, b, mean, rstd, run, nbytes = backward_call(op, shape, dtype, axis, cupy.random.default_rng(0))
     row = {"case": name, "op": f"{op} backward", "shape": list(shape), "dtype": dtype, "axis": axis,
            "bytes": nbytes, "target_floor_pct": target}
     ms, lo, hi = time_gpu(run)
