@@ -4,8 +4,8 @@ bandwidth of the same run, plus the time of each launch of one call (a
 
 - rows_grad_cached on bf16 32768x4096 (RMSNorm, LayerNorm): the preferred
   block (GRAD_CACHED_TARGET_THREADS) and the blocks an SM its launch bounds
-  ask for (GRAD_CACHED_TARGET_MIN_BLOCKS) x the rows fetched into L2 ahead
-  (GRAD_CACHED_PREFETCH_ROWS);
+  ask for (GRAD_CACHED_TARGET_MIN_BLOCKS) x the next row fetched into L2
+  ahead or not (GRAD_CACHED_PREFETCH_NEXT);
 - the streamed rows (problem 40, LayerNorm bf16 4096x32768): the blocks an
   SM of pass 1 (GRAD_CHUNK_BLOCKS_PER_SM), and their launches;
 - the channel backward (problem 35): its launches.
@@ -29,6 +29,9 @@ def launch_times(run):
 
     def timed(steps, steps_args, device):
         for step, args in zip(steps, steps_args):
+            fn = _ops._step_function(step, device)
+            print(f"    {step.kernel.expression}: {fn.num_regs} registers, {fn.local_size_bytes} B local, "
+                  f"grid {step.grid} x {step.block}, {step.shared_bytes} B shared")
             start, stop = cupy.cuda.Event(), cupy.cuda.Event()
             start.record()
             original((step,), (args,), device)
@@ -70,17 +73,17 @@ def main():
         for op in ("ln", "rms"):
             run, nbytes = case(op, (32768, 4096), "bfloat16", -1)
             defaults = (_dispatch.GRAD_CACHED_TARGET_THREADS, _dispatch.GRAD_CACHED_TARGET_MIN_BLOCKS,
-                        _dispatch.GRAD_CACHED_PREFETCH_ROWS)
+                        _dispatch.GRAD_CACHED_PREFETCH_NEXT)
             for target, min_blocks in ((128, 4), (256, 3)):
-                for ahead in (0, 1):
+                for ahead in (False, True):
                     _dispatch.GRAD_CACHED_TARGET_THREADS = target
                     _dispatch.GRAD_CACHED_TARGET_MIN_BLOCKS = min_blocks
-                    _dispatch.GRAD_CACHED_PREFETCH_ROWS = ahead
+                    _dispatch.GRAD_CACHED_PREFETCH_NEXT = ahead
                     _grad._rows_launch.cache_clear()
-                    report(f"{op} bf16 32768x4096 threads {target} min blocks {min_blocks} prefetch {ahead}", run,
+                    report(f"{op} bf16 32768x4096 threads {target} min blocks {min_blocks} prefetch {ahead:d}", run,
                            nbytes, bw)
             (_dispatch.GRAD_CACHED_TARGET_THREADS, _dispatch.GRAD_CACHED_TARGET_MIN_BLOCKS,
-             _dispatch.GRAD_CACHED_PREFETCH_ROWS) = defaults
+             _dispatch.GRAD_CACHED_PREFETCH_NEXT) = defaults
             _grad._rows_launch.cache_clear()
             report(f"{op} bf16 32768x4096 (the dispatch's choice)", run, nbytes, bw, steps=True)
             del run

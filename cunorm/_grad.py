@@ -160,7 +160,7 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
         partial = cupy.empty(2 * parts * reduced if wants else 1, dtype=acc)
         _ops.launch_steps((dataclasses.replace(step, grid=grid),),
                           ((dy, x, dh_arg, dx, w_arg, center_arg, scale_arg, partial, i64(outer),
-                            np.int32(reduced), acc.type(eps), np.int32(launch.prefetch_rows)),), device)
+                            np.int32(reduced), acc.type(eps), np.int32(launch.prefetch_next)),), device)
     else:
         groups = outer * inner
         parts = launch.parts

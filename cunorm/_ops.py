@@ -364,9 +364,7 @@ def launch_steps(steps, steps_args, device: int):
     from ._loader import get_function
 
     for step, args in zip(steps, steps_args):
-        fn = get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
-        if step.shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < step.shared_bytes:
-            fn.max_dynamic_shared_size_bytes = step.shared_bytes
+        fn = _step_function(step, device)
         grid = step.grid
         if step.kernel.cooperative:
             resident = _resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
@@ -381,11 +379,25 @@ def launch_steps(steps, steps_args, device: int):
 def persistent_grid(step, device: int) -> tuple[int, ...]:
     """A persistent step's grid, its x extent capped at the blocks resident
     at once (so no block starts its share late)."""
+    fn = _step_function(step, device)
+    resident = _resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
+    if resident < 1:
+        raise RuntimeError(f"{step.kernel.expression}: no block of {math.prod(step.block)} threads and "
+                           f"{step.shared_bytes} B of shared memory fits an SM")
+    return (min(step.grid[0], resident),) + tuple(step.grid[1:])
+
+
+def _step_function(step, device: int):
+    """A step's kernel, opted in to the step's dynamic shared memory where
+    that is more than the default allows (48 KB less the static): before
+    any launch, and before any occupancy query, which otherwise counts no
+    block at all of a kernel that asks for more."""
     from ._loader import get_function
 
     fn = get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
-    resident = _resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
-    return (max(1, min(step.grid[0], resident)),) + tuple(step.grid[1:])
+    if step.shared_bytes > 0 and fn.max_dynamic_shared_size_bytes < step.shared_bytes:
+        fn.max_dynamic_shared_size_bytes = step.shared_bytes
+    return fn
 
 
 @functools.lru_cache(maxsize=None)

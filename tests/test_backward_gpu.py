@@ -177,6 +177,18 @@ def test_streamed_backward_one_part(dtype, rng):
     check_rows("rms", x, weight=random(rng, (n,), dtype, offset=1.0), rng=rng)
 
 
+def test_cached_backward_grid_fills_the_gpu():
+    """A cached block whose column sums need more than 48 KB of shared
+    memory (LayerNorm, 16384 bf16 a row: 128 KB) still gets a block an SM:
+    the occupancy query comes after the opt-in to that much."""
+    from cunorm import _grad, _ops
+
+    launch = _grad._rows_launch("ln", np.dtype(_dtypes.bfloat16), np.dtype(_dtypes.bfloat16), 3, 4096, 16384, 1, 8, 0)
+    (step,) = launch.steps
+    assert launch.tier == "cached" and step.shared_bytes > 48 * 1024
+    assert _ops.persistent_grid(step, 0)[0] >= _ops.device_info(0).sm_count
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", ["rms", "ln"])
 def test_strided_axis_backward(op, dtype, rng):

@@ -326,6 +326,8 @@ BACKWARD_CASES = [
     ("backward rms_norm bf16 32768x4096 +w", "rms", (32768, 4096), "bfloat16", -1, 80),
     ("backward layer_norm bf16 32768x4096 +w+b", "ln", (32768, 4096), "bfloat16", -1, 80),
     ("backward rms_norm fp32 65536x1024 +w", "rms", (65536, 1024), "float32", -1, None),
+    # 64 KB of column sums a block: more than the default dynamic shared memory
+    ("backward layer_norm bf16 4096x8192 +w+b", "ln", (4096, 8192), "bfloat16", -1, None),
     ("backward layer_norm bf16 4096x32768 +w+b (streamed)", "ln", (4096, 32768), "bfloat16", -1, None),
     ("backward problem 40 layer_norm (16,64,256,256) fp32 +w+b", "ln", (16, 64, 256, 256), "float32", (1, 2, 3), 60),
     ("backward problem 35 group_norm(8) (112,64,512,512) fp32 +w+b", "group", (112, 64, 512, 512), "float32", 8, 60),

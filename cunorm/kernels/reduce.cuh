@@ -101,7 +101,11 @@ struct cheap_combine<Norm, decltype(void(Norm::kCheapCombine))> {
 // points of bandwidth). Either way the order is fixed by blockDim: bitwise
 // reproducible. The leading barrier protects scratch from a previous
 // call's readers.
-template <class Norm>
+// MAX_WARPS: the most warps the caller's block has (its launch bounds),
+// when that is known and few: the warps' partials are then combined by a
+// loop of known length (predicated, no trip-count arithmetic), in the same
+// order.
+template <class Norm, int MAX_WARPS = 32>
 __device__ __forceinline__ typename Norm::Stats block_reduce(typename Norm::Stats s,
                                                              typename Norm::Stats* scratch) {
     const int warp = threadIdx.x >> 5;
@@ -111,6 +115,16 @@ __device__ __forceinline__ typename Norm::Stats block_reduce(typename Norm::Stat
     __syncthreads();
     if (lane == 0) scratch[warp] = s;
     __syncthreads();
+    if constexpr (MAX_WARPS <= 8) {
+        if (warps <= 4 || cheap_combine<Norm>::value) {
+            typename Norm::Stats total = scratch[0];
+#pragma unroll
+            for (int i = 1; i < MAX_WARPS; ++i) {
+                if (i < warps) total = Norm::combine(total, scratch[i]);
+            }
+            return total;
+        }
+    }
     if (warps <= 4 || cheap_combine<Norm>::value) {
         typename Norm::Stats total = scratch[0];
         for (int i = 1; i < warps; ++i) total = Norm::combine(total, scratch[i]);
