@@ -609,7 +609,9 @@ def channel_kernels() -> list[Kernel]:
 # with the fewest vectors a thread (vpt) that keeps the block within
 # GRAD_CACHED_TARGET_THREADS, else within 512; as many blocks as are
 # resident, walking rows, their column sums in shared memory (so rows the
-# shared memory cannot hold stream). Longer contiguous rows (and the whole
+# shared memory cannot hold stream), launched cooperatively where it has
+# parameters: the grid adds its blocks' partials itself behind a grid
+# barrier. Longer contiguous rows (and the whole
 # array) run rows_grad_chunks + rows_grad_finalize_wide + rows_grad_apply, a
 # strided axis rows_grad_sums + rows_grad_finalize + rows_grad_apply, each
 # pass chunked to about GRAD_BLOCKS_PER_SM blocks an SM.
@@ -741,9 +743,10 @@ def grad_cached_shared_bytes(flags: int, vec: int, threads: int, vpt: int, acc_i
 @dataclass(frozen=True)
 class GradLaunch:
     """The backward strategy of a plan: cached (one launch, the grid capped
-    at the resident blocks when launched), streamed (contiguous rows: chunks,
-    finalize, apply) or strided (sums, finalize, apply); parameter partials
-    are then added by column_sum, except for streamed rows of one part."""
+    at the resident blocks when launched, which adds its own parameter
+    partials), streamed (contiguous rows: chunks, finalize, apply) or
+    strided (sums, finalize, apply); their parameter partials are then
+    added by column_sum, except for streamed rows of one part."""
 
     tier: str  # "cached", "streamed" or "strided"
     steps: tuple[Step, ...]
@@ -775,7 +778,7 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
         if shape is not None and shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
             threads, vpt = shape
             step = Step(Kernel("backward", grad_cached_expr(grad, t, p, flags, vec, vpt, grad_cached_bounds(threads, vpt)),
-                               persistent=True),
+                               cooperative=flags != 0, persistent=True),
                         (min(outer, MAX_GRID_X),), (threads,), shared)
             return GradLaunch("cached", (step,), prefetch_next=GRAD_CACHED_PREFETCH_NEXT)
         # pass 1: chunks of each row, about GRAD_CHUNK_BLOCKS_PER_SM blocks an
@@ -888,7 +891,7 @@ def backward_kernels() -> list[Kernel]:
                     for vpt in _vpt_choices(vec, dtype.itemsize):
                         for threads in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
                             expr = grad_cached_expr(grad, t, p, flags, vec, vpt, grad_cached_bounds(threads, vpt))
-                            out.append(Kernel("backward", expr, persistent=True))
+                            out.append(Kernel("backward", expr, cooperative=flags != 0, persistent=True))
                     out.append(Kernel("backward", grad_chunks_expr(grad, t, p, flags, vec)))
                     out.append(Kernel("backward", grad_sums_expr(grad, t, p, flags, vec)))
                     for strided in (False, True):

@@ -153,14 +153,18 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
     direct = False
     if launch.tier == "cached":
         # the partials' rows are the grid's blocks: cap it first (as
-        # launch_steps would), then size the workspace
+        # launch_steps would), then size the workspace; the grid adds its
+        # partials into dw/db itself (arrived: its barrier's count)
         (step,) = launch.steps
         grid = _ops.persistent_grid(step, device)
-        parts = grid[0]
-        partial = cupy.empty(2 * parts * reduced if wants else 1, dtype=acc)
+        partial = cupy.empty(2 * grid[0] * reduced if wants else 1, dtype=acc)
+        arrived = cupy.zeros(1, dtype=np.uint32) if wants else _NULL
+        dw_arg, db_arg = (_NULL if a is None else a for a in (dw, db))
         _ops.launch_steps((dataclasses.replace(step, grid=grid),),
                           ((dy, x, dh_arg, dx, w_arg, center_arg, scale_arg, partial, i64(outer),
-                            np.int32(reduced), acc.type(eps), np.int32(launch.prefetch_next)),), device)
+                            np.int32(reduced), acc.type(eps), np.int32(launch.prefetch_next), dw_arg, db_arg,
+                            arrived),), device)
+        direct = True
     else:
         groups = outer * inner
         parts = launch.parts

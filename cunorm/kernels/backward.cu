@@ -9,9 +9,10 @@
 // or channels-last).
 //
 // dweight and dbias sum over every row: each block writes float32 partials
-// of its own rows, and column_sum adds the partials of a column in a fixed
-// order. No atomics anywhere, so every gradient is bitwise the same run to
-// run.
+// of its own rows, and the partials of a column are added in a fixed order
+// (by column_sum, or by rows_grad_cached's own grid behind a grid barrier).
+// No float atomics anywhere (an integer arrival count for the barrier), so
+// every gradient is bitwise the same run to run.
 //
 // Families (cunorm/_grad.py picks):
 //   rows_grad_cached   contiguous rows of up to 32 elements (64 bytes of x)
@@ -19,7 +20,9 @@
 //                      registers, reads x and dy once, and keeps its
 //                      columns' dweight/dbias partials in shared memory
 //                      across rows (each thread owns the same columns in
-//                      every row). One read of x and dy, one write of dx.
+//                      every row); once all have written their partials
+//                      the grid adds them up (a cooperative launch). One
+//                      read of x and dy, one write of dx.
 //   rows_grad_chunks / rows_grad_finalize_wide / rows_grad_apply<false>
 //                      contiguous rows too long for that (the whole array
 //                      is one such row): pass 1 reduces chunks of each row
@@ -93,7 +96,13 @@ __device__ __forceinline__ A weighted(A dy, A w) {
 // own vectors tid, tid + blockDim.x, ... (VPT of them) of every row; grid =
 // min(rows, the blocks resident at once), block b taking rows b, b + grid,
 // ... partial (FLAGS: 2 x gridDim.x x n words) receives each block's sums
-// of dy * xhat (dweight) and dy (dbias) per column.
+// of dy * xhat (dweight) and dy (dbias) per column; the block then counts
+// in on `arrived` (zeroed by the caller) and waits for every block (the
+// launch is cooperative: all blocks resident at once, or no launch), and
+// the grid adds the partials up into dw and db (grid_column_sum): no
+// column_sum launch after it (LayerNorm / RMSNorm bf16 32768x4096, H200,
+// 2026-11-22: 81.4 / 90.3% against 80.9 / 89.4% with it, whose 9 / 6 us
+// were mostly its launch and ramp).
 //
 // The column sums live in dynamic shared memory (one word per element a
 // thread owns and parameter: VPT x VEC x blockDim.x words for dweight, as
@@ -111,9 +120,12 @@ __device__ __forceinline__ A weighted(A dy, A w) {
 // Tried and dropped (LayerNorm bf16 32768x4096, H200, 2026-11-22): the next
 // row's x and dy copied into shared memory (cp.async, two stages beside the
 // column sums) while the current one is worked on, 70.2% against 77.3%
-// for the fetch into L2; the column sums added by this grid itself behind a
-// grid barrier (a cooperative launch) instead of column_sum, 80.9% against
-// 80.8-81.6%: the barrier waits for the blocks that have one row more.
+// for the fetch into L2; bfloat16 pairs widened from their 32-bit words
+// (a mask for the high lane, not a byte permute and a shift) and the
+// row's fetch as two bulk L2 prefetches (cp.async.bulk.prefetch, sm_90):
+// 80.5-81.0% both, as without; a grid sum whose warps each took a column
+// of 32 down all 396 partial rows (50 dependent-batch loads a thread):
+// no faster than column_sum.
 template <class A, int VEC>
 struct ColumnSums {
     static constexpr int kWidth = VEC * sizeof(A) <= 16 ? VEC : 16 / static_cast<int>(sizeof(A));
@@ -124,12 +136,75 @@ struct ColumnSums {
     }
 };
 
+// The column sums of rows_grad_cached's partials by its own grid, once
+// every block has written its own (behind the grid barrier): out_w[c] = the
+// sum over p < parts of partial[p * n + c], out_b[c] the same over partial
+// rows parts .. 2 * parts - 1, rounded once to P. A unit of work is
+// kColumnsPerUnit columns of one output: thread (x, y) of the block (x =
+// threadIdx.x % kQuads) takes C consecutive columns (4 in one 16-byte load
+// where n allows, else 1) and parts y, y + slices, ...; thread (x, 0) then
+// adds the slices' sums in slice order. Blocks take units blockIdx.x, +
+// gridDim.x, ... The order depends on the block size alone: bitwise the
+// same run to run. Loads go through L2 (.cg): the partials are other SMs'
+// writes. `tile`: blockDim.x * 4 words of shared memory.
+template <int C, class A, class P, int FLAGS>
+__device__ __forceinline__ void grid_column_sum(const A* __restrict__ partial, P* __restrict__ out_w,
+                                                P* __restrict__ out_b, int parts, int n, A* tile) {
+    constexpr int kQuads = 8;  // column groups of C a unit
+    const int slices = static_cast<int>(blockDim.x) / kQuads;
+    const int x = threadIdx.x % kQuads, y = threadIdx.x / kQuads;
+    const int unit_cols = kQuads * C;
+    const int groups = (n + unit_cols - 1) / unit_cols;
+    constexpr int first = (FLAGS & kWeight) ? 0 : 1;  // the outputs wanted: first .. last
+    constexpr int last = (FLAGS & kBias) ? 1 : 0;
+    for (int unit = blockIdx.x; unit < (last - first + 1) * groups; unit += gridDim.x) {
+        const int output = first + unit / groups;
+        const int col = (unit % groups) * unit_cols + x * C;
+        const A* const src = partial + static_cast<long long>(output) * parts * n + col;
+        Vec<A, C> s;
+#pragma unroll
+        for (int i = 0; i < C; ++i) s.v[i] = A(0);
+        if (col < n) {
+            for_each_batched<8>(
+                y, parts, slices,
+                [&](long long p) {
+                    Vec<A, C> v;
+                    if constexpr (C == 4) {
+                        const float4 f = __ldcg(reinterpret_cast<const float4*>(src + p * n));
+                        v.v[0] = f.x; v.v[1] = f.y; v.v[2] = f.z; v.v[3] = f.w;
+                    } else {
+                        v.v[0] = __ldcg(src + p * n);
+                    }
+                    return v;
+                },
+                [&](long long, const Vec<A, C>& v) {
+#pragma unroll
+                    for (int i = 0; i < C; ++i) s.v[i] += v.v[i];
+                });
+        }
+#pragma unroll
+        for (int i = 0; i < C; ++i) tile[i * blockDim.x + threadIdx.x] = s.v[i];
+        __syncthreads();
+        if (y == 0 && col < n) {
+            P* const out = output == 0 ? out_w : out_b;
+#pragma unroll
+            for (int i = 0; i < C; ++i) {
+                A t = tile[i * blockDim.x + x];
+                for (int q = 1; q < slices; ++q) t += tile[i * blockDim.x + q * kQuads + x];
+                if (col + i < n) narrow(static_cast<typename AccOf<P>::type>(t), out[col + i]);
+            }
+        }
+        __syncthreads();  // tile is refilled
+    }
+}
+
 template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
     rows_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
                      T* __restrict__ dx, const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
                      const typename AccOf<T>::type* __restrict__ scale, typename AccOf<T>::type* __restrict__ partial,
-                     long long rows, int n, typename AccOf<T>::type eps, int prefetch_next) {
+                     long long rows, int n, typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw,
+                     P* __restrict__ db, unsigned int* __restrict__ arrived) {
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
     using Sums = ColumnSums<A, VEC>;
@@ -265,6 +340,26 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                 }
             }
         }
+        // Every block's partials written (the grid is co-resident: a
+        // cooperative launch), then the grid adds them up.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(arrived, 1u);
+            while (load_acquire(arrived) < gridDim.x) __nanosleep(32);
+        }
+        __syncthreads();
+        // (the column sums' shared memory, VPT x VEC words a thread and
+        // parameter, holds the tile: four words a thread where it has them)
+        A* const tile = reinterpret_cast<A*>(grad_column_sums);
+        constexpr int kSumWords = VPT * VEC * (((FLAGS & kWeight) ? 1 : 0) + ((FLAGS & kBias) ? 1 : 0));
+        if constexpr (sizeof(A) == 4 && kSumWords >= 4) {
+            if (n % 4 == 0) {
+                grid_column_sum<4, A, P, FLAGS>(partial, dw, db, static_cast<int>(gridDim.x), n, tile);
+                return;
+            }
+        }
+        grid_column_sum<1, A, P, FLAGS>(partial, dw, db, static_cast<int>(gridDim.x), n, tile);
     }
 }
 

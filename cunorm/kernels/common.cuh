@@ -91,6 +91,14 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
 // this way while working on the current one.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// Acquire load of an arrival counter (the partials it guards are then
+// visible).
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Elementwise epilogue shared by every family:
 //   y = (x - center) * scale [* weight] [+ bias]
 // in the accumulation type, rounded once to the storage type. Subtracting

@@ -106,14 +106,6 @@ __device__ __forceinline__ Vec<T, VEC> load_input(const T* x_row, const T* r_row
     return v;
 }
 
-// Acquire load of an arrival counter (the partials it guards are then
-// visible).
-__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
-    unsigned int v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // L2 eviction policies (sm_80+): the resident tier marks the data it streams
 // (x in, y out) evict-first and the parameters it re-reads for every row
 // evict-last, so 32 MB of weight and bias stay in L2 across rows.
