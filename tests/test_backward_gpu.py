@@ -328,8 +328,8 @@ def test_backward_of_empty_rows_gives_zero_parameter_gradients():
 
 @pytest.mark.parametrize("case", ["cached", "streamed", "strided", "channels", "channels_last"])
 def test_gradients_are_bitwise_reproducible(case, rng):
-    """Two runs on the same inputs give the same bytes (no atomics: partials
-    are added in a fixed order)."""
+    """Two runs on the same inputs give the same bytes (no float atomics:
+    partials are added in a fixed order)."""
     import cupy
 
     if case.startswith("channels"):
