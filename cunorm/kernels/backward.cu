@@ -101,7 +101,7 @@ __device__ __forceinline__ A weighted(A dy, A w) {
 // launch is cooperative: all blocks resident at once, or no launch), and
 // the grid adds the partials up into dw and db (grid_column_sum): no
 // column_sum launch after it (LayerNorm / RMSNorm bf16 32768x4096, H200,
-// 2026-11-22: 81.4 / 90.3% against 80.9 / 89.4% with it, whose 9 / 6 us
+// 2026-11-23: 81.4 / 90.3% against 80.9 / 89.4% with it, whose 9 / 6 us
 // were mostly its launch and ramp).
 //
 // The column sums live in dynamic shared memory (one word per element a
@@ -139,14 +139,15 @@ struct ColumnSums {
 // The column sums of rows_grad_cached's partials by its own grid, once
 // every block has written its own (behind the grid barrier): out_w[c] = the
 // sum over p < parts of partial[p * n + c], out_b[c] the same over partial
-// rows parts .. 2 * parts - 1, rounded once to P. A unit of work is
-// kColumnsPerUnit columns of one output: thread (x, y) of the block (x =
-// threadIdx.x % kQuads) takes C consecutive columns (4 in one 16-byte load
-// where n allows, else 1) and parts y, y + slices, ...; thread (x, 0) then
-// adds the slices' sums in slice order. Blocks take units blockIdx.x, +
-// gridDim.x, ... The order depends on the block size alone: bitwise the
-// same run to run. Loads go through L2 (.cg): the partials are other SMs'
-// writes. `tile`: blockDim.x * 4 words of shared memory.
+// rows parts .. 2 * parts - 1, rounded once to P. A unit of work is kQuads
+// x C consecutive columns of one output: thread (x, y) of the block (x =
+// threadIdx.x % kQuads, y its slice) takes C consecutive columns (4 in one
+// 16-byte load where n allows, else 1) and parts y, y + slices, ...;
+// thread (x, 0) then adds the slices' sums in slice order. Blocks take
+// units blockIdx.x, + gridDim.x, ... The order depends on the block size
+// alone: bitwise the same run to run. Loads go through L2 (.cg): the
+// partials are other SMs' writes. `tile`: C x blockDim.x words of shared
+// memory.
 template <int C, class A, class P, int FLAGS>
 __device__ __forceinline__ void grid_column_sum(const A* __restrict__ partial, P* __restrict__ out_w,
                                                 P* __restrict__ out_b, int parts, int n, A* tile) {
