@@ -8,7 +8,8 @@ bandwidth of the same run, plus the time of each launch of one call (a
   ahead or not (GRAD_CACHED_PREFETCH_NEXT);
 - the streamed rows (problem 40, LayerNorm bf16 4096x32768): the blocks an
   SM of pass 1 (GRAD_CHUNK_BLOCKS_PER_SM), and their launches;
-- the channel backward (problem 35): its launches.
+- the channel backward (problem 35): the most bytes of x a channels-first
+  chunk holds (GRAD_CHANNEL_MAX_CHUNK_BYTES), and its launches.
 
 PYTHONPATH=. python bench/tune_backward.py [--only TEXT]"""
 import argparse
@@ -101,7 +102,13 @@ def main():
             del run
     if "channels" in args.only or not args.only:
         run, nbytes = case("group", (112, 64, 512, 512), "float32", 8)
-        report("problem 35 group_norm(8)", run, nbytes, bw, steps=True)
+        default = _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES
+        for cap in (None, 256 << 10, 64 << 10, 16 << 10):
+            _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES = cap
+            _grad._channel_launch.cache_clear()
+            report(f"problem 35 group_norm(8), chunks of at most {cap} bytes", run, nbytes, bw, steps=cap == default)
+        _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES = default
+        _grad._channel_launch.cache_clear()
         del run
     cupy.get_default_memory_pool().free_all_blocks()
 

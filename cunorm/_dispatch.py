@@ -644,6 +644,15 @@ GRAD_BLOCKS_PER_SM = 8
 #: 58.0 / 58.3 / 58.9 / 58.7%; LayerNorm bf16 4096x32768 49.2-49.3% for
 #: all (H200, 2026-11-22, bench/tune_backward.py)
 GRAD_CHUNK_BLOCKS_PER_SM = 12
+#: channels-first chunks of the channel backward's passes hold at most
+#: this many bytes of x (None: a pass aims at GRAD_BLOCKS_PER_SM blocks an
+#: SM alone, which leaves problem 35's 1 MB channels whole, 7168 blocks).
+#: Problem 35 backward, chunks of 1 MB (None) / 256 / 128 / 64 / 32 / 16
+#: KB: 59.7 / 60.4 / 61.2 / 61.6 / 62.2 / 62.6% (H200, 2026-11-23, twice
+#: each, the same to 0.1; bench/tune_backward.py). 16 KB is also the least
+#: chunk, GRAD_MIN_CHUNK_PER_THREAD vectors a thread: the blocks resident
+#: together then cover one contiguous front of memory, as in a copy.
+GRAD_CHANNEL_MAX_CHUNK_BYTES = 16 << 10
 #: block of rows_grad_finalize_wide (at most; a block a row, over its chunks)
 GRAD_FINALIZE_THREADS = 1024  # mirrors kGradFinalizeThreads
 #: a pass-1 chunk is at least this many vectors a thread (for_each_batched's batch)
@@ -850,7 +859,10 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> Gr
         vecs = plan.spatial // plan.vec
         block = (GRAD_BLOCK_THREADS,)
         want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, plan.batch * plan.channels))
-        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, _ceil_div(vecs, want))
+        chunk_len = _ceil_div(vecs, want)
+        if GRAD_CHANNEL_MAX_CHUNK_BYTES is not None:
+            chunk_len = min(chunk_len, GRAD_CHANNEL_MAX_CHUNK_BYTES // (plan.vec * plan.dtype.itemsize))
+        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, chunk_len)
         chunks = _ceil_div(vecs, chunk_len)
         grid = (chunks, plan.channels, plan.batch)
         shared = 0

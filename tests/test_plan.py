@@ -245,3 +245,14 @@ def test_channel_rows_fast_path():
     assert not _dispatch.channel_rows_fast(channel_plan(flags=1))
     assert not _dispatch.channel_rows_fast(channel_plan(last=True))
     assert not _dispatch.channel_rows_fast(channel_plan("batch", cpg=1))
+
+
+def test_channel_backward_chunks_cap_their_bytes():
+    """Problem 35's 1 MB channels (fp32, channels-first) go in chunks of at
+    most GRAD_CHANNEL_MAX_CHUNK_BYTES, both passes on the same grid."""
+    plan = channel_plan("group", flags=3, batch=112, channels=64, spatial=512 * 512, cpg=8)
+    launch = _dispatch.choose_channel_grad(plan, True, H200)
+    sums, apply = launch.steps[0], launch.steps[-1]
+    assert launch.chunk_len * plan.vec * 4 <= _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES
+    assert launch.chunks == 512 * 512 * 4 // _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES
+    assert sums.grid == apply.grid == (launch.chunks, 64, 112)
