@@ -13,6 +13,7 @@ bandwidth of the same run, plus the time of each launch of one call (a
 
 PYTHONPATH=. python bench/tune_backward.py [--only TEXT]"""
 import argparse
+import contextlib
 import sys
 
 import cupy
@@ -64,6 +65,25 @@ def report(label, run, nbytes, bw, steps=False):
             print(f"    {name:40s} {t:8.3f} ms")
 
 
+@contextlib.contextmanager
+def overridden(**values):
+    """The named _dispatch constants set to values inside the block, the
+    launch caches cleared on the way in and out."""
+    saved = {name: getattr(_dispatch, name) for name in values}
+
+    def apply(settings):
+        for name, value in settings.items():
+            setattr(_dispatch, name, value)
+        _grad._rows_launch.cache_clear()
+        _grad._channel_launch.cache_clear()
+
+    apply(values)
+    try:
+        yield
+    finally:
+        apply(saved)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="")
@@ -73,19 +93,12 @@ def main():
     if "cached" in args.only or not args.only:
         for op in ("ln", "rms"):
             run, nbytes = case(op, (32768, 4096), "bfloat16", -1)
-            defaults = (_dispatch.GRAD_CACHED_TARGET_THREADS, _dispatch.GRAD_CACHED_TARGET_MIN_BLOCKS,
-                        _dispatch.GRAD_CACHED_PREFETCH_NEXT)
             for target, min_blocks in ((128, 4), (256, 3)):
                 for ahead in (False, True):
-                    _dispatch.GRAD_CACHED_TARGET_THREADS = target
-                    _dispatch.GRAD_CACHED_TARGET_MIN_BLOCKS = min_blocks
-                    _dispatch.GRAD_CACHED_PREFETCH_NEXT = ahead
-                    _grad._rows_launch.cache_clear()
-                    report(f"{op} bf16 32768x4096 threads {target} min blocks {min_blocks} prefetch {ahead:d}", run,
-                           nbytes, bw)
-            (_dispatch.GRAD_CACHED_TARGET_THREADS, _dispatch.GRAD_CACHED_TARGET_MIN_BLOCKS,
-             _dispatch.GRAD_CACHED_PREFETCH_NEXT) = defaults
-            _grad._rows_launch.cache_clear()
+                    with overridden(GRAD_CACHED_TARGET_THREADS=target, GRAD_CACHED_TARGET_MIN_BLOCKS=min_blocks,
+                                    GRAD_CACHED_PREFETCH_NEXT=ahead):
+                        report(f"{op} bf16 32768x4096 threads {target} min blocks {min_blocks} prefetch {ahead:d}",
+                               run, nbytes, bw)
             report(f"{op} bf16 32768x4096 (the dispatch's choice)", run, nbytes, bw, steps=True)
             del run
     if "streamed" in args.only or not args.only:
@@ -94,21 +107,17 @@ def main():
             run, nbytes = case("ln", shape, dtype, axis)
             default = _dispatch.GRAD_CHUNK_BLOCKS_PER_SM
             for per_sm in (3, 6, 8, 12, 24):
-                _dispatch.GRAD_CHUNK_BLOCKS_PER_SM = per_sm
-                _grad._rows_launch.cache_clear()
-                report(f"{label}, streamed, pass-1 blocks an SM {per_sm}", run, nbytes, bw, steps=per_sm == default)
-            _dispatch.GRAD_CHUNK_BLOCKS_PER_SM = default
-            _grad._rows_launch.cache_clear()
+                with overridden(GRAD_CHUNK_BLOCKS_PER_SM=per_sm):
+                    report(f"{label}, streamed, pass-1 blocks an SM {per_sm}", run, nbytes, bw,
+                           steps=per_sm == default)
             del run
     if "channels" in args.only or not args.only:
         run, nbytes = case("group", (112, 64, 512, 512), "float32", 8)
         default = _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES
         for cap in (None, 256 << 10, 64 << 10, 16 << 10):
-            _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES = cap
-            _grad._channel_launch.cache_clear()
-            report(f"problem 35 group_norm(8), chunks of at most {cap} bytes", run, nbytes, bw, steps=cap == default)
-        _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES = default
-        _grad._channel_launch.cache_clear()
+            with overridden(GRAD_CHANNEL_MAX_CHUNK_BYTES=cap):
+                report(f"problem 35 group_norm(8), chunks of at most {cap} bytes", run, nbytes, bw,
+                       steps=cap == default)
         del run
     cupy.get_default_memory_pool().free_all_blocks()
 

@@ -632,8 +632,8 @@ GRAD_CACHED_TARGET_THREADS = 256
 GRAD_CACHED_TARGET_MIN_BLOCKS = 3
 #: a rows_grad_cached block fetches its next row (row + grid) into L2
 #: while it works on the current one: LayerNorm / RMSNorm bf16 32768x4096
-#: 80.8 / 90.6% with, 76.4 / 87.2% without (H200, 2026-11-22; two rows
-#: ahead read less, 61-68%)
+#: 81.6 / 90.6% with, 76.4 / 87.2% without (H200, 2026-11-22, one run; two
+#: rows ahead read less, 61-68%)
 GRAD_CACHED_PREFETCH_NEXT = True
 GRAD_CACHED_MAX_THREADS = 512
 GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads

@@ -361,8 +361,6 @@ def launch_steps(steps, steps_args, device: int):
     """Launch each step of a Launch with its arguments, in order, on
     ``device``: opting in to more than 48 KB of dynamic shared memory where a
     step asks for it, and checking a cooperative grid fits first."""
-    from ._loader import get_function
-
     for step, args in zip(steps, steps_args):
         fn = _step_function(step, device)
         grid = step.grid
@@ -395,9 +393,17 @@ def _step_function(step, device: int):
     from ._loader import get_function
 
     fn = get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
-    if step.shared_bytes > 0 and fn.max_dynamic_shared_size_bytes < step.shared_bytes:
-        fn.max_dynamic_shared_size_bytes = step.shared_bytes
+    if step.shared_bytes > 0:
+        _opt_in(fn, step.shared_bytes)
     return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _opt_in(fn, shared_bytes: int) -> None:
+    """Raise a kernel's dynamic shared memory limit to shared_bytes where it
+    is lower: once per kernel and size, not a driver query every launch."""
+    if fn.max_dynamic_shared_size_bytes < shared_bytes:
+        fn.max_dynamic_shared_size_bytes = shared_bytes
 
 
 @functools.lru_cache(maxsize=None)
