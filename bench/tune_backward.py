@@ -8,6 +8,9 @@ bandwidth of the same run, plus the time of each launch of one call (a
   ahead or not (GRAD_CACHED_PREFETCH_NEXT);
 - the streamed rows (problem 40, LayerNorm bf16 4096x32768): the blocks an
   SM of pass 1 (GRAD_CHUNK_BLOCKS_PER_SM), and their launches;
+- the streamed rows' pass 2 on few long rows to many (LayerNorm bf16 16x2M
+  .. 4096x32768): the column-tile blocks an SM it aims at before it cuts
+  the rows into parts (GRAD_APPLY_BLOCKS_PER_SM);
 - the channel backward (problem 35): the most bytes of x a channels-first
   chunk holds (GRAD_CHANNEL_MAX_CHUNK_BYTES), and its launches.
 
@@ -24,16 +27,20 @@ from cunorm import _dispatch, _grad, _ops  # noqa: E402
 from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu  # noqa: E402
 
 
-def launch_times(run):
-    """ms of each launch of one run() (after a fill that evicts L2)."""
+def launch_times(run, before=None, verbose=True):
+    """ms of each launch of one run() (after a fill that evicts L2);
+    before(step), where given, is called ahead of each launch (untimed)."""
     original = _ops.launch_steps
     records = []
 
     def timed(steps, steps_args, device):
         for step, args in zip(steps, steps_args):
             fn = _ops._step_function(step, device)
-            print(f"    {step.kernel.expression}: {fn.num_regs} registers, {fn.local_size_bytes} B local, "
-                  f"grid {step.grid} x {step.block}, {step.shared_bytes} B shared")
+            if verbose:
+                print(f"    {step.kernel.expression}: {fn.num_regs} registers, {fn.local_size_bytes} B local, "
+                      f"grid {step.grid} x {step.block}, {step.shared_bytes} B shared")
+            if before is not None:
+                before(step)
             start, stop = cupy.cuda.Event(), cupy.cuda.Event()
             start.record()
             original((step,), (args,), device)
@@ -100,6 +107,18 @@ def main():
                         report(f"{op} bf16 32768x4096 threads {target} min blocks {min_blocks} prefetch {ahead:d}",
                                run, nbytes, bw)
             report(f"{op} bf16 32768x4096 (the dispatch's choice)", run, nbytes, bw, steps=True)
+            del run
+    if "apply" in args.only or not args.only:
+        for label, shape, dtype in (("ln bf16 16x2M", (16, 2 << 20), "bfloat16"), ("ln bf16 8x1M", (8, 1 << 20), "bfloat16"),
+                                    ("ln f32 4x1M", (4, 1 << 20), "float32"), ("ln f32 64x100000", (64, 100000), "float32"),
+                                    ("ln bf16 4096x32768", (4096, 32768), "bfloat16"),
+                                    ("ln bf16 1024x65536", (1024, 65536), "bfloat16"),
+                                    ("rms bf16 256x262144", (256, 262144), "bfloat16")):
+            op = label.split()[0]
+            run, nbytes = case(op, shape, dtype, -1)
+            for per_sm in (8, 4, 3, 2):
+                with overridden(GRAD_APPLY_BLOCKS_PER_SM=per_sm):
+                    report(f"{label}, pass 2 aims at {per_sm} blocks an SM", run, nbytes, bw, steps=per_sm in (8, 3))
             del run
     if "streamed" in args.only or not args.only:
         for label, shape, dtype, axis in (("problem 40", (16, 64, 256, 256), "float32", (1, 2, 3)),

@@ -639,6 +639,18 @@ GRAD_CACHED_MAX_THREADS = 512
 GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads
 GRAD_COEFF_WORDS = 5  # mirrors kCoeffWords (grads.cuh)
 GRAD_BLOCKS_PER_SM = 8
+#: pass 2 of streamed rows splits the rows into as few chunks (parameter
+#: partials, added by column_sum) as give it about this many column-tile
+#: blocks an SM: one wave of resident blocks. Floor% with 8 / 4 / 3 / 2
+#: (H200, 2026-11-23, bench/tune_backward.py --only apply): LayerNorm bf16
+#: 16x2M 30.2 / 46.0 / 45.5 / 45.8, bf16 8x1M 12.4 / 17.1 / 33.4 / 33.7,
+#: fp32 4x1M 25.6 / 38.7 / 39.5 / 39.8, fp32 64x100000 28.4 / 33.2 / 33.0 /
+#: 35.1, bf16 4096x32768 49.9 / 51.4 / 49.0 / 43.0, bf16 1024x65536 40.6 /
+#: 41.4 / 44.4 / 40.4; RMSNorm bf16 256x262144 46.0 / 47.9 / 48.8 / 48.3.
+#: At 8, few long rows were cut in two or three for 1056 blocks where
+#: their 512-1024 tiles already filled the GPU, and the partials of every
+#: part cost a write and a read of n floats.
+GRAD_APPLY_BLOCKS_PER_SM = 3
 #: rows_grad_chunks' blocks an SM (pass 1 of streamed rows; it runs 3 at
 #: a time an SM): problem 40 backward with 3 / 6 / 8 / 12 / 24, 55.7 /
 #: 58.0 / 58.3 / 58.9 / 58.7%; LayerNorm bf16 4096x32768 49.2-49.3% for
@@ -703,8 +715,8 @@ def grad_apply_expr(grad, t, p, flags, vec, strided) -> str:
     return f"cunorm::rows_grad_apply<{grad}, {t}, {p}, {flags}, {vec}, {_b(strided)}>"
 
 
-def column_sum_expr(a, p) -> str:
-    return f"cunorm::column_sum<{a}, {p}>"
+def column_sum_expr(a, p, columns) -> str:
+    return f"cunorm::column_sum<{a}, {p}, {columns}>"
 
 
 def channel_grad_sums_expr(t, vec, last) -> str:
@@ -791,12 +803,12 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
                         (min(outer, MAX_GRID_X),), (threads,), shared)
             return GradLaunch("cached", (step,), prefetch_next=GRAD_CACHED_PREFETCH_NEXT)
         # pass 1: chunks of each row, about GRAD_CHUNK_BLOCKS_PER_SM blocks an
-        # SM; pass 2: column tiles down row chunks, GRAD_BLOCKS_PER_SM
+        # SM; pass 2: column tiles down row chunks, GRAD_APPLY_BLOCKS_PER_SM
         want = max(1, _ceil_div(GRAD_CHUNK_BLOCKS_PER_SM * sm, outer))
         chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, _ceil_div(n_vec, want))
         chunks = _ceil_div(n_vec, chunk_len)
         apply_tiles = _ceil_div(n_vec, GRAD_BLOCK_THREADS)
-        apply_chunk_len = max(1, _ceil_div(outer, max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, apply_tiles))))
+        apply_chunk_len = max(1, _ceil_div(outer, max(1, _ceil_div(GRAD_APPLY_BLOCKS_PER_SM * sm, apply_tiles))))
         apply_chunks = _ceil_div(outer, apply_chunk_len)
         steps = (
             Step(Kernel("backward", grad_chunks_expr(grad, t, p, flags, vec)), (outer * chunks,),
@@ -830,10 +842,18 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
 
 
 def column_sum_step(a: str, p: str, parts: int, n: int, outputs: int) -> Step:
-    """column_sum of dweight (outputs 1) or dweight and dbias (2)."""
+    """column_sum of dweight (outputs 1) or dweight and dbias (2): a thread
+    adds 16 bytes of columns where n is a multiple of that many."""
     by = min(32, next_pow2(parts))
     bx = GRAD_BLOCK_THREADS // by
-    return Step(Kernel("backward", column_sum_expr(a, p)), (_ceil_div(n, bx), outputs), (bx, by))
+    columns = column_sum_width(a, n)
+    return Step(Kernel("backward", column_sum_expr(a, p, columns)), (_ceil_div(n, bx * columns), outputs), (bx, by))
+
+
+def column_sum_width(a: str, n: int) -> int:
+    """Columns a column_sum thread adds (one 16-byte load a part, where n allows)."""
+    columns = 16 // (8 if a == "double" else 4)
+    return columns if n % columns == 0 else 1
 
 
 def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> GradLaunch:
@@ -892,7 +912,8 @@ def backward_kernels() -> list[Kernel]:
         a, t = _dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[dtype]
         params = sorted({t, a})
         for p in params:
-            out.append(Kernel("backward", column_sum_expr(a, p)))
+            for columns in sorted({1, column_sum_width(a, 0)}):
+                out.append(Kernel("backward", column_sum_expr(a, p, columns)))
         for norm in (*GRAD_NORMS, power_norm_name(REPRESENTATIVE_POWER)):
             grad = grad_policy(norm, a)
             affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in norm_info(norm).flags if f for p in params]

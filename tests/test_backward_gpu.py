@@ -131,9 +131,12 @@ def check_rows(op, x_np, *, axis=-1, weight=None, bias=None, residual=False, rng
 
 
 # 600x4096: more rows than resident blocks, so a cached block sums several
-# rows into its column partials; 3x16384: the cached path's longest 16-bit rows
-ROW_SHAPES = [(1, 1), (3, 3), (37, 760), (5, 4097), (600, 4096), (2, 8192), (3, 16384), (3, 65535), (2, 3, 96)]
-ROW_IDS = ["1x1", "3x3", "37x760", "5x4097", "600x4096", "2x8192", "3x16384", "3x65535", "2x3x96"]
+# rows into its column partials; 3x16384: the cached path's longest 16-bit rows;
+# 40x40000: streamed rows whose pass 2 cuts the rows into parts (column_sum
+# adds their partials, 16 bytes of columns a thread)
+ROW_SHAPES = [(1, 1), (3, 3), (37, 760), (5, 4097), (600, 4096), (2, 8192), (3, 16384), (3, 65535), (40, 40000),
+              (2, 3, 96)]
+ROW_IDS = ["1x1", "3x3", "37x760", "5x4097", "600x4096", "2x8192", "3x16384", "3x65535", "40x40000", "2x3x96"]
 
 
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_IDS)
@@ -168,7 +171,7 @@ def test_streamed_backward_one_part(dtype, rng):
     from cunorm import _grad, _ops
 
     device = _ops.device_info(0)
-    n = _dispatch.GRAD_BLOCKS_PER_SM * device.sm_count * _dispatch.GRAD_BLOCK_THREADS * 8 + 8
+    n = _dispatch.GRAD_APPLY_BLOCKS_PER_SM * device.sm_count * _dispatch.GRAD_BLOCK_THREADS * 8 + 8
     x = random(rng, (2, n), dtype)
     vec = 16 // x.itemsize
     launch = _grad._rows_launch("ln", np.dtype(dtype), np.dtype(dtype), 3, 2, n, 1, vec, 0)

@@ -329,6 +329,8 @@ BACKWARD_CASES = [
     # 64 KB of column sums a block: more than the default dynamic shared memory
     ("backward layer_norm bf16 4096x8192 +w+b", "ln", (4096, 8192), "bfloat16", -1, None),
     ("backward layer_norm bf16 4096x32768 +w+b (streamed)", "ln", (4096, 32768), "bfloat16", -1, None),
+    # few long rows (LayerNorm over each sample's feature map): one row part
+    ("backward layer_norm bf16 (8,64,128,128) axes 1-3 +w+b", "ln", (8, 64, 128, 128), "bfloat16", (1, 2, 3), None),
     ("backward problem 40 layer_norm (16,64,256,256) fp32 +w+b", "ln", (16, 64, 256, 256), "float32", (1, 2, 3), 60),
     ("backward problem 35 group_norm(8) (112,64,512,512) fp32 +w+b", "group", (112, 64, 512, 512), "float32", 8, 60),
     ("backward problem 36 rms_norm axis 1 (112,64,512,512) fp32 +w", "rms", (112, 64, 512, 512), "float32", 1, None),

@@ -372,33 +372,46 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
 // rows [gy * parts, (gy + 1) * parts): out[c] = sum over p < parts of
 // partial[(gy * parts + p) * n + c], rounded once to P. Block (bx, by), bx
 // * by = 256, by the power of two nearest above parts (at most 32):
-// threadIdx.x a column of the block's bx, threadIdx.y takes parts y, y +
-// by, ...; a column's by sums are then added in y order, eight loads in
-// flight a thread (LayerNorm bf16 32768x4096's 396 partial rows, dweight
-// and dbias: 9 us, 10 us one load at a time). (A fixed 32 x 32 block
-// launched 128K blocks of 1024 threads for 4M columns of one partial row
-// each: 16.8% of copy bandwidth.)
-template <class A, class P>
+// threadIdx.x takes C consecutive columns of the block's bx * C (one
+// 16-byte load where n allows: C = 16 / sizeof(A), else 1), threadIdx.y
+// parts y, y + by, ...; a column's by sums are then added in y order,
+// eight loads in flight a thread (LayerNorm bf16 32768x4096's 396 partial
+// rows, dweight and dbias: 9 us, 10 us one load at a time). A column a
+// thread made 2 partial rows of 2M columns 71 us, one short block for
+// every 128 columns (H200, 2026-11-23). (A fixed 32 x 32 block launched
+// 128K blocks of 1024 threads for 4M columns of one partial row each:
+// 16.8% of copy bandwidth.)
+template <class A, class P, int C>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     column_sum(const A* __restrict__ partial, P* __restrict__ out_w, P* __restrict__ out_b, int parts,
                long long n) {
-    __shared__ A tile[kGradBlockThreads];
+    __shared__ A tile[kGradBlockThreads * C];
     P* const out = blockIdx.y == 0 ? out_w : out_b;
     if (out == nullptr) return;
     partial += static_cast<long long>(blockIdx.y) * parts * n;
-    const long long col = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    A s = A(0);
+    const long long col = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) * C;
+    const int slot = threadIdx.y * blockDim.x + threadIdx.x;
+    Vec<A, C> s;
+#pragma unroll
+    for (int i = 0; i < C; ++i) s.v[i] = A(0);
     if (col < n) {
         for_each_batched<8>(
-            threadIdx.y, parts, blockDim.y, [&](long long p) { return partial[p * n + col]; },
-            [&](long long, A v) { s += v; });
+            threadIdx.y, parts, blockDim.y, [&](long long p) { return load_vec<A, C>(partial + p * n + col); },
+            [&](long long, const Vec<A, C>& v) {
+#pragma unroll
+                for (int i = 0; i < C; ++i) s.v[i] += v.v[i];
+            });
     }
-    tile[threadIdx.y * blockDim.x + threadIdx.x] = s;
+#pragma unroll
+    for (int i = 0; i < C; ++i) tile[i * kGradBlockThreads + slot] = s.v[i];
     __syncthreads();
     if (threadIdx.y == 0 && col < n) {
-        A t = tile[threadIdx.x];
-        for (int i = 1; i < static_cast<int>(blockDim.y); ++i) t += tile[i * blockDim.x + threadIdx.x];
-        narrow(static_cast<typename AccOf<P>::type>(t), out[col]);
+#pragma unroll
+        for (int i = 0; i < C; ++i) {
+            A t = tile[i * kGradBlockThreads + threadIdx.x];
+            for (int y = 1; y < static_cast<int>(blockDim.y); ++y) t += tile[i * kGradBlockThreads + y * blockDim.x + threadIdx.x];
+            narrow(static_cast<typename AccOf<P>::type>(t), out[col + i]);
+        }
     }
 }
 
