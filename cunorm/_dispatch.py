@@ -614,7 +614,8 @@ def channel_kernels() -> list[Kernel]:
 # barrier. Longer contiguous rows (and the whole
 # array) run rows_grad_chunks + rows_grad_finalize_wide + rows_grad_apply, a
 # strided axis rows_grad_sums + rows_grad_finalize + rows_grad_apply, each
-# pass chunked to about GRAD_BLOCKS_PER_SM blocks an SM.
+# pass chunked to about GRAD_BLOCKS_PER_SM blocks an SM (the contiguous
+# rows' passes to GRAD_CHUNK_BLOCKS_PER_SM and GRAD_APPLY_BLOCKS_PER_SM).
 #: elements a rows_grad_cached thread holds in registers (x, dy and its
 #: columns' weights): 32 of 16-bit data, 16 of 32-bit, 8 doubles, at most
 #: 128 registers and no spill on sm_80/sm_90 in the compile check

@@ -256,3 +256,17 @@ def test_channel_backward_chunks_cap_their_bytes():
     assert launch.chunk_len * plan.vec * 4 <= _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES
     assert launch.chunks == 512 * 512 * 4 // _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES
     assert sums.grid == apply.grid == (launch.chunks, 64, 112)
+
+
+def test_streamed_backward_parts():
+    """Streamed rows cut into parts only where their column tiles make less
+    than a wave: 40x40000 fp32 (40 tiles) is cut, its partials added 16
+    bytes of columns a thread; problem 40 (4096 tiles) and 8x1M bf16 (512)
+    are not."""
+    f32, bf16 = np.dtype(np.float32), np.dtype(_dtypes.bfloat16)
+    launch = _dispatch.choose_rows_grad("ln", f32, f32, 3, 40, 40000, 1, 4, H200)
+    assert launch.tier == "streamed" and launch.parts > 1
+    assert _dispatch.column_sum_step("float", "float", launch.parts, 40000, 2).kernel.expression.endswith(", 4>")
+    for dtype, rows, n, vec in ((f32, 16, 64 * 256 * 256, 4), (bf16, 8, 1 << 20, 8)):
+        launch = _dispatch.choose_rows_grad("ln", dtype, dtype, 3, rows, n, 1, vec, H200)
+        assert launch.tier == "streamed" and launch.parts == 1

@@ -136,17 +136,79 @@ struct ColumnSums {
     }
 };
 
+// C consecutive accumulator words from L2 (.cg: partials another SM may
+// have just written), one 16-byte load for 4 floats or 2 doubles.
+template <class A, int C>
+__device__ __forceinline__ Vec<A, C> load_partial(const A* p) {
+    Vec<A, C> v;
+    if constexpr (C == 4 && sizeof(A) == 4) {
+        const float4 f = __ldcg(reinterpret_cast<const float4*>(p));
+        v.v[0] = f.x; v.v[1] = f.y; v.v[2] = f.z; v.v[3] = f.w;
+    } else if constexpr (C == 2 && sizeof(A) == 8) {
+        const double2 d = __ldcg(reinterpret_cast<const double2*>(p));
+        v.v[0] = d.x; v.v[1] = d.y;
+    } else {
+        static_assert(C == 1, "one word, or 16 bytes");
+        v.v[0] = __ldcg(p);
+    }
+    return v;
+}
+
+// The column sums of parameter partials, in a fixed order (the one
+// mechanism of column_sum and of rows_grad_cached's own grid): out[col + i]
+// = the sum over p < parts of src[p * n + col + i] for i < C, rounded once
+// to P, out being out_w for output 0 and out_b for 1. The block is `quads`
+// x `slices` threads, thread (x, y) the one of linear index y * quads + x:
+// it loads parts y, y + slices, ... (BATCH loads in flight), then thread
+// (x, 0) adds the slices' sums in slice order. The order depends on the
+// block's shape alone: bitwise the same run to run. Every thread of the
+// block calls it (it has barriers); `tile`: C x quads x slices words of
+// shared memory. Index: the column type (int in rows_grad_cached, whose
+// rows are short; long long in column_sum). Inlined in rows_grad_cached
+// its registers count: the tile slot is read from threadIdx, the output
+// picked only to write, the column's pointer formed once (a first version
+// without these held 71 registers against 64 for RMSNorm fp32 rows of
+// 1024, three blocks an SM instead of four, 89.7-90.3% against 92.1% in
+// the same call, H200, 2026-11-23; 62 now).
+template <int C, int BATCH, class A, class P, class Index>
+__device__ __forceinline__ void sum_partial_columns(const A* __restrict__ src, P* __restrict__ out_w,
+                                                    P* __restrict__ out_b, int output, int parts, Index n, Index col,
+                                                    int x, int y, int quads, int slices, A* tile) {
+    const int threads = blockDim.x * blockDim.y;  // quads x slices
+    Vec<A, C> s;
+#pragma unroll
+    for (int i = 0; i < C; ++i) s.v[i] = A(0);
+    if (col < n) {
+        const A* const column = src + col;
+        for_each_batched<BATCH>(
+            y, parts, slices, [&](long long p) { return load_partial<A, C>(column + p * n); },
+            [&](long long, const Vec<A, C>& v) {
+#pragma unroll
+                for (int i = 0; i < C; ++i) s.v[i] += v.v[i];
+            });
+    }
+#pragma unroll
+    for (int i = 0; i < C; ++i) tile[i * threads + threadIdx.y * blockDim.x + threadIdx.x] = s.v[i];
+    __syncthreads();
+    if (y == 0 && col < n) {
+        P* const out = output == 0 ? out_w : out_b;
+#pragma unroll
+        for (int i = 0; i < C; ++i) {
+            A t = tile[i * threads + x];
+            for (int q = 1; q < slices; ++q) t += tile[i * threads + q * quads + x];
+            if (col + i < n) narrow(static_cast<typename AccOf<P>::type>(t), out[col + i]);
+        }
+    }
+    __syncthreads();  // tile is refilled
+}
+
 // The column sums of rows_grad_cached's partials by its own grid, once
-// every block has written its own (behind the grid barrier): out_w[c] = the
-// sum over p < parts of partial[p * n + c], out_b[c] the same over partial
-// rows parts .. 2 * parts - 1, rounded once to P. A unit of work is kQuads
-// x C consecutive columns of one output: thread (x, y) of the block (x =
-// threadIdx.x % kQuads, y its slice) takes C consecutive columns (4 in one
-// 16-byte load where n allows, else 1) and parts y, y + slices, ...;
-// thread (x, 0) then adds the slices' sums in slice order. Blocks take
-// units blockIdx.x, + gridDim.x, ... The order depends on the block size
-// alone: bitwise the same run to run. Loads go through L2 (.cg): the
-// partials are other SMs' writes. `tile`: C x blockDim.x words of shared
+// every block has written its own (behind the grid barrier): out_w from
+// partial rows 0 .. parts - 1, out_b from rows parts .. 2 * parts - 1. A
+// unit of work is kQuads x C consecutive columns of one output, C = 4 (one
+// 16-byte load) where n allows, else 1, summed by the block as kQuads x
+// (blockDim.x / kQuads) threads (sum_partial_columns); blocks take units
+// blockIdx.x, + gridDim.x, ... `tile`: C x blockDim.x words of shared
 // memory.
 template <int C, class A, class P, int FLAGS>
 __device__ __forceinline__ void grid_column_sum(const A* __restrict__ partial, P* __restrict__ out_w,
@@ -160,44 +222,10 @@ __device__ __forceinline__ void grid_column_sum(const A* __restrict__ partial, P
     constexpr int last = (FLAGS & kBias) ? 1 : 0;
     for (int unit = blockIdx.x; unit < (last - first + 1) * groups; unit += gridDim.x) {
         const int output = first + unit / groups;
-        const int col = (unit % groups) * unit_cols + x * C;
-        const A* const src = partial + static_cast<long long>(output) * parts * n + col;
-        Vec<A, C> s;
-#pragma unroll
-        for (int i = 0; i < C; ++i) s.v[i] = A(0);
-        if (col < n) {
-            // (four loads in flight: eight raised the kernel's registers,
-            // 39 -> 78 for RMSNorm fp32 rows of 1024, cutting its blocks an SM)
-            for_each_batched<4>(
-                y, parts, slices,
-                [&](long long p) {
-                    Vec<A, C> v;
-                    if constexpr (C == 4) {
-                        const float4 f = __ldcg(reinterpret_cast<const float4*>(src + p * n));
-                        v.v[0] = f.x; v.v[1] = f.y; v.v[2] = f.z; v.v[3] = f.w;
-                    } else {
-                        v.v[0] = __ldcg(src + p * n);
-                    }
-                    return v;
-                },
-                [&](long long, const Vec<A, C>& v) {
-#pragma unroll
-                    for (int i = 0; i < C; ++i) s.v[i] += v.v[i];
-                });
-        }
-#pragma unroll
-        for (int i = 0; i < C; ++i) tile[i * blockDim.x + threadIdx.x] = s.v[i];
-        __syncthreads();
-        if (y == 0 && col < n) {
-            P* const out = output == 0 ? out_w : out_b;
-#pragma unroll
-            for (int i = 0; i < C; ++i) {
-                A t = tile[i * blockDim.x + x];
-                for (int q = 1; q < slices; ++q) t += tile[i * blockDim.x + q * kQuads + x];
-                if (col + i < n) narrow(static_cast<typename AccOf<P>::type>(t), out[col + i]);
-            }
-        }
-        __syncthreads();  // tile is refilled
+        // (four loads in flight: eight raised the kernel's registers, 39 ->
+        // 78 for RMSNorm fp32 rows of 1024, cutting its blocks an SM)
+        sum_partial_columns<C, 4>(partial + static_cast<long long>(output) * parts * n, out_w, out_b, output, parts,
+                                  n, (unit % groups) * unit_cols + x * C, x, y, kQuads, slices, tile);
     }
 }
 
@@ -374,8 +402,8 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
 // * by = 256, by the power of two nearest above parts (at most 32):
 // threadIdx.x takes C consecutive columns of the block's bx * C (one
 // 16-byte load where n allows: C = 16 / sizeof(A), else 1), threadIdx.y
-// parts y, y + by, ...; a column's by sums are then added in y order,
-// eight loads in flight a thread (LayerNorm bf16 32768x4096's 396 partial
+// parts y, y + by, ... (sum_partial_columns, bx x by threads), eight loads
+// in flight a thread (LayerNorm bf16 32768x4096's 396 partial
 // rows, dweight and dbias: 9 us, 10 us one load at a time). A column a
 // thread made 2 partial rows of 2M columns 71 us, one short block for
 // every 128 columns (H200, 2026-11-23). (A fixed 32 x 32 block launched
@@ -386,33 +414,11 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
     column_sum(const A* __restrict__ partial, P* __restrict__ out_w, P* __restrict__ out_b, int parts,
                long long n) {
     __shared__ A tile[kGradBlockThreads * C];
-    P* const out = blockIdx.y == 0 ? out_w : out_b;
-    if (out == nullptr) return;
-    partial += static_cast<long long>(blockIdx.y) * parts * n;
+    if ((blockIdx.y == 0 ? out_w : out_b) == nullptr) return;
     const long long col = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) * C;
-    const int slot = threadIdx.y * blockDim.x + threadIdx.x;
-    Vec<A, C> s;
-#pragma unroll
-    for (int i = 0; i < C; ++i) s.v[i] = A(0);
-    if (col < n) {
-        for_each_batched<8>(
-            threadIdx.y, parts, blockDim.y, [&](long long p) { return load_vec<A, C>(partial + p * n + col); },
-            [&](long long, const Vec<A, C>& v) {
-#pragma unroll
-                for (int i = 0; i < C; ++i) s.v[i] += v.v[i];
-            });
-    }
-#pragma unroll
-    for (int i = 0; i < C; ++i) tile[i * kGradBlockThreads + slot] = s.v[i];
-    __syncthreads();
-    if (threadIdx.y == 0 && col < n) {
-#pragma unroll
-        for (int i = 0; i < C; ++i) {
-            A t = tile[i * kGradBlockThreads + threadIdx.x];
-            for (int y = 1; y < static_cast<int>(blockDim.y); ++y) t += tile[i * kGradBlockThreads + y * blockDim.x + threadIdx.x];
-            narrow(static_cast<typename AccOf<P>::type>(t), out[col + i]);
-        }
-    }
+    sum_partial_columns<C, 8>(partial + static_cast<long long>(blockIdx.y) * parts * n, out_w, out_b,
+                              static_cast<int>(blockIdx.y), parts, n, col, threadIdx.x, threadIdx.y, blockDim.x,
+                              blockDim.y, tile);
 }
 
 // --- the streamed rows: pass 1, finalize, pass 2 ---------------------------------
