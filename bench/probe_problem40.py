@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
-from cunorm import _dispatch, _grad  # noqa: E402
+from cunorm import _dispatch_grad, _grad  # noqa: E402
 from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu  # noqa: E402
 from tune_backward import launch_times  # noqa: E402
 
@@ -120,9 +120,9 @@ def l2_reuse():
     *_, run, nbytes = backward_call("ln", (16, 64, 256, 256), "float32", (1, 2, 3), cupy.random.default_rng())
     busy = cupy.empty(64 << 20, dtype=np.float32)
     print("L2 bytes", cupy.cuda.Device().attributes["L2CacheSize"])
-    default = _dispatch.GRAD_CHUNK_BLOCKS_PER_SM
+    default = _dispatch_grad.GRAD_CHUNK_BLOCKS_PER_SM
     for per_sm in (12, 48, 192):
-        _dispatch.GRAD_CHUNK_BLOCKS_PER_SM = per_sm
+        _dispatch_grad.GRAD_CHUNK_BLOCKS_PER_SM = per_sm
         _grad._rows_launch.cache_clear()
         for flush in (False, True):
             def before(step, flush=flush):
@@ -135,7 +135,7 @@ def l2_reuse():
                     per.setdefault(name.replace("rows_grad_", ""), []).append(ms)
             print(f"pass-1 blocks an SM {per_sm:3d}", "L2 flushed before pass 2" if flush else "as pass 1 left it       ",
                   " ".join(f"{n} {1000 * np.median(v):6.1f} us" for n, v in per.items()), flush=True)
-    _dispatch.GRAD_CHUNK_BLOCKS_PER_SM = default
+    _dispatch_grad.GRAD_CHUNK_BLOCKS_PER_SM = default
     _grad._rows_launch.cache_clear()
 
 

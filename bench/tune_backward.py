@@ -23,7 +23,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, ".")
-from cunorm import _dispatch, _grad, _ops  # noqa: E402
+from cunorm import _dispatch_grad, _grad, _ops  # noqa: E402
 from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu  # noqa: E402
 
 
@@ -74,13 +74,13 @@ def report(label, run, nbytes, bw, steps=False):
 
 @contextlib.contextmanager
 def overridden(**values):
-    """The named _dispatch constants set to values inside the block, the
+    """The named _dispatch_grad constants set to values inside the block, the
     launch caches cleared on the way in and out."""
-    saved = {name: getattr(_dispatch, name) for name in values}
+    saved = {name: getattr(_dispatch_grad, name) for name in values}
 
     def apply(settings):
         for name, value in settings.items():
-            setattr(_dispatch, name, value)
+            setattr(_dispatch_grad, name, value)
         _grad._rows_launch.cache_clear()
         _grad._channel_launch.cache_clear()
 
@@ -124,7 +124,7 @@ def main():
         for label, shape, dtype, axis in (("problem 40", (16, 64, 256, 256), "float32", (1, 2, 3)),
                                           ("ln bf16 4096x32768", (4096, 32768), "bfloat16", -1)):
             run, nbytes = case("ln", shape, dtype, axis)
-            default = _dispatch.GRAD_CHUNK_BLOCKS_PER_SM
+            default = _dispatch_grad.GRAD_CHUNK_BLOCKS_PER_SM
             for per_sm in (3, 6, 8, 12, 24):
                 with overridden(GRAD_CHUNK_BLOCKS_PER_SM=per_sm):
                     report(f"{label}, streamed, pass-1 blocks an SM {per_sm}", run, nbytes, bw,
@@ -132,7 +132,7 @@ def main():
             del run
     if "channels" in args.only or not args.only:
         run, nbytes = case("group", (112, 64, 512, 512), "float32", 8)
-        default = _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES
+        default = _dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
         for cap in (None, 256 << 10, 64 << 10, 16 << 10):
             with overridden(GRAD_CHANNEL_MAX_CHUNK_BYTES=cap):
                 report(f"problem 35 group_norm(8), chunks of at most {cap} bytes", run, nbytes, bw,

@@ -109,9 +109,9 @@ def check_gpu(name: str) -> int:
 
 
 def check_compile() -> int:
-    from . import _dispatch, _loader
+    from . import _catalogue, _loader
 
-    kernels = _dispatch.all_kernels()
+    kernels = _catalogue.all_kernels()
     print("No CUDA GPU found: nothing can run here. Checking what can be checked without one:")
     print(f"compiling all {len(kernels)} kernel instantiations with NVRTC (no spills allowed)")
     bad = 0

@@ -1,5 +1,7 @@
-"""Choosing a kernel and its launch for a plan: a pure function of the plan
-and the device, returning a frozen Launch.
+"""Choosing a forward kernel and its launch for a plan: a pure function of
+the plan and the device, returning a frozen Launch (the backward passes'
+choice is cunorm/_dispatch_grad.py, the catalogue of every instantiation
+cunorm/_catalogue.py, the kernels' declarations cunorm/_kernels.py).
 
 The heuristic. Measurements: NVIDIA H200, 2026-11-21, copy bandwidth
 4282 GB/s, floor% = effective bandwidth over copy (bench/bench.py --tune;
@@ -49,6 +51,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import _kernels as K
+from ._kernels import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
 from ._plan import ChannelPlan, Plan, kernel_types
 
 # --- thresholds --------------------------------------------------------------
@@ -124,6 +128,8 @@ CHANNEL_MAX_CHUNK_BYTES = 256 * 1024
 #: tile's parameters and pivots and combines its partials once per chunk).
 CHANNEL_LAST_BLOCKS_PER_SM = 2
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
+#: the channel family's statistic: mean and variance (Chan's pairwise update)
+CHANNEL_NORM = "cunorm::LayerNorm"
 STRIDED_BLOCK_THREADS = 256
 
 MAX_GRID_X = 2**31 - 1
@@ -142,17 +148,6 @@ class Device:
     compute_capability: int = 90
     #: opt-in shared memory a block may have (227 KB on H100/H200)
     max_shared_per_block: int = 232448
-
-
-@dataclass(frozen=True)
-class Kernel:
-    family: str  # source file stem in cunorm/kernels/
-    expression: str  # the template instantiation, e.g. cunorm::rows_cached<...>
-    cooperative: bool = False  # launched cooperatively (all blocks co-resident)
-    #: a persistent grid (blocks loop over the work by gridDim): the launcher
-    #: caps it at the blocks that fit on the GPU at once, so no block starts
-    #: its share late
-    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -255,40 +250,6 @@ def is_heavy(norm: str, dtype) -> bool:
     return norm_info(norm).stat_words > 1 or dtype.itemsize == 8
 
 
-# The template instantiations, named once for the dispatch and all_kernels().
-def _b(flag: bool) -> str:
-    return "true" if flag else "false"
-
-
-def rows_cached_expr(policy, t, p, flags, residual, vec, vecs_per_thread, block_per_row) -> str:
-    return (f"cunorm::rows_cached<{policy}, {t}, {p}, {flags}, {_b(residual)}, {vec}, {vecs_per_thread}, "
-            f"{_b(block_per_row)}>")
-
-
-def rows_uncached_expr(policy, t, p, flags, residual, vec) -> str:
-    return f"cunorm::rows_uncached<{policy}, {t}, {p}, {flags}, {_b(residual)}, {vec}>"
-
-
-def split_partial_expr(policy, t, residual, vec) -> str:
-    return f"cunorm::rows_split_partial<{policy}, {t}, {_b(residual)}, {vec}>"
-
-
-def split_apply_expr(policy, t, p, flags, residual, vec) -> str:
-    return f"cunorm::rows_split_apply<{policy}, {t}, {p}, {flags}, {_b(residual)}, {vec}>"
-
-
-def resident_expr(policy, t, p, flags, residual, vec) -> str:
-    return f"cunorm::rows_resident<{policy}, {t}, {p}, {flags}, {_b(residual)}, {vec}>"
-
-
-def strided_expr(policy, t, p, flags, vec, channels_per_thread) -> str:
-    return f"cunorm::strided_norm<{policy}, {t}, {p}, {flags}, {vec}, {channels_per_thread}>"
-
-
-def residual_add_expr(t, vec) -> str:
-    return f"cunorm::residual_add<{t}, {vec}>"
-
-
 RESIDUAL_ADD_BLOCK = 256
 RESIDUAL_ADD_BLOCKS_PER_SM = 8
 
@@ -298,7 +259,7 @@ def residual_add_step(dtype, n_vec: int, vec: int, device: Device) -> Step:
     from ._dtypes import KERNEL_TYPE
 
     grid = max(1, min(_ceil_div(n_vec, RESIDUAL_ADD_BLOCK), RESIDUAL_ADD_BLOCKS_PER_SM * device.sm_count))
-    return Step(Kernel("strided", residual_add_expr(KERNEL_TYPE[dtype], vec)), (grid,), (RESIDUAL_ADD_BLOCK,))
+    return Step(K.RESIDUAL_ADD(KERNEL_TYPE[dtype], vec), (grid,), (RESIDUAL_ADD_BLOCK,))
 
 
 def choose(plan: Plan, device: Device, *, override: dict | None = None) -> Launch:
@@ -362,13 +323,13 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
         if threads <= 32:
             block = GROUP_BLOCK_THREADS
-            expr = rows_cached_expr(*common, vpt, False)
+            kernel = K.ROWS_CACHED(*common, vpt, False)
             grid = min(_ceil_div(rows, block // threads), MAX_GRID_X)
         else:
             block = threads
-            expr = rows_cached_expr(*common, vpt, True)
+            kernel = K.ROWS_CACHED(*common, vpt, True)
             grid = min(rows, MAX_GRID_X)
-        step = Step(Kernel("rows", expr), (grid,), (block,))
+        step = Step(kernel, (grid,), (block,))
         return Launch("cached", (step,), threads_per_row=threads)
     if tier == "uncached":
         # rows that may start misaligned are walked with the vector of their aligned body
@@ -381,11 +342,11 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             room = (device.max_shared_per_block - UNCACHED_SHARED_RESERVE) // max(per_sm, 1)
             stash_bytes = min(override.get("stash_bytes", UNCACHED_STASH_BYTES), room, row_bytes)
         stash_vecs = stash_bytes // vec_bytes
-        expr = rows_uncached_expr(policy, t, p, plan.flags, plan.residual, vec)
+        kernel = K.ROWS_UNCACHED(policy, t, p, plan.flags, plan.residual, vec, persistent=bool(per_sm))
         block = override.get("threads", UNCACHED_BLOCK_THREADS)
         if block > UNCACHED_BLOCK_THREADS or block % 32:
             raise ValueError(f"rows_uncached: {block} threads is over its 512-thread bounds or not whole warps")
-        step = Step(Kernel("rows", expr, persistent=bool(per_sm)), (grid,), (block,), stash_vecs * vec_bytes)
+        step = Step(kernel, (grid,), (block,), stash_vecs * vec_bytes)
         return Launch("uncached", (step,), stash_vecs=stash_vecs)
     if tier == "resident":
         grid = device.sm_count
@@ -393,7 +354,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         shared = chunk_vecs * vec_bytes
         if shared > device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
             raise ValueError(f"rows_resident: a {shared}-byte chunk is over the shared memory of a block")
-        kernel = Kernel("rows", resident_expr(*common), cooperative=True)
+        kernel = K.ROWS_RESIDENT(*common, cooperative=True)
         return Launch("resident", (Step(kernel, (grid,), (RESIDENT_BLOCK_THREADS,), shared),),
                       chunks=grid, chunk_vecs=chunk_vecs, workspace_words=rows * grid * norm_info(plan.norm).stat_words)
     if tier == "split":
@@ -402,8 +363,8 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         want_chunks = max(1, _ceil_div(SPLIT_BLOCKS_PER_SM * device.sm_count, rows))
         chunks = override.get("chunks", min(want_chunks, _ceil_div(n_vec, block)))
         grid = (min(rows, MAX_GRID_X), min(chunks, MAX_GRID_Y))
-        partial = Kernel("rows", split_partial_expr(policy, t, plan.residual, plan.vec))
-        apply = Kernel("rows", split_apply_expr(*common))
+        partial = K.ROWS_SPLIT_PARTIAL(policy, t, plan.residual, plan.vec)
+        apply = K.ROWS_SPLIT_APPLY(*common)
         return Launch(
             "split",
             (Step(partial, grid, (block,)), Step(apply, grid, (block,))),
@@ -429,31 +390,15 @@ def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
     if plan.residual:
         raise ValueError("strided_norm has no residual: form h first (cunorm/_ops.py does)")
     t, p = kernel_types(plan)
-    expr = strided_expr(norm_info(plan.norm).policy, t, p, plan.flags, plan.vec, cpt)
+    kernel = K.STRIDED_NORM(norm_info(plan.norm).policy, t, p, plan.flags, plan.vec, cpt)
     tiles = _ceil_div(inner_vecs, bx)
     acc_bytes = 8 if plan.dtype.itemsize == 8 else 4
     shared = by * bx * plan.vec * norm_info(plan.norm).stat_words * acc_bytes
-    step = Step(Kernel("strided", expr), (min(tiles, MAX_GRID_X), min(plan.outer, MAX_GRID_Y)), (bx, by), shared)
+    step = Step(kernel, (min(tiles, MAX_GRID_X), min(plan.outer, MAX_GRID_Y)), (bx, by), shared)
     return Launch("strided_cached" if cpt else "strided_uncached", (step,))
 
 
 # --- the channel family ---------------------------------------------------------
-
-
-def channel_partial_expr(t, vec, channels_last) -> str:
-    return f"cunorm::channel_partial<cunorm::LayerNorm, {t}, {vec}, {_b(channels_last)}>"
-
-
-def channel_finalize_expr(t, channels_last) -> str:
-    return f"cunorm::channel_finalize<cunorm::LayerNorm, {t}, {_b(channels_last)}>"
-
-
-def channel_from_running_expr(a) -> str:
-    return f"cunorm::channel_from_running<{a}>"
-
-
-def channel_apply_expr(t, p, flags, vec, channels_last) -> str:
-    return f"cunorm::channel_apply<{t}, {p}, {flags}, {vec}, {_b(channels_last)}>"
 
 
 def channel_rows_fast(plan: ChannelPlan) -> bool:
@@ -511,431 +456,17 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     if groups >= 2**31 or plan.channels_per_group * chunks >= 2**31 or plan.channels >= 2**31:
         raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
                          f"is over the kernels' 2**31 - 1 index limit")
-    apply = Step(Kernel("channels", channel_apply_expr(t, p, plan.flags, plan.vec, plan.channels_last)), grid, block)
+    apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, plan.vec, plan.channels_last), grid, block)
     if from_running:
         a = KERNEL_TYPE[accumulation(plan.dtype)]
-        stats = Step(Kernel("channels", channel_from_running_expr(a)),
+        stats = Step(K.CHANNEL_FROM_RUNNING(a),
                      (_ceil_div(plan.channels, CHANNEL_BLOCK_THREADS),), (CHANNEL_BLOCK_THREADS,))
         return Launch("channel_running", (stats, apply), chunks=chunks, chunk_vecs=chunk_len,
                       workspace_words=3 * groups)
-    partial = Step(Kernel("channels", channel_partial_expr(t, plan.vec, plan.channels_last)), grid, block,
+    partial = Step(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, plan.vec, plan.channels_last), grid, block,
                    partial_shared)
-    finalize = Step(Kernel("channels", channel_finalize_expr(t, plan.channels_last)),
+    finalize = Step(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, plan.channels_last),
                     (min(groups, MAX_GRID_X),), (CHANNEL_BLOCK_THREADS,))
     members = plan.batch * plan.channels * chunks
     return Launch("channel_split", (partial, finalize, apply), chunks=chunks, chunk_vecs=chunk_len,
                   workspace_words=3 * (members + groups))
-
-
-# --- every instantiation the dispatch can pick --------------------------------
-
-
-def _vector_widths(dtype) -> list[int]:
-    """Elements a vector access may move: up to 16 bytes."""
-    return [v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16]
-
-
-#: the general-p Lp norm CI compiles (any other p compiles on first use)
-REPRESENTATIVE_POWER = 3.0
-
-
-def all_kernels(norms=None) -> list[Kernel]:
-    """Every template instantiation that ``choose`` can return without an
-    override (rows_resident, override-only, for RMSNorm and LayerNorm too),
-    for the precompile step and CI's compile check. The general-p norm is
-    represented by p = REPRESENTATIVE_POWER."""
-    from . import _dtypes
-
-    if norms is None:
-        norms = (*NORMS, power_norm_name(REPRESENTATIVE_POWER))
-    out = []
-    for norm in norms:
-        info = norm_info(norm)
-        policy = info.policy
-        residuals = (False, True) if info.residual else (False,)
-        for dtype in _dtypes.SUPPORTED:
-            t = _dtypes.KERNEL_TYPE[dtype]
-            params = sorted({_dtypes.KERNEL_TYPE[dtype], _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
-            affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in info.flags if f for p in params]
-            for vec in _vector_widths(dtype):
-                vec_bytes = vec * dtype.itemsize
-                for residual in residuals:
-                    out.append(Kernel("rows", split_partial_expr(policy, t, residual, vec)))
-                for p, flags in affine:
-                    for residual in residuals:
-                        common = (policy, t, p, flags, residual, vec)
-                        for vpt in VECS_PER_THREAD_CHOICES:
-                            cost = cached_cost(vpt, vec_bytes, residual, is_heavy(norm, dtype))
-                            if group_fits(cost):
-                                out.append(Kernel("rows", rows_cached_expr(*common, vpt, False)))
-                            if block_cache_limit(cost, cached_loads(vpt, residual), is_heavy(norm, dtype)):
-                                out.append(Kernel("rows", rows_cached_expr(*common, vpt, True)))
-                        out.append(Kernel("rows", rows_uncached_expr(*common)))
-                        out.append(Kernel("rows", split_apply_expr(*common)))
-                        if info.residual:  # the norms of the resident tier's experiments
-                            out.append(Kernel("rows", resident_expr(*common), cooperative=True))
-                    for cpt in (0,) + VECS_PER_THREAD_CHOICES:
-                        if cpt * vec_bytes <= CACHE_BYTES_STRIDED:
-                            out.append(Kernel("strided", strided_expr(policy, t, p, flags, vec, cpt)))
-    for dtype in _dtypes.SUPPORTED:
-        for vec in _vector_widths(dtype):
-            out.append(Kernel("strided", residual_add_expr(_dtypes.KERNEL_TYPE[dtype], vec)))
-    return out + channel_kernels() + backward_kernels()
-
-
-def channel_kernels() -> list[Kernel]:
-    """Every instantiation of the channel family."""
-    from . import _dtypes
-
-    out = [Kernel("channels", channel_from_running_expr(a)) for a in ("float", "double")]
-    for dtype in _dtypes.SUPPORTED:
-        t = _dtypes.KERNEL_TYPE[dtype]
-        params = sorted({t, _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
-        affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]
-        for last in (False, True):
-            out.append(Kernel("channels", channel_finalize_expr(t, last)))
-            for vec in _vector_widths(dtype):
-                out.append(Kernel("channels", channel_partial_expr(t, vec, last)))
-                for p, flags in affine:
-                    out.append(Kernel("channels", channel_apply_expr(t, p, flags, vec, last)))
-    return out
-
-
-# --- backward passes (cunorm/kernels/backward.cu, cunorm/_grad.py) -------------
-#
-# Contiguous rows of at most GRAD_CACHED_MAX_ELEMS elements (and
-# GRAD_CACHED_MAX_BYTES of x) a thread x 512 threads (16384 elements of
-# 16-bit data, 8192 of 32-bit) run rows_grad_cached: threads = n_vec / vpt
-# with the fewest vectors a thread (vpt) that keeps the block within
-# GRAD_CACHED_TARGET_THREADS, else within 512; as many blocks as are
-# resident, walking rows, their column sums in shared memory (so rows the
-# shared memory cannot hold stream), launched cooperatively where it has
-# parameters: the grid adds its blocks' partials itself behind a grid
-# barrier. Longer contiguous rows (and the whole
-# array) run rows_grad_chunks + rows_grad_finalize_wide + rows_grad_apply, a
-# strided axis rows_grad_sums + rows_grad_finalize + rows_grad_apply, each
-# pass chunked to about GRAD_BLOCKS_PER_SM blocks an SM (the contiguous
-# rows' passes to GRAD_CHUNK_BLOCKS_PER_SM and GRAD_APPLY_BLOCKS_PER_SM).
-#: elements a rows_grad_cached thread holds in registers (x, dy and its
-#: columns' weights): 32 of 16-bit data, 16 of 32-bit, 8 doubles, at most
-#: 128 registers and no spill on sm_80/sm_90 in the compile check
-GRAD_CACHED_MAX_ELEMS = 32
-GRAD_CACHED_MAX_BYTES = 64
-#: block of rows_grad_cached when the row allows (more blocks an SM): bf16
-#: 32768x4096 backward, 128 threads x 4 vectors (4 blocks an SM) against
-#: 256 x 2 (2-3 blocks) and 512 x 1: RMSNorm 88.7% / 69.8% / 45.0%,
-#: LayerNorm 65.8% / 65.7% / 58.7% (H200, 2026-11-21, bench/tune_backward.py).
-#: Loading the next row during the reduction (tried the same day) needed
-#: 108 registers for LayerNorm's 256 x 2 and read less: 61.9% / 79.0%.
-GRAD_CACHED_TARGET_THREADS = 256
-#: blocks of the preferred size an SM that its launch bounds ask for (the
-#: registers then fit that many)
-GRAD_CACHED_TARGET_MIN_BLOCKS = 3
-#: a rows_grad_cached block fetches its next row (row + grid) into L2
-#: while it works on the current one: LayerNorm / RMSNorm bf16 32768x4096
-#: 81.6 / 90.6% with, 76.4 / 87.2% without (H200, 2026-11-22, one run; two
-#: rows ahead read less, 61-68%)
-GRAD_CACHED_PREFETCH_NEXT = True
-GRAD_CACHED_MAX_THREADS = 512
-GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads
-GRAD_COEFF_WORDS = 5  # mirrors kCoeffWords (grads.cuh)
-GRAD_BLOCKS_PER_SM = 8
-#: pass 2 of streamed rows splits the rows into as few chunks (parameter
-#: partials, added by column_sum) as give it about this many column-tile
-#: blocks an SM: one wave of resident blocks. Floor% with 8 / 4 / 3 / 2
-#: (H200, 2026-11-23, bench/tune_backward.py --only apply): LayerNorm bf16
-#: 16x2M 30.2 / 46.0 / 45.5 / 45.8, bf16 8x1M 12.4 / 17.1 / 33.4 / 33.7,
-#: fp32 4x1M 25.6 / 38.7 / 39.5 / 39.8, fp32 64x100000 28.4 / 33.2 / 33.0 /
-#: 35.1, bf16 4096x32768 49.9 / 51.4 / 49.0 / 43.0, bf16 1024x65536 40.6 /
-#: 41.4 / 44.4 / 40.4; RMSNorm bf16 256x262144 46.0 / 47.9 / 48.8 / 48.3.
-#: At 8, few long rows were cut in two or three for 1056 blocks where
-#: their 512-1024 tiles already filled the GPU, and the partials of every
-#: part cost a write and a read of n floats.
-GRAD_APPLY_BLOCKS_PER_SM = 3
-#: rows_grad_chunks' blocks an SM (pass 1 of streamed rows; it runs 3 at
-#: a time an SM): problem 40 backward with 3 / 6 / 8 / 12 / 24, 55.7 /
-#: 58.0 / 58.3 / 58.9 / 58.7%; LayerNorm bf16 4096x32768 49.2-49.3% for
-#: all (H200, 2026-11-22, bench/tune_backward.py)
-GRAD_CHUNK_BLOCKS_PER_SM = 12
-#: channels-first chunks of the channel backward's passes hold at most
-#: this many bytes of x (None: a pass aims at GRAD_BLOCKS_PER_SM blocks an
-#: SM alone, which leaves problem 35's 1 MB channels whole, 7168 blocks).
-#: Problem 35 backward, chunks of 1 MB (None) / 256 / 128 / 64 / 32 / 16
-#: KB: 59.7 / 60.4 / 61.2 / 61.6 / 62.2 / 62.6% (H200, 2026-11-23, twice
-#: each, the same to 0.1; bench/tune_backward.py). 16 KB is also the least
-#: chunk, GRAD_MIN_CHUNK_PER_THREAD vectors a thread: the blocks resident
-#: together then cover one contiguous front of memory, as in a copy.
-GRAD_CHANNEL_MAX_CHUNK_BYTES = 16 << 10
-#: block of rows_grad_finalize_wide (at most; a block a row, over its chunks)
-GRAD_FINALIZE_THREADS = 1024  # mirrors kGradFinalizeThreads
-#: a pass-1 chunk is at least this many vectors a thread (for_each_batched's batch)
-GRAD_MIN_CHUNK_PER_THREAD = 4
-
-
-def grad_policy(norm: str, acc: str) -> str:
-    """The gradient policy (grads.cuh) of a norm, for accumulation type acc."""
-    if norm == "rms":
-        return f"cunorm::RmsGrad<{acc}>"
-    if norm in ("ln", "group", "instance", "batch"):
-        return f"cunorm::LayerGrad<{acc}>"
-    if norm == "linf":
-        return f"cunorm::LinfGrad<{acc}>"
-    forward = norm_info(norm).policy
-    return f"cunorm::LpGrad<{forward}<{acc}>, {acc}>"
-
-
-def grad_cached_expr(grad, t, p, flags, vec, vpt, bounds) -> str:
-    max_threads, min_blocks = bounds
-    return f"cunorm::rows_grad_cached<{grad}, {t}, {p}, {flags}, {vec}, {vpt}, {max_threads}, {min_blocks}>"
-
-
-def grad_cached_bounds(threads: int, vpt: int) -> tuple[int, int]:
-    """rows_grad_cached's launch bounds (most threads, fewest blocks an SM)
-    for a block of ``threads``, ``vpt`` vectors a thread: the preferred
-    block's, which caps the registers for more blocks an SM (4 and 8
-    vectors a thread spilled at 3 blocks' 80 registers: 2 blocks, 128), or
-    the largest block's."""
-    if threads <= GRAD_CACHED_TARGET_THREADS:
-        return GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_TARGET_MIN_BLOCKS if vpt <= 2 else 2
-    return GRAD_CACHED_MAX_THREADS, 1
-
-
-def grad_chunks_expr(grad, t, p, flags, vec) -> str:
-    return f"cunorm::rows_grad_chunks<{grad}, {t}, {p}, {flags}, {vec}>"
-
-
-def grad_sums_expr(grad, t, p, flags, vec) -> str:
-    return f"cunorm::rows_grad_sums<{grad}, {t}, {p}, {flags}, {vec}>"
-
-
-def grad_finalize_expr(grad, a, wide=False) -> str:
-    return f"cunorm::rows_grad_finalize{'_wide' if wide else ''}<{grad}, {a}>"
-
-
-def grad_apply_expr(grad, t, p, flags, vec, strided) -> str:
-    return f"cunorm::rows_grad_apply<{grad}, {t}, {p}, {flags}, {vec}, {_b(strided)}>"
-
-
-def column_sum_expr(a, p, columns) -> str:
-    return f"cunorm::column_sum<{a}, {p}, {columns}>"
-
-
-def channel_grad_sums_expr(t, vec, last) -> str:
-    return f"cunorm::channel_grad_sums<{t}, {vec}, {_b(last)}>"
-
-
-def channel_grad_combine_expr(a) -> str:
-    return f"cunorm::channel_grad_combine<{a}>"
-
-
-def channel_grad_finalize_expr(a, p, flags, training) -> str:
-    return f"cunorm::channel_grad_finalize<{a}, {p}, {flags}, {_b(training)}>"
-
-
-def channel_grad_apply_expr(t, vec, last) -> str:
-    return f"cunorm::channel_grad_apply<{t}, {vec}, {_b(last)}>"
-
-
-def _vpt_choices(vec: int, itemsize: int) -> list[int]:
-    # at most 8 vectors, GRAD_CACHED_MAX_ELEMS elements and 64 bytes of x a
-    # thread (16 doubles, or 16 scalar LayerNorm elements with weight and
-    # bias, spilled at 128 registers on sm_80 when the column sums were
-    # registers too)
-    return [v for v in (1, 2, 4, 8)
-            if v * vec <= GRAD_CACHED_MAX_ELEMS and v * vec * itemsize <= GRAD_CACHED_MAX_BYTES]
-
-
-def grad_cached_shape(n_vec: int, vec: int, itemsize: int) -> tuple[int, int] | None:
-    """(threads, vectors a thread) of rows_grad_cached for rows of n_vec
-    vectors, or None when the row is longer than its register cache."""
-    for cap in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
-        for vpt in _vpt_choices(vec, itemsize):
-            threads = _ceil_div(_ceil_div(n_vec, vpt), 32) * 32
-            if threads <= cap:
-                return threads, vpt
-    return None
-
-
-def grad_cached_shared_bytes(flags: int, vec: int, threads: int, vpt: int, acc_itemsize: int) -> int:
-    """rows_grad_cached's dynamic shared memory: a column sum a thread's
-    element for dweight and for dbias, each where flags ask for it."""
-    return bin(flags & 3).count("1") * vpt * vec * threads * acc_itemsize
-
-
-@dataclass(frozen=True)
-class GradLaunch:
-    """The backward strategy of a plan: cached (one launch, the grid capped
-    at the resident blocks when launched, which adds its own parameter
-    partials), streamed (contiguous rows: chunks, finalize, apply) or
-    strided (sums, finalize, apply); their parameter partials are then
-    added by column_sum, except for streamed rows of one part."""
-
-    tier: str  # "cached", "streamed" or "strided"
-    steps: tuple[Step, ...]
-    chunks: int = 0  # pass-1 chunks a group
-    chunk_len: int = 0  # vectors (streamed) or reduced indices (strided) a chunk
-    apply_chunks: int = 0  # pass-2 chunks (of rows, or of outer indices)
-    apply_chunk_len: int = 0
-    parts: int = 0  # rows of parameter partials (cached: set at launch; streamed: 1 = written directly)
-    stat_words: int = 2  # words of the gradient statistic (LinfGrad: 3)
-    prefetch_next: bool = False  # cached: the next row fetched into L2 ahead
-
-
-def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: int, inner: int, vec: int,
-                     device: Device) -> GradLaunch:
-    """The backward launch of a row norm over C-contiguous (outer, reduced,
-    inner) arrays, vec elements a vector along the contiguous axis."""
-    from ._dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
-
-    a = KERNEL_TYPE[accumulation(dtype)]
-    t = KERNEL_TYPE[dtype]
-    p = NO_PARAMS if not flags else KERNEL_TYPE[pdtype]
-    grad = grad_policy(norm, a)
-    sm = device.sm_count
-    stat_words = 3 if norm == "linf" else 2
-    if inner == 1:
-        n_vec = reduced // vec
-        shape = grad_cached_shape(n_vec, vec, dtype.itemsize)
-        shared = 0 if shape is None else grad_cached_shared_bytes(flags, vec, *shape, accumulation(dtype).itemsize)
-        if shape is not None and shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
-            threads, vpt = shape
-            step = Step(Kernel("backward", grad_cached_expr(grad, t, p, flags, vec, vpt, grad_cached_bounds(threads, vpt)),
-                               cooperative=flags != 0, persistent=True),
-                        (min(outer, MAX_GRID_X),), (threads,), shared)
-            return GradLaunch("cached", (step,), prefetch_next=GRAD_CACHED_PREFETCH_NEXT)
-        # pass 1: chunks of each row, about GRAD_CHUNK_BLOCKS_PER_SM blocks an
-        # SM; pass 2: column tiles down row chunks, GRAD_APPLY_BLOCKS_PER_SM
-        want = max(1, _ceil_div(GRAD_CHUNK_BLOCKS_PER_SM * sm, outer))
-        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, _ceil_div(n_vec, want))
-        chunks = _ceil_div(n_vec, chunk_len)
-        apply_tiles = _ceil_div(n_vec, GRAD_BLOCK_THREADS)
-        apply_chunk_len = max(1, _ceil_div(outer, max(1, _ceil_div(GRAD_APPLY_BLOCKS_PER_SM * sm, apply_tiles))))
-        apply_chunks = _ceil_div(outer, apply_chunk_len)
-        steps = (
-            Step(Kernel("backward", grad_chunks_expr(grad, t, p, flags, vec)), (outer * chunks,),
-                 (GRAD_BLOCK_THREADS,)),
-            Step(Kernel("backward", grad_finalize_expr(grad, a, wide=True)), (outer,),
-                 (min(GRAD_FINALIZE_THREADS, max(32, next_pow2(chunks))),)),
-            Step(Kernel("backward", grad_apply_expr(grad, t, p, flags, vec, False)), (apply_tiles, apply_chunks),
-                 (GRAD_BLOCK_THREADS,)),
-        )
-        return GradLaunch("streamed", steps, chunks=chunks, chunk_len=chunk_len, apply_chunks=apply_chunks,
-                          apply_chunk_len=apply_chunk_len, parts=apply_chunks, stat_words=stat_words)
-    inner_vec = inner // vec
-    tiles = _ceil_div(inner_vec, GRAD_BLOCK_THREADS)
-    want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, outer * tiles))
-    chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD, _ceil_div(reduced, want))
-    chunks = _ceil_div(reduced, chunk_len)
-    want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, reduced * tiles))
-    apply_chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD, _ceil_div(outer, want))
-    apply_chunks = _ceil_div(outer, apply_chunk_len)
-    groups = outer * inner
-    steps = (
-        Step(Kernel("backward", grad_sums_expr(grad, t, p, flags, vec)), (outer * chunks * tiles,),
-             (GRAD_BLOCK_THREADS,)),
-        Step(Kernel("backward", grad_finalize_expr(grad, a)), (_ceil_div(groups, GRAD_BLOCK_THREADS),),
-             (GRAD_BLOCK_THREADS,)),
-        Step(Kernel("backward", grad_apply_expr(grad, t, p, flags, vec, True)), (reduced * apply_chunks * tiles,),
-             (GRAD_BLOCK_THREADS,)),
-    )
-    return GradLaunch("strided", steps, chunks=chunks, chunk_len=chunk_len, apply_chunks=apply_chunks,
-                      apply_chunk_len=apply_chunk_len, parts=apply_chunks * tiles, stat_words=stat_words)
-
-
-def column_sum_step(a: str, p: str, parts: int, n: int, outputs: int) -> Step:
-    """column_sum of dweight (outputs 1) or dweight and dbias (2): a thread
-    adds 16 bytes of columns where n is a multiple of that many."""
-    by = min(32, next_pow2(parts))
-    bx = GRAD_BLOCK_THREADS // by
-    columns = column_sum_width(a, n)
-    return Step(Kernel("backward", column_sum_expr(a, p, columns)), (_ceil_div(n, bx * columns), outputs), (bx, by))
-
-
-def column_sum_width(a: str, n: int) -> int:
-    """Columns a column_sum thread adds (one 16-byte load a part, where n allows)."""
-    columns = 16 // (8 if a == "double" else 4)
-    return columns if n % columns == 0 else 1
-
-
-def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> GradLaunch:
-    """The backward launch of a channel norm: sums, combine, finalize, apply."""
-    from ._dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
-
-    acc = accumulation(plan.dtype)
-    a, t = KERNEL_TYPE[acc], KERNEL_TYPE[plan.dtype]
-    p = NO_PARAMS if not plan.flags else KERNEL_TYPE[plan.param_dtype]
-    sm = device.sm_count
-    if plan.channels_last:
-        vecs = plan.channels // plan.vec
-        bx = min(GRAD_BLOCK_THREADS, next_pow2(vecs))
-        by = GRAD_BLOCK_THREADS // bx
-        block = (bx, by)
-        tiles = _ceil_div(vecs, bx)
-        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, plan.batch * tiles))
-        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * by, _ceil_div(plan.spatial, want))
-        chunks = _ceil_div(plan.spatial, chunk_len)
-        grid = (chunks, tiles, plan.batch)
-        shared = bx * by * plan.vec * 2 * acc.itemsize
-    else:
-        vecs = plan.spatial // plan.vec
-        block = (GRAD_BLOCK_THREADS,)
-        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, plan.batch * plan.channels))
-        chunk_len = _ceil_div(vecs, want)
-        if GRAD_CHANNEL_MAX_CHUNK_BYTES is not None:
-            chunk_len = min(chunk_len, GRAD_CHANNEL_MAX_CHUNK_BYTES // (plan.vec * plan.dtype.itemsize))
-        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, chunk_len)
-        chunks = _ceil_div(vecs, chunk_len)
-        grid = (chunks, plan.channels, plan.batch)
-        shared = 0
-    members = plan.batch * plan.channels
-    per_member = (_ceil_div(members, GRAD_BLOCK_THREADS),)
-    steps = (
-        Step(Kernel("backward", channel_grad_sums_expr(t, plan.vec, plan.channels_last)), grid, block, shared),
-        Step(Kernel("backward", channel_grad_combine_expr(a)), per_member, (GRAD_BLOCK_THREADS,)),
-        Step(Kernel("backward", channel_grad_finalize_expr(a, p, plan.flags, training)), per_member,
-             (GRAD_BLOCK_THREADS,)),
-        Step(Kernel("backward", channel_grad_apply_expr(t, plan.vec, plan.channels_last)), grid, block),
-    )
-    return GradLaunch("channels", steps, chunks=chunks, chunk_len=chunk_len)
-
-
-GRAD_NORMS = ("rms", "ln", "l1", "l2", "linf", "mean_abs")
-
-
-def backward_kernels() -> list[Kernel]:
-    """Every instantiation the backward dispatch can pick (the general-p
-    norm represented by REPRESENTATIVE_POWER)."""
-    from . import _dtypes
-
-    out = []
-    for dtype in _dtypes.SUPPORTED:
-        acc = _dtypes.accumulation(dtype)
-        a, t = _dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[dtype]
-        params = sorted({t, a})
-        for p in params:
-            for columns in sorted({1, column_sum_width(a, 0)}):
-                out.append(Kernel("backward", column_sum_expr(a, p, columns)))
-        for norm in (*GRAD_NORMS, power_norm_name(REPRESENTATIVE_POWER)):
-            grad = grad_policy(norm, a)
-            affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in norm_info(norm).flags if f for p in params]
-            out.append(Kernel("backward", grad_finalize_expr(grad, a)))
-            out.append(Kernel("backward", grad_finalize_expr(grad, a, wide=True)))
-            for vec in _vector_widths(dtype):
-                for p, flags in affine:
-                    for vpt in _vpt_choices(vec, dtype.itemsize):
-                        for threads in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
-                            expr = grad_cached_expr(grad, t, p, flags, vec, vpt, grad_cached_bounds(threads, vpt))
-                            out.append(Kernel("backward", expr, cooperative=flags != 0, persistent=True))
-                    out.append(Kernel("backward", grad_chunks_expr(grad, t, p, flags, vec)))
-                    out.append(Kernel("backward", grad_sums_expr(grad, t, p, flags, vec)))
-                    for strided in (False, True):
-                        out.append(Kernel("backward", grad_apply_expr(grad, t, p, flags, vec, strided)))
-        out.append(Kernel("backward", channel_grad_combine_expr(a)))
-        for p, flags in [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]:
-            for training in (False, True):
-                out.append(Kernel("backward", channel_grad_finalize_expr(a, p, flags, training)))
-        for vec in _vector_widths(dtype):
-            for last in (False, True):
-                out.append(Kernel("backward", channel_grad_sums_expr(t, vec, last)))
-                out.append(Kernel("backward", channel_grad_apply_expr(t, vec, last)))
-    return out

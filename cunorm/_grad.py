@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import _channels, _dispatch, _dtypes, _ops, _plan
+from . import _channels, _dispatch_grad, _dtypes, _ops, _plan
 
 _NULL = np.uint64(0)
 
@@ -133,7 +133,7 @@ def _param_grads(call, dw, db, *, empty: bool):
 @functools.lru_cache(maxsize=1024)
 def _rows_launch(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device_id):
     device = _ops.device_info(device_id)
-    launch = _dispatch.choose_rows_grad(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device)
+    launch = _dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device)
     for step in launch.steps:
         _ops._check_limits(step, device)
     return launch
@@ -169,7 +169,7 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
         groups = outer * inner
         parts = launch.parts
         ws = cupy.empty(groups * launch.chunks * launch.stat_words, dtype=acc)
-        coeffs = cupy.empty(groups * _dispatch.GRAD_COEFF_WORDS, dtype=acc)
+        coeffs = cupy.empty(groups * _dispatch_grad.GRAD_COEFF_WORDS, dtype=acc)
         # streamed rows write dweight/dbias themselves when they are one part
         direct = launch.tier == "streamed" and parts == 1
         partial = cupy.empty(2 * parts * reduced if wants and not direct else 1, dtype=acc)
@@ -198,7 +198,7 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
 
 @functools.lru_cache(maxsize=1024)
 def _column_sum(acc, pdtype, parts, n, outputs):
-    step = _dispatch.column_sum_step(_dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[pdtype], parts, n, outputs)
+    step = _dispatch_grad.column_sum_step(_dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[pdtype], parts, n, outputs)
     _ops._check_limits(step)
     return step
 
@@ -301,7 +301,7 @@ def _channels_gpu(g: ChannelGradCall):
 @functools.lru_cache(maxsize=1024)
 def _channel_launch(plan, training, device_id):
     device = _ops.device_info(device_id)
-    launch = _dispatch.choose_channel_grad(plan, training, device)
+    launch = _dispatch_grad.choose_channel_grad(plan, training, device)
     for step in launch.steps:
         _ops._check_limits(step, device)
     return launch

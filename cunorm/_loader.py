@@ -87,7 +87,7 @@ def precompile(verbose: bool = False, jobs: int | None = None) -> dict:
     import multiprocessing
     import os
 
-    from ._dispatch import all_kernels
+    from ._catalogue import all_kernels
 
     kernels = all_kernels()
     start = time.perf_counter()

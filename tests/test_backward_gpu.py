@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dispatch, _dtypes, reference
+from cunorm import _dispatch_grad, _dtypes, reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
 pytestmark = pytest.mark.gpu
@@ -171,7 +171,7 @@ def test_streamed_backward_one_part(dtype, rng):
     from cunorm import _grad, _ops
 
     device = _ops.device_info(0)
-    n = _dispatch.GRAD_APPLY_BLOCKS_PER_SM * device.sm_count * _dispatch.GRAD_BLOCK_THREADS * 8 + 8
+    n = _dispatch_grad.GRAD_APPLY_BLOCKS_PER_SM * device.sm_count * _dispatch_grad.GRAD_BLOCK_THREADS * 8 + 8
     x = random(rng, (2, n), dtype)
     vec = 16 // x.itemsize
     launch = _grad._rows_launch("ln", np.dtype(dtype), np.dtype(dtype), 3, 2, n, 1, vec, 0)

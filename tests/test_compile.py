@@ -4,12 +4,12 @@ import re
 
 import pytest
 
-from cunorm import _dispatch, _loader
+from cunorm import _catalogue, _dispatch, _loader
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_all_instantiations_compile_without_spills(arch):
-    kernels = _dispatch.all_kernels()
+    kernels = _catalogue.all_kernels()
     results = _loader.compile_offline(arch, kernels)
     compiled = [r for r in results if not r.get("helper")]
     assert len(compiled) == len(kernels)

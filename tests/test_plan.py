@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from cunorm import _dispatch, _dtypes
+from cunorm import _catalogue, _dispatch, _dispatch_grad, _dtypes
 from cunorm._plan import canonical_view, collapse, make_plan, normalize_axes, vector_width
 
 H200 = _dispatch.Device(sm_count=132)
@@ -149,7 +149,7 @@ def test_strided_blocks_within_limits(shape, axis):
 
 def test_every_choice_is_compiled():
     """Whatever the dispatch picks over a sweep of shapes is in all_kernels()."""
-    compiled = {k.expression for k in _dispatch.all_kernels()}
+    compiled = {k.expression for k in _catalogue.all_kernels()}
     for norm, info in _dispatch.NORMS.items():
         for dtype in _dtypes.SUPPORTED:
             acc = _dtypes.accumulation(dtype)
@@ -226,7 +226,7 @@ def test_channel_plan_vectors_and_batch_fold():
 @pytest.mark.parametrize("batch,channels,spatial", [(1, 1, 1), (112, 64, 512 * 512), (8, 512, 128 * 128),
                                                     (3, 70000, 5), (100000, 3, 7)])
 def test_channel_launches_cover_and_fit(last, batch, channels, spatial):
-    compiled = {k.expression for k in _dispatch.all_kernels()}
+    compiled = {k.expression for k in _catalogue.all_kernels()}
     for norm, cpg in (("group", 1), ("batch", 1)):
         for flags in (0, 3):
             p = channel_plan(norm, flags=flags, last=last, batch=batch, channels=channels, spatial=spatial, cpg=cpg)
@@ -251,10 +251,10 @@ def test_channel_backward_chunks_cap_their_bytes():
     """Problem 35's 1 MB channels (fp32, channels-first) go in chunks of at
     most GRAD_CHANNEL_MAX_CHUNK_BYTES, both passes on the same grid."""
     plan = channel_plan("group", flags=3, batch=112, channels=64, spatial=512 * 512, cpg=8)
-    launch = _dispatch.choose_channel_grad(plan, True, H200)
+    launch = _dispatch_grad.choose_channel_grad(plan, True, H200)
     sums, apply = launch.steps[0], launch.steps[-1]
-    assert launch.chunk_len * plan.vec * 4 <= _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES
-    assert launch.chunks == 512 * 512 * 4 // _dispatch.GRAD_CHANNEL_MAX_CHUNK_BYTES
+    assert launch.chunk_len * plan.vec * 4 <= _dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
+    assert launch.chunks == 512 * 512 * 4 // _dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
     assert sums.grid == apply.grid == (launch.chunks, 64, 112)
 
 
@@ -264,9 +264,9 @@ def test_streamed_backward_parts():
     bytes of columns a thread; problem 40 (4096 tiles) and 8x1M bf16 (512)
     are not."""
     f32, bf16 = np.dtype(np.float32), np.dtype(_dtypes.bfloat16)
-    launch = _dispatch.choose_rows_grad("ln", f32, f32, 3, 40, 40000, 1, 4, H200)
+    launch = _dispatch_grad.choose_rows_grad("ln", f32, f32, 3, 40, 40000, 1, 4, H200)
     assert launch.tier == "streamed" and launch.parts > 1
-    assert _dispatch.column_sum_step("float", "float", launch.parts, 40000, 2).kernel.expression.endswith(", 4>")
+    assert _dispatch_grad.column_sum_step("float", "float", launch.parts, 40000, 2).kernel.expression.endswith(", 4>")
     for dtype, rows, n, vec in ((f32, 16, 64 * 256 * 256, 4), (bf16, 8, 1 << 20, 8)):
-        launch = _dispatch.choose_rows_grad("ln", dtype, dtype, 3, rows, n, 1, vec, H200)
+        launch = _dispatch_grad.choose_rows_grad("ln", dtype, dtype, 3, rows, n, 1, vec, H200)
         assert launch.tier == "streamed" and launch.parts == 1

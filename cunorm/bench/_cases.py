@@ -438,11 +438,11 @@ def _backward_tier(op, x, axis):
     outer = int(np.prod(x.shape[:first]))
     reduced = int(np.prod(x.shape[first:last + 1]))
     inner = int(np.prod(x.shape[last + 1:]))
-    from cunorm import _dispatch
+    from cunorm import _dispatch_grad
     from cunorm._plan import vector_width
 
     vec = vector_width(x.itemsize, reduced if inner == 1 else inner, [], [(x.data.ptr, x.itemsize)])
-    return _dispatch.choose_rows_grad("rms" if op == "rms" else "ln", x.dtype, x.dtype, 1, outer, reduced, inner,
+    return _dispatch_grad.choose_rows_grad("rms" if op == "rms" else "ln", x.dtype, x.dtype, 1, outer, reduced, inner,
                                       vec, _ops.device_info(x.data.device_id)).tier
 
 

@@ -1,0 +1,115 @@
+"""The catalogue: every kernel instantiation the dispatch can pick, for the
+precompile step and CI's compile check (derived from the declarations in
+cunorm/_kernels.py and the choices of cunorm/_dispatch*.py)."""
+from __future__ import annotations
+
+from . import _dtypes
+from . import _kernels as K
+from ._dispatch import (CACHE_BYTES_STRIDED, CHANNEL_NORM, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
+                        cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
+from ._dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_CACHED_TARGET_THREADS, GRAD_NORMS, _vpt_choices,
+                             column_sum_width, grad_cached_bounds, grad_policy)
+from ._kernels import Kernel
+
+def _vector_widths(dtype) -> list[int]:
+    """Elements a vector access may move: up to 16 bytes."""
+    return [v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16]
+
+
+#: the general-p Lp norm CI compiles (any other p compiles on first use)
+REPRESENTATIVE_POWER = 3.0
+
+
+def all_kernels(norms=None) -> list[Kernel]:
+    """Every template instantiation that ``choose`` can return without an
+    override (rows_resident, override-only, for RMSNorm and LayerNorm too),
+    for the precompile step and CI's compile check. The general-p norm is
+    represented by p = REPRESENTATIVE_POWER."""
+    if norms is None:
+        norms = (*NORMS, power_norm_name(REPRESENTATIVE_POWER))
+    out = []
+    for norm in norms:
+        info = norm_info(norm)
+        policy = info.policy
+        residuals = (False, True) if info.residual else (False,)
+        for dtype in _dtypes.SUPPORTED:
+            t = _dtypes.KERNEL_TYPE[dtype]
+            params = sorted({_dtypes.KERNEL_TYPE[dtype], _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
+            affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in info.flags if f for p in params]
+            for vec in _vector_widths(dtype):
+                vec_bytes = vec * dtype.itemsize
+                for residual in residuals:
+                    out.append(K.ROWS_SPLIT_PARTIAL(policy, t, residual, vec))
+                for p, flags in affine:
+                    for residual in residuals:
+                        common = (policy, t, p, flags, residual, vec)
+                        for vpt in VECS_PER_THREAD_CHOICES:
+                            cost = cached_cost(vpt, vec_bytes, residual, is_heavy(norm, dtype))
+                            if group_fits(cost):
+                                out.append(K.ROWS_CACHED(*common, vpt, False))
+                            if block_cache_limit(cost, cached_loads(vpt, residual), is_heavy(norm, dtype)):
+                                out.append(K.ROWS_CACHED(*common, vpt, True))
+                        out.append(K.ROWS_UNCACHED(*common))
+                        out.append(K.ROWS_SPLIT_APPLY(*common))
+                        if info.residual:  # the norms of the resident tier's experiments
+                            out.append(K.ROWS_RESIDENT(*common, cooperative=True))
+                    for cpt in (0,) + VECS_PER_THREAD_CHOICES:
+                        if cpt * vec_bytes <= CACHE_BYTES_STRIDED:
+                            out.append(K.STRIDED_NORM(policy, t, p, flags, vec, cpt))
+    for dtype in _dtypes.SUPPORTED:
+        for vec in _vector_widths(dtype):
+            out.append(K.RESIDUAL_ADD(_dtypes.KERNEL_TYPE[dtype], vec))
+    return out + channel_kernels() + backward_kernels()
+
+
+def channel_kernels() -> list[Kernel]:
+    """Every instantiation of the channel family."""
+    out = [K.CHANNEL_FROM_RUNNING(a) for a in ("float", "double")]
+    for dtype in _dtypes.SUPPORTED:
+        t = _dtypes.KERNEL_TYPE[dtype]
+        params = sorted({t, _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
+        affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]
+        for last in (False, True):
+            out.append(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, last))
+            for vec in _vector_widths(dtype):
+                out.append(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, vec, last))
+                for p, flags in affine:
+                    out.append(K.CHANNEL_APPLY(t, p, flags, vec, last))
+    return out
+
+
+def backward_kernels() -> list[Kernel]:
+    """Every instantiation the backward dispatch can pick (the general-p
+    norm represented by REPRESENTATIVE_POWER)."""
+    out = []
+    for dtype in _dtypes.SUPPORTED:
+        acc = _dtypes.accumulation(dtype)
+        a, t = _dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[dtype]
+        params = sorted({t, a})
+        for p in params:
+            for columns in sorted({1, column_sum_width(a, 0)}):
+                out.append(K.COLUMN_SUM(a, p, columns))
+        for norm in (*GRAD_NORMS, power_norm_name(REPRESENTATIVE_POWER)):
+            grad = grad_policy(norm, a)
+            affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in norm_info(norm).flags if f for p in params]
+            out.append(K.ROWS_GRAD_FINALIZE(grad, a))
+            out.append(K.ROWS_GRAD_FINALIZE_WIDE(grad, a))
+            for vec in _vector_widths(dtype):
+                for p, flags in affine:
+                    for vpt in _vpt_choices(vec, dtype.itemsize):
+                        for threads in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
+                            out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *grad_cached_bounds(threads, vpt),
+                                                          cooperative=flags != 0, persistent=True))
+                    out.append(K.ROWS_GRAD_CHUNKS(grad, t, p, flags, vec))
+                    out.append(K.ROWS_GRAD_SUMS(grad, t, p, flags, vec))
+                    for strided in (False, True):
+                        out.append(K.ROWS_GRAD_APPLY(grad, t, p, flags, vec, strided))
+        out.append(K.CHANNEL_GRAD_COMBINE(a))
+        for p, flags in [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]:
+            for training in (False, True):
+                out.append(K.CHANNEL_GRAD_FINALIZE(a, p, flags, training))
+        for vec in _vector_widths(dtype):
+            for last in (False, True):
+                out.append(K.CHANNEL_GRAD_SUMS(t, vec, last))
+                out.append(K.CHANNEL_GRAD_APPLY(t, vec, last))
+    return out

@@ -1,0 +1,141 @@
+"""Every kernel of cunorm/kernels/, declared once: its template parameters
+and its typed argument list, as the ``.cu`` file writes them.
+
+From a declaration come the instantiation's name (``decl(...)`` formats the
+template arguments, all from closed sets or numbers cunorm formats itself),
+the catalogue's entries (``Kernel``) and the argument packing of a launch
+(``Kernel.signature``: each argument's name and C kind, read by
+cunorm/_launch.py). tests/test_kernels.py parses the ``.cu`` signatures and
+checks them against these declarations, so a kernel whose C++ signature
+changes without its declaration fails on a CPU.
+
+Argument kinds: ``ptr`` (any pointer, 8 bytes), ``i32`` (int), ``i64``
+(long long) and ``acc`` (the accumulation type: float, or double where the
+data ``T`` or the accumulation ``A`` template argument is double).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("ptr", "i32", "i64", "acc")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One template instantiation, as the dispatch picks it."""
+
+    family: str  # source file stem in cunorm/kernels/
+    expression: str  # the template instantiation, e.g. cunorm::rows_cached<...>
+    cooperative: bool = False  # launched cooperatively (all blocks co-resident)
+    #: a persistent grid (blocks loop over the work by gridDim): the launcher
+    #: caps it at the blocks that fit on the GPU at once, so no block starts
+    #: its share late
+    persistent: bool = False
+    #: (name, kind) of each argument in order, kinds resolved (acc -> f32 / f64)
+    signature: tuple = ()
+
+
+@dataclass(frozen=True)
+class KernelDecl:
+    family: str
+    name: str
+    template: tuple[str, ...]  # template parameter names, in order
+    args: tuple[tuple[str, str], ...]  # (name, kind) of each argument, in order
+
+    def expression(self, *targs) -> str:
+        if len(targs) != len(self.template):
+            raise TypeError(f"{self.name} takes {len(self.template)} template arguments, got {len(targs)}")
+        return f"cunorm::{self.name}<{', '.join(_format(a) for a in targs)}>"
+
+    def __call__(self, *targs, cooperative: bool = False, persistent: bool = False) -> Kernel:
+        """The instantiation for these template arguments."""
+        params = dict(zip(self.template, targs))
+        data = params.get("T", params.get("A"))
+        acc = "f64" if data == "double" else "f32"
+        signature = tuple((n, acc if k == "acc" else k) for n, k in self.args)
+        return Kernel(self.family, self.expression(*targs), cooperative, persistent, signature)
+
+
+def _format(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str) and value.replace("::", "").replace("_", "").replace("<", "").replace(
+            ">", "").replace(",", "").replace(" ", "").isalnum():
+        return value
+    raise TypeError(f"template argument {value!r} is not a type name, bool or int cunorm formats")
+
+
+def _args(spec: str) -> tuple[tuple[str, str], ...]:
+    """'x r y:ptr rows:i64 ...': names, each group ended by its kind."""
+    out, names = [], []
+    for word in spec.split():
+        name, _, kind = word.partition(":")
+        names.append(name)
+        if kind:
+            assert kind in KINDS, kind
+            out += [(n, kind) for n in names]
+            names = []
+    assert not names, spec
+    return tuple(out)
+
+
+_ROW_OUT = "x r y h w b center_out scale_out:ptr"
+_NORM_ROWS = ("NormT", "T", "P", "FLAGS", "RESIDUAL", "VEC")
+_CHANNEL_DIMS = "batch spatial:i64 channels channels_per_group"
+
+# rows.cu
+ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD", "BLOCK_PER_ROW"),
+                         _args(f"{_ROW_OUT} rows:i64 n:i32 x_row_stride:i64 eps:acc threads_per_row:i32"))
+ROWS_UNCACHED = KernelDecl("rows", "rows_uncached", _NORM_ROWS,
+                           _args(f"{_ROW_OUT} rows n x_row_stride:i64 eps:acc stash_vecs:i64"))
+ROWS_SPLIT_PARTIAL = KernelDecl("rows", "rows_split_partial", ("NormT", "T", "RESIDUAL", "VEC"),
+                                _args("x r h partial:ptr rows n x_row_stride chunks:i64"))
+ROWS_SPLIT_APPLY = KernelDecl("rows", "rows_split_apply", _NORM_ROWS,
+                              _args("x h y w b center_out scale_out partial:ptr rows n x_row_stride chunks:i64 "
+                                    "eps:acc"))
+ROWS_RESIDENT = KernelDecl("rows", "rows_resident", _NORM_ROWS,
+                           _args(f"{_ROW_OUT} partial arrived:ptr rows n x_row_stride chunk_vecs:i64 eps:acc"))
+# strided.cu
+STRIDED_NORM = KernelDecl("strided", "strided_norm", ("NormT", "T", "P", "FLAGS", "VEC", "CHANNELS_PER_THREAD"),
+                          _args("x y w b center_out scale_out:ptr outer:i64 reduced:i32 inner x_outer_stride "
+                                "x_reduced_stride:i64 eps:acc"))
+RESIDUAL_ADD = KernelDecl("strided", "residual_add", ("T", "VEC"), _args("x r h:ptr n_vec:i64"))
+# channels.cu
+CHANNEL_PARTIAL = KernelDecl("channels", "channel_partial", ("NormT", "T", "VEC", "CHANNELS_LAST"),
+                             _args(f"x partial:ptr {_CHANNEL_DIMS} per_sample:i32 chunks chunk_len:i64"))
+CHANNEL_FINALIZE = KernelDecl("channels", "channel_finalize", ("NormT", "T", "CHANNELS_LAST"),
+                              _args(f"x partial affine mean_out rstd_out running_mean running_var:ptr "
+                                    f"{_CHANNEL_DIMS} per_sample:i32 chunks:i64 eps momentum:acc"))
+CHANNEL_FROM_RUNNING = KernelDecl("channels", "channel_from_running", ("A",),
+                                  _args("running_mean running_var affine mean_out rstd_out:ptr channels:i32 "
+                                        "eps:acc"))
+CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "P", "FLAGS", "VEC", "CHANNELS_LAST"),
+                           _args(f"x y w b affine:ptr {_CHANNEL_DIMS} per_sample:i32 chunks chunk_len:i64"))
+# backward.cu
+ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
+                              ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),
+                              _args("dy x dh dx w center scale partial:ptr rows:i64 n:i32 eps:acc "
+                                    "prefetch_next:i32 dw db arrived:ptr"))
+COLUMN_SUM = KernelDecl("backward", "column_sum", ("A", "P", "C"), _args("partial out_w out_b:ptr parts:i32 n:i64"))
+ROWS_GRAD_CHUNKS = KernelDecl("backward", "rows_grad_chunks", ("Grad", "T", "P", "FLAGS", "VEC"),
+                              _args("dy x w center scale stat_partial:ptr rows n chunks chunk_len:i64"))
+ROWS_GRAD_SUMS = KernelDecl("backward", "rows_grad_sums", ("Grad", "T", "P", "FLAGS", "VEC"),
+                            _args("dy x w center scale partial:ptr outer reduced inner chunks chunk_len:i64"))
+ROWS_GRAD_FINALIZE = KernelDecl("backward", "rows_grad_finalize", ("Grad", "A"),
+                                _args("partial center scale coeffs:ptr groups chunks n:i64 eps:acc"))
+ROWS_GRAD_FINALIZE_WIDE = KernelDecl("backward", "rows_grad_finalize_wide", ("Grad", "A"),
+                                     _args("partial center scale coeffs:ptr chunks n:i64 eps:acc"))
+ROWS_GRAD_APPLY = KernelDecl("backward", "rows_grad_apply", ("Grad", "T", "P", "FLAGS", "VEC", "STRIDED"),
+                             _args("dy x dh dx w coeffs partial dw db:ptr outer reduced inner chunks chunk_len:i64"))
+CHANNEL_GRAD_SUMS = KernelDecl("backward", "channel_grad_sums", ("T", "VEC", "LAST"),
+                               _args(f"dy x mean partial:ptr {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64"))
+CHANNEL_GRAD_COMBINE = KernelDecl("backward", "channel_grad_combine", ("A",),
+                                  _args("partial sums:ptr members chunks:i64"))
+CHANNEL_GRAD_FINALIZE = KernelDecl("backward", "channel_grad_finalize", ("A", "P", "FLAGS", "TRAINING"),
+                                   _args(f"sums mean rstd w coeffs dw db:ptr {_CHANNEL_DIMS} stat_batch:i32"))
+CHANNEL_GRAD_APPLY = KernelDecl("backward", "channel_grad_apply", ("T", "VEC", "LAST"),
+                                _args(f"dy x dx mean coeffs:ptr {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64"))
+
+DECLARATIONS = tuple(v for v in dict(globals()).values() if isinstance(v, KernelDecl))

@@ -1,0 +1,127 @@
+"""The kernel declarations (cunorm/_kernels.py) against the .cu sources:
+every __global__ kernel is declared, with its template parameters and its
+arguments' names and kinds as the C++ writes them (CPU only)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cunorm import _kernels
+from cunorm._loader import KERNEL_DIR
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside <> and ()."""
+    parts, depth, current = [], 0, []
+    for ch in text:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(ch)
+    if "".join(current).strip():
+        parts.append("".join(current).strip())
+    return parts
+
+
+def _balanced(text: str, start: int, open_ch: str, close_ch: str) -> tuple[str, int]:
+    """The text inside the bracket opening at text[start], and the index after it."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == open_ch:
+            depth += 1
+        elif text[i] == close_ch:
+            depth -= 1
+            if depth == 0:
+                return text[start + 1 : i], i + 1
+    raise ValueError("unbalanced")
+
+
+def _kind(ctype: str) -> str:
+    ctype = " ".join(ctype.replace("__restrict__", "").replace("const", "").split())
+    if "*" in ctype:
+        return "ptr"
+    if ctype == "long long":
+        return "i64"
+    if ctype == "int":
+        return "i32"
+    if ctype in ("A", "typename AccOf<T>::type"):
+        return "acc"
+    raise AssertionError(f"an argument type the declarations do not know: {ctype!r}")
+
+
+def parse_kernels(source: str) -> dict[str, tuple[tuple[str, ...], tuple[tuple[str, str], ...]]]:
+    """name -> (template parameter names, ((arg, kind), ...)) of each __global__."""
+    source = re.sub(r"//[^\n]*", "", source)
+    found = {}
+    for match in re.finditer(r"__global__", source):
+        head = source.rfind("\ntemplate", 0, match.start()) + 1  # a kernel's template starts its line
+        template, _ = _balanced(source, source.index("<", head), "<", ">")
+        tparams = tuple(re.findall(r"(\w+)\s*$", p)[0] for p in _split_top(template))
+        # the kernel's name: the identifier before the first '(' after the
+        # launch bounds' balanced parentheses
+        rest = match.end()
+        bounds = source.index("__launch_bounds__", rest)
+        _, after_bounds = _balanced(source, source.index("(", bounds), "(", ")")
+        name_match = re.compile(r"\s*(\w+)\s*\(").match(source, after_bounds)
+        name = name_match.group(1)
+        params, _ = _balanced(source, name_match.end() - 1, "(", ")")
+        args = []
+        for p in _split_top(params):
+            arg = re.findall(r"(\w+)\s*$", p)[0]
+            args.append((arg, _kind(p[: p.rindex(arg)])))
+        found[name] = (tparams, tuple(args))
+    return found
+
+
+def _all_sources():
+    out = {}
+    for path in sorted(KERNEL_DIR.glob("*.cu")):
+        for name, sig in parse_kernels(path.read_text()).items():
+            out[name] = (path.stem, *sig)
+    return out
+
+
+SOURCES = _all_sources()
+
+
+def test_every_kernel_is_declared_once():
+    declared = [d.name for d in _kernels.DECLARATIONS]
+    assert len(declared) == len(set(declared))
+    assert sorted(declared) == sorted(SOURCES)
+
+
+@pytest.mark.parametrize("decl", _kernels.DECLARATIONS, ids=lambda d: d.name)
+def test_declaration_matches_the_source(decl):
+    family, template, args = SOURCES[decl.name]
+    assert decl.family == family
+    assert decl.template == template
+    assert decl.args == args
+
+
+def test_the_parser_sees_a_changed_signature():
+    src = ("template <class T, int VEC>\n__global__ void __launch_bounds__(256, 4)\n"
+           "residual_add(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ h, int n_vec) {}")
+    (tparams, args), = parse_kernels(src).values()
+    assert tparams == ("T", "VEC")
+    assert args[-1] == ("n_vec", "i32") != _kernels.RESIDUAL_ADD.args[-1]
+
+
+def test_instantiation_resolves_the_accumulation_kind():
+    k32 = _kernels.RESIDUAL_ADD("float", 4)
+    assert k32.expression == "cunorm::residual_add<float, 4>"
+    k64 = _kernels.ROWS_GRAD_FINALIZE("cunorm::RmsGrad<double>", "double")
+    assert dict(k64.signature)["eps"] == "f64"
+    assert dict(_kernels.ROWS_CACHED("cunorm::RmsNorm", "cunorm::bf16_t", "float", 1, False, 8, 4, True)
+                .signature)["eps"] == "f32"
+
+
+@pytest.mark.parametrize("bad", ["float; }", "x\ny", 1.5, None, "a\"b"])
+def test_template_arguments_from_closed_sets_only(bad):
+    with pytest.raises(TypeError):
+        _kernels.RESIDUAL_ADD(bad, 4)
