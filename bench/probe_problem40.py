@@ -124,6 +124,7 @@ def l2_reuse():
     for per_sm in (12, 48, 192):
         _dispatch_grad.GRAD_CHUNK_BLOCKS_PER_SM = per_sm
         _grad._rows_launch.cache_clear()
+        _grad.rows_grad_program.cache_clear()
         for flush in (False, True):
             def before(step, flush=flush):
                 if flush and "apply" in step.kernel.expression:
@@ -137,6 +138,7 @@ def l2_reuse():
                   " ".join(f"{n} {1000 * np.median(v):6.1f} us" for n, v in per.items()), flush=True)
     _dispatch_grad.GRAD_CHUNK_BLOCKS_PER_SM = default
     _grad._rows_launch.cache_clear()
+    _grad.rows_grad_program.cache_clear()
 
 
 def main():

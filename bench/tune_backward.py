@@ -23,38 +23,36 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, ".")
-from cunorm import _dispatch_grad, _grad, _ops  # noqa: E402
+from cunorm import _dispatch_grad, _grad, _launch  # noqa: E402
 from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu  # noqa: E402
 
 
 def launch_times(run, before=None, verbose=True):
     """ms of each launch of one run() (after a fill that evicts L2);
     before(step), where given, is called ahead of each launch (untimed)."""
-    original = _ops.launch_steps
     records = []
 
-    def timed(steps, steps_args, device):
-        for step, args in zip(steps, steps_args):
-            fn = _ops._step_function(step, device)
-            if verbose:
-                print(f"    {step.kernel.expression}: {fn.num_regs} registers, {fn.local_size_bytes} B local, "
-                      f"grid {step.grid} x {step.block}, {step.shared_bytes} B shared")
-            if before is not None:
-                before(step)
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            original((step,), (args,), device)
-            stop.record()
-            records.append((step.kernel.expression.split("<")[0].replace("cunorm::", ""), start, stop))
+    def timed(step, launch):
+        fn = _launch.step_function(step, cupy.cuda.runtime.getDevice())
+        if verbose:
+            print(f"    {step.kernel.expression}: {fn.num_regs} registers, {fn.local_size_bytes} B local, "
+                  f"grid {step.grid} x {step.block}, {step.shared_bytes} B shared")
+        if before is not None:
+            before(step)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        launch()
+        stop.record()
+        records.append((step.kernel.expression.split("<")[0].replace("cunorm::", ""), start, stop))
 
     run()
     cupy.cuda.runtime.deviceSynchronize()
     cupy.empty(256 << 20, dtype=np.float32).fill(0)
-    _ops.launch_steps = timed
+    _launch.step_hook = timed
     try:
         run()
     finally:
-        _ops.launch_steps = original
+        _launch.step_hook = None
     cupy.cuda.runtime.deviceSynchronize()
     return [(name, cupy.cuda.get_elapsed_time(a, b)) for name, a, b in records]
 
@@ -83,6 +81,8 @@ def overridden(**values):
             setattr(_dispatch_grad, name, value)
         _grad._rows_launch.cache_clear()
         _grad._channel_launch.cache_clear()
+        _grad.rows_grad_program.cache_clear()
+        _grad.channel_grad_program.cache_clear()
 
     apply(values)
     try:

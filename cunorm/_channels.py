@@ -14,7 +14,7 @@ import numbers
 
 import numpy as np
 
-from . import _dispatch, _dtypes, _interop, _ops, _plan
+from . import _dispatch, _dtypes, _fast, _interop, _launch, _ops, _plan
 
 NORMS = ("group", "instance", "batch")
 
@@ -133,17 +133,44 @@ def _momentum(momentum) -> float:
     return value
 
 
-def run(call: ChannelCall):
-    """y (then mean, rstd) as the caller's array type."""
+def run(call: ChannelCall, key=None):
+    """y (then mean, rstd) as the caller's array type. ``key``: the call's
+    signature in the launch cache (cunorm/_fast.py), which gets an entry
+    when the call ran without copies or conversions."""
     if not call.on_gpu:
         return _run_reference(call)
     with call.adapter.scope(call.x.data.device_id):
         x, y, last, stats = prepare(call)
+        program = None
         if x.size:
-            execute(call, x, y, last, stats)
+            _, program = execute(call, x, y, last, stats)
         wrap = call.adapter.from_cupy
         results = [call.out_given if call.out is not None else wrap(y)] + [wrap(s) for s in stats]
+    if key is not None and program is not None and x is call.x and call.out is None:
+        _fast.CHANNELS.put(key, _channel_entry(call, program, last))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _channel_entry(call: ChannelCall, program, last: bool) -> _fast.Entry:
+    """The launch cache's entry of a channel norm's call that ran
+    ``program`` over its arrays as given; called as entry(x, weight, bias,
+    running_mean, running_var)."""
+    x = call.x
+    order = _plan.channel_orders(x.ndim, call.channel_axis)[last]
+    perm = tuple(int(a) for a in np.argsort(order))
+    outputs = {"y": ([x.shape[a] for a in order], x.dtype, None if perm == tuple(range(x.ndim)) else perm)}
+    if call.return_stats:
+        acc = _dtypes.accumulation(x.dtype)
+        outputs["mean"] = outputs["rstd"] = (call.stats_shape, acc, None)
+    mean, rstd = ("mean", "rstd") if call.return_stats else (None, None)
+    if program.slots == _ops.ROW_SLOTS:  # a row norm in disguise
+        slots = ("x", None, "y", None, None, None, mean, rstd)
+    else:
+        present = lambda name, a: None if a is None else name  # noqa: E731
+        slots = ("x", "y", present("w", call.weight), present("b", call.bias), mean, rstd,
+                 present("running_mean", call.running_mean), present("running_var", call.running_var))
+    return _fast.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "running_mean", "running_var"),
+                       outputs, slots, tuple(outputs))
 
 
 def prepare(call: ChannelCall):
@@ -217,11 +244,13 @@ def _run_reference(call):
     return (call.out_given,) + results[1:] if isinstance(results, tuple) else call.out_given
 
 
-def execute(call, x, y, last, stats, override: dict | None = None) -> str:
-    """Launch the call over non-empty x (from prepare); returns the walk it
-    took, for the benchmark's table. ``override`` (the tuning script):
-    {"walk": "split"} takes the three launches where the row family would
-    run, {"chunks": n} cuts them as told (_dispatch.choose_channels)."""
+def execute(call, x, y, last, stats, override: dict | None = None):
+    """Launch the call over non-empty x (from prepare); returns (walk, program):
+    the walk it took, for the benchmark's table, and the Program that ran,
+    None where a parameter or running buffer had to be converted first.
+    ``override`` (the tuning script): {"walk": "split"} takes the three
+    launches where the row family would run, {"chunks": n} cuts them as
+    told (_dispatch.choose_channels)."""
     import cupy
 
     shape = x.shape
@@ -237,40 +266,59 @@ def execute(call, x, y, last, stats, override: dict | None = None) -> str:
     plan, launch = _planned(*key)
     acc = _dtypes.accumulation(x.dtype)
     mean_out, rstd_out = (s.reshape(-1) for s in stats) if stats else (None, None)
+    converted = w is not call.weight or b is not call.bias
     if launch is None:  # a row norm in disguise: LayerNorm over each group's contiguous row
         rows = plan.statistic_groups
         xv = cupy.ndarray((rows, x.size // rows), x.dtype, x.data)
         yv = cupy.ndarray((rows, x.size // rows), x.dtype, y.data)
-        _, row_launch = _ops.launch_on("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1, eps=call.eps)
-        return f"rows ({row_launch.tier})"
+        _, row_launch, program = _ops._launch_rows("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1,
+                                                   eps=call.eps)
+        return f"rows ({row_launch.tier})", program
     # Running buffers the kernels update in place: accumulation dtype,
     # contiguous (copied back below when they had to be converted).
     running = [_ops._as_param(buf, acc) for buf in (call.running_mean, call.running_var)]
-    null = np.uint64(0)
-    i32, i64 = np.int32, np.int64
-    ws = cupy.empty(launch.workspace_words, dtype=acc)
-    affine = ws[launch.workspace_words - 3 * plan.statistic_groups :]
-    dims = (i64(plan.batch), i64(plan.spatial), i32(plan.channels), i32(plan.channels_per_group),
-            i32(plan.per_sample))
-    chunking = (i64(launch.chunks), i64(launch.chunk_vecs))
-    opt = [null if a is None else a for a in (mean_out, rstd_out)]
-    w_arg, b_arg = (x if a is None else a for a in (w, b))
-    apply_args = (x, y, w_arg, b_arg, affine) + dims + chunking
-    if from_running:
-        steps_args = ((running[0], running[1], affine, *opt, i32(plan.channels), acc.type(call.eps)), apply_args)
-    else:
-        rm, rv = (null if a is None else a for a in running)
-        steps_args = (
-            (x, ws) + dims + chunking,
-            (x, ws, affine, *opt, rm, rv) + dims + (chunking[0], acc.type(call.eps), acc.type(call.momentum)),
-            apply_args,
-        )
-    _ops.launch_steps(launch.steps, steps_args, x.data.device_id)
+    program = channel_program(plan, launch, from_running, call.eps, call.momentum, mean_out is not None,
+                              tuple(r is not None for r in running), x.data.device_id)
+    program.run(tuple(_launch.ptr(a) for a in (x, y, w, b, mean_out, rstd_out, *running)), _launch.cupy_stream(),
+                _launch.cupy_alloc)
     if not from_running:
         for buf, used in zip((call.running_mean, call.running_var), running):
             if buf is not None and used is not buf:
                 buf[...] = used
-    return launch.tier
+                converted = True
+    return launch.tier, None if converted else program
+
+
+#: a channel norm's slots, in the order Program.run takes their pointers
+CHANNEL_SLOTS = ("x", "y", "w", "b", "mean", "rstd", "running_mean", "running_var")
+
+
+@functools.lru_cache(maxsize=1024)
+def channel_program(plan, launch, from_running: bool, eps: float, momentum: float, has_stats: bool,
+                    has_running: tuple[bool, bool], device: int) -> _launch.Program:
+    """The Program of the channel family's walk (CHANNEL_SLOTS): absent
+    parameters passed as x, absent statistics and running buffers as null."""
+    pb = _launch.ProgramBuilder(CHANNEL_SLOTS, device)
+    x = pb["x"]
+    w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
+    b = pb["b"] if plan.flags & _plan.FLAG_BIAS else x
+    mean, rstd = (pb["mean"], pb["rstd"]) if has_stats else (None, None)
+    rm, rv = (pb[name] if present else None for name, present in zip(("running_mean", "running_var"), has_running))
+    acc_bytes = _dtypes.accumulation(plan.dtype).itemsize
+    ws = pb.workspace(launch.workspace_words * acc_bytes)
+    affine = ws + (launch.workspace_words - 3 * plan.statistic_groups) * acc_bytes
+    dims = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
+            "channels_per_group": plan.channels_per_group, "per_sample": int(plan.per_sample)}
+    if from_running:
+        pb.launch(launch.steps[0], running_mean=rm, running_var=rv, affine=affine, mean_out=mean, rstd_out=rstd,
+                  channels=plan.channels, eps=eps)
+    else:
+        pb.launch(launch.steps[0], x=x, partial=ws, **dims, chunks=launch.chunks, chunk_len=launch.chunk_vecs)
+        pb.launch(launch.steps[1], x=x, partial=ws, affine=affine, mean_out=mean, rstd_out=rstd, running_mean=rm,
+                  running_var=rv, **dims, chunks=launch.chunks, eps=eps, momentum=momentum)
+    pb.launch(launch.steps[-1], x=x, y=pb["y"], w=w, b=b, affine=affine, **dims, chunks=launch.chunks,
+              chunk_len=launch.chunk_vecs)
+    return pb.build()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -284,8 +332,8 @@ def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channel
         raise ValueError(f"unknown channel walk override {override['walk']!r}")
     if not from_running and "walk" not in override and _dispatch.channel_rows_fast(plan):
         return plan, None
-    device = _ops.device_info(device_id)
+    device = _launch.device_info(device_id)
     launch = _dispatch.choose_channels(plan, device, from_running=from_running, override=override)
     for step in launch.steps:
-        _ops._check_limits(step, device)
+        _launch.check_limits(step, device)
     return plan, launch

@@ -15,9 +15,8 @@ import math
 
 import numpy as np
 
-from . import _channels, _dispatch_grad, _dtypes, _ops, _plan
+from . import _channels, _dispatch_grad, _dtypes, _fast, _launch, _ops, _plan
 
-_NULL = np.uint64(0)
 
 
 def _check_like(call, a, name):
@@ -61,21 +60,42 @@ class RowGradCall:
             self.scale = _check_stat(call, rstd, "rstd", call.stats_shape)
 
 
-def run_rows(g: RowGradCall, reference):
+def run_rows(g: RowGradCall, reference, key=None):
     """(dx, dweight, dbias) for rms/ln (None where there is no parameter), dx
-    for the Lp norms; as the caller's array type."""
+    for the Lp norms; as the caller's array type. ``key``: the call's
+    signature in the launch cache (cunorm/_fast.py), which gets an entry
+    when the call ran without copies or casts."""
     call = g.call
     if not call.on_gpu:
         return reference(g)
     with call.adapter.scope(call.x.data.device_id):
-        dx, dw, db = _rows_gpu(g)
+        (dx, dw, db), program = _rows_gpu(g)
         wrap = call.adapter.from_cupy
-        if g.norm not in ("rms", "ln"):
-            return wrap(dx)
-        results = [wrap(dx), None if dw is None else wrap(dw)]
+        results = [wrap(dx)]
+        if g.norm in ("rms", "ln"):
+            results.append(None if dw is None else wrap(dw))
         if g.norm == "ln":
             results.append(None if db is None else wrap(db))
-        return tuple(results)
+    if key is not None and program is not None:
+        _fast.ROWS_GRAD.put(key, _rows_grad_entry(g, program))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _rows_grad_entry(g: RowGradCall, program) -> _fast.Entry:
+    """Called as entry(dy, x, mean, rstd, weight, bias, dh)."""
+    call = g.call
+    x = call.x
+    outputs = {"dx": (x.shape, x.dtype, None)}
+    for name, p in (("dw", call.weight), ("db", call.bias)):
+        if p is not None:
+            outputs[name] = (p.shape, p.dtype, None)
+    present = lambda name, a: None if a is None else name  # noqa: E731
+    slots = ("dy", "x", present("dh", g.dh), "dx", present("w", call.weight), present("mean", g.center),
+             present("rstd", g.scale), present("dw", call.weight), present("db", call.bias))
+    returns = ["dx"] + [present(n, p) for n, p in (("dw", call.weight), ("db", call.bias))][: {"rms": 1, "ln": 2}.get(
+        g.norm, 0)]
+    return _fast.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
+                       outputs, slots, returns)
 
 
 def _contiguous(a):
@@ -89,11 +109,14 @@ def _rows_gpu(g: RowGradCall):
 
     call = g.call
     x, dy, dh = (_contiguous(a) for a in (call.x, g.dy, g.dh))
+    clean = x is call.x and dy is g.dy and dh is g.dh
     dx = cupy.empty(x.shape, dtype=x.dtype)
     flags, pdtype = _ops.kernel_params(x.dtype, call.weight, call.bias)
     w = _ops._as_param(call.weight, pdtype)  # the bias is not read: only dbias is wanted
     dw, db = _param_grad_buffers(call, call.norm_shape, pdtype)
     center, scale = (_contiguous(s) for s in (g.center, g.scale))
+    clean = clean and center is g.center and scale is g.scale and w is call.weight and x.size > 0
+    program = None
     if x.size:
         outer = math.prod(x.shape[: call.first])
         reduced = math.prod(call.norm_shape)
@@ -104,8 +127,10 @@ def _rows_gpu(g: RowGradCall):
             pointers.append((w.data.ptr, w.itemsize))
         vec = _plan.vector_width(x.itemsize, extent, [], pointers)
         launch = _rows_launch(g.norm, x.dtype, pdtype, flags, outer, reduced, inner, vec, x.data.device_id)
-        _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, call.eps)
-    return (dx,) + _param_grads(call, dw, db, empty=not x.size)
+        program = _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, call.eps)
+    grads = _param_grads(call, dw, db, empty=not x.size)
+    clean = clean and grads[0] is dw and grads[1] is db
+    return (dx,) + grads, program if clean else None
 
 
 def _param_grad_buffers(call, shape, pdtype):
@@ -132,75 +157,80 @@ def _param_grads(call, dw, db, *, empty: bool):
 
 @functools.lru_cache(maxsize=1024)
 def _rows_launch(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device_id):
-    device = _ops.device_info(device_id)
+    device = _launch.device_info(device_id)
     launch = _dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device)
     for step in launch.steps:
-        _ops._check_limits(step, device)
+        _launch.check_limits(step, device)
     return launch
 
 
-def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, eps):
-    import cupy
+#: a row norm backward's slots, in the order Program.run takes their pointers
+ROW_GRAD_SLOTS = ("dy", "x", "dh", "dx", "w", "center", "scale", "dw", "db")
 
-    acc = _dtypes.accumulation(x.dtype)
-    i64 = np.int64
-    device = x.data.device_id
-    dh_arg = _NULL if dh is None else dh
-    w_arg = x if w is None else w
-    center_arg = _NULL if center is None else center
-    scale_arg = _NULL if scale is None else scale
-    wants = dw is not None or db is not None
-    direct = False
-    if launch.tier == "cached":
-        # the partials' rows are the grid's blocks: cap it first (as
-        # launch_steps would), then size the workspace; the grid adds its
-        # partials into dw/db itself (arrived: its barrier's count)
-        (step,) = launch.steps
-        grid = _ops.persistent_grid(step, device)
-        partial = cupy.empty(2 * grid[0] * reduced if wants else 1, dtype=acc)
-        arrived = cupy.zeros(1, dtype=np.uint32) if wants else _NULL
-        dw_arg, db_arg = (_NULL if a is None else a for a in (dw, db))
-        _ops.launch_steps((dataclasses.replace(step, grid=grid),),
-                          ((dy, x, dh_arg, dx, w_arg, center_arg, scale_arg, partial, i64(outer),
-                            np.int32(reduced), acc.type(eps), np.int32(launch.prefetch_next), dw_arg, db_arg,
-                            arrived),), device)
-        direct = True
-    else:
-        groups = outer * inner
-        parts = launch.parts
-        ws = cupy.empty(groups * launch.chunks * launch.stat_words, dtype=acc)
-        coeffs = cupy.empty(groups * _dispatch_grad.GRAD_COEFF_WORDS, dtype=acc)
-        # streamed rows write dweight/dbias themselves when they are one part
-        direct = launch.tier == "streamed" and parts == 1
-        partial = cupy.empty(2 * parts * reduced if wants and not direct else 1, dtype=acc)
-        dims = (i64(outer), i64(reduced), i64(inner))
-        dw_arg, db_arg = (x if a is None else a for a in (dw, db))
-        apply_args = (dy, x, dh_arg, dx, w_arg, coeffs, partial, dw_arg, db_arg) + dims + (
-            i64(launch.apply_chunks), i64(launch.apply_chunk_len))
-        if launch.tier == "streamed":
-            steps_args = ((dy, x, w_arg, center_arg, scale_arg, ws, i64(outer), i64(reduced), i64(launch.chunks),
-                           i64(launch.chunk_len)),
-                          (ws, center_arg, scale_arg, coeffs, i64(launch.chunks), i64(reduced), acc.type(eps)),
-                          apply_args)
-        else:
-            steps_args = ((dy, x, w_arg, center_arg, scale_arg, ws) + dims + (i64(launch.chunks),
-                                                                                i64(launch.chunk_len)),
-                          (ws, center_arg, scale_arg, coeffs, i64(groups), i64(launch.chunks), i64(reduced),
-                           acc.type(eps)),
-                          apply_args)
-        _ops.launch_steps(launch.steps, steps_args, device)
-    if wants and not direct:
-        pdtype = (dw if dw is not None else db).dtype
-        step = _column_sum(acc, pdtype, parts, reduced, 1 if db is None else 2)
-        dw_arg, db_arg = (_NULL if a is None else a for a in (dw, db))
-        _ops.launch_steps((step,), ((partial, dw_arg, db_arg, np.int32(parts), i64(reduced)),), device)
+
+def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, eps):
+    grads = [a for a in (dw, db) if a is not None]
+    program = rows_grad_program(launch, x.dtype, grads[0].dtype if grads else None, outer, reduced, inner, float(eps),
+                                tuple(a is not None for a in (dh, w, center, scale, dw, db)), x.data.device_id)
+    program.run(tuple(_launch.ptr(a) for a in (dy, x, dh, dx, w, center, scale, dw, db)), _launch.cupy_stream(),
+                _launch.cupy_alloc)
+    return program
 
 
 @functools.lru_cache(maxsize=1024)
-def _column_sum(acc, pdtype, parts, n, outputs):
-    step = _dispatch_grad.column_sum_step(_dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[pdtype], parts, n, outputs)
-    _ops._check_limits(step)
-    return step
+def rows_grad_program(launch, dtype, pdtype, outer, reduced, inner, eps, present, device) -> _launch.Program:
+    """The Program of a row norm's backward (ROW_GRAD_SLOTS); ``present``
+    says which of dh, w, center, scale, dw, db the call has, pdtype the
+    dtype dweight/dbias are written in. A weight
+    absent is passed as x; dh, the statistics, and for the cached tier
+    dweight/dbias, as null (for the others as x)."""
+    pb = _launch.ProgramBuilder(ROW_GRAD_SLOTS, device)
+    has = dict(zip(("dh", "w", "center", "scale", "dw", "db"), present))
+    dy, x, dx = pb["dy"], pb["x"], pb["dx"]
+    dh, center, scale = (pb[n] if has[n] else None for n in ("dh", "center", "scale"))
+    w = pb["w"] if has["w"] else x
+    acc_bytes = _dtypes.accumulation(dtype).itemsize
+    wants = has["dw"] or has["db"]
+    if launch.tier == "cached":
+        # the partials' rows are the grid's blocks (capped at the resident
+        # ones when the step is prepared); the grid adds them into dw/db itself
+        (step,) = launch.steps
+        grid = _launch.persistent_grid(step, device)
+        partial = pb.workspace(2 * grid[0] * reduced * acc_bytes if wants else acc_bytes)
+        arrived = pb.workspace(4, zeroed=True) if wants else None
+        dw, db = (pb[n] if has[n] else None for n in ("dw", "db"))
+        pb.launch(dataclasses.replace(step, grid=grid), dy=dy, x=x, dh=dh, dx=dx, w=w, center=center, scale=scale,
+                  partial=partial, rows=outer, n=reduced, eps=eps, prefetch_next=int(launch.prefetch_next), dw=dw,
+                  db=db, arrived=arrived)
+        return pb.build()
+    groups = outer * inner
+    parts = launch.parts
+    ws = pb.workspace(groups * launch.chunks * launch.stat_words * acc_bytes)
+    coeffs = pb.workspace(groups * _dispatch_grad.GRAD_COEFF_WORDS * acc_bytes)
+    # streamed rows write dweight/dbias themselves when they are one part
+    direct = launch.tier == "streamed" and parts == 1
+    partial = pb.workspace(2 * parts * reduced * acc_bytes if wants and not direct else acc_bytes)
+    dw, db = (pb[n] if has[n] else x for n in ("dw", "db"))
+    sums = {"dy": dy, "x": x, "w": w, "center": center, "scale": scale}
+    if launch.tier == "streamed":
+        pb.launch(launch.steps[0], **sums, stat_partial=ws, rows=outer, n=reduced, chunks=launch.chunks,
+                  chunk_len=launch.chunk_len)
+        pb.launch(launch.steps[1], partial=ws, center=center, scale=scale, coeffs=coeffs, chunks=launch.chunks,
+                  n=reduced, eps=eps)
+    else:
+        pb.launch(launch.steps[0], **sums, partial=ws, outer=outer, reduced=reduced, inner=inner,
+                  chunks=launch.chunks, chunk_len=launch.chunk_len)
+        pb.launch(launch.steps[1], partial=ws, center=center, scale=scale, coeffs=coeffs, groups=groups,
+                  chunks=launch.chunks, n=reduced, eps=eps)
+    pb.launch(launch.steps[2], dy=dy, x=x, dh=dh, dx=dx, w=w, coeffs=coeffs, partial=partial, dw=dw, db=db,
+              outer=outer, reduced=reduced, inner=inner, chunks=launch.apply_chunks, chunk_len=launch.apply_chunk_len)
+    if wants and not direct:
+        a = _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]
+        step = _dispatch_grad.column_sum_step(a, _dtypes.KERNEL_TYPE[pdtype], parts, reduced, 1 if not has["db"] else 2)
+        _launch.check_limits(step)
+        pb.launch(step, partial=partial, out_w=pb["dw"] if has["dw"] else None, out_b=pb["db"] if has["db"] else None,
+                  parts=parts, n=reduced)
+    return pb.build()
 
 
 # --- the channel norms -----------------------------------------------------------
@@ -238,15 +268,36 @@ def _check_running(call, buf, name, shape):
     return ba
 
 
-def run_channels(g: ChannelGradCall, reference):
-    """(dx, dweight, dbias) as the caller's array type."""
+def run_channels(g: ChannelGradCall, reference, key=None):
+    """(dx, dweight, dbias) as the caller's array type. ``key``: as for
+    run_rows."""
     call = g.call
     if not call.on_gpu:
         return reference(g)
     with call.adapter.scope(call.x.data.device_id):
-        dx, dw, db = _channels_gpu(g)
+        (dx, dw, db), program, last = _channels_gpu(g)
         wrap = call.adapter.from_cupy
-        return wrap(dx), None if dw is None else wrap(dw), None if db is None else wrap(db)
+        results = wrap(dx), None if dw is None else wrap(dw), None if db is None else wrap(db)
+    if key is not None and program is not None:
+        _fast.CHANNELS_GRAD.put(key, _channel_grad_entry(g, program, last))
+    return results
+
+
+def _channel_grad_entry(g: ChannelGradCall, program, last: bool) -> _fast.Entry:
+    """Called as entry(dy, x, mean, rstd, weight, bias, None)."""
+    call = g.call
+    x = call.x
+    order = _plan.channel_orders(x.ndim, call.channel_axis)[last]
+    perm = tuple(int(a) for a in np.argsort(order))
+    outputs = {"dx": ([x.shape[a] for a in order], x.dtype, None if perm == tuple(range(x.ndim)) else perm)}
+    for name, p in (("dw", call.weight), ("db", call.bias)):
+        if p is not None:
+            outputs[name] = (p.shape, p.dtype, None)
+    present = lambda name, a: None if a is None else name  # noqa: E731
+    slots = ("dy", "x", "dx", "mean", "rstd", present("w", call.weight), present("dw", call.weight),
+             present("db", call.bias))
+    return _fast.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
+                       outputs, slots, ("dx", present("dw", call.weight), present("db", call.bias)))
 
 
 def _channels_gpu(g: ChannelGradCall):
@@ -257,9 +308,11 @@ def _channels_gpu(g: ChannelGradCall):
     x, dx, last, _ = _channels.prepare(call)
     per_sample = call.norm != "batch"
     dy = g.dy
+    clean = x is call.x
     if dy.strides != x.strides or dy.data.ptr % 16:  # dy into x's (and dx's) layout, 16-byte aligned
         dy = cupy.ndarray(dx.shape, dx.dtype, cupy.cuda.alloc(dx.nbytes), strides=dx.strides)
         dy[...] = g.dy
+        clean = False
     flags, pdtype = _ops.kernel_params(x.dtype, call.weight, call.bias)
     w = _ops._as_param(call.weight, pdtype)
     channels = x.shape[call.channel_axis]
@@ -269,39 +322,64 @@ def _channels_gpu(g: ChannelGradCall):
     if call.norm == "batch" and not g.training:
         mean = _ops._as_param(mean, acc)
         rstd = 1.0 / cupy.sqrt(rstd.astype(acc) + acc.type(call.eps))
-    mean, rstd = _contiguous(mean.reshape(-1)), _contiguous(rstd.reshape(-1))
+        clean = False
+    flat = mean.reshape(-1), rstd.reshape(-1)
+    mean, rstd = (_contiguous(a) for a in flat)
+    clean = clean and mean is flat[0] and rstd is flat[1] and w is call.weight and x.size > 0
+    program = None
     if x.size:
         batch = x.shape[0]
         spatial = x.size // (batch * channels)
         plan = _plan.make_channel_plan(call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial,
                                        channels // call.groups, per_sample, x.data.ptr % 32, dx.data.ptr % 32)
         launch = _channel_launch(plan, g.training, x.data.device_id)
-        i32, i64 = np.int32, np.int64
-        stat_batch = 0 if not per_sample else call.groups
-        dims = (i64(plan.batch), i64(plan.spatial), i32(plan.channels), i32(plan.channels_per_group),
-                i32(stat_batch))
-        members = plan.batch * plan.channels
-        ws = cupy.empty(members * launch.chunks * 2 + members * 2 + members * 3, dtype=acc)
-        partial = ws[: members * launch.chunks * 2]
-        sums = ws[members * launch.chunks * 2 : members * (launch.chunks * 2 + 2)]
-        coeffs = ws[members * (launch.chunks * 2 + 2) :]
-        chunking = (i64(launch.chunks), i64(launch.chunk_len))
-        w_arg = x if w is None else w
-        dw_arg, db_arg = (x if a is None else a for a in (dw, db))
-        _ops.launch_steps(
-            launch.steps,
-            ((dy, x, mean, partial) + dims + chunking,
-             (partial, sums, i64(members), i64(launch.chunks)),
-             (sums, mean, rstd, w_arg, coeffs, dw_arg, db_arg) + dims,
-             (dy, x, dx, mean, coeffs) + dims + chunking),
-            x.data.device_id)
-    return (dx,) + _param_grads(call, dw, db, empty=not x.size)
+        program = channel_grad_program(plan, launch, x.data.device_id)
+        program.run(tuple(_launch.ptr(a) for a in (dy, x, dx, mean, rstd, w, dw, db)), _launch.cupy_stream(),
+                    _launch.cupy_alloc)
+    grads = _param_grads(call, dw, db, empty=not x.size)
+    clean = clean and grads[0] is dw and grads[1] is db
+    return (dx,) + grads, program if clean else None, last
 
 
 @functools.lru_cache(maxsize=1024)
 def _channel_launch(plan, training, device_id):
-    device = _ops.device_info(device_id)
+    device = _launch.device_info(device_id)
     launch = _dispatch_grad.choose_channel_grad(plan, training, device)
     for step in launch.steps:
-        _ops._check_limits(step, device)
+        _launch.check_limits(step, device)
     return launch
+
+
+#: a channel norm backward's slots, in the order Program.run takes their pointers
+CHANNEL_GRAD_SLOTS = ("dy", "x", "dx", "mean", "rstd", "w", "dw", "db")
+
+
+@functools.lru_cache(maxsize=1024)
+def channel_grad_program(plan, launch, device) -> _launch.Program:
+    """The Program of a channel norm's backward (CHANNEL_GRAD_SLOTS): sums,
+    combine, finalize, apply over one workspace (the partial sums, the
+    combined sums, the coefficients); absent parameters passed as x."""
+    pb = _launch.ProgramBuilder(CHANNEL_GRAD_SLOTS, device)
+    dy, x, mean = pb["dy"], pb["x"], pb["mean"]
+    w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
+    dw = pb["dw"] if plan.flags & _plan.FLAG_WEIGHT else x
+    db = pb["db"] if plan.flags & _plan.FLAG_BIAS else x
+    acc_bytes = _dtypes.accumulation(plan.dtype).itemsize
+    members = plan.batch * plan.channels
+    ws = pb.workspace((members * launch.chunks * 2 + members * 2 + members * 3) * acc_bytes)
+    sums = ws + members * launch.chunks * 2 * acc_bytes
+    coeffs = ws + members * (launch.chunks * 2 + 2) * acc_bytes
+    dims = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
+            "channels_per_group": plan.channels_per_group, "stat_batch": _stat_batch(plan)}
+    chunking = {"chunks": launch.chunks, "chunk_len": launch.chunk_len}
+    pb.launch(launch.steps[0], dy=dy, x=x, mean=mean, partial=ws, **dims, **chunking)
+    pb.launch(launch.steps[1], partial=ws, sums=sums, members=members, chunks=launch.chunks)
+    pb.launch(launch.steps[2], sums=sums, mean=mean, rstd=pb["rstd"], w=w, coeffs=coeffs, dw=dw, db=db, **dims)
+    pb.launch(launch.steps[3], dy=dy, x=x, dx=pb["dx"], mean=mean, coeffs=coeffs, **dims, **chunking)
+    return pb.build()
+
+
+def _stat_batch(plan) -> int:
+    """The kernels' stat_batch: the groups a sample has, 0 for statistics
+    over the whole batch (BatchNorm)."""
+    return plan.channels // plan.channels_per_group if plan.per_sample else 0

@@ -1,8 +1,8 @@
 """The shared path of every public op: validate, plan, launch.
 
-Everything here is thin on purpose: the plan and launch for a given layout
-are computed once and memoized, so a call costs a few dictionary lookups
-and the launches themselves.
+The plan, launch and Program (cunorm/_launch.py) of a layout are computed
+once and memoized; a call whose whole signature was seen before skips this
+module altogether (cunorm/_fast.py).
 """
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import numbers
 
 import numpy as np
 
-from . import _dispatch, _dtypes, _interop, _plan
-
-_NULL = np.uint64(0)  # a null pointer argument (optional statistics outputs)
+from . import _dispatch, _dtypes, _fast, _interop, _launch, _plan
 
 
 def check_eps(eps) -> float:
@@ -181,22 +179,10 @@ def _same_view(a, b) -> bool:
     return a.data.ptr == b.data.ptr and a.strides == b.strides and a.shape == b.shape
 
 
-@functools.lru_cache(maxsize=None)
-def device_info(device_id: int) -> _dispatch.Device:
-    import cupy
-
-    dev = cupy.cuda.Device(device_id)
-    cc = int(dev.compute_capability)
-    if cc < 80:
-        raise RuntimeError(f"cunorm needs a GPU of compute capability 8.0 or newer; GPU {device_id} is {cc / 10:.1f}")
-    attrs = dev.attributes
-    return _dispatch.Device(sm_count=attrs["MultiProcessorCount"], compute_capability=cc,
-                            max_shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"])
-
-
-def run(call: Call, reference):
+def run(call: Call, reference, key=None):
     """Compute the call's norm; return y (then h, then the statistics) as the
-    caller's array type."""
+    caller's array type. ``key``: the call's signature in the launch cache
+    (cunorm/_fast.py), which gets an entry when the call ran without copies."""
     if not call.on_gpu:
         kwargs = {"axis": tuple(range(call.first, call.last + 1)), "eps": call.eps}
         if call.norm in ("rms", "ln"):
@@ -211,10 +197,33 @@ def run(call: Call, reference):
         return (call.out_given,) + results[1:] if isinstance(results, tuple) else call.out_given
 
     with call.adapter.scope(call.x.data.device_id):
-        return _run_gpu(call)
+        results, program = _run_gpu(call)
+    if key is not None and program is not None:
+        _fast.ROWS.put(key, _rows_entry(call, program))
+    return results
+
+
+def _rows_entry(call: Call, program) -> _fast.Entry:
+    """The launch cache's entry of a row norm's call that ran ``program``
+    over its arrays as given; called as entry(x, weight, bias, residual)."""
+    x = call.x
+    acc = _dtypes.accumulation(x.dtype)
+    outputs = {"y": (x.shape, x.dtype, None)}
+    if call.residual is not None:
+        outputs["h"] = (x.shape, x.dtype, None)
+    if call.return_stats:
+        for name in ("mean", "rstd") if call.norm == "ln" else ("rstd",):
+            outputs[name] = (call.stats_shape, acc, None)
+    present = lambda name, a: None if a is None else name  # noqa: E731
+    slots = ("x", present("r", call.residual), "y", present("h", call.residual), present("w", call.weight),
+             present("b", call.bias), "mean" if "mean" in outputs else None, "rstd" if "rstd" in outputs else None)
+    return _fast.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "r"), outputs, slots, tuple(outputs))
 
 
 def _run_gpu(call: Call):
+    """The call's launches; returns (results, program) where program is the
+    Program that ran when nothing had to be copied or cast first (the
+    launch cache may then replay it for the same signature), else None."""
     import cupy
 
     x = call.x
@@ -224,18 +233,21 @@ def _run_gpu(call: Call):
     if call.return_stats:
         acc = _dtypes.accumulation(x.dtype)
         stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2 if call.norm == "ln" else 1)]
+    program = None
     if x.size:
         _, pdtype = kernel_params(x.dtype, call.weight, call.bias)
         w, b = _as_param(call.weight, pdtype), _as_param(call.bias, pdtype)
         center, scale = (stats if call.norm == "ln" else [None] + stats) if stats else (None, None)
-        launch_on(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
-                  first=call.first, last=call.last, eps=call.eps)
+        _, _, program = _launch_rows(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
+                                     first=call.first, last=call.last, eps=call.eps)
+        if w is not call.weight or b is not call.bias or call.out is not None:
+            program = None
     out = call.adapter.from_cupy
     results = [call.out_given if call.out is not None else out(y)]
     if h is not None:
         results.append(out(h))
     results += [out(s) for s in stats]
-    return results[0] if len(results) == 1 else tuple(results)
+    return (results[0] if len(results) == 1 else tuple(results)), program
 
 
 def kernel_params(x_dtype, w, b) -> tuple[int, np.dtype | None]:
@@ -271,10 +283,10 @@ def _plan_and_choose(key, override):
     plan = _plan.make_plan(*key[:-1])
     if plan is None or (plan.residual and not plan.contiguous_rows):
         return plan, None
-    device = device_info(key[-1])
+    device = _launch.device_info(key[-1])
     launch = _dispatch.choose(plan, device, override=override)
     for step in launch.steps:
-        _check_limits(step, device)
+        _launch.check_limits(step, device)
     return plan, launch
 
 
@@ -287,10 +299,22 @@ def launch_on(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=
     """Plan and launch ``norm`` over CuPy arrays: y (and h, center, scale)
     C-contiguous; w and b contiguous, of one dtype; r of x's layout or it is
     made so. Returns (plan, launch) of the normalization."""
+    plan, launch, _ = _launch_rows(norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale, first=first,
+                                   last=last, eps=eps, override=override)
+    return plan, launch
+
+
+def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=None, first, last, eps,
+                 override=None):
+    """launch_on, returning (plan, launch, program): program is the Program
+    that ran over the arrays as given, None when x or r was copied or h
+    formed unfused first."""
     import cupy
 
     if r is not None and r.strides != x.strides:
         x, r = cupy.ascontiguousarray(x), cupy.ascontiguousarray(r)
+        return _launch_rows(norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale, first=first, last=last,
+                            eps=eps, override=override)[:2] + (None,)
     itemsize = x.itemsize
     strides = tuple([s // itemsize for s in x.strides])
     flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
@@ -301,126 +325,68 @@ def launch_on(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=
     if plan is None:  # a layout the kernels do not walk: one contiguous copy
         x = cupy.ascontiguousarray(x)
         r = None if r is None else cupy.ascontiguousarray(r)
-        return launch_on(norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale, first=first, last=last,
-                         eps=eps, override=override)
+        return _launch_rows(norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale, first=first, last=last,
+                            eps=eps, override=override)[:2] + (None,)
     if r is not None and not plan.contiguous_rows:
         # A strided axis: form h with one elementwise pass, then normalize h.
         _residual_add(cupy.ascontiguousarray(x), cupy.ascontiguousarray(r), h)
-        return launch_on(norm, h, y, w=w, b=b, center=center, scale=scale, first=first, last=last, eps=eps,
-                         override=override)
-    _execute(plan, launch, x, y, w, b, r, h, center, scale, eps)
-    return plan, launch
+        return _launch_rows(norm, h, y, w=w, b=b, center=center, scale=scale, first=first, last=last, eps=eps,
+                            override=override)[:2] + (None,)
+    program = rows_program(plan, launch, float(eps), center is not None, scale is not None, x.data.device_id)
+    program.run(tuple(_launch.ptr(a) for a in (x, r, y, h, w, b, center, scale)), _launch.cupy_stream(),
+                _launch.cupy_alloc)
+    return plan, launch, program
 
 
 def _residual_add(x, r, h):
-    from ._loader import get_function
-
     vec = _plan.vector_width(x.itemsize, x.size, [], [(x.data.ptr, x.itemsize), (r.data.ptr, x.itemsize),
                                                        (h.data.ptr, x.itemsize)])
-    step = _dispatch.residual_add_step(x.dtype, x.size // vec, vec, device_info(x.data.device_id))
-    _check_limits(step)
-    get_function(step.kernel.family, step.kernel.expression, x.data.device_id)(
-        step.grid, step.block, (x, r, h, np.int64(x.size // vec)))
+    program = _residual_add_program(x.dtype, x.size // vec, vec, x.data.device_id)
+    program.run((x.data.ptr, r.data.ptr, h.data.ptr), _launch.cupy_stream())
 
 
-def _execute(plan, launch, x, y, w, b, r, h, center, scale, eps):
-    import cupy
+@functools.lru_cache(maxsize=256)
+def _residual_add_program(dtype, n_vec: int, vec: int, device: int) -> _launch.Program:
+    step = _dispatch.residual_add_step(dtype, n_vec, vec, _launch.device_info(device))
+    _launch.check_limits(step)
+    pb = _launch.ProgramBuilder(("x", "r", "h"), device)
+    pb.launch(step, x=pb["x"], r=pb["r"], h=pb["h"], n_vec=n_vec)
+    return pb.build()
 
-    acc = _dtypes.accumulation(plan.dtype)
-    eps_arg = acc.type(eps)
-    # Arrays a kernel never touches (no residual, no weight) are passed as x.
-    r, h, w, b = (x if a is None else a for a in (r, h, w, b))
-    center, scale = (_NULL if a is None else a for a in (center, scale))
-    i64 = np.int64
-    rows, xs = i64(plan.outer), i64(plan.outer_stride)
+
+#: a row norm's slots, in the order Program.run takes their pointers
+ROW_SLOTS = ("x", "r", "y", "h", "w", "b", "center", "scale")
+
+
+@functools.lru_cache(maxsize=1024)
+def rows_program(plan, launch, eps: float, has_center: bool, has_scale: bool, device: int) -> _launch.Program:
+    """The Program of a row norm's launch (ROW_SLOTS): arrays a kernel never
+    touches (no residual, no weight) are passed as x, absent statistics as
+    null."""
+    pb = _launch.ProgramBuilder(ROW_SLOTS, device)
+    x, y = pb["x"], pb["y"]
+    r, h = (pb["r"], pb["h"]) if plan.residual else (x, x)
+    w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
+    b = pb["b"] if plan.flags & _plan.FLAG_BIAS else x
+    center = pb["center"] if has_center else None
+    scale = pb["scale"] if has_scale else None
+    acc_bytes = _dtypes.accumulation(plan.dtype).itemsize
+    rows = {"rows": plan.outer, "n": plan.reduced, "x_row_stride": plan.outer_stride}
+    outputs = {"y": y, "w": w, "b": b, "center_out": center, "scale_out": scale}
     if launch.tier == "cached":
-        steps_args = ((x, r, y, h, w, b, center, scale, rows, np.int32(plan.reduced), xs, eps_arg,
-                       np.int32(launch.threads_per_row)),)
+        pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, threads_per_row=launch.threads_per_row)
     elif launch.tier == "uncached":
-        steps_args = ((x, r, y, h, w, b, center, scale, rows, i64(plan.reduced), xs, eps_arg,
-                       i64(launch.stash_vecs)),)
+        pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, stash_vecs=launch.stash_vecs)
     elif launch.tier == "resident":
-        ws = cupy.empty(launch.workspace_words, dtype=acc)
-        arrived = cupy.zeros(plan.outer, dtype=np.uint32)
-        steps_args = ((x, r, y, h, w, b, center, scale, ws, arrived, rows, i64(plan.reduced), xs,
-                       i64(launch.chunk_vecs), eps_arg),)
+        partial = pb.workspace(launch.workspace_words * acc_bytes)
+        arrived = pb.workspace(4 * plan.outer, zeroed=True)
+        pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, partial=partial, arrived=arrived, **rows,
+                  chunk_vecs=launch.chunk_vecs, eps=eps)
     elif launch.tier == "split":
-        ws = cupy.empty(launch.workspace_words, dtype=acc)
-        n, chunks = i64(plan.reduced), i64(launch.chunks)
-        steps_args = (
-            (x, r, h, ws, rows, n, xs, chunks),
-            (x, h, y, w, b, center, scale, ws, rows, n, xs, chunks, eps_arg),
-        )
+        partial = pb.workspace(launch.workspace_words * acc_bytes)
+        pb.launch(launch.steps[0], x=x, r=r, h=h, partial=partial, **rows, chunks=launch.chunks)
+        pb.launch(launch.steps[1], x=x, h=h, **outputs, partial=partial, **rows, chunks=launch.chunks, eps=eps)
     else:  # strided
-        steps_args = ((x, y, w, b, center, scale, rows, np.int32(plan.reduced), i64(plan.inner), xs,
-                       i64(plan.reduced_stride), eps_arg),)
-    launch_steps(launch.steps, steps_args, x.data.device_id)
-
-
-def launch_steps(steps, steps_args, device: int):
-    """Launch each step of a Launch with its arguments, in order, on
-    ``device``: opting in to more than 48 KB of dynamic shared memory where a
-    step asks for it, and checking a cooperative grid fits first."""
-    for step, args in zip(steps, steps_args):
-        fn = _step_function(step, device)
-        grid = step.grid
-        if step.kernel.cooperative:
-            resident = _resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
-            if resident < math.prod(grid):
-                raise RuntimeError(f"{step.kernel.expression}: {math.prod(grid)} blocks cannot all be resident "
-                                   f"({resident} fit on the GPU)")
-        elif step.kernel.persistent:
-            grid = persistent_grid(step, device)
-        fn(grid, step.block, args, shared_mem=step.shared_bytes)
-
-
-def persistent_grid(step, device: int) -> tuple[int, ...]:
-    """A persistent step's grid, its x extent capped at the blocks resident
-    at once (so no block starts its share late)."""
-    fn = _step_function(step, device)
-    resident = _resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
-    if resident < 1:
-        raise RuntimeError(f"{step.kernel.expression}: no block of {math.prod(step.block)} threads and "
-                           f"{step.shared_bytes} B of shared memory fits an SM")
-    return (min(step.grid[0], resident),) + tuple(step.grid[1:])
-
-
-def _step_function(step, device: int):
-    """A step's kernel, opted in to the step's dynamic shared memory where
-    that is more than the default allows (48 KB less the static): before
-    any launch, and before any occupancy query, which otherwise counts no
-    block at all of a kernel that asks for more."""
-    from ._loader import get_function
-
-    fn = get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
-    if step.shared_bytes > 0:
-        _opt_in(fn, step.shared_bytes)
-    return fn
-
-
-@functools.lru_cache(maxsize=None)
-def _opt_in(fn, shared_bytes: int) -> None:
-    """Raise a kernel's dynamic shared memory limit to shared_bytes where it
-    is lower: once per kernel and size, not a driver query every launch."""
-    if fn.max_dynamic_shared_size_bytes < shared_bytes:
-        fn.max_dynamic_shared_size_bytes = shared_bytes
-
-
-@functools.lru_cache(maxsize=None)
-def _resident_blocks(fn, threads: int, shared_bytes: int, device: int) -> int:
-    """How many blocks of ``threads`` and ``shared_bytes`` of a kernel fit on
-    the GPU at once (a cooperative grid must, where CuPy would shrink it
-    with a warning; a persistent grid is capped at it)."""
-    from cupy_backends.cuda.api import driver
-
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, shared_bytes)
-    return per_sm * device_info(device).sm_count
-
-
-def _check_limits(step, device=None):
-    grid, block = step.grid, step.block
-    if not (0 < grid[0] <= _dispatch.MAX_GRID_X and all(0 < g <= _dispatch.MAX_GRID_Y for g in grid[1:])):
-        raise RuntimeError(f"grid {grid} for {step.kernel.expression} is outside the launch limits")
-    shared_limit = 48 * 1024 if device is None else max(48 * 1024, device.max_shared_per_block)
-    if not (0 < math.prod(block) <= 1024) or step.shared_bytes > shared_limit:
-        raise RuntimeError(f"block {block} / {step.shared_bytes} B shared for {step.kernel.expression} is out of limits")
+        pb.launch(launch.steps[0], x=x, **outputs, outer=plan.outer, reduced=plan.reduced, inner=plan.inner,
+                  x_outer_stride=plan.outer_stride, x_reduced_stride=plan.reduced_stride, eps=eps)
+    return pb.build()

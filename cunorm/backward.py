@@ -21,7 +21,7 @@ and layers are differentiable (these functions are their backward).
 """
 from __future__ import annotations
 
-from . import _grad, reference
+from . import _fast, _grad, reference
 from .norms import DEFAULT_EPS, LP_EPS, _lp_norm
 
 __all__ = ["rms_norm_backward", "layer_norm_backward", "normalize_backward", "mean_abs_normalize_backward",
@@ -71,8 +71,7 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, axis=-1, dh=None):
 
     {errors}
     """
-    g = _grad.RowGradCall("rms", dy, x, axis=axis, rstd=rstd, weight=weight, dh=dh)
-    return _grad.run_rows(g, lambda g: reference.rms_norm_backward(
+    return _rows_grad("rms", dy, x, None, rstd, weight, None, dh, axis, 0.0, lambda g: reference.rms_norm_backward(
         g.dy, g.call.x, g.scale, g.call.weight, axis=_axes(g.call), dh=g.dh))
 
 
@@ -103,8 +102,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, d
 
     {errors}
     """
-    g = _grad.RowGradCall("ln", dy, x, axis=axis, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh)
-    return _grad.run_rows(g, lambda g: reference.layer_norm_backward(
+    return _rows_grad("ln", dy, x, mean, rstd, weight, bias, dh, axis, 0.0, lambda g: reference.layer_norm_backward(
         g.dy, g.call.x, g.center, g.scale, g.call.weight, g.call.bias, axis=_axes(g.call), dh=g.dh))
 
 
@@ -132,25 +130,21 @@ def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=LP_EPS):
 
     {errors}
     """
-    norm = _lp_norm(p)
-    g = _grad.RowGradCall(norm, dy, x, axis=axis, eps=eps)
-    return _grad.run_rows(g, lambda g: reference.normalize_backward(
+    return _rows_grad(_lp_norm(p), dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
         g.dy, g.call.x, float(p), axis=_axes(g.call), eps=g.call.eps))
 
 
 def mean_abs_normalize_backward(dy, x, *, axis=-1, eps=LP_EPS):
     """The gradient of :func:`cunorm.mean_abs_normalize` (as
     :func:`normalize_backward`, with ``dN/dx = sign(x) / n``)."""
-    g = _grad.RowGradCall("mean_abs", dy, x, axis=axis, eps=eps)
-    return _grad.run_rows(g, lambda g: reference.normalize_backward(
+    return _rows_grad("mean_abs", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
         g.dy, g.call.x, 1.0, axis=_axes(g.call), eps=g.call.eps, mean=True))
 
 
 def frobenius_normalize_backward(dy, x, *, axis=None, eps=LP_EPS):
     """The gradient of :func:`cunorm.frobenius_normalize`: ``normalize_backward``
     with p = 2 over every axis by default."""
-    g = _grad.RowGradCall("l2", dy, x, axis=axis, eps=eps)
-    return _grad.run_rows(g, lambda g: reference.normalize_backward(
+    return _rows_grad("l2", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
         g.dy, g.call.x, 2.0, axis=_axes(g.call), eps=g.call.eps))
 
 
@@ -182,9 +176,8 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None, bias=None, *
 
     {errors}
     """
-    g = _grad.ChannelGradCall("group", dy, x, mean, rstd, num_groups=num_groups, weight=weight, bias=bias,
-                              channel_axis=channel_axis)
-    return _grad.run_channels(g, lambda g: reference.group_norm_backward(
+    return _channel_grad("group", dy, x, mean, rstd, num_groups, weight, bias, channel_axis, True, DEFAULT_EPS,
+                         lambda g: reference.group_norm_backward(
         g.dy, g.call.x, g.mean, g.rstd, g.call.groups, g.call.weight, g.call.bias,
         channel_axis=g.call.channel_axis))
 
@@ -192,8 +185,8 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None, bias=None, *
 def instance_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, channel_axis=1):
     """The gradients of :func:`cunorm.instance_norm`, from its (N, C) mean
     and rstd: :func:`group_norm_backward` with a group per channel."""
-    g = _grad.ChannelGradCall("instance", dy, x, mean, rstd, weight=weight, bias=bias, channel_axis=channel_axis)
-    return _grad.run_channels(g, lambda g: reference.instance_norm_backward(
+    return _channel_grad("instance", dy, x, mean, rstd, None, weight, bias, channel_axis, True, DEFAULT_EPS,
+                         lambda g: reference.instance_norm_backward(
         g.dy, g.call.x, g.mean, g.rstd, g.call.weight, g.call.bias, channel_axis=g.call.channel_axis))
 
 
@@ -215,9 +208,8 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, training=T
 
     {errors}
     """
-    g = _grad.ChannelGradCall("batch", dy, x, mean, rstd, weight=weight, bias=bias, channel_axis=channel_axis,
-                              training=training, eps=eps)
-    return _grad.run_channels(g, lambda g: reference.batch_norm_backward(
+    return _channel_grad("batch", dy, x, mean, rstd, None, weight, bias, channel_axis, training, eps,
+                         lambda g: reference.batch_norm_backward(
         g.dy, g.call.x, g.mean, g.rstd, g.call.weight, g.call.bias, training=g.training, eps=g.call.eps,
         channel_axis=g.call.channel_axis))
 
@@ -230,3 +222,31 @@ for _f in (rms_norm_backward, layer_norm_backward, normalize_backward, group_nor
            batch_norm_backward):
     _f.__doc__ = _f.__doc__.replace("{errors}", _ERRORS).replace("{dy_x}", _DY_X)
 del _f
+
+
+def _rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_fn):
+    """A row norm's backward: the launch cache's entry for the call's
+    signature if it has one, else the general path (which fills it)."""
+    key = _fast.grad_key(norm, dy, x, mean, rstd, weight, bias, dh, (axis,), eps)
+    if key is not None:
+        entry = _fast.ROWS_GRAD.get(key)
+        if entry is not None:
+            results = entry(dy, x, mean, rstd, weight, bias, dh)
+            if results is not None:
+                return results
+    g = _grad.RowGradCall(norm, dy, x, axis=axis, eps=eps, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh)
+    return _grad.run_rows(g, reference_fn, key=key)
+
+
+def _channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps, reference_fn):
+    """A channel norm's backward, as _rows_grad."""
+    key = _fast.grad_key(norm, dy, x, mean, rstd, weight, bias, None, (num_groups, channel_axis, training), eps)
+    if key is not None:
+        entry = _fast.CHANNELS_GRAD.get(key)
+        if entry is not None:
+            results = entry(dy, x, mean, rstd, weight, bias, None)
+            if results is not None:
+                return results
+    g = _grad.ChannelGradCall(norm, dy, x, mean, rstd, num_groups=num_groups, weight=weight, bias=bias,
+                              channel_axis=channel_axis, training=training, eps=eps)
+    return _grad.run_channels(g, reference_fn, key=key)

@@ -7,7 +7,7 @@ import numbers
 
 import numpy as np
 
-from . import _channels, _dispatch, _interop, _ops, reference
+from . import _channels, _dispatch, _fast, _interop, _ops, reference
 
 DEFAULT_EPS = 1e-5
 #: the Lp family's eps, as torch's F.normalize
@@ -89,10 +89,9 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     all NaN; so does a group whose float32 sum of squares overflows
     (``|x|`` beyond about 1e19). Other groups are unaffected.
     """
-    if _interop.torch_route(x, weight, residual, out=out):
-        return _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats)
-    call = _ops.Call("rms", x, axis, eps, out, weight=weight, residual=residual, return_stats=return_stats)
-    return _ops.run(call, reference.rms_norm)
+    return _row_op("rms", x, weight, None, residual, axis, eps, return_stats, out, reference.rms_norm,
+                   lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
+                                             return_stats=return_stats))
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
@@ -146,12 +145,9 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     A group holding Inf or NaN comes out all NaN; other groups are
     unaffected.
     """
-    if _interop.torch_route(x, weight, bias, residual, out=out):
-        return _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
-                                   return_stats=return_stats)
-    call = _ops.Call("ln", x, axis, eps, out, weight=weight, bias=bias, residual=residual,
-                     return_stats=return_stats)
-    return _ops.run(call, reference.layer_norm)
+    return _row_op("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm,
+                   lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
+                                               return_stats=return_stats))
 
 
 def _lp_norm(p) -> str:
@@ -216,11 +212,8 @@ def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
     ``|x|`` beyond about 1e19; for large p much sooner: ``|x|**p`` is summed).
     Other groups are unaffected.
     """
-    norm = _lp_norm(p)
-    if _interop.torch_route(x, out=out):
-        return _torch().normalize(x, p, axis=axis, eps=eps)
-    call = _ops.Call(norm, x, axis, eps, out)
-    return _ops.run(call, functools.partial(reference.normalize, p=float(p)))
+    return _row_op(_lp_norm(p), x, None, None, None, axis, eps, False, out,
+                   functools.partial(reference.normalize, p=float(p)), lambda: _torch().normalize(x, p, axis=axis, eps=eps))
 
 
 def mean_abs_normalize(x, *, axis=-1, eps=LP_EPS, out=None):
@@ -243,10 +236,8 @@ def mean_abs_normalize(x, *, axis=-1, eps=LP_EPS, out=None):
     -------
     y
     """
-    if _interop.torch_route(x, out=out):
-        return _torch().mean_abs_normalize(x, axis=axis, eps=eps)
-    call = _ops.Call("mean_abs", x, axis, eps, out)
-    return _ops.run(call, reference.mean_abs_normalize)
+    return _row_op("mean_abs", x, None, None, None, axis, eps, False, out, reference.mean_abs_normalize,
+                   lambda: _torch().mean_abs_normalize(x, axis=axis, eps=eps))
 
 
 def frobenius_normalize(x, *, axis=None, eps=LP_EPS, out=None):
@@ -274,10 +265,8 @@ def frobenius_normalize(x, *, axis=None, eps=LP_EPS, out=None):
     TypeError, ValueError
         As for :func:`normalize`.
     """
-    if _interop.torch_route(x, out=out):
-        return _torch().frobenius_normalize(x, axis=axis, eps=eps)
-    call = _ops.Call("l2", x, axis, eps, out)
-    return _ops.run(call, reference.frobenius_normalize)
+    return _row_op("l2", x, None, None, None, axis, eps, False, out, reference.frobenius_normalize,
+                   lambda: _torch().frobenius_normalize(x, axis=axis, eps=eps))
 
 
 _CHANNEL_X = """x : array
@@ -335,12 +324,9 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
     -----
     A group holding Inf or NaN comes out all NaN; other groups are unaffected.
     """
-    if _interop.torch_route(x, weight, bias, out=out):
-        return _torch().group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
-                                   return_stats=return_stats)
-    call = _channels.ChannelCall("group", x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
-                                 channel_axis=channel_axis, out=out, return_stats=return_stats)
-    return _channels.run(call)
+    return _channel_op("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
+                       out, lambda: _torch().group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
+                                                        return_stats=return_stats))
 
 
 def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False, out=None):
@@ -369,12 +355,9 @@ def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1,
         As for :func:`group_norm`; ValueError also for a single spatial
         element.
     """
-    if _interop.torch_route(x, weight, bias, out=out):
-        return _torch().instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
-                                      return_stats=return_stats)
-    call = _channels.ChannelCall("instance", x, weight=weight, bias=bias, eps=eps, channel_axis=channel_axis,
-                                 out=out, return_stats=return_stats)
-    return _channels.run(call)
+    return _channel_op("instance", x, None, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
+                       out, lambda: _torch().instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
+                                                           return_stats=return_stats))
 
 
 def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
@@ -420,14 +403,52 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
         training=False without both running buffers; training with a single
         value per channel; momentum outside [0, 1].
     """
+    return _channel_op("batch", x, None, weight, bias, running_mean, running_var, training, momentum, eps,
+                       channel_axis, return_stats, out,
+                       lambda: _torch().batch_norm(x, weight, bias, running_mean=running_mean,
+                                                   running_var=running_var, training=training, momentum=momentum,
+                                                   eps=eps, channel_axis=channel_axis, return_stats=return_stats))
+
+
+def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, torch_op):
+    """A row norm: the launch cache's entry for the call's signature if it
+    has one, else the registered torch operator where autograd or dynamo
+    must see the call, else the general path (which fills the cache)."""
+    key = None
+    if out is None:
+        key = _fast.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats)
+        if key is not None:
+            entry = _fast.ROWS.get(key)
+            if entry is not None:
+                results = entry(x, weight, bias, residual)
+                if results is not None:
+                    return results
+    if _interop.torch_route(x, weight, bias, residual, out=out):
+        return torch_op()
+    call = _ops.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual, return_stats=return_stats)
+    return _ops.run(call, reference_fn, key=key)
+
+
+def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
+                return_stats, out, torch_op):
+    """A channel norm, as _row_op."""
+    key = None
+    if out is None:
+        key = _fast.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum,
+                                eps, channel_axis, return_stats)
+        if key is not None:
+            entry = _fast.CHANNELS.get(key)
+            if entry is not None:
+                results = entry(x, weight, bias, running_mean, running_var)
+                if results is not None:
+                    return results
     if _interop.torch_route(x, weight, bias, out=out):
-        return _torch().batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
-                                   training=training, momentum=momentum, eps=eps, channel_axis=channel_axis,
-                                   return_stats=return_stats)
-    call = _channels.ChannelCall("batch", x, weight=weight, bias=bias, eps=eps, channel_axis=channel_axis,
-                                 out=out, return_stats=return_stats, running_mean=running_mean,
-                                 running_var=running_var, training=training, momentum=momentum)
-    return _channels.run(call)
+        return torch_op()
+    call = _channels.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
+                                 channel_axis=channel_axis, out=out, return_stats=return_stats,
+                                 running_mean=running_mean, running_var=running_var, training=training,
+                                 momentum=momentum)
+    return _channels.run(call, key=key)
 
 
 for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (normalize, _ROW_X), (mean_abs_normalize, _ROW_X),

@@ -402,6 +402,8 @@ def _dropped(results: list[Tensor], wanted: bool, asked: bool, count: int) -> li
 def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False):
     """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm`` (differentiable)."""
     stats = _ops.check_flag(return_stats, "return_stats")
+    if _eager_autograd(x, weight, residual):
+        return _unpack(_dropped(list(_RowNorm.apply(x, weight, None, residual, "rms", axis, eps)), stats, True, 1))
     asked = stats or _needs_grad(x, weight, residual)
     results = torch.ops.cunorm.rms_norm(x, weight, residual, _axes(axis), _ops.check_eps(eps), asked)
     return _unpack(_dropped(results, stats, asked, 1))
@@ -410,6 +412,8 @@ def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, r
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False):
     """:func:`cunorm.layer_norm` as the registered op ``torch.ops.cunorm.layer_norm`` (differentiable)."""
     stats = _ops.check_flag(return_stats, "return_stats")
+    if _eager_autograd(x, weight, bias, residual):
+        return _unpack(_dropped(list(_RowNorm.apply(x, weight, bias, residual, "ln", axis, eps)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias, residual)
     results = torch.ops.cunorm.layer_norm(x, weight, bias, residual, _axes(axis), _ops.check_eps(eps), asked)
     return _unpack(_dropped(results, stats, asked, 2))
@@ -435,6 +439,9 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, 
     """:func:`cunorm.group_norm` as the registered op ``torch.ops.cunorm.group_norm`` (differentiable)."""
     groups, axis = _ops.check_int(num_groups, "num_groups"), _ops.check_int(channel_axis, "channel_axis")
     stats = _ops.check_flag(return_stats, "return_stats")
+    if _eager_autograd(x, weight, bias):
+        return _unpack(_dropped(list(_ChannelNorm.apply(x, weight, bias, None, None, "group", groups, True, 0.1, eps,
+                                                        axis)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias)
     results = torch.ops.cunorm.group_norm(x, groups, weight, bias, _ops.check_eps(eps), axis, asked)
     return _unpack(_dropped(results, stats, asked, 2))
@@ -443,6 +450,9 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, 
 def instance_norm(x, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_axis=1, return_stats=False):
     """:func:`cunorm.instance_norm` as the registered op ``torch.ops.cunorm.instance_norm`` (differentiable)."""
     axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
+    if _eager_autograd(x, weight, bias):
+        return _unpack(_dropped(list(_ChannelNorm.apply(x, weight, bias, None, None, "instance", None, True, 0.1, eps,
+                                                        axis)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias)
     results = torch.ops.cunorm.instance_norm(x, weight, bias, _ops.check_eps(eps), axis, asked)
     return _unpack(_dropped(results, stats, asked, 2))
@@ -454,6 +464,9 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     running buffers are updated in place as there (the op returns them, this copies them back)."""
     axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
     training = _ops.check_flag(training, "training")
+    if _eager_autograd(x, weight, bias):
+        return _unpack(_dropped(list(_ChannelNorm.apply(x, weight, bias, running_mean, running_var, "batch", None,
+                                                        training, momentum, eps, axis)), stats, True, 2))
     asked = stats or (training and _needs_grad(x, weight, bias))
     results = torch.ops.cunorm.batch_norm(x, weight, bias, running_mean, running_var, training,
                                           _channels._momentum(momentum), _ops.check_eps(eps), axis, asked)
@@ -464,6 +477,84 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                 buffer.copy_(updated)
         results = results[:-len(buffers)]
     return _unpack(_dropped(results, stats, asked, 2))
+
+
+# -- eager autograd -------------------------------------------------------------------------------------------------
+# Outside torch.compile an autograd.Function runs the array-level ops
+# themselves (the launch cache, cunorm/_fast.py) forward and backward: the
+# registered operators' dispatch costs more host time than the kernels on
+# small inputs. Under dynamo the operators above are the route.
+
+
+def _eager_autograd(*tensors) -> bool:
+    return not torch.compiler.is_compiling() and _needs_grad(*tensors)
+
+
+class _RowNorm(torch.autograd.Function):
+    """rms_norm / layer_norm: outputs y[, h], then the statistics (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, norm, axis, eps):
+        if norm == "rms":
+            results = norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=True)
+        else:
+            results = norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=True)
+        statistics = results[-1:] if norm == "rms" else results[-2:]
+        h = results[1] if residual is not None else x
+        ctx.save_for_backward(h, weight, bias, *statistics)
+        ctx.norm, ctx.axis, ctx.residual = norm, axis, residual is not None
+        ctx.mark_non_differentiable(*statistics)
+        return results
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, *grads):
+        h, weight, bias, *statistics = ctx.saved_tensors
+        dh = grads[0] if ctx.residual else None
+        if ctx.norm == "rms":
+            (dx, dw), db = backward.rms_norm_backward(dy, h, statistics[0], weight, axis=ctx.axis, dh=dh), None
+        else:
+            dx, dw, db = backward.layer_norm_backward(dy, h, *statistics, weight, bias, axis=ctx.axis, dh=dh)
+        return dx, dw, db, dx if ctx.residual else None, None, None, None
+
+
+class _ChannelNorm(torch.autograd.Function):
+    """group_norm / instance_norm / batch_norm: outputs y, mean, rstd (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, norm, num_groups, training, momentum, eps,
+                channel_axis):
+        if norm == "group":
+            y, mean, rstd = norms.group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
+                                             return_stats=True)
+        elif norm == "instance":
+            y, mean, rstd = norms.instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
+                                                return_stats=True)
+        else:
+            y, mean, rstd = norms.batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
+                                             training=training, momentum=momentum, eps=eps,
+                                             channel_axis=channel_axis, return_stats=True)
+        # eval-mode BatchNorm's backward reads the running buffers, not rstd
+        saved = (mean, rstd) if training else (running_mean, running_var)
+        ctx.save_for_backward(x, *saved, weight, bias)
+        ctx.args = norm, num_groups, training, eps, channel_axis
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, mean, rstd
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, _dmean, _drstd):
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        norm, num_groups, training, eps, channel_axis = ctx.args
+        if norm == "group":
+            dx, dw, db = backward.group_norm_backward(dy, x, mean, rstd, num_groups, weight, bias,
+                                                      channel_axis=channel_axis)
+        elif norm == "instance":
+            dx, dw, db = backward.instance_norm_backward(dy, x, mean, rstd, weight, bias, channel_axis=channel_axis)
+        else:
+            dx, dw, db = backward.batch_norm_backward(dy, x, mean, rstd, weight, bias, training=training, eps=eps,
+                                                      channel_axis=channel_axis)
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 # -- modules ----------------------------------------------------------------------------------------------------------

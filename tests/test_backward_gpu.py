@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dispatch_grad, _dtypes, reference
+from cunorm import _dispatch_grad, _dtypes, _launch, reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
 pytestmark = pytest.mark.gpu
@@ -168,9 +168,9 @@ def test_rows_backward_residual_and_params(op, shape, rng):
 def test_streamed_backward_one_part(dtype, rng):
     """Few long rows (problem 40's regime): pass 2 has one row chunk and
     writes dweight/dbias itself, no column_sum."""
-    from cunorm import _grad, _ops
+    from cunorm import _grad
 
-    device = _ops.device_info(0)
+    device = _launch.device_info(0)
     n = _dispatch_grad.GRAD_APPLY_BLOCKS_PER_SM * device.sm_count * _dispatch_grad.GRAD_BLOCK_THREADS * 8 + 8
     x = random(rng, (2, n), dtype)
     vec = 16 // x.itemsize
@@ -184,12 +184,12 @@ def test_cached_backward_grid_fills_the_gpu():
     """A cached block whose column sums need more than 48 KB of shared
     memory (LayerNorm, 16384 bf16 a row: 128 KB) still gets a block an SM:
     the occupancy query comes after the opt-in to that much."""
-    from cunorm import _grad, _ops
+    from cunorm import _grad
 
     launch = _grad._rows_launch("ln", np.dtype(_dtypes.bfloat16), np.dtype(_dtypes.bfloat16), 3, 4096, 16384, 1, 8, 0)
     (step,) = launch.steps
     assert launch.tier == "cached" and step.shared_bytes > 48 * 1024
-    assert _ops.persistent_grid(step, 0)[0] >= _ops.device_info(0).sm_count
+    assert _launch.persistent_grid(step, 0)[0] >= _launch.device_info(0).sm_count
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

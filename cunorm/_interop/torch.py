@@ -156,3 +156,72 @@ def wants_autograd(*arrays) -> bool:
     if torch.compiler.is_compiling():
         return True
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in arrays)
+
+
+# --- the launch cache's half (cunorm/_fast.py) ------------------------------------
+# Raw: pointers from data_ptr(), outputs and workspaces from torch.empty on
+# the tensors' device, launches on torch's current raw stream. No CuPy
+# array, UnownedMemory or DLPack capsule is built.
+
+
+def signature(a):
+    """What a prepared launch depends on: dtype, shape, strides, GPU and
+    the pointer's alignment (AttributeError for anything but a tensor,
+    RuntimeError for one without strides)."""
+    if not isinstance(a, torch.Tensor):
+        raise TypeError
+    return a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() & 15
+
+
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+
+def watched(*arrays) -> bool:
+    """Whether dynamo traces, or autograd records, a call on these tensors."""
+    if _is_compiling():
+        return True
+    if _grad_enabled():
+        for a in arrays:
+            if a is not None and getattr(a, "requires_grad", False):
+                return True
+    return False
+
+
+current_device = torch._C._cuda_getDevice
+
+
+def native_dtype(dtype):
+    return TORCH_DTYPE[dtype]
+
+
+_devices: dict[int, torch.device] = {}
+
+
+def empty(shape, dtype, device: int, perm=None):
+    where = _devices.get(device)
+    if where is None:
+        where = _devices.setdefault(device, torch.device("cuda", device))
+    y = torch.empty(shape, dtype=dtype, device=where)
+    return y if perm is None else y.permute(perm)
+
+
+def pointer(a) -> int:
+    return a.data_ptr()
+
+
+try:
+    stream = torch._C._cuda_getCurrentRawStream  # what inductor's generated code calls
+except AttributeError:  # pragma: no cover - older torch
+    def stream(device: int) -> int:
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def workspace_allocator(device: int):
+    where = torch.device("cuda", device)
+
+    def alloc(nbytes: int, zeroed: bool):
+        a = (torch.zeros if zeroed else torch.empty)(nbytes, dtype=torch.uint8, device=where)
+        return a, a.data_ptr()
+
+    return alloc

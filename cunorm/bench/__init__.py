@@ -13,9 +13,18 @@ sweep
     Effective GB/s against size for each op (fp32, 256 KB to 1 GB of x).
 backward
     The gradients: RMSNorm and LayerNorm rows, problems 40, 35 and 36.
+host
+    Host time: wall clock per call in a loop on decode-sized inputs (1x4096
+    bf16, small images), cunorm against torch's own op or layer: the
+    functions on CuPy arrays and torch tensors, the layers in eval, under
+    autocast, and a training step through autograd.
 
 Every run first measures the device-to-device copy bandwidth, then reports
-per case: the median ms and its spread (min to max over the repetitions),
+per case: the median ms of the GPU work and its spread (min to max over the
+repetitions; the GPU kept busy ahead of each call so host time is hidden),
+the single-call ms (CUDA events around one call on an idle GPU, host time
+inside, as users and KernelBench time an op; cunorm called on torch tensors
+where torch is importable),
 effective GB/s (the fewest bytes the op must move over the median time),
 floor% (that over the copy bandwidth), the speed-up over torch eager,
 torch.compile and Liger where they are importable, and the max relative
@@ -46,7 +55,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUITES = ("kernelbench", "llm", "sweep", "backward")
+SUITES = ("kernelbench", "llm", "sweep", "backward", "host")
 #: exit status without a GPU (as ``python -m cunorm precompile``)
 NO_GPU_EXIT = 2
 
@@ -168,7 +177,8 @@ def backward_cases(quick: bool) -> list[Case]:
                  f"{op} backward", 5.0) for name, op, shape, dtype, axis, target in chosen]
 
 
-SUITE_CASES = {"kernelbench": kernelbench_cases, "llm": llm_cases, "sweep": sweep_cases, "backward": backward_cases}
+SUITE_CASES = {"kernelbench": kernelbench_cases, "llm": llm_cases, "sweep": sweep_cases, "backward": backward_cases,
+               "host": lambda quick: []}  # the host suite is not per-case: _cases.host_rows
 
 
 def cases(suites=SUITES, quick=False) -> list[Case]:
@@ -311,14 +321,17 @@ def run(suites=SUITES, *, quick=False, with_compile=None, only="", progress=True
         rows.append(run_case(case, meta["copy_gbps"], with_compile))
         bar.step(case.name)
     bar.close()
-    return {"meta": meta, "cases": rows}
+    result = {"meta": meta, "cases": rows}
+    if "host" in suites:
+        result["host"] = _cases.host_rows(200 if quick else 2000)
+    return result
 
 
 # --- reporting ---------------------------------------------------------------------
 
 COLUMNS = ("suite", "case", "tier", "shape", "dtype", "bytes", "ms", "ms_min", "ms_max", "gbps", "floor_pct",
            "torch_ms", "torch_speedup", "compile_ms", "compile_speedup", "liger_ms", "liger_speedup",
-           "max_rel_err", "skipped")
+           "single_ms", "single_floor_pct", "torch_single_ms", "compile_single_ms", "max_rel_err", "skipped")
 
 
 def _f(v, spec):
@@ -332,23 +345,38 @@ def format_table(result: dict, markdown: bool = False) -> str:
     head = (f"{meta['gpu']}, driver {meta['driver']}, {meta['date']}, commit {meta['commit']}: copy bandwidth "
             f"{meta['copy_gbps']:.0f} GB/s{' (quick)' if meta['quick'] else ''}")
     titles = ["suite", "case", "ms (median)", "spread", "GB/s", "floor%", "x eager", "x compile", "x Liger",
-              "max rel err"]
+              "1-call ms", "1-call floor%", "eager 1-call", "compile 1-call", "max rel err"]
     body = []
     for r in result["cases"]:
         if r.get("skipped"):
-            body.append([r["suite"], r["case"], "skipped: " + r["skipped"]] + [""] * 7)
+            body.append([r["suite"], r["case"], "skipped: " + r["skipped"]] + [""] * 11)
             continue
         spread = f"{r['ms_min']:.3f}-{r['ms_max']:.3f}"
         body.append([r["suite"], r["case"], f"{r['ms']:.3f}", spread, f"{r['gbps']:.0f}", f"{r['floor_pct']:.1f}",
                      _f(r.get("torch_speedup"), ".2f"), _f(r.get("compile_speedup"), ".2f"),
-                     _f(r.get("liger_speedup"), ".2f"), _f(r.get("max_rel_err"), ".1e")])
+                     _f(r.get("liger_speedup"), ".2f"), _f(r.get("single_ms"), ".3f"),
+                     _f(r.get("single_floor_pct"), ".1f"), _f(r.get("torch_single_ms"), ".3f"),
+                     _f(r.get("compile_single_ms"), ".3f"), _f(r.get("max_rel_err"), ".1e")])
+    host = [[r["case"], f"{r['us']:.1f}", _f(r.get("torch_us"), ".1f"), _f(r.get("ratio"), ".2f")]
+            for r in result.get("host", [])]
+    host_titles = ["host time per call", "cunorm us", "torch us", "cunorm / torch"]
     if markdown:
-        lines = [head, "", "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
-        lines += ["| " + " | ".join(row) + " |" for row in body]
+        lines = [head, ""]
+        if body:
+            lines += ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+            lines += ["| " + " | ".join(row) + " |" for row in body]
+        if host:
+            lines += ["", "| " + " | ".join(host_titles) + " |", "|" + "---|" * len(host_titles)]
+            lines += ["| " + " | ".join(row) + " |" for row in host]
         return "\n".join(lines)
-    widths = [max(len(t), *(len(row[i]) for row in body)) if body else len(t) for i, t in enumerate(titles)]
-    fmt_row = lambda row: "  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
-    return "\n".join([head, "", fmt_row(titles), fmt_row(["-" * w for w in widths])] + [fmt_row(r) for r in body])
+    out = [head]
+    for names, table in ((titles, body), (host_titles, host)):
+        if not table:
+            continue
+        widths = [max(len(t), *(len(row[i]) for row in table)) for i, t in enumerate(names)]
+        fmt_row = lambda row: "  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+        out += ["", fmt_row(names), fmt_row(["-" * w for w in widths])] + [fmt_row(r) for r in table]
+    return "\n".join(out)
 
 
 def write_results(result: dict, out_dir) -> list[Path]:
@@ -373,7 +401,7 @@ def write_results(result: dict, out_dir) -> list[Path]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cunorm bench", description=__doc__.splitlines()[0])
     parser.add_argument("--suite", action="append", choices=SUITES,
-                        help="a suite to run (repeatable; default: all four)")
+                        help="a suite to run (repeatable; default: all)")
     parser.add_argument("--quick", action="store_true", help="scaled-down shapes, no torch.compile (under a minute)")
     parser.add_argument("--out", default="cunorm-bench", help="directory for results.json/.csv/.md and the plots")
     parser.add_argument("--only", default="", help="only the cases whose name contains this text")

@@ -10,6 +10,7 @@ float64 reference on the first groups. Used by ``python -m cunorm bench``
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import statistics
 import time
@@ -53,6 +54,40 @@ def time_gpu(fn, reps=20, warmup=3):
     stop.synchronize()
     times = [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
     return statistics.median(times), min(times), max(times)
+
+
+def time_single(fn, reps=25, warmup=3):
+    """Median ms of one call timed as a user times it: CUDA events around
+    the call on an idle GPU (synchronized before each), host time inside.
+    The events go on the current stream (torch's and CuPy's default)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        cupy.cuda.runtime.deviceSynchronize()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def single_columns(row, nbytes, copy_bw, ours, eager=None, compiled=None):
+    """The single-call columns of a case: cunorm called as users call it
+    (torch tensors in where torch is importable, a new output), torch eager
+    and torch.compile, each as ms and floor%."""
+    for label, fn in (("single", ours), ("torch_single", eager), ("compile_single", compiled)):
+        if fn is None:
+            continue
+        try:
+            ms = time_single(fn)
+        except Exception as err:  # report, keep going (a peer that fails on this case)
+            row[f"{label}_error"] = repr(err)[:200]
+            continue
+        row[f"{label}_ms"] = ms
+        row[f"{label}_floor_pct"] = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
 
 
 def copy_bandwidth(nbytes=4 << 30):
@@ -185,6 +220,8 @@ def bench_lp_case(name, op, shape, axis, target, copy_bw, with_compile):
                 row["compile_floor_pct"] = 100 * nbytes / (c_ms * 1e-3) / 1e9 / copy_bw
             except Exception as err:  # report, keep going
                 row["compile_error"] = repr(err)[:200]
+        single_columns(row, nbytes, copy_bw, lambda: _lp_call(op, xt, axis), lambda: torch_lp(op, xt, axis),
+                       (lambda: compiled(xt)) if "compile_ms" in row else None)
         del xt
     del x, y
     cupy.get_default_memory_pool().free_all_blocks()
@@ -313,6 +350,9 @@ def bench_case(name, op, shape, dtype, axis, params, residual, target, copy_bw, 
                 row["compile_floor_pct"] = 100 * nbytes / (c_ms * 1e-3) / 1e9 / copy_bw
             except Exception as err:  # report, keep going
                 row["compile_error"] = repr(err)[:200]
+        single_columns(row, nbytes, copy_bw, lambda: _call(op, xt, wt, bt, rt, axis),
+                       lambda: torch_norm(op, xt, wt, bt, axis, 1e-5, rt),
+                       (lambda: compiled(xt, wt, bt, rt)) if "compile_ms" in row else None)
         del xt, wt, bt, rt
     del x, w, b, r, y, h
     cupy.get_default_memory_pool().free_all_blocks()
@@ -438,12 +478,12 @@ def _backward_tier(op, x, axis):
     outer = int(np.prod(x.shape[:first]))
     reduced = int(np.prod(x.shape[first:last + 1]))
     inner = int(np.prod(x.shape[last + 1:]))
-    from cunorm import _dispatch_grad
+    from cunorm import _dispatch_grad, _launch
     from cunorm._plan import vector_width
 
     vec = vector_width(x.itemsize, reduced if inner == 1 else inner, [], [(x.data.ptr, x.itemsize)])
     return _dispatch_grad.choose_rows_grad("rms" if op == "rms" else "ln", x.dtype, x.dtype, 1, outer, reduced, inner,
-                                      vec, _ops.device_info(x.data.device_id)).tier
+                                      vec, _launch.device_info(x.data.device_id)).tier
 
 
 #: channel cases: the chunks each channel's positions are cut into (the split walk's
@@ -528,6 +568,9 @@ def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, tar
                 row["compile_floor_pct"] = 100 * nbytes / (c_ms * 1e-3) / 1e9 / copy_bw
             except Exception as err:  # report, keep going
                 row["compile_error"] = repr(err)[:200]
+        single_columns(row, nbytes, copy_bw, lambda: _channel_call(op, xt, groups, wt, bt, channel_axis, rt),
+                       lambda: torch_channel_norm(op, xt, groups, wt, bt, channel_axis, rt),
+                       (lambda: compiled(xt, wt, bt)) if "compile_ms" in row else None)
         del xt, wt, bt, rt
     del x, w, b, y, running
     cupy.get_default_memory_pool().free_all_blocks()
@@ -553,7 +596,7 @@ def _channel_tier(op, x, groups, w, b, channel_axis, running, y):
     from cunorm import _channels
 
     call, prepared = _channel_prepared(op, x, groups, w, b, channel_axis, running, y)
-    return _channels.execute(call, *prepared)
+    return _channels.execute(call, *prepared)[0]
 
 
 def tune_channel_case(name, op, shape, dtype, groups, channel_axis, params, copy_bw):
@@ -596,43 +639,108 @@ def tune_case(name, op, shape, dtype, axis, params, residual, copy_bw):
     return out
 
 
-def host_overhead(n_calls=3000):
-    """Wall-clock per call of rms_norm on a 1x4096 bf16 input with weight,
-    enqueue-bound (the GPU work is ~2 us)."""
-    x, w, _, _ = make_inputs("rms_norm", (1, 4096), "bfloat16", -1, "w", False)
-    out = {}
-    for label, fn in [("cunorm (CuPy in, new output)", lambda: cunorm.rms_norm(x, w)),
-                      ("cunorm (CuPy in, out=)", lambda: cunorm.rms_norm(x, w, out=y))]:
-        y = cupy.empty_like(x)
-        for _ in range(200):
-            fn()
-        cupy.cuda.runtime.deviceSynchronize()
-        t = time.perf_counter()
-        for _ in range(n_calls):
-            fn()
-        cupy.cuda.runtime.deviceSynchronize()
-        out[label] = (time.perf_counter() - t) / n_calls * 1e6
-    if torch is not None:
-        from cunorm import torch as cunorm_torch
+def _per_call_us(fn, n_calls: int, sync) -> float:
+    """Wall-clock us per call of fn in a loop (after a warm-up), the GPU
+    synchronized before and after: host-bound for decode-sized inputs."""
+    for _ in range(200):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(n_calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / n_calls * 1e6
 
-        xt, wt = torch.from_dlpack(x), torch.from_dlpack(w)
-        yt = torch.empty_like(xt)
-        theirs = torch.nn.RMSNorm(4096, eps=1e-5, device="cuda", dtype=torch.bfloat16)
-        ours = cunorm_torch.replace_norms(torch.nn.RMSNorm(4096, eps=1e-5, device="cuda", dtype=torch.bfloat16))
-        fns = [("cunorm (torch in, torch out)", lambda: cunorm.rms_norm(xt, wt)),
-               ("cunorm (torch in, out=)", lambda: cunorm.rms_norm(xt, wt, out=yt)),
-               ("cunorm.torch.rms_norm (registered op)", lambda: cunorm_torch.rms_norm(xt, wt)),
-               ("torch eager F.rms_norm", lambda: torch.nn.functional.rms_norm(xt, (4096,), wt, eps=1e-5)),
-               ("cunorm.torch.RMSNorm module, no_grad", lambda: ours(xt)),
-               ("torch.nn.RMSNorm module, no_grad", lambda: theirs(xt))]
-        for label, fn in fns:
-            with torch.no_grad():
-                for _ in range(200):
-                    fn()
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(n_calls):
-                    fn()
-                torch.cuda.synchronize()
-            out[label] = (time.perf_counter() - t) / n_calls * 1e6
+
+def host_rows(n_calls: int = 2000) -> list[dict]:
+    """The host suite: wall clock per call, cunorm against torch's own op or
+    layer on the same input in the same process. Each row: what was called,
+    cunorm's us and torch's us (None where torch has no counterpart)."""
+    rows = []
+    x, w, _, _ = make_inputs("rms_norm", (1, 4096), "bfloat16", -1, "w", False)
+    sync = cupy.cuda.runtime.deviceSynchronize
+    y = cupy.empty_like(x)
+    rows.append({"case": "rms_norm 1x4096 bf16 +w, CuPy arrays",
+                 "us": _per_call_us(lambda: cunorm.rms_norm(x, w), n_calls, sync), "torch_us": None})
+    rows.append({"case": "rms_norm 1x4096 bf16 +w, CuPy arrays, out= (the general path)",
+                 "us": _per_call_us(lambda: cunorm.rms_norm(x, w, out=y), n_calls, sync), "torch_us": None})
+    if torch is None:
+        return rows
+    from cunorm import torch as cunorm_torch
+
+    sync = torch.cuda.synchronize
+    F = torch.nn.functional
+    dev = "cuda"
+    bf16 = torch.bfloat16
+
+    def pair(label, ours, theirs, grad=False, autocast=False):
+        context = contextlib.nullcontext() if grad else torch.no_grad()
+        cast = torch.autocast("cuda", dtype=bf16) if autocast else contextlib.nullcontext()
+        with context, cast:
+            rows.append({"case": label, "us": _per_call_us(ours, n_calls, sync),
+                         "torch_us": _per_call_us(theirs, n_calls, sync)})
+
+    xt = torch.randn(1, 4096, device=dev, dtype=bf16)
+    wt = torch.randn(4096, device=dev, dtype=bf16)
+    bt = torch.randn(4096, device=dev, dtype=bf16)
+    pair("rms_norm 1x4096 bf16 +w, torch tensors (F.rms_norm)", lambda: cunorm.rms_norm(xt, wt),
+         lambda: F.rms_norm(xt, (4096,), wt, eps=1e-5))
+    pair("layer_norm 1x4096 bf16 +w+b, torch tensors (F.layer_norm)", lambda: cunorm.layer_norm(xt, wt, bt),
+         lambda: F.layer_norm(xt, (4096,), wt, bt, eps=1e-5))
+    theirs = torch.nn.RMSNorm(4096, eps=1e-5, device=dev, dtype=bf16)
+    ours = cunorm_torch.replace_norms(torch.nn.RMSNorm(4096, eps=1e-5, device=dev, dtype=bf16))
+    pair("RMSNorm(4096) layer, 1x4096 bf16, no_grad", lambda: ours(xt), lambda: theirs(xt))
+    theirs32 = torch.nn.RMSNorm(4096, eps=1e-5, device=dev)
+    ours32 = cunorm_torch.replace_norms(torch.nn.RMSNorm(4096, eps=1e-5, device=dev))
+    pair("RMSNorm(4096) fp32 weight, bf16 1x4096 under autocast", lambda: ours32(xt), lambda: theirs32(xt),
+         autocast=True)
+    ln_theirs = torch.nn.LayerNorm(768, device=dev)
+    ln_ours = cunorm_torch.replace_norms(torch.nn.LayerNorm(768, device=dev))
+    act = torch.randn(4, 512, 768, device=dev)
+    pair("LayerNorm(768) layer, (4,512,768) fp32, no_grad", lambda: ln_ours(act), lambda: ln_theirs(act))
+    act16 = act.to(bf16)
+    pair("LayerNorm(768) fp32 params, (4,512,768) bf16 under autocast", lambda: ln_ours(act16),
+         lambda: ln_theirs(act16), autocast=True)
+    bn_theirs = torch.nn.BatchNorm2d(64, device=dev).eval()
+    bn_ours = cunorm_torch.replace_norms(torch.nn.BatchNorm2d(64, device=dev).eval())
+    img = torch.randn(1, 64, 8, 8, device=dev)
+    pair("BatchNorm2d(64) eval, (1,64,8,8) fp32, no_grad", lambda: bn_ours(img), lambda: bn_theirs(img))
+    gn_theirs = torch.nn.GroupNorm(8, 64, device=dev)
+    gn_ours = cunorm_torch.replace_norms(torch.nn.GroupNorm(8, 64, device=dev))
+    pair("GroupNorm(8, 64), (1,64,8,8) fp32, no_grad", lambda: gn_ours(img), lambda: gn_theirs(img))
+    xg = torch.randn(1, 4096, device=dev, dtype=bf16, requires_grad=True)
+    dy = torch.randn_like(xg)
+
+    def step(layer):
+        def run():
+            y = layer(xg)
+            y.backward(dy)
+        return run
+
+    pair("RMSNorm(4096) training step (forward + backward), 1x4096 bf16", step(ours), step(theirs), grad=True)
+    img_g = img.clone().requires_grad_()
+    dimg = torch.randn_like(img)
+    bn_train_theirs = torch.nn.BatchNorm2d(64, device=dev)
+    bn_train_ours = cunorm_torch.replace_norms(torch.nn.BatchNorm2d(64, device=dev))
+
+    def bn_step(layer):
+        def run():
+            layer(img_g).backward(dimg)
+        return run
+
+    pair("BatchNorm2d(64) training step, (1,64,8,8) fp32", bn_step(bn_train_ours), bn_step(bn_train_theirs),
+         grad=True)
+    for r in rows:
+        if r.get("torch_us"):
+            r["ratio"] = r["us"] / r["torch_us"]
+    return rows
+
+
+def host_overhead(n_calls=2000) -> dict:
+    """The host suite as {case: us} (bench/bench.py's table)."""
+    out = {}
+    for r in host_rows(n_calls):
+        out[r["case"]] = r["us"]
+        if r.get("torch_us"):
+            out[r["case"] + " [torch]"] = r["torch_us"]
     return out

@@ -1,0 +1,178 @@
+"""The launch cache: a call whose whole signature was seen before is a
+dictionary lookup, the outputs' allocation and the launches.
+
+The first call with a signature (every array's kind, dtype, shape, strides,
+device and pointer alignment; the axes, eps and flags, each of its exact
+Python type) is validated, planned and run by the general path
+(cunorm/_ops.py, _channels.py, _grad.py). Where that path ran a Program
+(cunorm/_launch.py) over the arrays as given, with nothing copied or cast
+first, it stores an Entry here under the signature; a later call with the
+same signature only checks that the arrays' GPU is the current one,
+allocates its outputs with the caller's framework (torch's caching
+allocator for torch tensors, CuPy's pool for CuPy arrays), writes the
+pointers and launches on the caller's current stream. Checks that depend
+on values beyond the signature do not arise on this path: it takes no
+``out=`` (nothing to overlap) and the signature holds every array's device.
+
+Only CuPy arrays and torch tensors are keyed (their adapters have the fast
+half: cunorm/_interop/cupy.py, torch.py); a torch call that autograd or
+dynamo must see is not keyed here (cunorm.torch has its own routes). The
+caches are bounded (oldest out first) and safe under threads.
+"""
+from __future__ import annotations
+
+import threading
+
+MAX_ENTRIES = 2048
+
+
+class BoundedCache:
+    """A dict of at most ``maxsize`` entries, the oldest dropped first.
+    Reads take no lock (a dict read is atomic); writes do."""
+
+    def __init__(self, maxsize: int = MAX_ENTRIES):
+        self.maxsize = maxsize
+        self._entries: dict = {}
+        self._lock = threading.Lock()
+        self.get = self._entries.get
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            if key not in self._entries:
+                while len(self._entries) >= self.maxsize:
+                    del self._entries[next(iter(self._entries))]
+            self._entries[key] = value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+ROWS = BoundedCache()
+CHANNELS = BoundedCache()
+ROWS_GRAD = BoundedCache()
+CHANNELS_GRAD = BoundedCache()
+CACHES = (ROWS, CHANNELS, ROWS_GRAD, CHANNELS_GRAD)
+
+
+def clear() -> None:
+    for cache in CACHES:
+        cache.clear()
+
+
+_adapters: dict = {}
+
+
+def adapter(x):
+    """The fast half of x's adapter (cupy or torch), or None."""
+    kind = type(x)
+    ad = _adapters.get(kind)
+    if ad is None and kind not in _adapters:
+        from . import _interop
+
+        try:
+            found = _interop.adapter_for(x)
+        except TypeError:
+            found = None
+        ad = found if hasattr(found, "signature") else None
+        _adapters[kind] = ad
+    return ad
+
+
+def _int_axes(axis) -> bool:
+    t = type(axis)
+    return t is int or axis is None or (t is tuple and all(type(a) is int for a in axis))
+
+
+def key(ad, x, *arrays, scalars=()):
+    """The signature of a call: None when it cannot be keyed (an array of
+    another kind than x's, a value of a type the signature does not
+    hold exactly, autograd or dynamo watching a torch call)."""
+    if ad.watched(x, *arrays):
+        return None
+    sig = ad.signature
+    try:
+        parts = [sig(x)]
+        for a in arrays:
+            parts.append(None if a is None else sig(a))
+    except (AttributeError, RuntimeError, TypeError):  # another kind of array, or one with no strides
+        return None
+    return tuple(parts) + scalars
+
+
+def rows_key(norm, x, weight, bias, residual, axis, eps, return_stats):
+    """The signature of a row norm's call (None: not keyed)."""
+    ad = adapter(x)
+    if ad is None or type(eps) is not float or type(return_stats) is not bool or not _int_axes(axis):
+        return None
+    return key(ad, x, weight, bias, residual, scalars=(norm, axis, eps, return_stats))
+
+
+def channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,
+                channel_axis, return_stats):
+    """The signature of a channel norm's call (None: not keyed)."""
+    ad = adapter(x)
+    if (ad is None or type(eps) is not float or type(channel_axis) is not int or type(return_stats) is not bool
+            or type(training) is not bool or type(momentum) is not float
+            or not (num_groups is None or type(num_groups) is int)):
+        return None
+    return key(ad, x, weight, bias, running_mean, running_var,
+               scalars=(norm, num_groups, training, momentum, eps, channel_axis, return_stats))
+
+
+def grad_key(norm, dy, x, mean, rstd, weight, bias, dh, layout, eps):
+    """The signature of a backward call (``layout``: a row norm's axes, or a
+    channel norm's (num_groups, channel_axis, training); None: not keyed)."""
+    ad = adapter(x)
+    if ad is None or type(eps) is not float or not all(_int_axes(v) or type(v) is bool for v in layout):
+        return None
+    return key(ad, x, dy, mean, rstd, weight, bias, dh, scalars=(norm, layout, eps))
+
+
+class Entry:
+    """A prepared call: the outputs to allocate (physical shape, dtype and
+    the permutation back to the logical axes), where each slot of the
+    Program takes its pointer from (an input, an output, or null), and
+    which outputs are returned."""
+
+    __slots__ = ("ad", "device", "program", "outputs", "sources", "returns", "single", "alloc")
+
+    def __init__(self, ad, device, program, outputs, sources, returns):
+        self.ad, self.device, self.program = ad, device, program
+        self.outputs = tuple((tuple(shape), ad.native_dtype(dtype), perm) for shape, dtype, perm in outputs)
+        self.sources = tuple(sources)
+        self.returns = tuple(returns)
+        self.single = len(self.returns) == 1
+        self.alloc = ad.workspace_allocator(device)
+
+    def __call__(self, *inputs):
+        """The results, or None where the call must take the general path
+        (its arrays' GPU is not the current one)."""
+        ad, device = self.ad, self.device
+        if ad.current_device() != device:
+            return None
+        empty = ad.empty
+        arrays = list(inputs)
+        for shape, dtype, perm in self.outputs:
+            arrays.append(empty(shape, dtype, device, perm))
+        pointer = ad.pointer
+        self.program.run([0 if k < 0 or arrays[k] is None else pointer(arrays[k]) for k in self.sources],
+                         ad.stream(device), self.alloc)
+        if self.single:
+            return arrays[self.returns[0]]
+        return tuple(None if k < 0 else arrays[k] for k in self.returns)
+
+
+def entry(ad, device, program, inputs, outputs, slots, returns):
+    """An Entry from names: ``inputs`` names the call's arrays in the order
+    the Entry is called with, ``outputs`` maps names to (shape, dtype, perm),
+    ``slots`` names each Program slot's source (None: null), ``returns``
+    the outputs returned (None: a None in the results)."""
+    order = list(inputs) + list(outputs)
+    where = {name: i for i, name in enumerate(order)}
+    sources = [-1 if name is None else where[name] for name in slots]
+    rets = [-1 if name is None else where[name] for name in returns]
+    return Entry(ad, device, program, outputs.values(), sources, rets)

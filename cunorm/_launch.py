@@ -1,0 +1,242 @@
+"""Launching: a call's kernels as a Program of prepared launches.
+
+A Program is built once per launch signature (cunorm/_ops.py,
+_channels.py and _grad.py build them from the dispatch's Steps and cache
+them): each step's kernel is loaded, opted in to its dynamic shared memory,
+its persistent grid capped at the resident blocks, and its arguments
+packed into a buffer once, in the order and C kinds of the kernel's
+declaration (cunorm/_kernels.py). Running a Program writes the call's
+pointers (its slots) into those buffers and launches each step through the
+driver (cuLaunchKernel, or cuLaunchCooperativeKernel) on the caller's
+stream: no CuPy array, argument conversion or per-launch lookup.
+
+A Program's buffers are shared by every call with its signature; a lock per
+Program makes filling and launching one unit, so threads calling the same
+signature at once each launch their own pointers (the driver copies the
+arguments at launch).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import threading
+
+import numpy as np
+from cupy_backends.cuda.api import driver
+
+from . import _dispatch
+
+#: called as hook(step, launch) around each launch when set (the tuning
+#: scripts time each step through it); None on the normal path
+step_hook = None
+
+
+class Slot:
+    """A pointer the call supplies at run time (``offset`` bytes into it)."""
+
+    __slots__ = ("index", "offset")
+
+    def __init__(self, index: int, offset: int = 0):
+        self.index, self.offset = index, offset
+
+    def __add__(self, offset: int) -> "Slot":
+        return Slot(self.index, self.offset + offset)
+
+
+class PreparedStep:
+    __slots__ = ("step", "fn", "grid", "block", "shared", "cooperative", "buf", "params", "params_ptr", "fills")
+
+    def launch(self, stream: int) -> None:
+        gx, gy, gz = self.grid
+        bx, by, bz = self.block
+        if self.cooperative:
+            driver.launchCooperativeKernel(self.fn, gx, gy, gz, bx, by, bz, self.shared, stream, self.params_ptr)
+        else:
+            driver.launchKernel(self.fn, gx, gy, gz, bx, by, bz, self.shared, stream, self.params_ptr, 0)
+
+
+class Program:
+    """The prepared launches of one call signature: run(pointers, stream, alloc)."""
+
+    __slots__ = ("steps", "workspaces", "slots", "lock")
+
+    def __init__(self, steps, workspaces, slots):
+        self.steps = tuple(steps)
+        self.workspaces = tuple(workspaces)  # (bytes, zeroed) of each workspace slot, after the call's slots
+        self.slots = slots
+        self.lock = threading.Lock()
+
+    def run(self, pointers, stream: int, alloc=None):
+        """Launch every step on ``stream`` with the call's ``pointers`` (one
+        int per slot, in the slots' order). ``alloc(nbytes, zeroed)`` returns
+        (owner, pointer) of a workspace, in the caller's allocator on the
+        stream (freed by the caller's stream order once the owners are
+        dropped). Returns the workspaces' owners."""
+        owners = ()
+        if self.workspaces:
+            pointers = list(pointers)
+            owners = []
+            for nbytes, zeroed in self.workspaces:
+                owner, pointer = alloc(nbytes, zeroed)
+                owners.append(owner)
+                pointers.append(pointer)
+        with self.lock:
+            for s in self.steps:
+                buf = s.buf
+                for arg, slot, offset in s.fills:
+                    buf[arg] = pointers[slot] + offset
+                if step_hook is None:
+                    s.launch(stream)
+                else:
+                    step_hook(s.step, functools.partial(s.launch, stream))
+        return owners
+
+
+_PACK = {"i32": (np.int32, 2), "i64": (np.int64, 1), "f32": (np.float32, 2), "f64": (np.float64, 1)}
+
+
+class ProgramBuilder:
+    """Builds a Program over named slots on ``device``: ``b["x"]`` is the
+    slot of the call's x, ``b.workspace(nbytes)`` a scratch buffer the run
+    allocates, ``b.launch(step, name=value, ...)`` a launch whose arguments
+    are named as the kernel declares them."""
+
+    def __init__(self, slots: tuple[str, ...], device: int):
+        self.slots = tuple(slots)
+        self.device = device
+        self.steps: list[PreparedStep] = []
+        self.workspaces: list[tuple[int, bool]] = []
+
+    def __getitem__(self, name: str) -> Slot:
+        return Slot(self.slots.index(name))
+
+    def workspace(self, nbytes: int, zeroed: bool = False) -> Slot:
+        self.workspaces.append((max(int(nbytes), 1), zeroed))
+        return Slot(len(self.slots) + len(self.workspaces) - 1)
+
+    def launch(self, step: _dispatch.Step, **args) -> None:
+        kernel = step.kernel
+        fn = step_function(step, self.device)
+        grid = step.grid
+        if kernel.cooperative:
+            resident = resident_blocks(fn, math.prod(step.block), step.shared_bytes, self.device)
+            if resident < math.prod(grid):
+                raise RuntimeError(f"{kernel.expression}: {math.prod(grid)} blocks cannot all be resident "
+                                   f"({resident} fit on the GPU)")
+        elif kernel.persistent:
+            grid = persistent_grid(step, self.device)
+        if not kernel.signature:
+            raise RuntimeError(f"{kernel.expression} has no declared signature")
+        names = [n for n, _ in kernel.signature]
+        if set(args) != set(names):
+            raise TypeError(f"{kernel.expression}: arguments {sorted(args)} do not match its declaration {names}")
+        s = PreparedStep()
+        s.step = step
+        s.fn = fn.kernel.ptr
+        s.grid = tuple(grid) + (1,) * (3 - len(grid))
+        s.block = tuple(step.block) + (1,) * (3 - len(step.block))
+        s.shared = step.shared_bytes
+        s.cooperative = kernel.cooperative
+        s.buf = np.zeros(len(names), dtype=np.uint64)
+        fills = []
+        for i, (name, kind) in enumerate(kernel.signature):
+            value = args[name]
+            if kind == "ptr":
+                if isinstance(value, Slot):
+                    fills.append((i, value.index, value.offset))
+                elif value is not None:
+                    raise TypeError(f"{kernel.expression}: pointer argument {name} must be a slot or None")
+            else:
+                dtype, stride = _PACK[kind]
+                if isinstance(value, (Slot, bool)) or value is None:
+                    raise TypeError(f"{kernel.expression}: argument {name} must be a number, got {value!r}")
+                packed = dtype(value)
+                if kind in ("i32", "i64") and int(packed) != value:
+                    raise OverflowError(f"{kernel.expression}: argument {name} = {value} does not fit {kind}")
+                s.buf.view(dtype)[i * stride] = packed
+        s.fills = tuple(fills)
+        s.params = np.arange(len(names), dtype=np.uint64) * np.uint64(8) + np.uint64(s.buf.ctypes.data)
+        s.params_ptr = s.params.ctypes.data
+        self.steps.append(s)
+
+    def build(self) -> Program:
+        return Program(self.steps, self.workspaces, self.slots)
+
+
+# --- kernels on a device ---------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def device_info(device_id: int) -> _dispatch.Device:
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    cc = int(dev.compute_capability)
+    if cc < 80:
+        raise RuntimeError(f"cunorm needs a GPU of compute capability 8.0 or newer; GPU {device_id} is {cc / 10:.1f}")
+    attrs = dev.attributes
+    return _dispatch.Device(sm_count=attrs["MultiProcessorCount"], compute_capability=cc,
+                            max_shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"])
+
+
+def step_function(step, device: int):
+    """A step's kernel, opted in to the step's dynamic shared memory where
+    that is more than the default allows (48 KB less the static): before
+    any launch, and before any occupancy query, which otherwise counts no
+    block at all of a kernel that asks for more."""
+    from ._loader import get_function
+
+    fn = get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
+    if step.shared_bytes > 0 and fn.max_dynamic_shared_size_bytes < step.shared_bytes:
+        fn.max_dynamic_shared_size_bytes = step.shared_bytes
+    return fn
+
+
+def persistent_grid(step, device: int) -> tuple[int, ...]:
+    """A persistent step's grid, its x extent capped at the blocks resident
+    at once (so no block starts its share late)."""
+    fn = step_function(step, device)
+    resident = resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
+    if resident < 1:
+        raise RuntimeError(f"{step.kernel.expression}: no block of {math.prod(step.block)} threads and "
+                           f"{step.shared_bytes} B of shared memory fits an SM")
+    return (min(step.grid[0], resident),) + tuple(step.grid[1:])
+
+
+def resident_blocks(fn, threads: int, shared_bytes: int, device: int) -> int:
+    """How many blocks of ``threads`` and ``shared_bytes`` of a kernel fit on
+    the GPU at once (a cooperative grid must; a persistent grid is capped
+    at it). Asked when a Program is built, not per launch."""
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, shared_bytes)
+    return per_sm * device_info(device).sm_count
+
+
+def check_limits(step, device=None):
+    grid, block = step.grid, step.block
+    if not (0 < grid[0] <= _dispatch.MAX_GRID_X and all(0 < g <= _dispatch.MAX_GRID_Y for g in grid[1:])):
+        raise RuntimeError(f"grid {grid} for {step.kernel.expression} is outside the launch limits")
+    shared_limit = 48 * 1024 if device is None else max(48 * 1024, device.max_shared_per_block)
+    if not (0 < math.prod(block) <= 1024) or step.shared_bytes > shared_limit:
+        raise RuntimeError(f"block {block} / {step.shared_bytes} B shared for {step.kernel.expression} is out of limits")
+
+
+# --- the CuPy side of a run ---------------------------------------------------------
+
+
+def cupy_alloc(nbytes: int, zeroed: bool):
+    """A workspace from CuPy's current allocator (torch's, inside a torch scope)."""
+    import cupy
+
+    a = (cupy.zeros if zeroed else cupy.empty)(nbytes, dtype=np.uint8)
+    return a, a.data.ptr
+
+
+def cupy_stream() -> int:
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
+
+
+def ptr(a) -> int:
+    """A CuPy array's pointer, 0 for None."""
+    return 0 if a is None else a.data.ptr
