@@ -13,7 +13,7 @@ import cunorm.torch as ct
 
 x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-xc, wc = cupy.asarray(x), cupy.asarray(w)
+xc, wc = cupy.from_dlpack(x), cupy.from_dlpack(w)
 bn = ct.replace_norms(torch.nn.BatchNorm2d(64, device="cuda").eval())
 img = torch.randn(1, 64, 8, 8, device="cuda")
 norm = ct.replace_norms(torch.nn.RMSNorm(4096, eps=1e-5, device="cuda", dtype=torch.bfloat16))
@@ -43,4 +43,4 @@ for name, fn in cases.items():
             fn()
         prof.disable()
         torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)

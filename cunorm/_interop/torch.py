@@ -166,10 +166,9 @@ def wants_autograd(*arrays) -> bool:
 
 def signature(a):
     """What a prepared launch depends on: dtype, shape, strides, GPU and
-    the pointer's alignment (AttributeError for anything but a tensor,
-    RuntimeError for one without strides)."""
-    if not isinstance(a, torch.Tensor):
-        raise TypeError
+    the pointer's alignment (AttributeError for anything but a tensor:
+    CuPy and NumPy arrays have no stride(); RuntimeError for a tensor
+    without strides)."""
     return a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() & 15
 
 

@@ -1,0 +1,215 @@
+"""The launch cache on the GPU (cunorm/_fast.py): a repeated signature
+replays its prepared launches over new pointers, with outputs poisoned,
+on other streams, under CUDA-graph capture, from threads at once, under
+autocast and through autograd."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm import _fast, reference
+from helpers import assert_close, random
+
+pytestmark = pytest.mark.gpu
+
+
+def _cached(cache, before):
+    assert len(cache) > before, "the call's signature was not cached"
+
+
+def test_cupy_repeat_hits_the_cache_with_new_pointers(rng, poisoned):
+    import cupy
+
+    before = len(_fast.ROWS)
+    w = cupy.asarray(random(rng, (1000,), np.float32))
+    for i in range(3):  # the first fills the cache, the others replay it
+        x_np = random(rng, (37, 1000), np.float32)
+        y, rstd = cunorm.rms_norm(cupy.asarray(x_np), w, return_stats=True)
+        ref, ref_rstd = reference.rms_norm(x_np, cupy.asnumpy(w), return_stats=True)
+        assert_close(cupy.asnumpy(y), ref, np.float32, what=f"call {i}")
+        assert_close(cupy.asnumpy(rstd), ref_rstd, np.float32, what=f"rstd {i}")
+    _cached(_fast.ROWS, before)
+
+
+@pytest.mark.parametrize("op", ["group", "batch_eval", "batch_train"])
+def test_cupy_channel_repeat(op, rng, poisoned):
+    import cupy
+
+    c = 16
+    w, b = (cupy.asarray(random(rng, (c,), np.float32)) for _ in range(2))
+    rm, rv = cupy.zeros(c, np.float32), cupy.ones(c, np.float32)
+    rm_np, rv_np = cupy.asnumpy(rm), cupy.asnumpy(rv)
+    before = len(_fast.CHANNELS)
+    for i in range(3):
+        x_np = random(rng, (3, c, 5, 7), np.float32)
+        x = cupy.asarray(x_np)
+        if op == "group":
+            y = cunorm.group_norm(x, 4, w, b)
+            ref = reference.group_norm(x_np, 4, cupy.asnumpy(w), cupy.asnumpy(b))
+        else:
+            training = op == "batch_train"
+            y = cunorm.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=training)
+            ref = reference.batch_norm(x_np, cupy.asnumpy(w), cupy.asnumpy(b), running_mean=rm_np,
+                                       running_var=rv_np, training=training)
+        assert_close(cupy.asnumpy(y), ref, np.float32, what=f"{op} call {i}")
+    if op == "batch_train":  # the running buffers were updated in place by every call, cached or not
+        assert_close(cupy.asnumpy(rm), rm_np, np.float32, what="running_mean")
+        assert_close(cupy.asnumpy(rv), rv_np, np.float32, what="running_var")
+    _cached(_fast.CHANNELS, before)
+
+
+def test_backward_repeat(rng, poisoned):
+    import cupy
+
+    before = len(_fast.ROWS_GRAD)
+    w_np = random(rng, (300,), np.float32)
+    for i in range(3):
+        x_np, dy_np = random(rng, (9, 300), np.float32), random(rng, (9, 300), np.float32)
+        x, dy, w = (cupy.asarray(a) for a in (x_np, dy_np, w_np))
+        _, mean, rstd = cunorm.layer_norm(x, w, return_stats=True)
+        dx, dw, db = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+        rdx, rdw, _ = reference.layer_norm_backward(dy_np, x_np, cupy.asnumpy(mean), cupy.asnumpy(rstd), w_np)
+        assert db is None
+        assert_close(cupy.asnumpy(dx), rdx, np.float32, rtol=1e-4, what=f"dx {i}")
+        assert_close(cupy.asnumpy(dw), rdw, np.float32, rtol=1e-4, what=f"dw {i}")
+    _cached(_fast.ROWS_GRAD, before)
+
+
+def test_a_changed_signature_misses(rng):
+    """A new stride, dtype or eps is a new entry; the old one still serves."""
+    import cupy
+
+    x = cupy.asarray(random(rng, (8, 64), np.float32))
+    cunorm.rms_norm(x)
+    before = len(_fast.ROWS)
+    cunorm.rms_norm(x, eps=1e-3)
+    cunorm.rms_norm(x.astype(np.float16))
+    cunorm.rms_norm(cupy.asarray(random(rng, (8, 128), np.float32))[:, ::2])
+    assert len(_fast.ROWS) >= min(before + 3, _fast.MAX_ENTRIES)
+    assert_close(cupy.asnumpy(cunorm.rms_norm(x, eps=1e-3)), reference.rms_norm(cupy.asnumpy(x), eps=1e-3),
+                 np.float32)
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def test_torch_outputs_are_written_every_call(rng):
+    torch = _torch()
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    for i in range(4):
+        # memory full of NaN freed just before: the next output reuses it
+        torch.full((1 << 20,), float("nan"), device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+        y = cunorm.rms_norm(x, w, eps=1e-6)
+        ref = reference.rms_norm(x.float().cpu().numpy().astype(np.float64), w.float().cpu().numpy(), eps=1e-6)
+        assert_close(y.float().cpu().numpy(), ref, np.dtype(cunorm._dtypes.bfloat16), what=f"call {i}")
+
+
+def test_torch_side_stream(rng):
+    torch = _torch()
+    x = torch.randn(64, 1024, device="cuda")
+    w = torch.randn(1024, device="cuda")
+    expected = cunorm.layer_norm(x, w)  # fills the cache on the default stream
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        y = cunorm.layer_norm(x, w)
+    stream.synchronize()
+    assert torch.equal(y, expected)
+
+
+def test_torch_graph_capture_after_warm_up(rng):
+    torch = _torch()
+    x = torch.randn(5, 2048, device="cuda", dtype=torch.float16)
+    w = torch.randn(2048, device="cuda", dtype=torch.float16)
+    r = torch.randn_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            cunorm.rms_norm(x, w, residual=r)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, h = cunorm.rms_norm(x, w, residual=r)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_y, ref_h = cunorm.rms_norm(x, w, residual=r)
+    assert torch.equal(y, ref_y) and torch.equal(h, ref_h)
+
+
+def test_torch_threads_share_a_signature(rng):
+    torch = _torch()
+    w = torch.randn(512, device="cuda")
+    inputs = [torch.randn(33, 512, device="cuda") for _ in range(8)]
+    expected = [cunorm.rms_norm(x, w) for x in inputs]
+    torch.cuda.synchronize()
+    results = [None] * len(inputs)
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(50):
+                results[i] = cunorm.rms_norm(inputs[i], w)
+            torch.cuda.current_stream().synchronize()
+        except Exception as err:  # collected and re-raised in the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for got, want in zip(results, expected):
+        assert torch.equal(got, want)
+
+
+def test_torch_layers_under_autocast(rng):
+    torch = _torch()
+    from cunorm import torch as cunorm_torch
+
+    for theirs in (torch.nn.RMSNorm(768, eps=1e-6, device="cuda"), torch.nn.LayerNorm(768, device="cuda")):
+        with torch.no_grad():
+            theirs.weight.normal_()
+        x = torch.randn(4, 9, 768, device="cuda", dtype=torch.bfloat16)
+        ours = cunorm_torch.replace_norms(type(theirs)(768, device="cuda"))
+        ours.load_state_dict(theirs.state_dict())
+        plain = ours(x)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            cast = ours(x)
+            cast_again = ours(x)
+        assert cast.dtype == torch.bfloat16 and torch.equal(cast, plain) and torch.equal(cast_again, plain)
+
+
+@pytest.mark.parametrize("layer", ["RMSNorm", "LayerNorm", "GroupNorm", "BatchNorm2d"])
+def test_torch_eager_training_matches_torch(layer, rng):
+    """The eager autograd route (autograd.Function over the cached
+    launches): gradients as torch's own layer, step after step."""
+    torch = _torch()
+    from cunorm import torch as cunorm_torch
+
+    make = {"RMSNorm": lambda: torch.nn.RMSNorm(64, device="cuda", dtype=torch.float64),
+            "LayerNorm": lambda: torch.nn.LayerNorm(64, device="cuda", dtype=torch.float64),
+            "GroupNorm": lambda: torch.nn.GroupNorm(4, 64, device="cuda", dtype=torch.float64),
+            "BatchNorm2d": lambda: torch.nn.BatchNorm2d(64, device="cuda", dtype=torch.float64)}[layer]
+    theirs = make()
+    ours = cunorm_torch.replace_norms(make())
+    ours.load_state_dict(theirs.state_dict())
+    shape = (6, 64) if layer in ("RMSNorm", "LayerNorm") else (3, 64, 5, 4)
+    for step in range(3):
+        x = torch.randn(shape, device="cuda", dtype=torch.float64)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        dy = torch.randn(shape, device="cuda", dtype=torch.float64)
+        theirs(xa).backward(dy)
+        ours(xb).backward(dy)
+        torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-9, atol=1e-9)
+        for p_ours, p_theirs in zip(ours.parameters(), theirs.parameters()):
+            torch.testing.assert_close(p_ours.grad, p_theirs.grad, rtol=1e-9, atol=1e-9)
+    for b_ours, b_theirs in zip(ours.buffers(), theirs.buffers()):
+        torch.testing.assert_close(b_ours, b_theirs, rtol=1e-9, atol=1e-9)
