@@ -43,10 +43,29 @@ class Slot:
         return Slot(self.index, self.offset + offset)
 
 
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+
+
 class PreparedStep:
-    __slots__ = ("step", "fn", "grid", "block", "shared", "cooperative", "buf", "params", "params_ptr", "fills")
+    __slots__ = ("step", "device", "fn", "grid", "block", "shared", "cooperative", "buf", "params", "params_ptr",
+                 "fills")
 
     def launch(self, stream: int) -> None:
+        try:
+            self._launch(stream)
+        except driver.CUDADriverError as err:
+            # A thread that has not touched CUDA through the runtime yet (a
+            # new Python thread, autograd's device thread) has no current
+            # context for the driver's launch: make the device's primary
+            # context current, as the runtime would, and launch again.
+            if err.status != _INVALID_CONTEXT:
+                raise
+            from cupy.cuda import runtime
+
+            runtime.setDevice(self.device)
+            self._launch(stream)
+
+    def _launch(self, stream: int) -> None:
         gx, gy, gz = self.grid
         bx, by, bz = self.block
         if self.cooperative:
@@ -140,6 +159,7 @@ class ProgramBuilder:
             raise TypeError(f"{kernel.expression}: arguments {sorted(args)} do not match its declaration {names}")
         s = PreparedStep()
         s.step = step
+        s.device = self.device
         s.fn = fn.kernel.ptr
         s.grid = tuple(grid) + (1,) * (3 - len(grid))
         s.block = tuple(step.block) + (1,) * (3 - len(step.block))

@@ -54,7 +54,10 @@ def test_cupy_channel_repeat(op, rng, poisoned):
             y = cunorm.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=training)
             ref = reference.batch_norm(x_np, cupy.asnumpy(w), cupy.asnumpy(b), running_mean=rm_np,
                                        running_var=rv_np, training=training)
-        assert_close(cupy.asnumpy(y), ref, np.float32, what=f"{op} call {i}")
+        # y = xhat * w + b cancels to near 0 for some elements: their error is
+        # that of the larger terms, a few ulps of max |y|
+        assert_close(cupy.asnumpy(y), ref, np.float32, atol=1e-6 * float(np.max(np.abs(ref))),
+                     what=f"{op} call {i}")
     if op == "batch_train":  # the running buffers were updated in place by every call, cached or not
         assert_close(cupy.asnumpy(rm), rm_np, np.float32, what="running_mean")
         assert_close(cupy.asnumpy(rv), rv_np, np.float32, what="running_var")
@@ -87,7 +90,7 @@ def test_a_changed_signature_misses(rng):
     before = len(_fast.ROWS)
     cunorm.rms_norm(x, eps=1e-3)
     cunorm.rms_norm(x.astype(np.float16))
-    cunorm.rms_norm(cupy.asarray(random(rng, (8, 128), np.float32))[:, ::2])
+    cunorm.rms_norm(cupy.asarray(random(rng, (8, 128), np.float32))[:, :64])  # rows 128 apart
     assert len(_fast.ROWS) >= min(before + 3, _fast.MAX_ENTRIES)
     assert_close(cupy.asnumpy(cunorm.rms_norm(x, eps=1e-3)), reference.rms_norm(cupy.asnumpy(x), eps=1e-3),
                  np.float32)
