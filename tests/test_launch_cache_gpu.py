@@ -59,8 +59,9 @@ def test_cupy_channel_repeat(op, rng, poisoned):
         assert_close(cupy.asnumpy(y), ref, np.float32, atol=1e-6 * float(np.max(np.abs(ref))),
                      what=f"{op} call {i}")
     if op == "batch_train":  # the running buffers were updated in place by every call, cached or not
-        assert_close(cupy.asnumpy(rm), rm_np, np.float32, what="running_mean")
-        assert_close(cupy.asnumpy(rv), rv_np, np.float32, what="running_var")
+        # float32 statistics of O(1) data: ~1e-7 absolute error, on means near 0
+        assert_close(cupy.asnumpy(rm), rm_np, np.float32, atol=1e-6, what="running_mean")
+        assert_close(cupy.asnumpy(rv), rv_np, np.float32, atol=1e-6, what="running_var")
     _cached(_fast.CHANNELS, before)
 
 
