@@ -166,6 +166,15 @@ class Entry:
         return tuple(None if k < 0 else arrays[k] for k in self.returns)
 
 
+def replay(cache, key, *inputs):
+    """The results of ``key``'s entry run over ``inputs``; None where there
+    is no key or entry, or the entry declines (another GPU is current)."""
+    if key is None:
+        return None
+    found = cache.get(key)
+    return None if found is None else found(*inputs)
+
+
 def entry(ad, device, program, inputs, outputs, slots, returns):
     """An Entry from names: ``inputs`` names the call's arrays in the order
     the Entry is called with, ``outputs`` maps names to (shape, dtype, perm),

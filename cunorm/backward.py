@@ -228,12 +228,9 @@ def _rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_f
     """A row norm's backward: the launch cache's entry for the call's
     signature if it has one, else the general path (which fills it)."""
     key = _fast.grad_key(norm, dy, x, mean, rstd, weight, bias, dh, (axis,), eps)
-    if key is not None:
-        entry = _fast.ROWS_GRAD.get(key)
-        if entry is not None:
-            results = entry(dy, x, mean, rstd, weight, bias, dh)
-            if results is not None:
-                return results
+    results = _fast.replay(_fast.ROWS_GRAD, key, dy, x, mean, rstd, weight, bias, dh)
+    if results is not None:
+        return results
     g = _grad.RowGradCall(norm, dy, x, axis=axis, eps=eps, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh)
     return _grad.run_rows(g, reference_fn, key=key)
 
@@ -241,12 +238,9 @@ def _rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_f
 def _channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps, reference_fn):
     """A channel norm's backward, as _rows_grad."""
     key = _fast.grad_key(norm, dy, x, mean, rstd, weight, bias, None, (num_groups, channel_axis, training), eps)
-    if key is not None:
-        entry = _fast.CHANNELS_GRAD.get(key)
-        if entry is not None:
-            results = entry(dy, x, mean, rstd, weight, bias, None)
-            if results is not None:
-                return results
+    results = _fast.replay(_fast.CHANNELS_GRAD, key, dy, x, mean, rstd, weight, bias, None)
+    if results is not None:
+        return results
     g = _grad.ChannelGradCall(norm, dy, x, mean, rstd, num_groups=num_groups, weight=weight, bias=bias,
                               channel_axis=channel_axis, training=training, eps=eps)
     return _grad.run_channels(g, reference_fn, key=key)

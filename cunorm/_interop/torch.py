@@ -93,15 +93,12 @@ _streams: dict = {}
 def _cupy_stream(device: int):
     """torch's current stream of ``device`` as a CuPy stream (cached by
     handle: wrapping a handle costs more than the launch)."""
-    try:
-        handle = torch._C._cuda_getCurrentRawStream(device)  # what inductor's generated code calls
-    except AttributeError:  # pragma: no cover - older torch
-        handle = torch.cuda.current_stream(device).cuda_stream
-    stream = _streams.get((device, handle))
-    if stream is None:
-        stream = cupy.cuda.Stream.null if handle == 0 else _wrap(handle, device)
-        _streams[(device, handle)] = stream
-    return stream
+    handle = stream(device)
+    wrapped = _streams.get((device, handle))
+    if wrapped is None:
+        wrapped = cupy.cuda.Stream.null if handle == 0 else _wrap(handle, device)
+        _streams[(device, handle)] = wrapped
+    return wrapped
 
 
 def _wrap(handle: int, device: int):
