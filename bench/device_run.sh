@@ -18,7 +18,8 @@ if [[ $STAGES == *tests* ]]; then
   python3 -m cunorm precompile 2>&1 | tail -2 | tee "$OUT/precompile.txt"
   python3 -m cunorm check 2>&1 | tee "$OUT/check.txt"
   # the GPU tests plus the CPU tests that need no NVRTC offline compile
-  python3 -m pytest -q -n 8 tests --ignore=tests/test_compile.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+  # (8 workers ran out of memory on an 80 GB H100; 5 fit)
+  python3 -m pytest -q -n "${PYTEST_WORKERS:-5}" tests --ignore=tests/test_compile.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
   tests_rc=${PIPESTATUS[0]}
 fi
 if [[ $STAGES == *bench* ]]; then

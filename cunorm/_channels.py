@@ -170,7 +170,7 @@ def _channel_entry(call: ChannelCall, program, last: bool) -> _fast.Entry:
         slots = ("x", "y", present("w", call.weight), present("b", call.bias), mean, rstd,
                  present("running_mean", call.running_mean), present("running_var", call.running_var))
     return _fast.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "running_mean", "running_var"),
-                       outputs, slots, tuple(outputs))
+                       outputs, slots, tuple(outputs), arrays={"x": x})
 
 
 def prepare(call: ChannelCall):

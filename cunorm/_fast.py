@@ -77,7 +77,7 @@ def adapter(x):
             found = _interop.adapter_for(x)
         except TypeError:
             found = None
-        ad = found if hasattr(found, "signature") else None
+        ad = found if hasattr(found, "signatures") else None
         _adapters[kind] = ad
     return ad
 
@@ -91,16 +91,8 @@ def key(ad, x, *arrays, scalars=()):
     """The signature of a call: None when it cannot be keyed (an array of
     another kind than x's, a value of a type the signature does not
     hold exactly, autograd or dynamo watching a torch call)."""
-    if ad.watched(x, *arrays):
-        return None
-    sig = ad.signature
-    try:
-        parts = [sig(x)]
-        for a in arrays:
-            parts.append(None if a is None else sig(a))
-    except (AttributeError, RuntimeError, TypeError):  # another kind of array, or one with no strides
-        return None
-    return tuple(parts) + scalars
+    parts = ad.signatures(x, arrays)
+    return None if parts is None else parts + scalars
 
 
 def rows_key(norm, x, weight, bias, residual, axis, eps, return_stats):
@@ -133,37 +125,59 @@ def grad_key(norm, dy, x, mean, rstd, weight, bias, dh, layout, eps):
 
 
 class Entry:
-    """A prepared call: the outputs to allocate (physical shape, dtype and
-    the permutation back to the logical axes), where each slot of the
-    Program takes its pointer from (an input, an output, or null), and
+    """A prepared call: how to allocate each output (like an input of the
+    same shape, dtype and C-contiguous layout, or from its physical shape,
+    dtype and the permutation back to the logical axes), where each slot of
+    the Program takes its pointer from (an input, an output, or null), and
     which outputs are returned."""
 
-    __slots__ = ("ad", "device", "program", "outputs", "sources", "returns", "single", "alloc")
+    __slots__ = ("ad", "device", "program", "makers", "sources", "returns", "single", "alloc", "current_device",
+                 "pointer", "stream")
 
-    def __init__(self, ad, device, program, outputs, sources, returns):
+    def __init__(self, ad, device, program, outputs, sources, returns, likes=()):
         self.ad, self.device, self.program = ad, device, program
-        self.outputs = tuple((tuple(shape), ad.native_dtype(dtype), perm) for shape, dtype, perm in outputs)
+        likes = dict(likes)
+        makers = []
+        for i, (shape, dtype, perm) in enumerate(outputs):
+            makers.append(_maker(ad, device, tuple(shape), ad.native_dtype(dtype), perm, likes.get(i)))
+        self.makers = tuple(makers)
         self.sources = tuple(sources)
         self.returns = tuple(returns)
         self.single = len(self.returns) == 1
         self.alloc = ad.workspace_allocator(device)
+        self.current_device, self.pointer, self.stream = ad.current_device, ad.pointer, ad.stream
 
     def __call__(self, *inputs):
         """The results, or None where the call must take the general path
         (its arrays' GPU is not the current one)."""
-        ad, device = self.ad, self.device
-        if ad.current_device() != device:
+        device = self.device
+        if self.current_device() != device:
             return None
-        empty = ad.empty
         arrays = list(inputs)
-        for shape, dtype, perm in self.outputs:
-            arrays.append(empty(shape, dtype, device, perm))
-        pointer = ad.pointer
+        for make in self.makers:
+            arrays.append(make(inputs))
+        pointer = self.pointer
         self.program.run([0 if k < 0 or arrays[k] is None else pointer(arrays[k]) for k in self.sources],
-                         ad.stream(device), self.alloc)
+                         self.stream(device), self.alloc)
         if self.single:
             return arrays[self.returns[0]]
         return tuple(None if k < 0 else arrays[k] for k in self.returns)
+
+
+def _maker(ad, device, shape, dtype, perm, like):
+    """An output's allocation, called with the Entry's inputs: like input
+    ``like`` where the adapter allocates that faster (torch's empty_like
+    skips parsing a shape, dtype and device), else from the shape, beside
+    the first input where the adapter has that (torch's new_empty takes
+    its device from the tensor)."""
+    empty_like = getattr(ad, "empty_like", None)
+    if like is not None and empty_like is not None:
+        return lambda inputs: empty_like(inputs[like])
+    empty_beside = getattr(ad, "empty_beside", None)
+    if empty_beside is not None:
+        return lambda inputs: empty_beside(inputs[0], shape, dtype, perm)
+    empty = ad.empty
+    return lambda inputs: empty(shape, dtype, device, perm)
 
 
 def replay(cache, key, *inputs):
@@ -175,13 +189,22 @@ def replay(cache, key, *inputs):
     return None if found is None else found(*inputs)
 
 
-def entry(ad, device, program, inputs, outputs, slots, returns):
+def entry(ad, device, program, inputs, outputs, slots, returns, arrays=None):
     """An Entry from names: ``inputs`` names the call's arrays in the order
     the Entry is called with, ``outputs`` maps names to (shape, dtype, perm),
     ``slots`` names each Program slot's source (None: null), ``returns``
-    the outputs returned (None: a None in the results)."""
+    the outputs returned (None: a None in the results). ``arrays`` maps
+    input names to the call's (CuPy) arrays: an output of an input's shape
+    and dtype, unpermuted, is allocated like a C-contiguous one."""
     order = list(inputs) + list(outputs)
     where = {name: i for i, name in enumerate(order)}
     sources = [-1 if name is None else where[name] for name in slots]
     rets = [-1 if name is None else where[name] for name in returns]
-    return Entry(ad, device, program, outputs.values(), sources, rets)
+    likes = []
+    for i, (shape, dtype, perm) in enumerate(outputs.values()):
+        for name, a in (arrays or {}).items():
+            if (perm is None and a is not None and tuple(a.shape) == tuple(shape) and a.dtype == dtype
+                    and a.flags.c_contiguous):
+                likes.append((i, list(inputs).index(name)))
+                break
+    return Entry(ad, device, program, outputs.values(), sources, rets, likes)

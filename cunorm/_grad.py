@@ -95,7 +95,7 @@ def _rows_grad_entry(g: RowGradCall, program) -> _fast.Entry:
     returns = ["dx"] + [present(n, p) for n, p in (("dw", call.weight), ("db", call.bias))][: {"rms": 1, "ln": 2}.get(
         g.norm, 0)]
     return _fast.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
-                       outputs, slots, returns)
+                       outputs, slots, returns, arrays={"x": x, "w": call.weight, "b": call.bias})
 
 
 def _contiguous(a):
@@ -297,7 +297,8 @@ def _channel_grad_entry(g: ChannelGradCall, program, last: bool) -> _fast.Entry:
     slots = ("dy", "x", "dx", "mean", "rstd", present("w", call.weight), present("dw", call.weight),
              present("db", call.bias))
     return _fast.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
-                       outputs, slots, ("dx", present("dw", call.weight), present("db", call.bias)))
+                       outputs, slots, ("dx", present("dw", call.weight), present("db", call.bias)),
+                       arrays={"x": x, "w": call.weight, "b": call.bias})
 
 
 def _channels_gpu(g: ChannelGradCall):

@@ -44,79 +44,110 @@ class Slot:
 
 
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+_WORKSPACE_ALIGN = 256
+
+
+def _memset_async(pointer: int, nbytes: int, stream: int) -> None:
+    from cupy.cuda import runtime
+
+    runtime.memsetAsync(pointer, 0, nbytes, stream)
 
 
 class PreparedStep:
-    __slots__ = ("step", "device", "fn", "grid", "block", "shared", "cooperative", "buf", "params", "params_ptr",
-                 "fills")
+    """One launch: ``launcher(*head, stream, params_ptr[, 0])`` with
+    ``head`` = (function, grid x/y/z, block x/y/z, shared bytes)."""
+
+    __slots__ = ("step", "device", "fn", "grid", "block", "shared", "cooperative", "buf", "words", "params",
+                 "params_ptr", "fills", "head")
 
     def launch(self, stream: int) -> None:
-        try:
-            self._launch(stream)
-        except driver.CUDADriverError as err:
-            # A thread that has not touched CUDA through the runtime yet (a
-            # new Python thread, autograd's device thread) has no current
-            # context for the driver's launch: make the device's primary
-            # context current, as the runtime would, and launch again.
-            if err.status != _INVALID_CONTEXT:
-                raise
-            from cupy.cuda import runtime
-
-            runtime.setDevice(self.device)
-            self._launch(stream)
-
-    def _launch(self, stream: int) -> None:
-        gx, gy, gz = self.grid
-        bx, by, bz = self.block
         if self.cooperative:
-            driver.launchCooperativeKernel(self.fn, gx, gy, gz, bx, by, bz, self.shared, stream, self.params_ptr)
+            driver.launchCooperativeKernel(*self.head, stream, self.params_ptr)
         else:
-            driver.launchKernel(self.fn, gx, gy, gz, bx, by, bz, self.shared, stream, self.params_ptr, 0)
+            driver.launchKernel(*self.head, stream, self.params_ptr, 0)
+
+
+def _make_current(device: int) -> None:
+    """A thread that has not touched CUDA through the runtime yet (a new
+    Python thread, autograd's device thread) has no current context for the
+    driver's launch: make the device's primary context current, as the
+    runtime would."""
+    from cupy.cuda import runtime
+
+    runtime.setDevice(device)
 
 
 class Program:
     """The prepared launches of one call signature: run(pointers, stream, alloc)."""
 
-    __slots__ = ("steps", "workspaces", "slots", "lock")
+    __slots__ = ("steps", "workspaces", "slots", "lock", "single", "workspace_bytes", "offsets", "zeroed")
 
     def __init__(self, steps, workspaces, slots):
         self.steps = tuple(steps)
         self.workspaces = tuple(workspaces)  # (bytes, zeroed) of each workspace slot, after the call's slots
         self.slots = slots
         self.lock = threading.Lock()
+        # every workspace in one allocation, each at a 256-byte boundary;
+        # the zeroed ones set by a memset on the stream (not an allocation
+        # and a fill kernel each)
+        offsets, zeroed, total = [], [], 0
+        for nbytes, zero in self.workspaces:
+            offsets.append(total)
+            if zero:
+                zeroed.append((total, nbytes))
+            total += -(-nbytes // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+        self.workspace_bytes, self.offsets, self.zeroed = total, tuple(offsets), tuple(zeroed)
+        # the common case, one plain launch and no workspace: run inlines it
+        one = self.steps[0] if len(self.steps) == 1 and not self.workspaces else None
+        self.single = None if one is None or one.cooperative else one
 
     def run(self, pointers, stream: int, alloc=None):
         """Launch every step on ``stream`` with the call's ``pointers`` (one
-        int per slot, in the slots' order). ``alloc(nbytes, zeroed)`` returns
-        (owner, pointer) of a workspace, in the caller's allocator on the
-        stream (freed by the caller's stream order once the owners are
-        dropped). Returns the workspaces' owners."""
-        if len(self.steps) == 1 and not self.workspaces and step_hook is None:  # the common case, inlined
-            s = self.steps[0]
+        int per slot, in the slots' order). ``alloc(nbytes)`` returns
+        (owner, pointer) of the workspaces' memory, in the caller's
+        allocator on the stream (freed in the stream's order once the owner
+        is dropped). Returns the owner (None without workspaces)."""
+        s = self.single
+        if s is not None and step_hook is None:
             with self.lock:
-                buf = s.buf
+                words = s.words
                 for arg, slot, offset in s.fills:
-                    buf[arg] = pointers[slot] + offset
-                s.launch(stream)
-            return ()
-        owners = ()
+                    words[arg] = pointers[slot] + offset
+                try:
+                    driver.launchKernel(*s.head, stream, s.params_ptr, 0)
+                except driver.CUDADriverError as err:
+                    if err.status != _INVALID_CONTEXT:
+                        raise
+                    _make_current(s.device)
+                    driver.launchKernel(*s.head, stream, s.params_ptr, 0)
+            return None
+        owner = None
         if self.workspaces:
+            owner, base = alloc(self.workspace_bytes)
             pointers = list(pointers)
-            owners = []
-            for nbytes, zeroed in self.workspaces:
-                owner, pointer = alloc(nbytes, zeroed)
-                owners.append(owner)
-                pointers.append(pointer)
+            pointers.extend(base + offset for offset in self.offsets)
+            for offset, nbytes in self.zeroed:
+                _memset_async(base + offset, nbytes, stream)
         with self.lock:
-            for s in self.steps:
-                buf = s.buf
-                for arg, slot, offset in s.fills:
-                    buf[arg] = pointers[slot] + offset
-                if step_hook is None:
-                    s.launch(stream)
-                else:
-                    step_hook(s.step, functools.partial(s.launch, stream))
-        return owners
+            try:
+                self._launch_all(pointers, stream)
+            except driver.CUDADriverError as err:
+                # no context: the first launch failed, nothing ran yet
+                if err.status != _INVALID_CONTEXT:
+                    raise
+                _make_current(self.steps[0].device)
+                self._launch_all(pointers, stream)
+        return owner
+
+    def _launch_all(self, pointers, stream: int) -> None:
+        for s in self.steps:
+            words = s.words
+            for arg, slot, offset in s.fills:
+                words[arg] = pointers[slot] + offset
+            if step_hook is None:
+                s.launch(stream)
+            else:
+                step_hook(s.step, functools.partial(s.launch, stream))
 
 
 _PACK = {"i32": (np.int32, 2), "i64": (np.int64, 1), "f32": (np.float32, 2), "f64": (np.float64, 1)}
@@ -185,6 +216,10 @@ class ProgramBuilder:
         s.fills = tuple(fills)
         s.params = np.arange(len(names), dtype=np.uint64) * np.uint64(8) + np.uint64(s.buf.ctypes.data)
         s.params_ptr = s.params.ctypes.data
+        # the argument words as a memoryview: an item written through it
+        # costs a fraction of a NumPy item assignment
+        s.words = memoryview(s.buf).cast("B").cast("Q")
+        s.head = (s.fn,) + s.grid + s.block + (s.shared,)
         self.steps.append(s)
 
     def build(self) -> Program:
@@ -251,11 +286,11 @@ def check_limits(step, device=None):
 # --- the CuPy side of a run ---------------------------------------------------------
 
 
-def cupy_alloc(nbytes: int, zeroed: bool):
-    """A workspace from CuPy's current allocator (torch's, inside a torch scope)."""
+def cupy_alloc(nbytes: int):
+    """Workspace memory from CuPy's current allocator (torch's, inside a torch scope)."""
     import cupy
 
-    a = (cupy.zeros if zeroed else cupy.empty)(nbytes, dtype=np.uint8)
+    a = cupy.empty(nbytes, dtype=np.uint8)
     return a, a.data.ptr
 
 

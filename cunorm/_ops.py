@@ -217,7 +217,8 @@ def _rows_entry(call: Call, program) -> _fast.Entry:
     present = lambda name, a: None if a is None else name  # noqa: E731
     slots = ("x", present("r", call.residual), "y", present("h", call.residual), present("w", call.weight),
              present("b", call.bias), "mean" if "mean" in outputs else None, "rstd" if "rstd" in outputs else None)
-    return _fast.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "r"), outputs, slots, tuple(outputs))
+    return _fast.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "r"), outputs, slots, tuple(outputs),
+                       arrays={"x": x})
 
 
 def _run_gpu(call: Call):

@@ -403,7 +403,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, r
     """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm`` (differentiable)."""
     stats = _ops.check_flag(return_stats, "return_stats")
     if _eager_autograd(x, weight, residual):
-        return _unpack(_dropped(list(_RowNorm.apply(x, weight, None, residual, "rms", axis, eps)), stats, True, 1))
+        return _unpack(_dropped(list(_row_norm_apply(x, weight, None, residual, "rms", axis, eps)), stats, True, 1))
     asked = stats or _needs_grad(x, weight, residual)
     results = torch.ops.cunorm.rms_norm(x, weight, residual, _axes(axis), _ops.check_eps(eps), asked)
     return _unpack(_dropped(results, stats, asked, 1))
@@ -413,7 +413,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=norms.DEFAULT_EPS, res
     """:func:`cunorm.layer_norm` as the registered op ``torch.ops.cunorm.layer_norm`` (differentiable)."""
     stats = _ops.check_flag(return_stats, "return_stats")
     if _eager_autograd(x, weight, bias, residual):
-        return _unpack(_dropped(list(_RowNorm.apply(x, weight, bias, residual, "ln", axis, eps)), stats, True, 2))
+        return _unpack(_dropped(list(_row_norm_apply(x, weight, bias, residual, "ln", axis, eps)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias, residual)
     results = torch.ops.cunorm.layer_norm(x, weight, bias, residual, _axes(axis), _ops.check_eps(eps), asked)
     return _unpack(_dropped(results, stats, asked, 2))
@@ -440,7 +440,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, 
     groups, axis = _ops.check_int(num_groups, "num_groups"), _ops.check_int(channel_axis, "channel_axis")
     stats = _ops.check_flag(return_stats, "return_stats")
     if _eager_autograd(x, weight, bias):
-        return _unpack(_dropped(list(_ChannelNorm.apply(x, weight, bias, None, None, "group", groups, True, 0.1, eps,
+        return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, None, None, "group", groups, True, 0.1, eps,
                                                         axis)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias)
     results = torch.ops.cunorm.group_norm(x, groups, weight, bias, _ops.check_eps(eps), axis, asked)
@@ -451,7 +451,7 @@ def instance_norm(x, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_a
     """:func:`cunorm.instance_norm` as the registered op ``torch.ops.cunorm.instance_norm`` (differentiable)."""
     axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
     if _eager_autograd(x, weight, bias):
-        return _unpack(_dropped(list(_ChannelNorm.apply(x, weight, bias, None, None, "instance", None, True, 0.1, eps,
+        return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, None, None, "instance", None, True, 0.1, eps,
                                                         axis)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias)
     results = torch.ops.cunorm.instance_norm(x, weight, bias, _ops.check_eps(eps), axis, asked)
@@ -465,7 +465,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
     training = _ops.check_flag(training, "training")
     if _eager_autograd(x, weight, bias):
-        return _unpack(_dropped(list(_ChannelNorm.apply(x, weight, bias, running_mean, running_var, "batch", None,
+        return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, running_mean, running_var, "batch", None,
                                                         training, momentum, eps, axis)), stats, True, 2))
     asked = stats or (training and _needs_grad(x, weight, bias))
     results = torch.ops.cunorm.batch_norm(x, weight, bias, running_mean, running_var, training,
@@ -557,6 +557,30 @@ class _ChannelNorm(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 
+def _raw_apply(cls, tensors: int):
+    """``cls.apply`` without torch.autograd.Function.apply's Python prologue,
+    which outside functorch's transforms only unwraps functorch's dead
+    wrappers: the C apply behind it, with the tensors among the first
+    ``tensors`` arguments unwrapped by the same C helper. Under a functorch
+    transform, or on a torch without these hooks, cls.apply itself."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+    if active is None or unwrap is None:
+        return cls.apply
+    c_apply = super(torch.autograd.Function, cls).apply
+
+    def apply(*args):
+        if active():
+            return cls.apply(*args)
+        return c_apply(*[unwrap(a) if isinstance(a, Tensor) else a for a in args[:tensors]], *args[tensors:])
+
+    return apply
+
+
+_row_norm_apply = _raw_apply(_RowNorm, 4)
+_channel_norm_apply = _raw_apply(_ChannelNorm, 5)
+
+
 # -- modules ----------------------------------------------------------------------------------------------------------
 # Their forward calls the array-level ops, which run as the registered
 # operators when autograd or dynamo needs them (training, torch.compile) and
@@ -570,7 +594,17 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         eps = self.eps if self.eps is not None else _default_rms_eps(x.dtype)
-        return norms.rms_norm(x, self.weight, axis=tuple(range(-len(self.normalized_shape), 0)), eps=eps)
+        axis = _trailing_axes(self.normalized_shape)
+        if _eager_autograd(x, self.weight):  # straight to the autograd.Function (as the op would route it)
+            return _row_norm_apply(x, self.weight, None, None, "rms", axis, eps)[0]
+        return norms.rms_norm(x, self.weight, axis=axis, eps=eps)
+
+
+def _trailing_axes(normalized_shape):
+    """The axes a layer's normalized_shape names: -1 for one (an int keys the
+    launch cache without a walk over a tuple), else the trailing ones."""
+    n = len(normalized_shape)
+    return -1 if n == 1 else tuple(range(-n, 0))
 
 
 def _default_rms_eps(dtype) -> float:
@@ -583,8 +617,10 @@ class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` computed by cunorm (same arguments, parameters and state_dict)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return norms.layer_norm(x, self.weight, self.bias, axis=tuple(range(-len(self.normalized_shape), 0)),
-                                eps=self.eps)
+        axis = _trailing_axes(self.normalized_shape)
+        if _eager_autograd(x, self.weight, self.bias):  # as in RMSNorm.forward
+            return _row_norm_apply(x, self.weight, self.bias, None, "ln", axis, self.eps)[0]
+        return norms.layer_norm(x, self.weight, self.bias, axis=axis, eps=self.eps)
 
 
 class GroupNorm(torch.nn.GroupNorm):

@@ -192,6 +192,22 @@ def test_cached_backward_grid_fills_the_gpu():
     assert _launch.persistent_grid(step, 0)[0] >= _launch.device_info(0).sm_count
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 37])
+@pytest.mark.parametrize("n", [4096, 1001])
+def test_cached_backward_few_rows(rows, n, rng):
+    """A grid of few blocks (decode-sized batches) sums the parameter
+    partials with one slice a partial row and wide column units; n = 1001
+    takes the one-column units (not a multiple of 4)."""
+    from cunorm import _grad
+
+    dtype = _dtypes.bfloat16
+    x = random(rng, (rows, n), dtype)
+    launch = _grad._rows_launch("ln", np.dtype(dtype), np.dtype(dtype), 3, rows, n, 1, 8 if n % 8 == 0 else 1, 0)
+    assert launch.tier == "cached"
+    check_rows("ln", x, weight=random(rng, (n,), dtype, offset=1.0), bias=random(rng, (n,), dtype), rng=rng)
+    check_rows("rms", x, weight=random(rng, (n,), dtype, offset=1.0), rng=rng)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", ["rms", "ln"])
 def test_strided_axis_backward(op, dtype, rng):

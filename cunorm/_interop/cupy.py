@@ -26,15 +26,22 @@ def from_cupy(y: cupy.ndarray):
 # --- the launch cache's half (cunorm/_fast.py) ------------------------------------
 
 
-def signature(a):
-    """What a prepared launch depends on: dtype, shape, strides, GPU and
-    the pointer's alignment (AttributeError for anything but a CuPy array)."""
-    data = a.data
-    return a.dtype, a.shape, a.strides, data.device_id, data.ptr & 15
-
-
-def watched(*arrays) -> bool:
-    return False
+def signatures(x, arrays):
+    """What a prepared launch depends on, for x and each of ``arrays`` (None
+    for an absent one): dtype, shape, strides, GPU and the pointer's
+    alignment. None where an array is not a CuPy array."""
+    try:
+        data = x.data
+        parts = [(x.dtype, x.shape, x.strides, data.device_id, data.ptr & 15)]
+        for a in arrays:
+            if a is None:
+                parts.append(None)
+                continue
+            data = a.data
+            parts.append((a.dtype, a.shape, a.strides, data.device_id, data.ptr & 15))
+    except AttributeError:
+        return None
+    return tuple(parts)
 
 
 current_device = cupy.cuda.runtime.getDevice
@@ -45,7 +52,7 @@ def native_dtype(dtype):
 
 
 def empty(shape, dtype, device: int, perm=None):
-    y = cupy.empty(shape, dtype=dtype)
+    y = cupy.ndarray(shape, dtype)  # what cupy.empty calls, without its Python frame
     return y if perm is None else y.transpose(perm)
 
 
@@ -58,8 +65,8 @@ def stream(device: int) -> int:
 
 
 def workspace_allocator(device: int):
-    def alloc(nbytes: int, zeroed: bool):
-        a = (cupy.zeros if zeroed else cupy.empty)(nbytes, dtype=cupy.uint8)
+    def alloc(nbytes: int):
+        a = cupy.empty(nbytes, dtype=cupy.uint8)
         return a, a.data.ptr
 
     return alloc

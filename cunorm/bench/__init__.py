@@ -116,6 +116,7 @@ def kernelbench_cases(quick: bool) -> list[Case]:
 
 LLM_HIDDEN = (1024, 2048, 4096, 8192, 16384, 32768)
 LLM_TOKENS = 16384
+LLM_SWEEP_TOKENS = (1, 16, 128, 1024, 4096, 32768)
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
@@ -132,6 +133,10 @@ def llm_cases(quick: bool) -> list[Case]:
                 for h in hidden:
                     label = f"{'residual+' if residual else ''}{op} {SHORT[dtype]} {tokens}x{h}"
                     out.append(_rows("llm", label, op, (tokens, h), dtype, -1, params, residual))
+    # the token sweep of one model width, decode (1 token) to a long prefill
+    for op, params in (("rms_norm", "w"), ("layer_norm", "wb")):
+        for t in (LLM_SWEEP_TOKENS[:3] if quick else LLM_SWEEP_TOKENS):
+            out.append(_rows("llm", f"{op} bf16 {t}x4096", op, (t, 4096), "bfloat16", -1, params, False))
     return out
 
 

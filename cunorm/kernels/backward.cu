@@ -205,18 +205,27 @@ __device__ __forceinline__ void sum_partial_columns(const A* __restrict__ src, P
 // The column sums of rows_grad_cached's partials by its own grid, once
 // every block has written its own (behind the grid barrier): out_w from
 // partial rows 0 .. parts - 1, out_b from rows parts .. 2 * parts - 1. A
-// unit of work is kQuads x C consecutive columns of one output, C = 4 (one
-// 16-byte load) where n allows, else 1, summed by the block as kQuads x
-// (blockDim.x / kQuads) threads (sum_partial_columns); blocks take units
-// blockIdx.x, + gridDim.x, ... `tile`: C x blockDim.x words of shared
-// memory.
+// unit of work is quads x C consecutive columns of one output, C = 4 (one
+// 16-byte load) where n allows, else 1, summed by the block as quads x
+// slices threads (sum_partial_columns); blocks take units blockIdx.x, +
+// gridDim.x, ... slices = blockDim.x / 8 (quads = 8) where there are that
+// many partial rows; a grid of fewer (few rows: decode-sized calls) takes
+// the power of two at or above parts (at most 32) and wider units, so that
+// no slice idles and a block runs few units one after another (one block
+// of a 1x4096 RMSNorm ran 128 units of 32 columns: docs/performance.md,
+// "Small-batch backward"). `tile`: C x blockDim.x words of shared memory.
 template <int C, class A, class P, int FLAGS>
 __device__ __forceinline__ void grid_column_sum(const A* __restrict__ partial, P* __restrict__ out_w,
                                                 P* __restrict__ out_b, int parts, int n, A* tile) {
-    constexpr int kQuads = 8;  // column groups of C a unit
-    const int slices = static_cast<int>(blockDim.x) / kQuads;
-    const int x = threadIdx.x % kQuads, y = threadIdx.x / kQuads;
-    const int unit_cols = kQuads * C;
+    const int threads = static_cast<int>(blockDim.x);
+    int slices = threads / 8;
+    if (parts < slices) {
+        slices = 1;
+        while (slices < parts && slices < 32) slices *= 2;
+    }
+    const int quads = threads / slices;  // column groups of C a unit
+    const int x = threadIdx.x % quads, y = threadIdx.x / quads;
+    const int unit_cols = quads * C;
     const int groups = (n + unit_cols - 1) / unit_cols;
     constexpr int first = (FLAGS & kWeight) ? 0 : 1;  // the outputs wanted: first .. last
     constexpr int last = (FLAGS & kBias) ? 1 : 0;
@@ -225,7 +234,7 @@ __device__ __forceinline__ void grid_column_sum(const A* __restrict__ partial, P
         // (four loads in flight: eight raised the kernel's registers, 39 ->
         // 78 for RMSNorm fp32 rows of 1024, cutting its blocks an SM)
         sum_partial_columns<C, 4>(partial + static_cast<long long>(output) * parts * n, out_w, out_b, output, parts,
-                                  n, (unit % groups) * unit_cols + x * C, x, y, kQuads, slices, tile);
+                                  n, (unit % groups) * unit_cols + x * C, x, y, quads, slices, tile);
     }
 }
 
