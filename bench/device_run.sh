@@ -18,8 +18,11 @@ if [[ $STAGES == *tests* ]]; then
   python3 -m cunorm precompile 2>&1 | tail -2 | tee "$OUT/precompile.txt"
   python3 -m cunorm check 2>&1 | tee "$OUT/check.txt"
   # the GPU tests plus the CPU tests that need no NVRTC offline compile
-  # (8 workers ran out of memory on an 80 GB H100; 5 fit)
-  python3 -m pytest -q -n "${PYTEST_WORKERS:-5}" tests --ignore=tests/test_compile.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+  # workers by GPU memory: single tests take up to ~36 GB, and 5 workers
+  # ran out of memory on an 80 GB H100
+  mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  workers=${PYTEST_WORKERS:-$(( mem_mib > 120000 ? 8 : 3 ))}
+  python3 -m pytest -q -n "$workers" tests --ignore=tests/test_compile.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
   tests_rc=${PIPESTATUS[0]}
 fi
 if [[ $STAGES == *bench* ]]; then
