@@ -8,7 +8,8 @@ kernelbench
 llm
     RMSNorm and LayerNorm over the last axis of (tokens, hidden) rows,
     hidden 1024 to 32768, bf16, fp16 and fp32, with a same-dtype weight (and
-    bias), with and without the fused residual add.
+    bias), with and without the fused residual add; and a token sweep at
+    hidden 4096 in bf16, 1 (decode) to 32768 tokens.
 sweep
     Effective GB/s against size for each op (fp32, 256 KB to 1 GB of x).
 backward
