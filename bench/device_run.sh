@@ -3,8 +3,8 @@
 # Usage (device tool, from the repo root):  bash bench/device_run.sh [--tune] [--no-compile]
 # STAGES="tests" or STAGES="bench" runs one half (two calls fit the 10-minute
 # limit; give both the same CUPY_CACHE_DIR so the second reuses the kernels).
-# Writes under $OUT: gpu.txt, precompile.txt, check.txt, pytest.log (pytest-serial.log), bench.json,
-# bench.md, bench.log.
+# Writes under $OUT: gpu.txt, precompile.txt, check.txt, pytest-huge.log, pytest.log (pytest-serial.log),
+# bench.json, bench.md, bench.log.
 set -u -o pipefail
 OUT=${OUT:-/tmp/cunorm-out}
 mkdir -p "$OUT"
@@ -18,23 +18,29 @@ if [[ $STAGES == *tests* ]]; then
   # ahead-of-time compile of every kernel (into a fresh cache: an honest time), then the main job
   python3 -m cunorm precompile 2>&1 | tail -2 | tee "$OUT/precompile.txt"
   python3 -m cunorm check 2>&1 | tee "$OUT/check.txt"
-  # the GPU tests plus the CPU tests that need no NVRTC offline compile
-  # workers by GPU memory: single tests take up to ~45 GB (the KernelBench
-  # shapes beside torch), so parallel workers can exhaust an 80 GB GPU
-  # together; whatever fails in the parallel pass runs again alone, and
-  # that pass's verdict is the suite's (a real failure fails there too)
+  # The GPU tests plus the CPU tests that need no NVRTC offline compile.
+  # The tests marked huge (tens of GB each) run alone first; the rest in
+  # parallel, workers by GPU memory (KernelBench-sized tests beside torch
+  # take up to ~45 GB, and parallel workers exhausted an 80 GB GPU
+  # together); whatever fails there runs again in one process by node id,
+  # and that pass's verdict is the suite's (a real failure fails again).
   mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   workers=${PYTEST_WORKERS:-$(( mem_mib > 120000 ? 8 : 3 ))}
-  cache=$(mktemp -d)
-  python3 -m pytest -q -n "$workers" tests --ignore=tests/test_compile.py -o cache_dir="$cache" 2>&1 \
+  python3 -m pytest -q -m huge tests --ignore=tests/test_compile.py 2>&1 | tee "$OUT/pytest-huge.log" | tail -3
+  huge_rc=${PIPESTATUS[0]}
+  [[ $huge_rc == 5 ]] && huge_rc=0  # none collected
+  python3 -m pytest -q -n "$workers" -m "not huge" tests --ignore=tests/test_compile.py 2>&1 \
     | tee "$OUT/pytest.log" | tail -25
   tests_rc=${PIPESTATUS[0]}
   if [[ $tests_rc != 0 ]]; then
-    echo "== the failures again, one process (pytest-serial.log)"
-    python3 -m pytest -q --lf tests --ignore=tests/test_compile.py -o cache_dir="$cache" 2>&1 \
-      | tee "$OUT/pytest-serial.log" | tail -25
-    tests_rc=${PIPESTATUS[0]}
+    mapfile -t failed < <(grep '^FAILED ' "$OUT/pytest.log" | sed 's/^FAILED //; s/ - .*$//')
+    if (( ${#failed[@]} > 0 )); then
+      echo "== the ${#failed[@]} failures again, one process (pytest-serial.log)"
+      python3 -m pytest -q "${failed[@]}" 2>&1 | tee "$OUT/pytest-serial.log" | tail -25
+      tests_rc=${PIPESTATUS[0]}
+    fi
   fi
+  tests_rc=$(( tests_rc || huge_rc ))
 fi
 if [[ $STAGES == *bench* ]]; then
   python3 bench/bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
