@@ -15,18 +15,6 @@ import time
 import numpy as np
 
 
-def _gpu_name():
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
-        return props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    except Exception:
-        return None
-
-
 def _check_cases():
     from . import _dtypes
 
@@ -144,7 +132,9 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=None,
                         help="precompile: compiling processes (default: the CPU count)")
     args = parser.parse_args(argv)
-    name = _gpu_name()
+    from ._launch import gpu_name
+
+    name = gpu_name()
     if args.command == "precompile":
         if name is None:
             print("No CUDA GPU found: precompile builds for the current GPU. Run `python -m cunorm check` "

@@ -14,6 +14,26 @@ import numpy as np
 
 from . import _dispatch, _dtypes, _fast, _interop, _launch, _plan
 
+DEFAULT_EPS = 1e-5
+#: the Lp family's eps, as torch's F.normalize
+LP_EPS = 1e-12
+
+
+def lp_norm_name(p) -> str:
+    """The norm name of the Lp norm for p (validated)."""
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real):
+        raise TypeError(f"p must be a positive real number or inf, got {type(p).__name__}")
+    value = float(p)
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"p must be > 0 (or inf), got {p!r}")
+    if value == 1.0:
+        return "l1"
+    if value == 2.0:
+        return "l2"
+    if value == math.inf:
+        return "linf"
+    return _dispatch.power_norm_name(value)
+
 
 def check_eps(eps) -> float:
     if type(eps) is float and 0.0 <= eps < math.inf:

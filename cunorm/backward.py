@@ -22,7 +22,7 @@ and layers are differentiable (these functions are their backward).
 from __future__ import annotations
 
 from . import _fast, _grad, reference
-from .norms import DEFAULT_EPS, LP_EPS, _lp_norm
+from ._ops import DEFAULT_EPS, LP_EPS, lp_norm_name
 
 __all__ = ["rms_norm_backward", "layer_norm_backward", "normalize_backward", "mean_abs_normalize_backward",
            "frobenius_normalize_backward", "group_norm_backward", "instance_norm_backward", "batch_norm_backward"]
@@ -130,7 +130,7 @@ def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=LP_EPS):
 
     {errors}
     """
-    return _rows_grad(_lp_norm(p), dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
+    return _rows_grad(lp_norm_name(p), dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
         g.dy, g.call.x, float(p), axis=_axes(g.call), eps=g.call.eps))
 
 

@@ -2,16 +2,9 @@
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 
-import numpy as np
-
-from . import _channels, _dispatch, _fast, _interop, _ops, reference
-
-DEFAULT_EPS = 1e-5
-#: the Lp family's eps, as torch's F.normalize
-LP_EPS = 1e-12
+from . import _channels, _fast, _interop, _ops, reference
+from ._ops import DEFAULT_EPS, LP_EPS  # the defaults, defined beside the argument checks (backward reads them too)
 
 # The description of x, shared by the docstrings (filled in at the end).
 _ROW_X = """x : array
@@ -156,22 +149,6 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
                                                return_stats=return_stats))
 
 
-def _lp_norm(p) -> str:
-    """The norm name of the Lp norm for p (validated)."""
-    if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real):
-        raise TypeError(f"p must be a positive real number or inf, got {type(p).__name__}")
-    value = float(p)
-    if math.isnan(value) or value <= 0:
-        raise ValueError(f"p must be > 0 (or inf), got {p!r}")
-    if value == 1.0:
-        return "l1"
-    if value == 2.0:
-        return "l2"
-    if value == math.inf:
-        return "linf"
-    return _dispatch.power_norm_name(value)
-
-
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
     """Lp normalization, as torch's ``F.normalize``.
 
@@ -218,7 +195,7 @@ def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
     ``|x|`` beyond about 1e19; for large p much sooner: ``|x|**p`` is summed).
     Other groups are unaffected.
     """
-    return _row_op(_lp_norm(p), x, None, None, None, axis, eps, False, out,
+    return _row_op(_ops.lp_norm_name(p), x, None, None, None, axis, eps, False, out,
                    functools.partial(reference.normalize, p=float(p)), lambda: _torch().normalize(x, p, axis=axis, eps=eps))
 
 

@@ -421,7 +421,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=norms.DEFAULT_EPS, res
 
 def normalize(x, p=2.0, *, axis=-1, eps=norms.LP_EPS):
     """:func:`cunorm.normalize` as the registered op ``torch.ops.cunorm.normalize`` (differentiable)."""
-    return torch.ops.cunorm.normalize(x, norms._lp_norm(p), _axes(axis), _ops.check_eps(eps))
+    return torch.ops.cunorm.normalize(x, _ops.lp_norm_name(p), _axes(axis), _ops.check_eps(eps))
 
 
 def mean_abs_normalize(x, *, axis=-1, eps=norms.LP_EPS):

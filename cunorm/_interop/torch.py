@@ -191,7 +191,10 @@ def signatures(x, arrays):
     return tuple(parts)
 
 
-current_device = torch._C._cuda_getDevice
+# (a torch built without CUDA lacks the raw getter; its tensors never reach
+# the cached path, but this module must import there: it is what refuses
+# them)
+current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def native_dtype(dtype):
@@ -227,7 +230,7 @@ def pointer(a) -> int:
 
 try:
     stream = torch._C._cuda_getCurrentRawStream  # what inductor's generated code calls
-except AttributeError:  # pragma: no cover - older torch
+except AttributeError:  # pragma: no cover - an older torch, or one built without CUDA
     def stream(device: int) -> int:
         return torch.cuda.current_stream(device).cuda_stream
 

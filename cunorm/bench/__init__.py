@@ -423,9 +423,9 @@ def main(argv=None) -> int:
         for p in plot(result, Path(args.out)):
             print(p)
         return 0
-    from .. import __main__ as entry
+    from .._launch import gpu_name
 
-    gpu = entry._gpu_name()
+    gpu = gpu_name()
     if gpu is None:
         print("No CUDA GPU found: `python -m cunorm bench` measures kernels on a GPU and has nothing to run here. "
               "(`python -m cunorm check` compiles every kernel without one.)")
