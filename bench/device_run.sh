@@ -20,9 +20,8 @@ if [[ $STAGES == *tests* ]]; then
   python3 -m cunorm check 2>&1 | tee "$OUT/check.txt"
   # The GPU tests plus the CPU tests that need no NVRTC offline compile.
   # The tests marked huge (tens of GB each) run alone first; the rest in
-  # parallel, workers by GPU memory (KernelBench-sized tests beside torch
-  # take up to ~45 GB, and parallel workers exhausted an 80 GB GPU
-  # together); whatever fails there runs again in one process by node id,
+  # parallel, workers by GPU memory (a test process held up to 43 GB, and
+  # parallel workers exhausted an 80 GB GPU together); whatever fails there runs again in one process by node id,
   # and that pass's verdict is the suite's (a real failure fails again).
   mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   workers=${PYTEST_WORKERS:-$(( mem_mib > 120000 ? 8 : 3 ))}

@@ -17,22 +17,12 @@ import cunorm.torch as ct
 from cunorm import _fast
 from cunorm._interop import cupy as cupy_adapter
 from cunorm._interop import torch as torch_adapter
+from cunorm.bench._cases import _per_call_us
 
 
 def in_loop(fn, n=2000):
-    """The least of five loops of n // 5 calls (this host's timings jump
-    between loops)."""
-    for _ in range(200):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n // 5):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / (n // 5) * 1e6)
-    return best
+    """As the bench's host suite times a call (least of five loops)."""
+    return _per_call_us(fn, n, torch.cuda.synchronize)
 
 
 def behind_sleep(fn, n=400):

@@ -131,16 +131,14 @@ class Entry:
     the Program takes its pointer from (an input, an output, or null), and
     which outputs are returned."""
 
-    __slots__ = ("ad", "device", "program", "makers", "sources", "returns", "single", "alloc", "current_device",
+    __slots__ = ("device", "program", "makers", "sources", "returns", "single", "alloc", "current_device",
                  "pointer", "stream")
 
     def __init__(self, ad, device, program, outputs, sources, returns, likes=()):
-        self.ad, self.device, self.program = ad, device, program
+        self.device, self.program = device, program
         likes = dict(likes)
-        makers = []
-        for i, (shape, dtype, perm) in enumerate(outputs):
-            makers.append(_maker(ad, device, tuple(shape), ad.native_dtype(dtype), perm, likes.get(i)))
-        self.makers = tuple(makers)
+        self.makers = tuple(_maker(ad, tuple(shape), ad.native_dtype(dtype), perm, likes.get(i))
+                            for i, (shape, dtype, perm) in enumerate(outputs))
         self.sources = tuple(sources)
         self.returns = tuple(returns)
         self.single = len(self.returns) == 1
@@ -164,20 +162,16 @@ class Entry:
         return tuple(None if k < 0 else arrays[k] for k in self.returns)
 
 
-def _maker(ad, device, shape, dtype, perm, like):
+def _maker(ad, shape, dtype, perm, like):
     """An output's allocation, called with the Entry's inputs: like input
-    ``like`` where the adapter allocates that faster (torch's empty_like
-    skips parsing a shape, dtype and device), else from the shape, beside
-    the first input where the adapter has that (torch's new_empty takes
-    its device from the tensor)."""
+    ``like`` where the adapter has empty_like (torch's skips parsing a
+    shape, dtype and device), else from the shape, beside the first input
+    (torch's new_empty takes its device from the tensor)."""
     empty_like = getattr(ad, "empty_like", None)
     if like is not None and empty_like is not None:
         return lambda inputs: empty_like(inputs[like])
-    empty_beside = getattr(ad, "empty_beside", None)
-    if empty_beside is not None:
-        return lambda inputs: empty_beside(inputs[0], shape, dtype, perm)
-    empty = ad.empty
-    return lambda inputs: empty(shape, dtype, device, perm)
+    empty_beside = ad.empty_beside
+    return lambda inputs: empty_beside(inputs[0], shape, dtype, perm)
 
 
 def replay(cache, key, *inputs):
@@ -205,6 +199,6 @@ def entry(ad, device, program, inputs, outputs, slots, returns, arrays=None):
         for name, a in (arrays or {}).items():
             if (perm is None and a is not None and tuple(a.shape) == tuple(shape) and a.dtype == dtype
                     and a.flags.c_contiguous):
-                likes.append((i, list(inputs).index(name)))
+                likes.append((i, where[name]))
                 break
     return Entry(ad, device, program, outputs.values(), sources, rets, likes)

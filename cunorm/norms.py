@@ -400,12 +400,9 @@ def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, refer
     key = None
     if out is None:
         key = _fast.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats)
-        if key is not None:
-            found = _fast.ROWS.get(key)
-            if found is not None:
-                results = found(x, weight, bias, residual)
-                if results is not None:
-                    return results
+        results = _fast.replay(_fast.ROWS, key, x, weight, bias, residual)
+        if results is not None:
+            return results
     if _interop.torch_route(x, weight, bias, residual, out=out):
         return torch_op()
     call = _ops.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual, return_stats=return_stats)
@@ -419,12 +416,9 @@ def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, tr
     if out is None:
         key = _fast.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum,
                                 eps, channel_axis, return_stats)
-        if key is not None:
-            found = _fast.CHANNELS.get(key)
-            if found is not None:
-                results = found(x, weight, bias, running_mean, running_var)
-                if results is not None:
-                    return results
+        results = _fast.replay(_fast.CHANNELS, key, x, weight, bias, running_mean, running_var)
+        if results is not None:
+            return results
     if _interop.torch_route(x, weight, bias, out=out):
         return torch_op()
     call = _channels.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,

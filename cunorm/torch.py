@@ -583,9 +583,9 @@ _channel_norm_apply = _raw_apply(_ChannelNorm, 5)
 
 # -- modules ----------------------------------------------------------------------------------------------------------
 # Their forward calls the array-level ops, which run as the registered
-# operators when autograd or dynamo needs them (training, torch.compile) and
-# take the shorter direct path otherwise (inference: 23-43 us less host time
-# a call, H200 machine, 2026-11-21).
+# operators under dynamo (torch.compile), as the autograd.Functions above in
+# eager training (RMSNorm and LayerNorm enter theirs directly), and take the
+# launch cache otherwise.
 
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` computed by cunorm (same arguments, parameters and

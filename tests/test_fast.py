@@ -105,7 +105,7 @@ def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype():
         stream = staticmethod(lambda device: 0)
 
         @staticmethod
-        def empty(shape, dtype, device, perm=None):
+        def empty_beside(a, shape, dtype, perm=None):
             made.append(("empty", tuple(shape), np.dtype(dtype)))
             return np.empty(shape, dtype)
 

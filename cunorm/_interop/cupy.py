@@ -51,7 +51,9 @@ def native_dtype(dtype):
     return dtype
 
 
-def empty(shape, dtype, device: int, perm=None):
+def empty_beside(a, shape, dtype, perm=None):
+    """A new array on the current device (the cached path checked that it
+    is a's)."""
     y = cupy.ndarray(shape, dtype)  # what cupy.empty calls, without its Python frame
     return y if perm is None else y.transpose(perm)
 

@@ -201,25 +201,15 @@ def native_dtype(dtype):
     return TORCH_DTYPE[dtype]
 
 
-_devices: dict[int, torch.device] = {}
-
-
-def empty(shape, dtype, device: int, perm=None):
-    where = _devices.get(device)
-    if where is None:
-        where = _devices.setdefault(device, torch.device("cuda", device))
-    y = torch.empty(shape, dtype=dtype, device=where)
-    return y if perm is None else y.permute(perm)
-
-
 #: an output shaped, typed and laid out as a C-contiguous input (cheaper
 #: than empty: no shape, dtype or device to parse)
 empty_like = torch.empty_like
 
 
 def empty_beside(a, shape, dtype, perm=None):
-    """A new tensor on a's device (new_empty parses no device: about half
-    of torch.empty's host time, H100 host, 2026-11-23)."""
+    """A new tensor on a's device (new_empty parses no device: 3.2 us
+    against torch.empty's 5.8 us for a (1,) float32, H100 host,
+    2026-11-23)."""
     y = a.new_empty(shape, dtype=dtype)
     return y if perm is None else y.permute(perm)
 
