@@ -2,8 +2,10 @@
 timed alone two ways: in a loop on an idle GPU (wall clock per call, as the
 bench's host suite measures) and behind a 1-second GPU sleep (launches only
 queue: host time alone). Then the training steps: their host time, and a
-torch.profiler table of their GPU kernels.
-PYTHONPATH=. python bench/diag_host.py [--no-profile]"""
+torch.profiler table of their GPU kernels (--no-profile: not), and with
+--cprofile the Python functions of each step (backward on the calling
+thread, where cProfile sees it), by own time.
+PYTHONPATH=. python bench/diag_host.py [--no-profile] [--cprofile]"""
 import sys
 import time
 
@@ -14,7 +16,7 @@ from cupy_backends.cuda.api import driver
 
 import cunorm
 import cunorm.torch as ct
-from cunorm import _fast
+from cunorm import _fast, _torch_autograd
 from cunorm._interop import cupy as cupy_adapter
 from cunorm._interop import torch as torch_adapter
 from cunorm.bench._cases import _per_call_us
@@ -57,14 +59,16 @@ show("torch.empty_like(x)", lambda: torch.empty_like(x))
 show("torch signatures(x, (w, None, None))", lambda: torch_adapter.signatures(x, (w, None, None)))
 show("rows_key torch", lambda: _fast.rows_key("rms", x, w, None, None, -1, 1e-5, False))
 cunorm.rms_norm(x, w)
-entry = _fast.ROWS.get(_fast.rows_key("rms", x, w, None, None, -1, 1e-5, False))
+launcher = _fast.ROWS.get(_fast.rows_key("rms", x, w, None, None, -1, 1e-5, False))
+entry = launcher.entry
 keep = torch.empty_like(x)
 arrays = [x, w, None, None, keep]
 pointers = [0 if k < 0 or arrays[k] is None else arrays[k].data_ptr() for k in entry.sources]
 step = entry.program.steps[0]
 show("driver.launchKernel alone", lambda: driver.launchKernel(*step.head, 0, step.params_ptr, 0))
 show("program.run", lambda: entry.program.run(pointers, 0))
-show("entry(x, w, None, None)", lambda: entry(x, w, None, None))
+show("Entry(x, w, None, None), the generic run", lambda: entry(x, w, None, None))
+show("its generated launcher", lambda: launcher(x, w, None, None))
 show("cunorm.rms_norm torch", lambda: cunorm.rms_norm(x, w))
 show("cupy.empty((1,4096), bf16)", lambda: cupy.empty((1, 4096), dtype=xc.dtype))
 show("cupy signatures(xc, (wc, None, None))", lambda: cupy_adapter.signatures(xc, (wc, None, None)))
@@ -95,12 +99,12 @@ class _Trivial(torch.autograd.Function):
         return g
 
 
-raw_row_apply = super(torch.autograd.Function, ct._RowNorm).apply
+raw_row_apply = super(torch.autograd.Function, _torch_autograd.RowNorm).apply
 raw_trivial_apply = super(torch.autograd.Function, _Trivial).apply
 with torch.no_grad():
     show("rms_norm(x, w, return_stats=True), no grad", lambda: cunorm.rms_norm(x, w, return_stats=True), 1000)
-show("_RowNorm.apply", lambda: ct._RowNorm.apply(xg, w, None, None, "rms", -1, 1e-5), 1000)
-show("_RowNorm C apply (no functorch unwrap)", lambda: raw_row_apply(xg, w, None, None, "rms", -1, 1e-5), 1000)
+show("RowNorm.apply", lambda: _torch_autograd.RowNorm.apply(xg, w, None, None, "rms", -1, 1e-5), 1000)
+show("RowNorm C apply (no functorch unwrap)", lambda: raw_row_apply(xg, w, None, None, "rms", -1, 1e-5), 1000)
 show("ct.rms_norm(xg, w)", lambda: ct.rms_norm(xg, w), 1000)
 show("trivial Function apply", lambda: _Trivial.apply(xg), 1000)
 show("trivial Function C apply", lambda: raw_trivial_apply(xg), 1000)
@@ -114,6 +118,23 @@ torch.autograd.set_multithreading_enabled(False)
 for name, fn in steps.items():
     show(name + ", backward on the calling thread", fn, 1000)
 torch.autograd.set_multithreading_enabled(True)
+if "--cprofile" in sys.argv:
+    import cProfile
+    import pstats
+
+    torch.autograd.set_multithreading_enabled(False)
+    for name, fn in {**steps, "cunorm RMSNorm forward, grad on": lambda: norm(xg)}.items():
+        for _ in range(50):
+            fn()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(1000):
+            fn()
+        torch.cuda.synchronize()
+        profiler.disable()
+        print(f"== {name}: 1000 steps, by own time")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    torch.autograd.set_multithreading_enabled(True)
 if "--source" in sys.argv:
     import inspect
 

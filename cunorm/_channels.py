@@ -261,7 +261,7 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     w, b = _ops._as_param(call.weight, pdtype), _ops._as_param(call.bias, pdtype)
     from_running = call.norm == "batch" and not call.training
     key = (call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial, channels // call.groups,
-           call.norm != "batch", x.data.ptr % 32, y.data.ptr % 32, from_running, x.data.device_id,
+           call.norm != "batch", x.data.ptr % 32, y.data.ptr % 32, from_running, bool(stats), x.data.device_id,
            tuple(sorted((override or {}).items())))
     plan, launch = _planned(*key)
     acc = _dtypes.accumulation(x.dtype)
@@ -305,10 +305,15 @@ def channel_program(plan, launch, from_running: bool, eps: float, momentum: floa
     mean, rstd = (pb["mean"], pb["rstd"]) if has_stats else (None, None)
     rm, rv = (pb[name] if present else None for name, present in zip(("running_mean", "running_var"), has_running))
     acc_bytes = _dtypes.accumulation(plan.dtype).itemsize
-    ws = pb.workspace(launch.workspace_words * acc_bytes)
-    affine = ws + (launch.workspace_words - 3 * plan.statistic_groups) * acc_bytes
     dims = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
             "channels_per_group": plan.channels_per_group, "per_sample": int(plan.per_sample)}
+    apply = {"x": x, "y": pb["y"], "w": w, "b": b, **dims, "chunks": launch.chunks, "chunk_len": launch.chunk_vecs,
+             "eps": eps}
+    if not launch.workspace_words:  # eval mode in one launch: the epilogue reads the running buffers
+        pb.launch(launch.steps[0], affine=None, running_mean=rm, running_var=rv, **apply)
+        return pb.build()
+    ws = pb.workspace(launch.workspace_words * acc_bytes)
+    affine = ws + (launch.workspace_words - 3 * plan.statistic_groups) * acc_bytes
     if from_running:
         pb.launch(launch.steps[0], running_mean=rm, running_var=rv, affine=affine, mean_out=mean, rstd_out=rstd,
                   channels=plan.channels, eps=eps)
@@ -316,14 +321,13 @@ def channel_program(plan, launch, from_running: bool, eps: float, momentum: floa
         pb.launch(launch.steps[0], x=x, partial=ws, **dims, chunks=launch.chunks, chunk_len=launch.chunk_vecs)
         pb.launch(launch.steps[1], x=x, partial=ws, affine=affine, mean_out=mean, rstd_out=rstd, running_mean=rm,
                   running_var=rv, **dims, chunks=launch.chunks, eps=eps, momentum=momentum)
-    pb.launch(launch.steps[-1], x=x, y=pb["y"], w=w, b=b, affine=affine, **dims, chunks=launch.chunks,
-              chunk_len=launch.chunk_vecs)
+    pb.launch(launch.steps[-1], affine=affine, running_mean=None, running_var=None, **apply)
     return pb.build()
 
 
 @functools.lru_cache(maxsize=1024)
 def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group, per_sample, x_mod,
-             y_mod, from_running, device_id, override_items=()):
+             y_mod, from_running, returns_stats, device_id, override_items=()):
     """(plan, launch) of a call; launch None for the row family's path."""
     plan = _plan.make_channel_plan(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group,
                                    per_sample, x_mod, y_mod)
@@ -333,7 +337,8 @@ def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channel
     if not from_running and "walk" not in override and _dispatch.channel_rows_fast(plan):
         return plan, None
     device = _launch.device_info(device_id)
-    launch = _dispatch.choose_channels(plan, device, from_running=from_running, override=override)
+    launch = _dispatch.choose_channels(plan, device, from_running=from_running, returns_stats=returns_stats,
+                                       override=override)
     for step in launch.steps:
         _launch.check_limits(step, device)
     return plan, launch

@@ -409,12 +409,14 @@ def channel_rows_fast(plan: ChannelPlan) -> bool:
     return plan.per_sample and not plan.channels_last and plan.flags == 0
 
 
-def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = False,
+def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = False, returns_stats: bool = True,
                     override: dict | None = None) -> Launch:
     """The three-launch walk of cunorm/kernels/channels.cu for ``plan``:
     partial statistics over chunks of the positions, a block per statistic
     group to combine them, then the elementwise epilogue (x read twice).
-    BatchNorm in eval mode (from_running) needs only the epilogue.
+    BatchNorm in eval mode (from_running) needs only the epilogue: one
+    launch that reads the running buffers itself, or, where the call
+    returns its statistics, channel_from_running first (it writes them).
     ``override`` {"chunks": n} forces the chunks a channel's positions are
     cut into (the tuning script)."""
     from ._dtypes import KERNEL_TYPE, accumulation
@@ -457,6 +459,8 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
                          f"is over the kernels' 2**31 - 1 index limit")
     apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, plan.vec, plan.channels_last), grid, block)
+    if from_running and not returns_stats:
+        return Launch("channel_eval", (apply,), chunks=chunks, chunk_vecs=chunk_len)
     if from_running:
         a = KERNEL_TYPE[accumulation(plan.dtype)]
         stats = Step(K.CHANNEL_FROM_RUNNING(a),

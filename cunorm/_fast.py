@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import threading
 
+from . import _launch
+
 MAX_ENTRIES = 2048
 
 
@@ -129,16 +131,19 @@ class Entry:
     same shape, dtype and C-contiguous layout, or from its physical shape,
     dtype and the permutation back to the logical axes), where each slot of
     the Program takes its pointer from (an input, an output, or null), and
-    which outputs are returned."""
+    which outputs are returned. Calling it runs the call the general way;
+    the caches hold the launcher generated from it (``launcher``)."""
 
-    __slots__ = ("device", "program", "makers", "sources", "returns", "single", "alloc", "current_device",
-                 "pointer", "stream")
+    __slots__ = ("device", "program", "inputs", "specs", "makers", "sources", "returns", "single", "alloc",
+                 "current_device", "pointer", "stream", "ad")
 
-    def __init__(self, ad, device, program, outputs, sources, returns, likes=()):
-        self.device, self.program = device, program
-        likes = dict(likes)
-        self.makers = tuple(_maker(ad, tuple(shape), ad.native_dtype(dtype), perm, likes.get(i))
-                            for i, (shape, dtype, perm) in enumerate(outputs))
+    def __init__(self, ad, device, program, inputs, outputs, sources, returns, likes=()):
+        self.ad, self.device, self.program, self.inputs = ad, device, program, inputs
+        likes = dict(likes) if getattr(ad, "empty_like", None) is not None else {}
+        # each output: ("like", input index) or ("beside", shape, dtype, perm)
+        self.specs = tuple(("like", likes[i]) if i in likes else ("beside", tuple(shape), ad.native_dtype(dtype), perm)
+                           for i, (shape, dtype, perm) in enumerate(outputs))
+        self.makers = tuple(_maker(ad, spec) for spec in self.specs)
         self.sources = tuple(sources)
         self.returns = tuple(returns)
         self.single = len(self.returns) == 1
@@ -162,16 +167,89 @@ class Entry:
         return tuple(None if k < 0 else arrays[k] for k in self.returns)
 
 
-def _maker(ad, shape, dtype, perm, like):
-    """An output's allocation, called with the Entry's inputs: like input
-    ``like`` where the adapter has empty_like (torch's skips parsing a
-    shape, dtype and device), else from the shape, beside the first input
-    (torch's new_empty takes its device from the tensor)."""
-    empty_like = getattr(ad, "empty_like", None)
-    if like is not None and empty_like is not None:
-        return lambda inputs: empty_like(inputs[like])
-    empty_beside = ad.empty_beside
+def _maker(ad, spec):
+    """An output's allocation, called with the Entry's inputs: like an
+    input (torch's empty_like parses no shape, dtype or device), else from
+    the shape, beside the first input (torch's new_empty takes its device
+    from the tensor)."""
+    if spec[0] == "like":
+        empty_like, k = ad.empty_like, spec[1]
+        return lambda inputs: empty_like(inputs[k])
+    empty_beside, (_, shape, dtype, perm) = ad.empty_beside, spec
     return lambda inputs: empty_beside(inputs[0], shape, dtype, perm)
+
+
+def launcher(e: Entry):
+    """``e`` as one generated Python function: the same checks,
+    allocations, pointer writes and launches as ``e(*inputs)`` with every
+    index, offset, grid and argument slot written into the code, so a call
+    runs no loop, helper frame or lookup of its own (Triton's launchers
+    are built the same way). The source is made of identifiers and numbers
+    cunorm formats itself; shapes, dtypes and the Program's buffers are
+    bound by name. A launch hook (the tuning scripts) or a thread without a
+    current context is handed to ``e`` itself."""
+    program, device, n = e.program, int(e.device), len(e.inputs)
+    args = ", ".join(f"a{i}" for i in range(n))
+    scope = {"current_device": e.current_device, "generic": e, "launch_module": _launch, "get_stream": e.stream,
+             "p": e.pointer, "empty_like": getattr(e.ad, "empty_like", None), "empty_beside": e.ad.empty_beside,
+             "alloc": e.alloc, "lock": program.lock, "memset_async": _launch.memset_async,
+             "launch_kernel": _launch.launch_kernel, "launch_cooperative_kernel": _launch.launch_cooperative_kernel,
+             "CUDADriverError": _launch.CUDADriverError, "INVALID_CONTEXT": _launch.INVALID_CONTEXT,
+             "make_current": _launch.make_current}
+    code = [f"def launch({args}):",
+            f"    if current_device() != {device}:",
+            "        return None",
+            "    if launch_module.step_hook is not None:",
+            f"        return generic({args})"]
+    for i, spec in enumerate(e.specs):
+        if spec[0] == "like":
+            code.append(f"    o{i} = empty_like(a{int(spec[1])})")
+        else:
+            scope[f"shape{i}"], scope[f"dtype{i}"], scope[f"perm{i}"] = spec[1:]
+            code.append(f"    o{i} = empty_beside(a0, shape{i}, dtype{i}, perm{i})")
+
+    def array(k: int) -> str:
+        return "None" if k < 0 else f"a{k}" if k < n else f"o{k - n}"
+
+    def pointer(slot: int, offset: int) -> str:
+        if slot >= len(program.slots):  # a workspace
+            offset += program.offsets[slot - len(program.slots)]
+            value = "base"
+        else:
+            k = e.sources[slot]
+            if k < 0:
+                return "0"
+            # x (the first input) is always there; another input may be None
+            value = f"p(a{k})" if k == 0 else f"(0 if a{k} is None else p(a{k}))" if k < n else f"p(o{k - n})"
+        return f"{value} + {int(offset)}" if offset else value
+
+    code.append(f"    stream = get_stream({device})")
+    if program.workspaces:
+        code.append(f"    workspace, base = alloc({int(program.workspace_bytes)})")
+        code += [f"    memset_async(base + {int(offset)}, 0, {int(nbytes)}, stream)" for offset, nbytes in program.zeroed]
+    code += ["    try:", "        with lock:"]
+    for j, step in enumerate(program.steps):
+        scope[f"words{j}"] = step.words
+        code += [f"            words{j}[{int(arg)}] = {pointer(slot, offset)}" for arg, slot, offset in step.fills]
+        head = ", ".join(str(int(v)) for v in step.head)
+        if step.cooperative:
+            code.append(f"            launch_cooperative_kernel({head}, stream, {int(step.params_ptr)})")
+        else:
+            code.append(f"            launch_kernel({head}, stream, {int(step.params_ptr)}, 0)")
+    code += ["    except CUDADriverError as err:",
+             "        if err.status != INVALID_CONTEXT:",
+             "            raise",
+             f"        make_current({device})",
+             f"        return generic({args})"]
+    if e.single:
+        code.append(f"    return {array(e.returns[0])}")
+    else:
+        code.append(f"    return ({', '.join(array(k) for k in e.returns)},)")
+    source = "\n".join(code) + "\n"
+    exec(compile(source, "<cunorm launcher>", "exec"), scope)  # noqa: S102 - cunorm's own identifiers and numbers
+    fn = scope["launch"]
+    fn.entry, fn.source = e, source
+    return fn
 
 
 def replay(cache, key, *inputs):
@@ -201,4 +279,5 @@ def entry(ad, device, program, inputs, outputs, slots, returns, arrays=None):
                     and a.flags.c_contiguous):
                 likes.append((i, where[name]))
                 break
-    return Entry(ad, device, program, outputs.values(), sources, rets, likes)
+    e = Entry(ad, device, program, tuple(inputs), outputs.values(), sources, rets, likes)
+    return launcher(e) if isinstance(program, _launch.Program) else e

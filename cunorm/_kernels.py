@@ -112,7 +112,8 @@ CHANNEL_FROM_RUNNING = KernelDecl("channels", "channel_from_running", ("A",),
                                   _args("running_mean running_var affine mean_out rstd_out:ptr channels:i32 "
                                         "eps:acc"))
 CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "P", "FLAGS", "VEC", "CHANNELS_LAST"),
-                           _args(f"x y w b affine:ptr {_CHANNEL_DIMS} per_sample:i32 chunks chunk_len:i64"))
+                           _args(f"x y w b affine running_mean running_var:ptr {_CHANNEL_DIMS} per_sample:i32 "
+                                 f"chunks chunk_len:i64 eps:acc"))
 # backward.cu
 ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
                               ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),

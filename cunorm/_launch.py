@@ -22,7 +22,7 @@ import math
 import threading
 
 import numpy as np
-from cupy_backends.cuda.api import driver
+from cupy_backends.cuda.api import driver, runtime
 
 from . import _dispatch
 
@@ -43,14 +43,8 @@ class Slot:
         return Slot(self.index, self.offset + offset)
 
 
-_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 _WORKSPACE_ALIGN = 256
-
-
-def _memset_async(pointer: int, nbytes: int, stream: int) -> None:
-    from cupy.cuda import runtime
-
-    runtime.memsetAsync(pointer, 0, nbytes, stream)
 
 
 class PreparedStep:
@@ -62,19 +56,26 @@ class PreparedStep:
 
     def launch(self, stream: int) -> None:
         if self.cooperative:
-            driver.launchCooperativeKernel(*self.head, stream, self.params_ptr)
+            launch_cooperative_kernel(*self.head, stream, self.params_ptr)
         else:
-            driver.launchKernel(*self.head, stream, self.params_ptr, 0)
+            launch_kernel(*self.head, stream, self.params_ptr, 0)
 
 
-def _make_current(device: int) -> None:
+def make_current(device: int) -> None:
     """A thread that has not touched CUDA through the runtime yet (a new
     Python thread, autograd's device thread) has no current context for the
     driver's launch: make the device's primary context current, as the
     runtime would."""
-    from cupy.cuda import runtime
-
     runtime.setDevice(device)
+
+
+# The driver calls a run makes, by name: the launch cache's generated
+# launchers (cunorm/_fast.py) bind them when they are built, and the CPU
+# tests replace them.
+launch_kernel = driver.launchKernel
+launch_cooperative_kernel = driver.launchCooperativeKernel
+memset_async = runtime.memsetAsync
+CUDADriverError = driver.CUDADriverError
 
 
 class Program:
@@ -114,12 +115,12 @@ class Program:
                 for arg, slot, offset in s.fills:
                     words[arg] = pointers[slot] + offset
                 try:
-                    driver.launchKernel(*s.head, stream, s.params_ptr, 0)
-                except driver.CUDADriverError as err:
-                    if err.status != _INVALID_CONTEXT:
+                    launch_kernel(*s.head, stream, s.params_ptr, 0)
+                except CUDADriverError as err:
+                    if err.status != INVALID_CONTEXT:
                         raise
-                    _make_current(s.device)
-                    driver.launchKernel(*s.head, stream, s.params_ptr, 0)
+                    make_current(s.device)
+                    launch_kernel(*s.head, stream, s.params_ptr, 0)
             return None
         owner = None
         if self.workspaces:
@@ -127,15 +128,15 @@ class Program:
             pointers = list(pointers)
             pointers.extend(base + offset for offset in self.offsets)
             for offset, nbytes in self.zeroed:
-                _memset_async(base + offset, nbytes, stream)
+                memset_async(base + offset, 0, nbytes, stream)
         with self.lock:
             try:
                 self._launch_all(pointers, stream)
-            except driver.CUDADriverError as err:
+            except CUDADriverError as err:
                 # no context: the first launch failed, nothing ran yet
-                if err.status != _INVALID_CONTEXT:
+                if err.status != INVALID_CONTEXT:
                     raise
-                _make_current(self.steps[0].device)
+                make_current(self.steps[0].device)
                 self._launch_all(pointers, stream)
         return owner
 

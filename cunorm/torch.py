@@ -37,6 +37,9 @@ from torch import Tensor
 
 from . import _channels, _dtypes, _grad, _ops, backward, norms, reference
 from ._interop import torch as _adapter
+from ._torch_autograd import channel_norm_apply as _channel_norm_apply
+from ._torch_autograd import eager_autograd as _eager_autograd
+from ._torch_autograd import row_norm_apply as _row_norm_apply
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
            "instance_norm", "batch_norm", "RMSNorm", "LayerNorm", "GroupNorm", "InstanceNorm2d", "BatchNorm2d",
@@ -479,107 +482,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     return _unpack(_dropped(results, stats, asked, 2))
 
 
-# -- eager autograd -------------------------------------------------------------------------------------------------
-# Outside torch.compile an autograd.Function runs the array-level ops
-# themselves (the launch cache, cunorm/_fast.py) forward and backward: the
-# registered operators' dispatch costs more host time than the kernels on
-# small inputs. Under dynamo the operators above are the route.
-
-
-def _eager_autograd(*tensors) -> bool:
-    return not torch.compiler.is_compiling() and _needs_grad(*tensors)
-
-
-class _RowNorm(torch.autograd.Function):
-    """rms_norm / layer_norm: outputs y[, h], then the statistics (not differentiable)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, norm, axis, eps):
-        if norm == "rms":
-            results = norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=True)
-        else:
-            results = norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=True)
-        statistics = results[-1:] if norm == "rms" else results[-2:]
-        h = results[1] if residual is not None else x
-        ctx.save_for_backward(h, weight, bias, *statistics)
-        ctx.norm, ctx.axis, ctx.residual = norm, axis, residual is not None
-        ctx.mark_non_differentiable(*statistics)
-        return results
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy, *grads):
-        h, weight, bias, *statistics = ctx.saved_tensors
-        dh = grads[0] if ctx.residual else None
-        if ctx.norm == "rms":
-            (dx, dw), db = backward.rms_norm_backward(dy, h, statistics[0], weight, axis=ctx.axis, dh=dh), None
-        else:
-            dx, dw, db = backward.layer_norm_backward(dy, h, *statistics, weight, bias, axis=ctx.axis, dh=dh)
-        return dx, dw, db, dx if ctx.residual else None, None, None, None
-
-
-class _ChannelNorm(torch.autograd.Function):
-    """group_norm / instance_norm / batch_norm: outputs y, mean, rstd (not differentiable)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, norm, num_groups, training, momentum, eps,
-                channel_axis):
-        if norm == "group":
-            y, mean, rstd = norms.group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
-                                             return_stats=True)
-        elif norm == "instance":
-            y, mean, rstd = norms.instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
-                                                return_stats=True)
-        else:
-            y, mean, rstd = norms.batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
-                                             training=training, momentum=momentum, eps=eps,
-                                             channel_axis=channel_axis, return_stats=True)
-        # eval-mode BatchNorm's backward reads the running buffers, not rstd
-        saved = (mean, rstd) if training else (running_mean, running_var)
-        ctx.save_for_backward(x, *saved, weight, bias)
-        ctx.args = norm, num_groups, training, eps, channel_axis
-        ctx.mark_non_differentiable(mean, rstd)
-        return y, mean, rstd
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy, _dmean, _drstd):
-        x, mean, rstd, weight, bias = ctx.saved_tensors
-        norm, num_groups, training, eps, channel_axis = ctx.args
-        if norm == "group":
-            dx, dw, db = backward.group_norm_backward(dy, x, mean, rstd, num_groups, weight, bias,
-                                                      channel_axis=channel_axis)
-        elif norm == "instance":
-            dx, dw, db = backward.instance_norm_backward(dy, x, mean, rstd, weight, bias, channel_axis=channel_axis)
-        else:
-            dx, dw, db = backward.batch_norm_backward(dy, x, mean, rstd, weight, bias, training=training, eps=eps,
-                                                      channel_axis=channel_axis)
-        return dx, dw, db, None, None, None, None, None, None, None, None
-
-
-def _raw_apply(cls, tensors: int):
-    """``cls.apply`` without torch.autograd.Function.apply's Python prologue,
-    which outside functorch's transforms only unwraps functorch's dead
-    wrappers: the C apply behind it, with the tensors among the first
-    ``tensors`` arguments unwrapped by the same C helper. Under a functorch
-    transform, or on a torch without these hooks, cls.apply itself."""
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
-    if active is None or unwrap is None:
-        return cls.apply
-    c_apply = super(torch.autograd.Function, cls).apply
-
-    def apply(*args):
-        if active():
-            return cls.apply(*args)
-        return c_apply(*[unwrap(a) if isinstance(a, Tensor) else a for a in args[:tensors]], *args[tensors:])
-
-    return apply
-
-
-_row_norm_apply = _raw_apply(_RowNorm, 4)
-_channel_norm_apply = _raw_apply(_ChannelNorm, 5)
-
+# -- eager autograd: cunorm/_torch_autograd.py -----------------------------------------------------------------------
 
 # -- modules ----------------------------------------------------------------------------------------------------------
 # Their forward calls the array-level ops, which run as the registered
@@ -595,9 +498,10 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, x: Tensor) -> Tensor:
         eps = self.eps if self.eps is not None else _default_rms_eps(x.dtype)
         axis = _trailing_axes(self.normalized_shape)
-        if _eager_autograd(x, self.weight):  # straight to the autograd.Function (as the op would route it)
-            return _row_norm_apply(x, self.weight, None, None, "rms", axis, eps)[0]
-        return norms.rms_norm(x, self.weight, axis=axis, eps=eps)
+        weight = self.weight  # (a parameter: each read goes through Module.__getattr__)
+        if _eager_autograd(x, weight):  # straight to the autograd.Function (as the op would route it)
+            return _row_norm_apply(x, weight, None, None, "rms", axis, eps)[0]
+        return norms.rms_norm(x, weight, axis=axis, eps=eps)
 
 
 def _trailing_axes(normalized_shape):
@@ -618,9 +522,10 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         axis = _trailing_axes(self.normalized_shape)
-        if _eager_autograd(x, self.weight, self.bias):  # as in RMSNorm.forward
-            return _row_norm_apply(x, self.weight, self.bias, None, "ln", axis, self.eps)[0]
-        return norms.layer_norm(x, self.weight, self.bias, axis=axis, eps=self.eps)
+        weight, bias = self.weight, self.bias
+        if _eager_autograd(x, weight, bias):  # as in RMSNorm.forward
+            return _row_norm_apply(x, weight, bias, None, "ln", axis, self.eps)[0]
+        return norms.layer_norm(x, weight, bias, axis=axis, eps=self.eps)
 
 
 class GroupNorm(torch.nn.GroupNorm):
@@ -628,7 +533,11 @@ class GroupNorm(torch.nn.GroupNorm):
     channels_last tensors run as they are."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return norms.group_norm(x, self.num_groups, self.weight, self.bias, eps=self.eps)
+        weight, bias = self.weight, self.bias
+        if _eager_autograd(x, weight, bias):  # as in RMSNorm.forward
+            return _channel_norm_apply(x, weight, bias, None, None, "group", self.num_groups, True, 0.1, self.eps,
+                                       1)[0]
+        return norms.group_norm(x, self.num_groups, weight, bias, eps=self.eps)
 
 
 class InstanceNorm2d(torch.nn.InstanceNorm2d):
@@ -671,9 +580,13 @@ class BatchNorm2d(torch.nn.BatchNorm2d):
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         training = self.training or (self.running_mean is None and self.running_var is None)
         keep = not self.training or self.track_running_stats
-        return norms.batch_norm(x, self.weight, self.bias, running_mean=self.running_mean if keep else None,
-                                running_var=self.running_var if keep else None, training=training,
-                                momentum=factor, eps=self.eps)
+        running_mean, running_var = (self.running_mean, self.running_var) if keep else (None, None)
+        weight, bias = self.weight, self.bias
+        if _eager_autograd(x, weight, bias):  # as in RMSNorm.forward
+            return _channel_norm_apply(x, weight, bias, running_mean, running_var, "batch", None, training, factor,
+                                       self.eps, 1)[0]
+        return norms.batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
+                                training=training, momentum=factor, eps=self.eps)
 
 
 _REPLACEMENTS = {torch.nn.RMSNorm: RMSNorm, torch.nn.LayerNorm: LayerNorm, torch.nn.GroupNorm: GroupNorm,

@@ -145,6 +145,10 @@ def test_batch_norm(rng, dtype, shape, channel_axis):
     w, b = random(rng, (c,), dtype), random(rng, (c,), dtype)
     check("batch", x, weight=w, bias=b, channel_axis=channel_axis, memory="swapped", running=running)
     check("batch", x, weight=w, bias=b, channel_axis=channel_axis, running=running, training=False)
+    # eval without statistics returned: one launch reading the running buffers
+    check("batch", x, weight=w, bias=b, channel_axis=channel_axis, running=running, training=False,
+          return_stats=False, memory="swapped")
+    check("batch", x, weight=w, channel_axis=channel_axis, running=running, training=False, return_stats=False)
 
 
 @pytest.mark.parametrize("dtype", [_dtypes.bfloat16, _dtypes.float16])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from cunorm import _fast
 
@@ -81,7 +82,8 @@ def test_workspaces_are_one_allocation_with_zeroed_ranges_set_on_the_stream(monk
     assert program.offsets == (0, 256, 512) and program.workspace_bytes == 1024
     assert program.zeroed == ((256, 4), (512, 300))
     allocations, memsets = [], []
-    monkeypatch.setattr(_launch, "_memset_async", lambda ptr, nbytes, stream: memsets.append((ptr, nbytes, stream)))
+    monkeypatch.setattr(_launch, "memset_async",
+                        lambda ptr, value, nbytes, stream: memsets.append((ptr, nbytes, stream)))
 
     def alloc(nbytes):
         allocations.append(nbytes)
@@ -130,3 +132,153 @@ def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype():
                         arrays={"x": strided})
     entry(strided, None)
     assert made == [("empty", (4, 8), np.float32), ("empty", (4,), np.float32)]
+
+
+def _program_of_two_steps():
+    """A Program of a plain step and a cooperative one over slots (x, w, y,
+    rstd) and two workspaces (the second zeroed), built by hand: fake
+    kernels, real argument buffers."""
+    from cunorm import _launch
+
+    steps = []
+    for j, (cooperative, fills) in enumerate(((False, ((0, 0, 0), (1, 2, 0), (2, 1, 0), (3, 4, 16))),
+                                              (True, ((1, 3, 0), (2, 5, 0), (3, 0, 8))))):
+        s = _launch.PreparedStep()
+        s.step, s.device, s.cooperative, s.fills = f"step {j}", 0, cooperative, fills
+        s.buf = np.full(5, 99, dtype=np.uint64)
+        s.words = memoryview(s.buf).cast("B").cast("Q")
+        s.params_ptr = 1000 + j
+        s.head = (77 + j, 3, 1, 1, 128, 1, 1, 64 * j)
+        steps.append(s)
+    return _launch.Program(steps, [(100, False), (8, True)], ("x", "w", "y", "rstd"))
+
+
+class _NumpyAdapter:
+    """The fast half of an adapter over NumPy arrays (pointers are the
+    arrays' addresses)."""
+    native_dtype = staticmethod(lambda dtype: dtype)
+    current_device = staticmethod(lambda: 0)
+    pointer = staticmethod(lambda a: a.ctypes.data)
+    stream = staticmethod(lambda device: 5)
+    empty_like = staticmethod(np.empty_like)
+
+    @staticmethod
+    def empty_beside(a, shape, dtype, perm=None):
+        return np.empty(shape, dtype)
+
+    @staticmethod
+    def workspace_allocator(device):
+        def alloc(nbytes):
+            a = np.empty(nbytes, np.uint8)
+            return a, a.ctypes.data
+
+        return alloc
+
+
+def _recording(monkeypatch):
+    """Replaces the driver calls with recorders of (kind, head, stream,
+    params, the argument words at launch)."""
+    from cunorm import _launch
+
+    calls = []
+    program_words = {}
+
+    def record(kind):
+        def launch(*args):
+            head, stream, params = args[:8], args[8], args[9]
+            calls.append((kind, head, stream, params, list(program_words[params])))
+        return launch
+
+    monkeypatch.setattr(_launch, "launch_kernel", record("plain"))
+    monkeypatch.setattr(_launch, "launch_cooperative_kernel", record("cooperative"))
+    monkeypatch.setattr(_launch, "memset_async", lambda ptr, value, nbytes, stream: calls.append(
+        ("memset", value, nbytes, stream)))
+    return calls, program_words
+
+
+def test_generated_launcher_runs_what_the_entry_runs(monkeypatch):
+    """The launcher generated for an Entry allocates, writes the same
+    pointers (inputs, outputs, workspaces at their offsets, 0 for an
+    absent input) and launches the same steps on the same stream as the
+    Entry's own run; it returns the same kinds of results."""
+    calls, words = _recording(monkeypatch)
+    program = _program_of_two_steps()
+    for s in program.steps:
+        words[s.params_ptr] = s.words
+    x = np.ones((4, 8), np.float32)
+    outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
+    fn = _fast.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", None, "rstd"),
+                     arrays={"x": x})
+    assert callable(fn) and isinstance(fn.entry, _fast.Entry)
+    y, none, rstd = fn(x, None)
+    assert none is None and y.shape == x.shape and rstd.shape == (4,) and rstd.dtype == np.float32
+    generated = list(calls)
+    calls.clear()
+    y2, _, rstd2 = fn.entry(x, None)
+    generic = list(calls)
+    # the two runs differ only in the addresses of their new arrays
+    assert [c[0] for c in generated] == [c[0] for c in generic] == ["memset", "plain", "cooperative"]
+    assert generated[0][1:] == generic[0][1:] == (0, 8, 5)
+    plain, cooperative = generated[1], generated[2]
+    assert plain[1] == (77, 3, 1, 1, 128, 1, 1, 0) and plain[2] == 5 and plain[3] == 1000
+    assert plain[4][0] == x.ctypes.data and plain[4][1] == y.ctypes.data and plain[4][2] == 0
+    assert plain[4][4] == 99  # an argument no slot fills is left as packed
+    assert cooperative[4][1] == rstd.ctypes.data and cooperative[4][3] == x.ctypes.data + 8
+    # the workspaces: one allocation, the second 256 bytes in (16 bytes past the first's start in step 0)
+    assert cooperative[4][2] - plain[4][3] == 256 - 16
+    assert generic[2][4][1] == rstd2.ctypes.data and generic[1][4][1] == y2.ctypes.data
+    assert "for " not in fn.source and "a0" in fn.source  # straight-line code
+
+
+def test_generated_launcher_declines_another_device_and_defers_to_hooks(monkeypatch):
+    from cunorm import _launch
+
+    calls, words = _recording(monkeypatch)
+    program = _program_of_two_steps()
+    for s in program.steps:
+        words[s.params_ptr] = s.words
+    x = np.ones((4, 8), np.float32)
+    outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
+    fn = _fast.entry(_NumpyAdapter, 1, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
+    assert fn(x, None) is None and calls == []  # device 1 is not current
+    fn = _fast.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
+    hooked = []
+    monkeypatch.setattr(_launch, "step_hook", lambda step, launch: (hooked.append(step), launch()))
+    y = fn(x, None)
+    assert y.shape == x.shape and len(hooked) == 2
+
+
+def test_generated_launcher_makes_a_context_current_and_retries(monkeypatch):
+    """A launch from a thread without a current context (CUDA's invalid
+    context) makes the device's context current and runs the call again;
+    other driver errors propagate."""
+    from cunorm import _launch
+
+    class DriverError(Exception):
+        def __init__(self, status):
+            self.status = status
+
+    calls, words = _recording(monkeypatch)
+    program = _program_of_two_steps()
+    for s in program.steps:
+        words[s.params_ptr] = s.words
+    failures = [_launch.INVALID_CONTEXT]
+    recorded_plain = _launch.launch_kernel
+
+    def plain(*args):
+        if failures:
+            raise DriverError(failures.pop())
+        recorded_plain(*args)
+
+    made_current = []
+    monkeypatch.setattr(_launch, "CUDADriverError", DriverError)
+    monkeypatch.setattr(_launch, "launch_kernel", plain)
+    monkeypatch.setattr(_launch, "make_current", made_current.append)
+    x = np.ones((4, 8), np.float32)
+    outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
+    fn = _fast.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
+    assert fn(x, None).shape == x.shape
+    assert made_current == [0] and [c[0] for c in calls].count("plain") == 1
+    failures.append(700)  # an illegal address: not the launcher's to handle
+    with pytest.raises(DriverError):
+        fn(x, None)

@@ -230,14 +230,29 @@ def test_channel_launches_cover_and_fit(last, batch, channels, spatial):
     for norm, cpg in (("group", 1), ("batch", 1)):
         for flags in (0, 3):
             p = channel_plan(norm, flags=flags, last=last, batch=batch, channels=channels, spatial=spatial, cpg=cpg)
-            for from_running in ((False, True) if norm == "batch" else (False,)):
-                launch = _dispatch.choose_channels(p, H200, from_running=from_running)
+            for from_running, stats in (((False, True), (True, True), (True, False)) if norm == "batch"
+                                        else ((False, True),)):
+                launch = _dispatch.choose_channels(p, H200, from_running=from_running, returns_stats=stats)
                 extent = (p.channels if last else p.spatial) // p.vec
                 assert launch.chunks * launch.chunk_vecs >= (p.spatial if last else extent)
                 for step in launch.steps:
                     assert step.kernel.expression in compiled, step.kernel.expression
                     assert step.grid[0] <= _dispatch.MAX_GRID_X and all(g <= _dispatch.MAX_GRID_Y for g in step.grid[1:])
                     assert np.prod(step.block) <= 1024 and step.shared_bytes <= 48 * 1024
+
+
+def test_batch_norm_eval_is_one_launch_without_statistics():
+    """Eval-mode BatchNorm that returns no statistics: the epilogue alone,
+    reading the running buffers (no workspace); returning them, the
+    statistics kernel first."""
+    p = channel_plan("batch", flags=3, batch=8, channels=64, spatial=56 * 56, cpg=1)
+    fused = _dispatch.choose_channels(p, H200, from_running=True, returns_stats=False)
+    assert fused.tier == "channel_eval" and fused.workspace_words == 0
+    names = lambda launch: [s.kernel.expression.split("<")[0] for s in launch.steps]  # noqa: E731
+    assert names(fused) == ["cunorm::channel_apply"]
+    two = _dispatch.choose_channels(p, H200, from_running=True, returns_stats=True)
+    assert names(two) == ["cunorm::channel_from_running", "cunorm::channel_apply"]
+    assert two.steps[-1] == fused.steps[0]  # the same epilogue launch
 
 
 def test_channel_rows_fast_path():

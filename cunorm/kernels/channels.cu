@@ -275,17 +275,29 @@ channel_from_running(const A* __restrict__ running_mean, const A* __restrict__ r
 // center, scale) of the element's statistic group; same grid and block
 // shapes as channel_partial, chunks of chunk_len positions (vectors of VEC
 // positions when channels-first). P/FLAGS: per-channel parameters.
+// With running_var not null (BatchNorm in eval mode, no statistics
+// returned: one launch, no workspace), a channel's (0, center, scale) is
+// (0, running_mean[c], rsqrt(running_var[c] + eps)), as
+// channel_from_running writes it, and affine is not read.
 template <class T, class P, int FLAGS, int VEC, bool CHANNELS_LAST>
 __global__ void __launch_bounds__(256, 2)
 channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
-              const typename AccOf<T>::type* __restrict__ affine, long long batch, long long spatial, int channels,
-              int channels_per_group, int per_sample, long long chunks, long long chunk_len) {
+              const typename AccOf<T>::type* __restrict__ affine,
+              const typename AccOf<T>::type* __restrict__ running_mean,
+              const typename AccOf<T>::type* __restrict__ running_var, long long batch, long long spatial,
+              int channels, int channels_per_group, int per_sample, long long chunks, long long chunk_len,
+              typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
     const int groups = channels / channels_per_group;
     auto params_of = [&](long long n, int c, Affine<A>& f, A& pivot, A& wc, A& bc) {
-        const long long group = (per_sample ? n : 0) * groups + c / channels_per_group;
-        pivot = affine[3 * group];
-        f = Affine<A>{affine[3 * group + 1], affine[3 * group + 2]};
+        if (running_var != nullptr) {
+            pivot = A(0);
+            f = Affine<A>{running_mean[c], rsqrt(running_var[c] + eps)};
+        } else {
+            const long long group = (per_sample ? n : 0) * groups + c / channels_per_group;
+            pivot = affine[3 * group];
+            f = Affine<A>{affine[3 * group + 1], affine[3 * group + 2]};
+        }
         wc = A(1);
         bc = A(0);
         if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));

@@ -1,0 +1,135 @@
+"""torch's eager autograd over cunorm: autograd.Functions around the
+array-level ops (cunorm.rms_norm ... and cunorm.backward), for
+cunorm.torch's functions and layers.
+
+Outside torch.compile these Functions run the array-level ops themselves
+(the launch cache, cunorm/_fast.py) forward and backward: the registered
+operators' dispatch (cunorm/torch.py) costs more host time than the
+kernels on small inputs. Under dynamo the operators are the route.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import backward, norms
+
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+
+
+def eager_autograd(*tensors) -> bool:
+    """_needs_grad outside dynamo's tracing (a loop, not a generator: this
+    is on every training call)."""
+    if not _grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return not _is_compiling()
+    return False
+
+
+def once_differentiable(backward_fn):
+    """torch's once_differentiable, which runs the backward under no_grad
+    and marks its outputs so a double backward raises: needed only where
+    the backward runs with grad enabled (create_graph=True); in the usual
+    backward grad is already off and the wrapper's scope is pure cost."""
+    guarded = torch.autograd.function.once_differentiable(backward_fn)
+
+    def backward_once(ctx, *grads):
+        if _grad_enabled():
+            return guarded(ctx, *grads)
+        return backward_fn(ctx, *grads)
+
+    return backward_once
+
+
+class RowNorm(torch.autograd.Function):
+    """rms_norm / layer_norm: outputs y[, h], then the statistics (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, norm, axis, eps):
+        if norm == "rms":
+            results = norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=True)
+        else:
+            results = norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=True)
+        statistics = results[-1:] if norm == "rms" else results[-2:]
+        h = results[1] if residual is not None else x
+        ctx.save_for_backward(h, weight, bias, *statistics)
+        ctx.norm, ctx.axis, ctx.residual = norm, axis, residual is not None
+        ctx.mark_non_differentiable(*statistics)
+        return results
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, *grads):
+        h, weight, bias, *statistics = ctx.saved_tensors
+        dh = grads[0] if ctx.residual else None
+        if ctx.norm == "rms":
+            (dx, dw), db = backward.rms_norm_backward(dy, h, statistics[0], weight, axis=ctx.axis, dh=dh), None
+        else:
+            dx, dw, db = backward.layer_norm_backward(dy, h, *statistics, weight, bias, axis=ctx.axis, dh=dh)
+        return dx, dw, db, dx if ctx.residual else None, None, None, None
+
+
+class ChannelNorm(torch.autograd.Function):
+    """group_norm / instance_norm / batch_norm: outputs y, mean, rstd (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, norm, num_groups, training, momentum, eps,
+                channel_axis):
+        if norm == "group":
+            y, mean, rstd = norms.group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
+                                             return_stats=True)
+        elif norm == "instance":
+            y, mean, rstd = norms.instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
+                                                return_stats=True)
+        else:
+            y, mean, rstd = norms.batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
+                                             training=training, momentum=momentum, eps=eps,
+                                             channel_axis=channel_axis, return_stats=True)
+        # eval-mode BatchNorm's backward reads the running buffers, not rstd
+        saved = (mean, rstd) if training else (running_mean, running_var)
+        ctx.save_for_backward(x, *saved, weight, bias)
+        ctx.args = norm, num_groups, training, eps, channel_axis
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, mean, rstd
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, _dmean, _drstd):
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        norm, num_groups, training, eps, channel_axis = ctx.args
+        if norm == "group":
+            dx, dw, db = backward.group_norm_backward(dy, x, mean, rstd, num_groups, weight, bias,
+                                                      channel_axis=channel_axis)
+        elif norm == "instance":
+            dx, dw, db = backward.instance_norm_backward(dy, x, mean, rstd, weight, bias, channel_axis=channel_axis)
+        else:
+            dx, dw, db = backward.batch_norm_backward(dy, x, mean, rstd, weight, bias, training=training, eps=eps,
+                                                      channel_axis=channel_axis)
+        return dx, dw, db, None, None, None, None, None, None, None, None
+
+
+def raw_apply(cls, tensors: int):
+    """``cls.apply`` without torch.autograd.Function.apply's Python prologue,
+    which outside functorch's transforms only unwraps functorch's dead
+    wrappers: the C apply behind it, with the tensors among the first
+    ``tensors`` arguments unwrapped by the same C helper. Under a functorch
+    transform, or on a torch without these hooks, cls.apply itself."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+    if active is None or unwrap is None:
+        return cls.apply
+    c_apply = super(torch.autograd.Function, cls).apply
+
+    def apply(*args):
+        if active():
+            return cls.apply(*args)
+        return c_apply(*[unwrap(a) if isinstance(a, Tensor) else a for a in args[:tensors]], *args[tensors:])
+
+    return apply
+
+
+row_norm_apply = raw_apply(RowNorm, 4)
+channel_norm_apply = raw_apply(ChannelNorm, 5)
