@@ -177,7 +177,8 @@ class _NumpyAdapter:
 
 def _recording(monkeypatch):
     """Replaces the driver calls with recorders of (kind, head, stream,
-    params, the argument words at launch)."""
+    params, the argument words at launch); returns the record and a
+    Program of two steps over them."""
     from cunorm import _launch
 
     calls = []
@@ -193,7 +194,13 @@ def _recording(monkeypatch):
     monkeypatch.setattr(_launch, "launch_cooperative_kernel", record("cooperative"))
     monkeypatch.setattr(_launch, "memset_async", lambda ptr, value, nbytes, stream: calls.append(
         ("memset", value, nbytes, stream)))
-    return calls, program_words
+    program = _program_of_two_steps()
+    for s in program.steps:
+        program_words[s.params_ptr] = s.words
+    return calls, program
+
+
+_OUTPUTS = {"y": ((4, 8), np.dtype(np.float32), None), "rstd": ((4,), np.dtype(np.float32), None)}
 
 
 def test_generated_launcher_runs_what_the_entry_runs(monkeypatch):
@@ -201,12 +208,9 @@ def test_generated_launcher_runs_what_the_entry_runs(monkeypatch):
     pointers (inputs, outputs, workspaces at their offsets, 0 for an
     absent input) and launches the same steps on the same stream as the
     Entry's own run; it returns the same kinds of results."""
-    calls, words = _recording(monkeypatch)
-    program = _program_of_two_steps()
-    for s in program.steps:
-        words[s.params_ptr] = s.words
+    calls, program = _recording(monkeypatch)
     x = np.ones((4, 8), np.float32)
-    outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
+    outputs = _OUTPUTS
     fn = _fast.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", None, "rstd"),
                      arrays={"x": x})
     assert callable(fn) and isinstance(fn.entry, _fast.Entry)
@@ -233,12 +237,9 @@ def test_generated_launcher_runs_what_the_entry_runs(monkeypatch):
 def test_generated_launcher_declines_another_device_and_defers_to_hooks(monkeypatch):
     from cunorm import _launch
 
-    calls, words = _recording(monkeypatch)
-    program = _program_of_two_steps()
-    for s in program.steps:
-        words[s.params_ptr] = s.words
+    calls, program = _recording(monkeypatch)
     x = np.ones((4, 8), np.float32)
-    outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
+    outputs = _OUTPUTS
     fn = _fast.entry(_NumpyAdapter, 1, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
     assert fn(x, None) is None and calls == []  # device 1 is not current
     fn = _fast.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
@@ -258,10 +259,7 @@ def test_generated_launcher_makes_a_context_current_and_retries(monkeypatch):
         def __init__(self, status):
             self.status = status
 
-    calls, words = _recording(monkeypatch)
-    program = _program_of_two_steps()
-    for s in program.steps:
-        words[s.params_ptr] = s.words
+    calls, program = _recording(monkeypatch)
     failures = [_launch.INVALID_CONTEXT]
     recorded_plain = _launch.launch_kernel
 
@@ -275,8 +273,7 @@ def test_generated_launcher_makes_a_context_current_and_retries(monkeypatch):
     monkeypatch.setattr(_launch, "launch_kernel", plain)
     monkeypatch.setattr(_launch, "make_current", made_current.append)
     x = np.ones((4, 8), np.float32)
-    outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
-    fn = _fast.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
+    fn = _fast.entry(_NumpyAdapter, 0, program, ("x", "w"), _OUTPUTS, ("x", "w", "y", "rstd"), ("y",))
     assert fn(x, None).shape == x.shape
     assert made_current == [0] and [c[0] for c in calls].count("plain") == 1
     failures.append(700)  # an illegal address: not the launcher's to handle
