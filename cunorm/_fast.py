@@ -262,8 +262,8 @@ def replay(cache, key, *inputs):
 
 
 def entry(ad, device, program, inputs, outputs, slots, returns, arrays=None):
-    """An Entry from names: ``inputs`` names the call's arrays in the order
-    the Entry is called with, ``outputs`` maps names to (shape, dtype, perm),
+    """The launcher of an Entry built from names: ``inputs`` names the call's
+    arrays in the order the launcher is called with, ``outputs`` maps names to (shape, dtype, perm),
     ``slots`` names each Program slot's source (None: null), ``returns``
     the outputs returned (None: a None in the results). ``arrays`` maps
     input names to the call's (CuPy) arrays: an output of an input's shape
@@ -279,5 +279,4 @@ def entry(ad, device, program, inputs, outputs, slots, returns, arrays=None):
                     and a.flags.c_contiguous):
                 likes.append((i, where[name]))
                 break
-    e = Entry(ad, device, program, tuple(inputs), outputs.values(), sources, rets, likes)
-    return launcher(e) if isinstance(program, _launch.Program) else e
+    return launcher(Entry(ad, device, program, tuple(inputs), outputs.values(), sources, rets, likes))

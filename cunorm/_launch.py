@@ -81,7 +81,7 @@ CUDADriverError = driver.CUDADriverError
 class Program:
     """The prepared launches of one call signature: run(pointers, stream, alloc)."""
 
-    __slots__ = ("steps", "workspaces", "slots", "lock", "single", "workspace_bytes", "offsets", "zeroed")
+    __slots__ = ("steps", "workspaces", "slots", "lock", "workspace_bytes", "offsets", "zeroed")
 
     def __init__(self, steps, workspaces, slots):
         self.steps = tuple(steps)
@@ -98,30 +98,15 @@ class Program:
                 zeroed.append((total, nbytes))
             total += -(-nbytes // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
         self.workspace_bytes, self.offsets, self.zeroed = total, tuple(offsets), tuple(zeroed)
-        # the common case, one plain launch and no workspace: run inlines it
-        one = self.steps[0] if len(self.steps) == 1 and not self.workspaces else None
-        self.single = None if one is None or one.cooperative else one
 
     def run(self, pointers, stream: int, alloc=None):
         """Launch every step on ``stream`` with the call's ``pointers`` (one
         int per slot, in the slots' order). ``alloc(nbytes)`` returns
         (owner, pointer) of the workspaces' memory, in the caller's
         allocator on the stream (freed in the stream's order once the owner
-        is dropped). Returns the owner (None without workspaces)."""
-        s = self.single
-        if s is not None and step_hook is None:
-            with self.lock:
-                words = s.words
-                for arg, slot, offset in s.fills:
-                    words[arg] = pointers[slot] + offset
-                try:
-                    launch_kernel(*s.head, stream, s.params_ptr, 0)
-                except CUDADriverError as err:
-                    if err.status != INVALID_CONTEXT:
-                        raise
-                    make_current(s.device)
-                    launch_kernel(*s.head, stream, s.params_ptr, 0)
-            return None
+        is dropped). Returns the owner (None without workspaces). The
+        general path's run; a cached call runs the launcher generated for
+        it (cunorm/_fast.py)."""
         owner = None
         if self.workspaces:
             owner, base = alloc(self.workspace_bytes)

@@ -18,15 +18,21 @@ _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 
 
-def eager_autograd(*tensors) -> bool:
-    """_needs_grad outside dynamo's tracing (a loop, not a generator: this
-    is on every training call)."""
+def needs_grad(*tensors) -> bool:
+    """Whether autograd records a call on these tensors: grad mode on and
+    one of them requiring grad (a loop, not a generator: this is on every
+    training call)."""
     if not _grad_enabled():
         return False
     for t in tensors:
         if t is not None and t.requires_grad:
-            return not _is_compiling()
+            return True
     return False
+
+
+def eager_autograd(*tensors) -> bool:
+    """needs_grad outside dynamo's tracing: the Functions below are the route."""
+    return needs_grad(*tensors) and not _is_compiling()
 
 
 def once_differentiable(backward_fn):

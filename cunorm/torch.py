@@ -39,6 +39,7 @@ from . import _channels, _dtypes, _grad, _ops, backward, norms, reference
 from ._interop import torch as _adapter
 from ._torch_autograd import channel_norm_apply as _channel_norm_apply
 from ._torch_autograd import eager_autograd as _eager_autograd
+from ._torch_autograd import needs_grad as _needs_grad  # (the forward operators then return the statistics)
 from ._torch_autograd import row_norm_apply as _row_norm_apply
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
@@ -373,12 +374,6 @@ _instance_norm_op.register_autograd(_instance_backward, setup_context=_instance_
 _batch_norm_op.register_autograd(_batch_backward, setup_context=_batch_setup)
 
 
-def _needs_grad(*tensors) -> bool:
-    """Whether autograd records a call on these tensors (then the forward
-    operators are asked for the statistics their backward needs)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 # -- functions ------------------------------------------------------------------------------------------------------
 # The array-level ops' signatures and semantics (see cunorm.rms_norm etc.),
 # without ``out=``: registered operators return new tensors. Arguments are
@@ -482,13 +477,11 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     return _unpack(_dropped(results, stats, asked, 2))
 
 
-# -- eager autograd: cunorm/_torch_autograd.py -----------------------------------------------------------------------
-
 # -- modules ----------------------------------------------------------------------------------------------------------
-# Their forward calls the array-level ops, which run as the registered
-# operators under dynamo (torch.compile), as the autograd.Functions above in
-# eager training (RMSNorm and LayerNorm enter theirs directly), and take the
-# launch cache otherwise.
+# Under eager autograd RMSNorm, LayerNorm, GroupNorm and BatchNorm2d enter
+# their autograd.Function (cunorm/_torch_autograd.py) directly; otherwise
+# they call the array-level ops, which run as the registered operators
+# under dynamo (torch.compile) and take the launch cache in inference.
 
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` computed by cunorm (same arguments, parameters and

@@ -94,18 +94,12 @@ def test_workspaces_are_one_allocation_with_zeroed_ranges_set_on_the_stream(monk
     assert memsets == [(4096 + 256, 4, 7), (4096 + 512, 300, 7)]
 
 
-def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype():
+def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype(monkeypatch):
     """y like x where x is C-contiguous and y has its shape and dtype; the
     statistics, and y beside a strided x, from their shape."""
     made = []
 
-    class Adapter:
-        native_dtype = staticmethod(lambda dtype: dtype)
-        workspace_allocator = staticmethod(lambda device: None)
-        current_device = staticmethod(lambda: 0)
-        pointer = staticmethod(lambda a: 0)
-        stream = staticmethod(lambda device: 0)
-
+    class Adapter(_NumpyAdapter):
         @staticmethod
         def empty_beside(a, shape, dtype, perm=None):
             made.append(("empty", tuple(shape), np.dtype(dtype)))
@@ -116,23 +110,19 @@ def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype():
             made.append(("like", a.shape, a.dtype))
             return np.empty_like(a)
 
-    class Program:
-        def run(self, pointers, stream, alloc):
-            return None
-
+    _, program = _recording(monkeypatch)
     x = np.zeros((4, 8), np.float32)
     outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
-    entry = _fast.entry(Adapter, 0, Program(), ("x", "w"), outputs, ("x", "y", "rstd"), ("y", "rstd"),
+    entry = _fast.entry(Adapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", "rstd"),
                         arrays={"x": x})
     y, rstd = entry(x, None)
     assert made == [("like", (4, 8), np.float32), ("empty", (4,), np.float32)]
     made.clear()
     strided = np.zeros((4, 16), np.float32)[:, ::2]
-    entry = _fast.entry(Adapter, 0, Program(), ("x", "w"), outputs, ("x", "y", "rstd"), ("y", "rstd"),
+    entry = _fast.entry(Adapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", "rstd"),
                         arrays={"x": strided})
     entry(strided, None)
     assert made == [("empty", (4, 8), np.float32), ("empty", (4,), np.float32)]
-
 
 def _program_of_two_steps():
     """A Program of a plain step and a cooperative one over slots (x, w, y,
