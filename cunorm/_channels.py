@@ -23,12 +23,14 @@ class ChannelCall:
     """A validated call of group_norm, instance_norm or batch_norm."""
 
     __slots__ = ("norm", "adapter", "x", "channel_axis", "groups", "weight", "bias", "eps", "out", "out_given",
-                 "return_stats", "running_mean", "running_var", "training", "momentum")
+                 "return_stats", "running_mean", "running_var", "training", "momentum", "epilogue")
 
     def __init__(self, norm, x, *, num_groups=None, weight=None, bias=None, eps, channel_axis, out=None,
-                 return_stats=False, running_mean=None, running_var=None, training=True, momentum=0.1):
+                 return_stats=False, running_mean=None, running_var=None, training=True, momentum=0.1,
+                 epilogue=0):
         fn = f"{norm}_norm"
         self.norm = norm
+        self.epilogue = epilogue  # the activation's FLAGS bits (_plan.activation_flags)
         self.adapter = _interop.adapter_for(x, "x")
         xa = x if self.adapter is _interop.NUMPY else self.adapter.to_cupy(x, "x")
         _ops.check_dtype(xa.dtype, "x")
@@ -228,7 +230,8 @@ def _elements(a):
 def _run_reference(call):
     from . import reference
 
-    kw = {"eps": call.eps, "channel_axis": call.channel_axis, "return_stats": call.return_stats}
+    kw = {"eps": call.eps, "channel_axis": call.channel_axis, "return_stats": call.return_stats,
+          "activation": _plan.activation_name(call.epilogue)}
     if call.norm == "group":
         results = reference.group_norm(call.x, call.groups, call.weight, call.bias, **kw)
     elif call.norm == "instance":
@@ -259,6 +262,7 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     spatial = x.size // (batch * channels)
     flags, pdtype = _ops.kernel_params(x.dtype, call.weight, call.bias)
     w, b = _ops._as_param(call.weight, pdtype), _ops._as_param(call.bias, pdtype)
+    flags |= call.epilogue
     from_running = call.norm == "batch" and not call.training
     key = (call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial, channels // call.groups,
            call.norm != "batch", x.data.ptr % 32, y.data.ptr % 32, from_running, bool(stats), x.data.device_id,
@@ -272,7 +276,7 @@ def execute(call, x, y, last, stats, override: dict | None = None):
         xv = cupy.ndarray((rows, x.size // rows), x.dtype, x.data)
         yv = cupy.ndarray((rows, x.size // rows), x.dtype, y.data)
         _, row_launch, program = _ops._launch_rows("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1,
-                                                   eps=call.eps)
+                                                   eps=call.eps, epilogue=call.epilogue)
         return f"rows ({row_launch.tier})", program
     # Running buffers the kernels update in place: accumulation dtype,
     # contiguous (copied back below when they had to be converted).

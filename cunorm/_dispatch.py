@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from . import _kernels as K
 from ._kernels import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
-from ._plan import ChannelPlan, Plan, kernel_types
+from ._plan import PARAM_FLAGS, ChannelPlan, Plan, kernel_types
 
 # --- thresholds --------------------------------------------------------------
 #: vector loads per thread in rows_cached. 4 beat 8 and 2: fp32 65536x1024,
@@ -406,7 +406,7 @@ def channel_rows_fast(plan: ChannelPlan) -> bool:
     a channels-first x are contiguous rows of channels_per_group * spatial
     elements, and without per-channel parameters the row family's tiers
     (one read for groups that fit on chip) normalize them as LayerNorm."""
-    return plan.per_sample and not plan.channels_last and plan.flags == 0
+    return plan.per_sample and not plan.channels_last and not plan.flags & PARAM_FLAGS
 
 
 def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = False, returns_stats: bool = True,

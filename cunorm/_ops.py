@@ -69,10 +69,12 @@ class Call:
     parameters, the residual, eps and out, each checked against x."""
 
     __slots__ = ("norm", "adapter", "x", "first", "last", "norm_shape", "weight", "bias", "residual", "eps", "out",
-                 "out_given", "return_stats")
+                 "out_given", "return_stats", "epilogue")
 
-    def __init__(self, norm, x, axis, eps, out, *, weight=None, bias=None, residual=None, return_stats=False):
+    def __init__(self, norm, x, axis, eps, out, *, weight=None, bias=None, residual=None, return_stats=False,
+                 epilogue=0):
         self.norm = norm
+        self.epilogue = epilogue  # the epilogue's FLAGS bits (_plan: rounding, weight offset, activation)
         adapter = _interop.adapter_for(x, "x")
         self.adapter = adapter
         xa = x if adapter is _interop.NUMPY else adapter.to_cupy(x, "x")
@@ -206,7 +208,11 @@ def run(call: Call, reference, key=None):
     if not call.on_gpu:
         kwargs = {"axis": tuple(range(call.first, call.last + 1)), "eps": call.eps}
         if call.norm in ("rms", "ln"):
-            kwargs.update(weight=call.weight, residual=call.residual, return_stats=call.return_stats)
+            kwargs.update(weight=call.weight, residual=call.residual, return_stats=call.return_stats,
+                          activation=_plan.activation_name(call.epilogue))
+        if call.norm == "rms":
+            kwargs.update(weight_offset=int(bool(call.epilogue & _plan.FLAG_WEIGHT_OFFSET)),
+                          rounding="normalized" if call.epilogue & _plan.FLAG_ROUND_NORMALIZED else "output")
         if call.norm == "ln":
             kwargs["bias"] = call.bias
         results = reference(call.x, **kwargs)
@@ -260,7 +266,7 @@ def _run_gpu(call: Call):
         w, b = _as_param(call.weight, pdtype), _as_param(call.bias, pdtype)
         center, scale = (stats if call.norm == "ln" else [None] + stats) if stats else (None, None)
         _, _, program = _launch_rows(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
-                                     first=call.first, last=call.last, eps=call.eps)
+                                     first=call.first, last=call.last, eps=call.eps, epilogue=call.epilogue)
         if w is not call.weight or b is not call.bias or call.out is not None:
             program = None
     out = call.adapter.from_cupy
@@ -316,30 +322,32 @@ def _mod32(a):
 
 
 def launch_on(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=None, first, last, eps,
-              override=None):
+              override=None, epilogue=0):
     """Plan and launch ``norm`` over CuPy arrays: y (and h, center, scale)
     C-contiguous; w and b contiguous, of one dtype; r of x's layout or it is
     made so. Returns (plan, launch) of the normalization."""
     plan, launch, _ = _launch_rows(norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale, first=first,
-                                   last=last, eps=eps, override=override)
+                                   last=last, eps=eps, override=override, epilogue=epilogue)
     return plan, launch
 
 
 def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=None, first, last, eps,
-                 override=None):
+                 override=None, epilogue=0):
     """launch_on, returning (plan, launch, program): program is the Program
     that ran over the arrays as given, None when x or r was copied or h
-    formed unfused first."""
+    formed unfused first. ``epilogue``: the FLAGS bits of the epilogue's
+    options (_plan.FLAG_ROUND_NORMALIZED ...)."""
     import cupy
 
     if r is not None and r.strides != x.strides:
         x, r = cupy.ascontiguousarray(x), cupy.ascontiguousarray(r)
         return _launch_rows(norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale, first=first, last=last,
-                            eps=eps, override=override)[:2] + (None,)
+                            eps=eps, override=override, epilogue=epilogue)[:2] + (None,)
     itemsize = x.itemsize
     strides = tuple([s // itemsize for s in x.strides])
     flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
     pdtype = None if not flags else (w if w is not None else b).dtype
+    flags |= epilogue
     key = (norm, x.dtype, pdtype, flags, r is not None, x.shape, strides, first, last,
            x.data.ptr % 32, y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), x.data.device_id)
     plan, launch = _planned(*key) if override is None else _plan_and_choose(key, override)
@@ -347,12 +355,12 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
         x = cupy.ascontiguousarray(x)
         r = None if r is None else cupy.ascontiguousarray(r)
         return _launch_rows(norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale, first=first, last=last,
-                            eps=eps, override=override)[:2] + (None,)
+                            eps=eps, override=override, epilogue=epilogue)[:2] + (None,)
     if r is not None and not plan.contiguous_rows:
         # A strided axis: form h with one elementwise pass, then normalize h.
         _residual_add(cupy.ascontiguousarray(x), cupy.ascontiguousarray(r), h)
         return _launch_rows(norm, h, y, w=w, b=b, center=center, scale=scale, first=first, last=last, eps=eps,
-                            override=override)[:2] + (None,)
+                            override=override, epilogue=epilogue)[:2] + (None,)
     program = rows_program(plan, launch, float(eps), center is not None, scale is not None, x.data.device_id)
     program.run(tuple(_launch.ptr(a) for a in (x, r, y, h, w, b, center, scale)), _launch.cupy_stream(),
                 _launch.cupy_alloc)

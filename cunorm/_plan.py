@@ -27,8 +27,8 @@ class Plan:
         is 1 whenever inner == 1). y is always written C-contiguous.
     dtype: storage dtype of x (and of the residual r, y and h).
     param_dtype, flags: storage dtype of the affine parameters and which of
-        them apply (FLAG_WEIGHT | FLAG_BIAS); param_dtype is None when flags
-        is 0.
+        them apply (FLAG_WEIGHT | FLAG_BIAS), with the epilogue's options
+        (the kernels' FLAGS word); param_dtype is None without parameters.
     residual: h = x + r is formed, returned and normalized.
     vec: elements per vector access along the contiguous axis (reduced if
         inner == 1, else inner), the widest that every pointer, stride and
@@ -60,6 +60,50 @@ class Plan:
 
 FLAG_WEIGHT = 1  # mirrors kWeight in cunorm/kernels/common.cuh
 FLAG_BIAS = 2  # mirrors kBias
+PARAM_FLAGS = FLAG_WEIGHT | FLAG_BIAS
+# The epilogue's options, the same FLAGS word (common.cuh says what each does)
+FLAG_WEIGHT_OFFSET = 4  # kWeightOffset: the weight read as 1 + weight
+FLAG_ROUND_NORMALIZED = 8  # kRoundNormalized: rounded before the weight
+ACTIVATION_SHIFT = 4  # kActivationShift
+#: the activations of the epilogue (``activation=``), their codes (Activation)
+ACTIVATIONS = {"identity": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}
+#: the rounding points of rms_norm's ``rounding=``
+ROUNDINGS = {"output": 0, "normalized": FLAG_ROUND_NORMALIZED}
+
+
+def activation_flags(activation) -> int:
+    """The FLAGS bits of ``activation`` (None or a name of ACTIVATIONS), validated."""
+    if activation is None:
+        return 0
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be None or one of {sorted(ACTIVATIONS)}, got {type(activation).__name__}")
+    code = ACTIVATIONS.get(activation)
+    if code is None:
+        raise ValueError(f"activation must be None or one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    return code << ACTIVATION_SHIFT
+
+
+def activation_name(flags: int) -> str | None:
+    """The activation the FLAGS word ends with (None for identity)."""
+    code = (flags >> ACTIVATION_SHIFT) & 7
+    return None if code == 0 else next(n for n, c in ACTIVATIONS.items() if c == code)
+
+
+def rms_epilogue_flags(weight_offset, rounding, has_weight: bool) -> int:
+    """The FLAGS bits of rms_norm's ``weight_offset`` (0 or 1) and ``rounding``, validated."""
+    if isinstance(weight_offset, (bool, np.bool_)) or not isinstance(weight_offset, (int, float, np.integer,
+                                                                                     np.floating)):
+        raise TypeError(f"weight_offset must be 0 or 1, got {type(weight_offset).__name__}")
+    if weight_offset not in (0, 1):
+        raise ValueError(f"weight_offset must be 0 or 1 (1: the weight read as 1 + weight), got {weight_offset!r}")
+    if weight_offset and not has_weight:
+        raise ValueError("weight_offset=1 needs a weight: it reads the weight as 1 + weight")
+    if not isinstance(rounding, str):
+        raise TypeError(f"rounding must be one of {sorted(ROUNDINGS)}, got {type(rounding).__name__}")
+    bits = ROUNDINGS.get(rounding)
+    if bits is None:
+        raise ValueError(f"rounding must be one of {sorted(ROUNDINGS)}, got {rounding!r}")
+    return bits | (FLAG_WEIGHT_OFFSET if weight_offset else 0)
 
 
 def normalize_axes(axis, ndim: int) -> tuple[int, int]:
@@ -176,20 +220,20 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
     if inner == 1:
         extent = reduced
         other_strides = [s_outer] if outer > 1 else []
-        if flags:
+        if flags & PARAM_FLAGS:
             pointers += [(w_ptr, param_dtype.itemsize), (b_ptr, param_dtype.itemsize)]
     else:
         extent = inner
         other_strides = [s for s, n in ((s_outer, outer), (s_reduced, reduced)) if n > 1]
     vec = vector_width(itemsize, extent, other_strides, pointers)
     peel_vec = vec
-    if inner == 1 and not flags and not residual:
+    if inner == 1 and not flags & PARAM_FLAGS and not residual:
         # every row of x must start as far off alignment as y's (C-contiguous,
         # a row each `reduced` elements): their strides and addresses differ
         # by whole vectors
         x_row_stride = s_outer if outer > 1 else reduced
         peel_vec = max(vec, vector_width(itemsize, 0, [x_row_stride - reduced], [(x_ptr - y_ptr, itemsize)]))
-    return Plan(norm, dtype, param_dtype if flags else None, flags, residual, outer, reduced, inner, s_outer,
+    return Plan(norm, dtype, param_dtype if flags & PARAM_FLAGS else None, flags, residual, outer, reduced, inner, s_outer,
                 s_reduced, vec, peel_vec)
 
 
@@ -274,5 +318,5 @@ def make_channel_plan(norm, dtype, param_dtype, flags, channels_last, batch, cha
         batch, spatial = 1, batch * spatial
     extent = channels if channels_last else spatial
     vec = vector_width(dtype.itemsize, extent, [], [(x_ptr, dtype.itemsize), (y_ptr, dtype.itemsize)])
-    return ChannelPlan(norm, dtype, param_dtype if flags else None, flags, channels_last, batch, channels, spatial,
+    return ChannelPlan(norm, dtype, param_dtype if flags & PARAM_FLAGS else None, flags, channels_last, batch, channels, spatial,
                        channels_per_group, per_sample, vec)

@@ -51,12 +51,15 @@ def once_differentiable(backward_fn):
 
 
 class RowNorm(torch.autograd.Function):
-    """rms_norm / layer_norm: outputs y[, h], then the statistics (not differentiable)."""
+    """rms_norm / layer_norm: outputs y[, h], then the statistics (not differentiable).
+    ``rounding`` (rms_norm's): the backward is the same for both; the weight's
+    gradient sums dy * h * rstd unrounded."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, norm, axis, eps):
+    def forward(ctx, x, weight, bias, residual, norm, axis, eps, rounding):
         if norm == "rms":
-            results = norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=True)
+            results = norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=True,
+                                     rounding=rounding)
         else:
             results = norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=True)
         statistics = results[-1:] if norm == "rms" else results[-2:]
@@ -75,7 +78,7 @@ class RowNorm(torch.autograd.Function):
             (dx, dw), db = backward.rms_norm_backward(dy, h, statistics[0], weight, axis=ctx.axis, dh=dh), None
         else:
             dx, dw, db = backward.layer_norm_backward(dy, h, *statistics, weight, bias, axis=ctx.axis, dh=dh)
-        return dx, dw, db, dx if ctx.residual else None, None, None, None
+        return dx, dw, db, dx if ctx.residual else None, None, None, None, None
 
 
 class ChannelNorm(torch.autograd.Function):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from . import _channels, _fast, _interop, _ops, reference
+from . import _channels, _fast, _interop, _ops, _plan, reference
 from ._ops import DEFAULT_EPS, LP_EPS  # the defaults, defined beside the argument checks (backward reads them too)
 
 # The description of x, shared by the docstrings (filled in at the end).
@@ -31,12 +31,14 @@ def _torch():
     return _cunorm_torch
 
 
-def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, out=None):
+def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
+             rounding="output", activation=None, out=None):
     """Root-mean-square normalization.
 
     ``y = h * rsqrt(mean(h**2 over axis) + eps) [* weight]`` where h is x, or
     ``x + residual`` (the fused pre-norm residual add). Statistics in float32
-    (float64 for float64 x); y rounded once to x's dtype.
+    (float64 for float64 x); y rounded once to x's dtype (``rounding`` moves
+    the rounding where Hugging Face's Llama family rounds).
 
     Parameters
     ----------
@@ -58,6 +60,20 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
         Also return the per-group ``rstd = rsqrt(mean(h**2) + eps)``, of
         shape x.shape without the normalized axes, float32 (float64 for
         float64 x).
+    weight_offset : 0 or 1, default 0
+        1 multiplies by ``1 + weight`` (formed in float32) instead of the
+        weight: the Gemma family's RMSNorm.
+    rounding : {"output", "normalized"}, default "output"
+        Where the result is rounded to x's dtype. "output": once, after the
+        weight (torch.nn.RMSNorm, OLMo2). "normalized": ``h * rstd`` is
+        rounded to x's dtype first and the weight multiplies that, the
+        product rounded again: Hugging Face's Llama, Mistral, Qwen, Phi-3,
+        DeepSeek-V3 and T5 RMSNorms (bitwise, to their rstd's last float32
+        bit, when the weight has x's dtype).
+    activation : {None, "relu", "silu", "gelu", "gelu_tanh", "identity"}
+        Applied to y in the same pass, in float32 with torch's formulas
+        (``gelu``: the exact erf form; ``gelu_tanh``: torch's
+        ``approximate="tanh"``), before the one rounding.
     out : array, optional
         Where to write y: same kind, shape and dtype as x, C-contiguous. It
         may be x itself (in place); it may not otherwise overlap x or the
@@ -88,13 +104,19 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     all NaN; so does a group whose float32 sum of squares overflows
     (``|x|`` beyond about 1e19). Other groups are unaffected.
     """
+    if activation is None and rounding == "output" and type(weight_offset) is int and weight_offset == 0:
+        epilogue = 0
+    else:
+        epilogue = _plan.rms_epilogue_flags(weight_offset, rounding, weight is not None) | \
+            _plan.activation_flags(activation)
     return _row_op("rms", x, weight, None, residual, axis, eps, return_stats, out, reference.rms_norm,
                    lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
-                                             return_stats=return_stats))
+                                             return_stats=return_stats, weight_offset=weight_offset,
+                                             rounding=rounding, activation=activation), epilogue)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
-               out=None):
+               activation=None, out=None):
     """Layer normalization.
 
     ``y = (h - mean) * rsqrt(var + eps) [* weight] [+ bias]`` over the
@@ -123,6 +145,9 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
         Also return the per-group ``mean`` and ``rstd = rsqrt(var + eps)``, of
         shape x.shape without the normalized axes, float32 (float64 for
         float64 x): what a backward pass needs.
+    activation : str, optional
+        As for :func:`rms_norm`: applied in the same pass, before the one
+        rounding.
     out : array, optional
         Where to write y: same kind, shape and dtype as x, C-contiguous; may
         be x itself (in place), may not otherwise overlap x or the residual.
@@ -144,9 +169,10 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     A group holding Inf or NaN comes out all NaN; other groups are
     unaffected.
     """
+    epilogue = 0 if activation is None else _plan.activation_flags(activation)
     return _row_op("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm,
                    lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
-                                               return_stats=return_stats))
+                                               return_stats=return_stats, activation=activation), epilogue)
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
@@ -262,7 +288,7 @@ _CHANNEL_X = """x : array
 
 
 def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False,
-               out=None):
+               activation=None, out=None):
     """Group normalization (torch.nn.GroupNorm).
 
     The C channels are split into ``num_groups`` groups of consecutive
@@ -285,6 +311,10 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
     return_stats : bool, default False
         Also return ``mean`` and ``rstd`` of shape (N, num_groups), float32
         (float64 for float64 x).
+    activation : str, optional
+        As for :func:`rms_norm` ("relu", "silu", "gelu", "gelu_tanh"):
+        applied in the same pass, before the one rounding (timm's
+        GroupNormAct, a UNet's GroupNorm + SiLU).
     out : array, optional
         Where to write y: x's shape, dtype and memory layout; not overlapping x.
 
@@ -309,10 +339,12 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
     """
     return _channel_op("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
                        out, lambda: _torch().group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
-                                                        return_stats=return_stats))
+                                                        return_stats=return_stats, activation=activation),
+                       activation)
 
 
-def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False, out=None):
+def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False,
+                  activation=None, out=None):
     """Instance normalization (``torch.nn.InstanceNorm*d``, using the input's
     statistics): GroupNorm with one channel per group; each (sample, channel)
     is normalized over its spatial positions.
@@ -323,7 +355,7 @@ def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1,
         At least two spatial elements (as torch requires).
     weight, bias : array, optional
         Of shape (C,) (torch's ``affine=True``).
-    eps, channel_axis, out
+    eps, channel_axis, activation, out
         As for :func:`group_norm`.
     return_stats : bool, default False
         Also return ``mean`` and ``rstd`` of shape (N, C).
@@ -340,11 +372,12 @@ def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1,
     """
     return _channel_op("instance", x, None, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
                        out, lambda: _torch().instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
-                                                           return_stats=return_stats))
+                                                           return_stats=return_stats, activation=activation),
+                       activation)
 
 
 def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
-               eps=DEFAULT_EPS, channel_axis=1, return_stats=False, out=None):
+               eps=DEFAULT_EPS, channel_axis=1, return_stats=False, activation=None, out=None):
     """Batch normalization (``torch.nn.BatchNorm*d``'s forward).
 
     Training (the default): each channel is normalized with its statistics
@@ -368,8 +401,8 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     momentum : float, default 0.1
         In [0, 1]. (torch's ``momentum=None``, a cumulative average, is not
         supported: pass 1 / batches_seen yourself.)
-    eps, channel_axis, out
-        As for :func:`group_norm`.
+    eps, channel_axis, activation, out
+        As for :func:`group_norm` (timm's BatchNormAct2d).
     return_stats : bool, default False
         Also return the ``mean`` and ``rstd`` used, of shape (C,).
 
@@ -390,32 +423,36 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                        channel_axis, return_stats, out,
                        lambda: _torch().batch_norm(x, weight, bias, running_mean=running_mean,
                                                    running_var=running_var, training=training, momentum=momentum,
-                                                   eps=eps, channel_axis=channel_axis, return_stats=return_stats))
+                                                   eps=eps, channel_axis=channel_axis, return_stats=return_stats,
+                                                   activation=activation), activation)
 
 
-def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, torch_op):
+def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, torch_op, epilogue=0):
     """A row norm: the launch cache's entry for the call's signature if it
     has one, else the registered torch operator where autograd or dynamo
-    must see the call, else the general path (which fills the cache)."""
+    must see the call, else the general path (which fills the cache).
+    ``epilogue``: the validated FLAGS bits of the epilogue's options."""
     key = None
     if out is None:
-        key = _fast.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats)
+        key = _fast.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue)
         results = _fast.replay(_fast.ROWS, key, x, weight, bias, residual)
         if results is not None:
             return results
     if _interop.torch_route(x, weight, bias, residual, out=out):
         return torch_op()
-    call = _ops.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual, return_stats=return_stats)
+    call = _ops.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual, return_stats=return_stats,
+                     epilogue=epilogue)
     return _ops.run(call, reference_fn, key=key)
 
 
 def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
-                return_stats, out, torch_op):
+                return_stats, out, torch_op, activation=None):
     """A channel norm, as _row_op."""
+    epilogue = 0 if activation is None else _plan.activation_flags(activation)
     key = None
     if out is None:
         key = _fast.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum,
-                                eps, channel_axis, return_stats)
+                                eps, channel_axis, return_stats, epilogue)
         results = _fast.replay(_fast.CHANNELS, key, x, weight, bias, running_mean, running_var)
         if results is not None:
             return results
@@ -424,7 +461,7 @@ def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, tr
     call = _channels.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
                                  channel_axis=channel_axis, out=out, return_stats=return_stats,
                                  running_mean=running_mean, running_var=running_var, training=training,
-                                 momentum=momentum)
+                                 momentum=momentum, epilogue=epilogue)
     return _channels.run(call, key=key)
 
 

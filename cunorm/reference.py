@@ -11,21 +11,43 @@ from __future__ import annotations
 import numpy as np
 
 
-def rms_norm(x, weight=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False, exact=False):
-    """``h * rsqrt(mean(h**2 over axis) + eps) [* weight]`` with h = x
-    (+ residual). Returns y, then h if residual is given, then rstd if
-    return_stats."""
-    return _normalize("rms", x, weight, None, axis, eps, residual, return_stats, exact)
+def apply_activation(y, name):
+    """The epilogue's activation (None: identity) of float64 y."""
+    if name is None or name == "identity":
+        return y
+    if name == "relu":
+        return np.where(y < 0, 0.0, y)  # (a NaN stays NaN)
+    if name == "silu":
+        with np.errstate(over="ignore"):
+            return y / (1.0 + np.exp(-y))
+    if name == "gelu":
+        from math import erf
+
+        return y * 0.5 * (1.0 + np.vectorize(erf, otypes=[np.float64])(y / np.sqrt(2.0)))
+    if name == "gelu_tanh":
+        return 0.5 * y * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (y + 0.044715 * y**3)))
+    raise ValueError(f"unknown activation {name!r}")
 
 
-def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False, exact=False):
-    """``(h - mean) * rsqrt(var + eps) [* weight] [+ bias]`` over axis, var
-    biased, with h = x (+ residual). Returns y, then h if residual is given,
-    then mean and rstd if return_stats."""
-    return _normalize("ln", x, weight, bias, axis, eps, residual, return_stats, exact)
+def rms_norm(x, weight=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False, weight_offset=0,
+             rounding="output", activation=None, exact=False):
+    """``act(h * rsqrt(mean(h**2 over axis) + eps) [* (weight_offset + weight)])``
+    with h = x (+ residual); ``rounding="normalized"`` rounds the normalized
+    h to x's dtype before the weight multiplies. Returns y, then h if
+    residual is given, then rstd if return_stats."""
+    return _normalize("rms", x, weight, None, axis, eps, residual, return_stats, exact,
+                      (weight_offset, rounding, activation))
 
 
-def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact):
+def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False,
+               activation=None, exact=False):
+    """``act((h - mean) * rsqrt(var + eps) [* weight] [+ bias])`` over axis,
+    var biased, with h = x (+ residual). Returns y, then h if residual is
+    given, then mean and rstd if return_stats."""
+    return _normalize("ln", x, weight, bias, axis, eps, residual, return_stats, exact, (0, "output", activation))
+
+
+def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact, epilogue):
     from ._dtypes import accumulation
     from ._plan import normalize_axes
 
@@ -53,13 +75,17 @@ def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact):
         scale = np.where(finite, scale, np.nan)
         center = np.where(finite, center, np.nan)  # a non-finite group's statistics are NaN
         y = (hf - np.where(finite, center, 0.0)) * scale
+        weight_offset, rounding, act = epilogue
+        if rounding == "normalized":
+            y = y.astype(x.dtype).astype(np.float64)
         tail = (1,) * (x.ndim - 1 - last)
         if weight is not None:
-            w = np.asarray(weight).astype(np.float64)
+            w = np.asarray(weight).astype(np.float64) + weight_offset
             y = y * w.reshape(w.shape + tail)
         if bias is not None:
             b = np.asarray(bias).astype(np.float64)
             y = y + b.reshape(b.shape + tail)
+        y = apply_activation(y, act)
     results = [y if exact else y.astype(x.dtype)]
     if residual is not None:
         results.append(h)
@@ -159,7 +185,7 @@ def _channel_affine(xg, center, scale, weight, bias):
 
 
 def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=1, return_stats=False,
-               exact=False):
+               activation=None, exact=False):
     """GroupNorm: statistics per (sample, group of C // num_groups channels)
     over the group's channels and every spatial position, var biased; then
     per channel ``* weight[c] + bias[c]``. Returns y, then (mean, rstd) of
@@ -169,7 +195,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
     x = np.asarray(x)
     xf, back = _channels_first(x, channel_axis)
     center, scale, _, xg = _grouped(xf, num_groups, True, eps)
-    y = back(_channel_affine(xg, center, scale, weight, bias))
+    y = back(apply_activation(_channel_affine(xg, center, scale, weight, bias), activation))
     results = [y if exact else y.astype(x.dtype)]
     if return_stats:
         stats_dtype = np.float64 if exact else accumulation(x.dtype)
@@ -178,16 +204,17 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def instance_norm(x, weight=None, bias=None, *, eps=1e-5, channel_axis=1, return_stats=False, exact=False):
+def instance_norm(x, weight=None, bias=None, *, eps=1e-5, channel_axis=1, return_stats=False, activation=None,
+                  exact=False):
     """InstanceNorm: GroupNorm with one channel per group. Statistics of
     shape (N, C)."""
     x = np.asarray(x)
     return group_norm(x, x.shape[channel_axis % max(x.ndim, 1)] if x.ndim >= 2 else 1, weight, bias, eps=eps,
-                      channel_axis=channel_axis, return_stats=return_stats, exact=exact)
+                      channel_axis=channel_axis, return_stats=return_stats, activation=activation, exact=exact)
 
 
 def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
-               eps=1e-5, channel_axis=1, return_stats=False, exact=False):
+               eps=1e-5, channel_axis=1, return_stats=False, activation=None, exact=False):
     """BatchNorm: per-channel statistics over the batch and every spatial
     position. Training: batch statistics (var biased), and the running
     buffers, when given, updated in place as torch does:
@@ -213,7 +240,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
         center = np.asarray(running_mean).astype(np.float64).reshape(1, c, 1, 1)
         with np.errstate(invalid="ignore", divide="ignore"):
             scale = 1.0 / np.sqrt(np.asarray(running_var).astype(np.float64).reshape(1, c, 1, 1) + eps)
-    y = back(_channel_affine(xg, center, scale, weight, bias))
+    y = back(apply_activation(_channel_affine(xg, center, scale, weight, bias), activation))
     results = [y if exact else y.astype(x.dtype)]
     if return_stats:
         stats_dtype = np.float64 if exact else accumulation(x.dtype)

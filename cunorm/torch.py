@@ -13,10 +13,12 @@ instead of 86 us in the benchmark run on 65e31ac, H200 machine, 2026-11-21;
 23-43 us less across that day's runs: torch's custom-op dispatch costs the
 difference).
 
-The modules subclass their ``torch.nn`` counterparts and replace only
-``forward``: the constructor arguments, parameters, buffers, ``state_dict``
-keys and ``repr`` are torch's own, so a checkpoint loads into either, and
-``replace_norms(model)`` swaps a model's norm layers for cunorm's in place.
+The modules (cunorm/_torch_layers.py) subclass their ``torch.nn``
+counterparts and replace only ``forward``: the constructor arguments,
+parameters, buffers, ``state_dict`` keys and ``repr`` are torch's own, so a
+checkpoint loads into either. ``replace_norms(model)`` (cunorm/_torch_zoo.py)
+swaps a model's norm layers, torch.nn's, timm's and transformers', for
+cunorm's in place.
 
 Every op is differentiable: its autograd formula is cunorm's backward
 pass (cunorm.backward), itself a registered operator
@@ -28,14 +30,12 @@ differentiated through. Double backward is not supported.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from . import _channels, _dtypes, _grad, _ops, backward, norms, reference
+from . import _channels, _dtypes, _grad, _ops, _plan, backward, norms, reference
 from ._interop import torch as _adapter
 from ._torch_autograd import channel_norm_apply as _channel_norm_apply
 from ._torch_autograd import eager_autograd as _eager_autograd
@@ -43,8 +43,8 @@ from ._torch_autograd import needs_grad as _needs_grad  # (the forward operators
 from ._torch_autograd import row_norm_apply as _row_norm_apply
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
-           "instance_norm", "batch_norm", "RMSNorm", "LayerNorm", "GroupNorm", "InstanceNorm2d", "BatchNorm2d",
-           "replace_norms"]
+           "instance_norm", "batch_norm", "RMSNorm", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d",
+           "InstanceNorm3d", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "replace_norms", "NormReport"]
 
 _ALL_AXES: list[int] = []  # an op's ``axes`` for axis=None (every axis)
 
@@ -65,16 +65,17 @@ def _stats_like(x: Tensor, shape) -> Tensor:
 
 @torch.library.custom_op("cunorm::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], axes: list[int], eps: float,
-                 return_stats: bool) -> list[Tensor]:
-    call = _ops.Call("rms", x, tuple(axes), eps, None, weight=weight, residual=residual, return_stats=return_stats)
+                 return_stats: bool, epilogue: int) -> list[Tensor]:
+    call = _ops.Call("rms", x, tuple(axes), eps, None, weight=weight, residual=residual, return_stats=return_stats,
+                     epilogue=epilogue)
     return _as_list(_ops.run(call, reference.rms_norm))
 
 
 @torch.library.custom_op("cunorm::layer_norm", mutates_args=())
 def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                   axes: list[int], eps: float, return_stats: bool) -> list[Tensor]:
+                   axes: list[int], eps: float, return_stats: bool, epilogue: int) -> list[Tensor]:
     call = _ops.Call("ln", x, tuple(axes), eps, None, weight=weight, bias=bias, residual=residual,
-                     return_stats=return_stats)
+                     return_stats=return_stats, epilogue=epilogue)
     return _as_list(_ops.run(call, reference.layer_norm))
 
 
@@ -95,12 +96,12 @@ def _rows_fake(x, residual, axes, return_stats, statistics):
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, residual, axes, eps, return_stats):
+def _(x, weight, residual, axes, eps, return_stats, epilogue):
     return _rows_fake(x, residual, axes, return_stats, 1)
 
 
 @_layer_norm_op.register_fake
-def _(x, weight, bias, residual, axes, eps, return_stats):
+def _(x, weight, bias, residual, axes, eps, return_stats, epilogue):
     return _rows_fake(x, residual, axes, return_stats, 2)
 
 
@@ -111,24 +112,24 @@ def _(x, norm, axes, eps):
 
 @torch.library.custom_op("cunorm::group_norm", mutates_args=())
 def _group_norm_op(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                   channel_axis: int, return_stats: bool) -> list[Tensor]:
+                   channel_axis: int, return_stats: bool, epilogue: int) -> list[Tensor]:
     call = _channels.ChannelCall("group", x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
-                                 channel_axis=channel_axis, return_stats=return_stats)
+                                 channel_axis=channel_axis, return_stats=return_stats, epilogue=epilogue)
     return _as_list(_channels.run(call))
 
 
 @torch.library.custom_op("cunorm::instance_norm", mutates_args=())
 def _instance_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, channel_axis: int,
-                      return_stats: bool) -> list[Tensor]:
+                      return_stats: bool, epilogue: int) -> list[Tensor]:
     call = _channels.ChannelCall("instance", x, weight=weight, bias=bias, eps=eps, channel_axis=channel_axis,
-                                 return_stats=return_stats)
+                                 return_stats=return_stats, epilogue=epilogue)
     return _as_list(_channels.run(call))
 
 
 @torch.library.custom_op("cunorm::batch_norm", mutates_args=())
 def _batch_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], running_mean: Optional[Tensor],
                    running_var: Optional[Tensor], training: bool, momentum: float, eps: float, channel_axis: int,
-                   return_stats: bool) -> list[Tensor]:
+                   return_stats: bool, epilogue: int) -> list[Tensor]:
     # Functional (autograd can only be registered on functional operators):
     # in training the updated running buffers are returned, computed into
     # copies, and the caller writes them back (batch_norm below).
@@ -137,7 +138,7 @@ def _batch_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
         running_var = None if running_var is None else running_var.clone()
     call = _channels.ChannelCall("batch", x, weight=weight, bias=bias, eps=eps, channel_axis=channel_axis,
                                  return_stats=return_stats, running_mean=running_mean, running_var=running_var,
-                                 training=training, momentum=momentum)
+                                 training=training, momentum=momentum, epilogue=epilogue)
     updated = [b for b in (running_mean, running_var) if b is not None] if training else []
     return _as_list(_channels.run(call)) + updated
 
@@ -153,17 +154,17 @@ def _channels_fake(norm, x, channel_axis, groups, return_stats):
 
 
 @_group_norm_op.register_fake
-def _(x, num_groups, weight, bias, eps, channel_axis, return_stats):
+def _(x, num_groups, weight, bias, eps, channel_axis, return_stats, epilogue):
     return _channels_fake("group", x, channel_axis, num_groups, return_stats)
 
 
 @_instance_norm_op.register_fake
-def _(x, weight, bias, eps, channel_axis, return_stats):
+def _(x, weight, bias, eps, channel_axis, return_stats, epilogue):
     return _channels_fake("instance", x, channel_axis, None, return_stats)
 
 
 @_batch_norm_op.register_fake
-def _(x, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis, return_stats):
+def _(x, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis, return_stats, epilogue):
     updated = [torch.empty_like(b) for b in (running_mean, running_var) if b is not None] if training else []
     return _channels_fake("batch", x, channel_axis, None, return_stats) + updated
 
@@ -273,7 +274,7 @@ def _rows_dy(ctx, grads, h):
 
 
 def _rms_setup(ctx, inputs, output):
-    x, weight, residual, axes, eps, return_stats = inputs
+    x, weight, residual, axes, eps, return_stats, epilogue = inputs
     ctx.op = "rms_norm"
     _rows_setup(ctx, x, weight, None, residual, axes, return_stats, output, 1)
 
@@ -284,11 +285,11 @@ def _rms_backward(ctx, *grads):
     dy, dh = _rows_dy(ctx, grads, h)
     results = torch.ops.cunorm.rms_norm_backward(dy, h, rstd, weight, dh, ctx.axes)
     dw, _ = _param_grads(results, weight, None)
-    return results[0], dw, results[0] if ctx.residual else None, None, None, None
+    return results[0], dw, results[0] if ctx.residual else None, None, None, None, None
 
 
 def _ln_setup(ctx, inputs, output):
-    x, weight, bias, residual, axes, eps, return_stats = inputs
+    x, weight, bias, residual, axes, eps, return_stats, epilogue = inputs
     ctx.op = "layer_norm"
     _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, 2)
 
@@ -299,7 +300,7 @@ def _ln_backward(ctx, *grads):
     dy, dh = _rows_dy(ctx, grads, h)
     results = torch.ops.cunorm.layer_norm_backward(dy, h, mean, rstd, weight, bias, dh, ctx.axes)
     dw, db = _param_grads(results, weight, bias)
-    return results[0], dw, db, results[0] if ctx.residual else None, None, None, None
+    return results[0], dw, db, results[0] if ctx.residual else None, None, None, None, None
 
 
 def _normalize_setup(ctx, inputs, output):
@@ -336,34 +337,34 @@ def _channel_grads(ctx, grads):
 
 
 def _group_setup(ctx, inputs, output):
-    x, num_groups, weight, bias, eps, channel_axis, return_stats = inputs
+    x, num_groups, weight, bias, eps, channel_axis, return_stats, epilogue = inputs
     _channel_setup(ctx, "group", x, num_groups, weight, bias, channel_axis, return_stats, output)
 
 
 def _group_backward(ctx, *grads):
     dx, dw, db = _channel_grads(ctx, grads)
-    return dx, None, dw, db, None, None, None
+    return dx, None, dw, db, None, None, None, None
 
 
 def _instance_setup(ctx, inputs, output):
-    x, weight, bias, eps, channel_axis, return_stats = inputs
+    x, weight, bias, eps, channel_axis, return_stats, epilogue = inputs
     _channel_setup(ctx, "instance", x, 0, weight, bias, channel_axis, return_stats, output)
 
 
 def _instance_backward(ctx, *grads):
     dx, dw, db = _channel_grads(ctx, grads)
-    return dx, dw, db, None, None, None
+    return dx, dw, db, None, None, None, None
 
 
 def _batch_setup(ctx, inputs, output):
-    x, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis, return_stats = inputs
+    x, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis, return_stats, epilogue = inputs
     _channel_setup(ctx, "batch", x, 0, weight, bias, channel_axis, return_stats, output, training, eps,
                    (running_mean, running_var))
 
 
 def _batch_backward(ctx, *grads):
     dx, dw, db = _channel_grads(ctx, grads)
-    return dx, dw, db, None, None, None, None, None, None, None
+    return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 _rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
@@ -397,23 +398,60 @@ def _dropped(results: list[Tensor], wanted: bool, asked: bool, count: int) -> li
     return results[:-count] if asked and not wanted else results
 
 
-def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False):
+_ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+                "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"), "identity": lambda t: t}
+
+
+def _activated(results, activation):
+    """The results with torch's ``activation`` applied to y (the first):
+    under autograd the epilogue's activation runs as torch's op after the
+    norm, so its gradient is torch's (cunorm's backward kernels take the
+    gradient of the norm only)."""
+    act = _ACTIVATIONS[activation]
+    if isinstance(results, tuple):
+        return (act(results[0]),) + results[1:]
+    return act(results)
+
+
+def _offset_weight(x: Tensor, weight: Tensor) -> Tensor:
+    """``1 + weight`` in the accumulation dtype, as the kernel's weight
+    offset forms it (autograd then takes the offset's gradient)."""
+    return weight.to(_adapter.TORCH_DTYPE[_dtypes.accumulation(_adapter.NUMPY_DTYPE[x.dtype])]) + 1
+
+
+def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
+             rounding="output", activation=None):
     """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm`` (differentiable)."""
     stats = _ops.check_flag(return_stats, "return_stats")
+    epilogue = _plan.rms_epilogue_flags(weight_offset, rounding, weight is not None) | \
+        _plan.activation_flags(activation)
+    if epilogue & ~_plan.FLAG_ROUND_NORMALIZED and _needs_grad(x, weight, residual):
+        # the weight offset and the activation as torch ops around the norm, so autograd sees them
+        w = _offset_weight(x, weight) if weight_offset else weight
+        results = rms_norm(x, w, axis=axis, eps=eps, residual=residual, return_stats=stats, rounding=rounding)
+        return _activated(results, activation) if activation is not None else results
     if _eager_autograd(x, weight, residual):
-        return _unpack(_dropped(list(_row_norm_apply(x, weight, None, residual, "rms", axis, eps)), stats, True, 1))
+        return _unpack(_dropped(list(_row_norm_apply(x, weight, None, residual, "rms", axis, eps, rounding)), stats,
+                                True, 1))
     asked = stats or _needs_grad(x, weight, residual)
-    results = torch.ops.cunorm.rms_norm(x, weight, residual, _axes(axis), _ops.check_eps(eps), asked)
+    results = torch.ops.cunorm.rms_norm(x, weight, residual, _axes(axis), _ops.check_eps(eps), asked, epilogue)
     return _unpack(_dropped(results, stats, asked, 1))
 
 
-def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False):
+def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False,
+               activation=None):
     """:func:`cunorm.layer_norm` as the registered op ``torch.ops.cunorm.layer_norm`` (differentiable)."""
     stats = _ops.check_flag(return_stats, "return_stats")
+    epilogue = _plan.activation_flags(activation)
+    if epilogue and _needs_grad(x, weight, bias, residual):  # the activation as torch's op (see rms_norm)
+        results = layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=stats)
+        return _activated(results, activation)
     if _eager_autograd(x, weight, bias, residual):
-        return _unpack(_dropped(list(_row_norm_apply(x, weight, bias, residual, "ln", axis, eps)), stats, True, 2))
+        results = _row_norm_apply(x, weight, bias, residual, "ln", axis, eps, "output")
+        return _unpack(_dropped(list(results), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias, residual)
-    results = torch.ops.cunorm.layer_norm(x, weight, bias, residual, _axes(axis), _ops.check_eps(eps), asked)
+    results = torch.ops.cunorm.layer_norm(x, weight, bias, residual, _axes(axis), _ops.check_eps(eps), asked,
+                                          epilogue)
     return _unpack(_dropped(results, stats, asked, 2))
 
 
@@ -433,41 +471,54 @@ def frobenius_normalize(x, *, axis=None, eps=norms.LP_EPS):
 
 
 def group_norm(x, num_groups, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_axis=1,
-               return_stats=False):
+               return_stats=False, activation=None):
     """:func:`cunorm.group_norm` as the registered op ``torch.ops.cunorm.group_norm`` (differentiable)."""
     groups, axis = _ops.check_int(num_groups, "num_groups"), _ops.check_int(channel_axis, "channel_axis")
     stats = _ops.check_flag(return_stats, "return_stats")
+    epilogue = _plan.activation_flags(activation)
+    if epilogue and _needs_grad(x, weight, bias):  # the activation as torch's op (see rms_norm)
+        return _activated(group_norm(x, groups, weight, bias, eps=eps, channel_axis=axis, return_stats=stats),
+                          activation)
     if _eager_autograd(x, weight, bias):
         return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, None, None, "group", groups, True, 0.1, eps,
                                                         axis)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias)
-    results = torch.ops.cunorm.group_norm(x, groups, weight, bias, _ops.check_eps(eps), axis, asked)
+    results = torch.ops.cunorm.group_norm(x, groups, weight, bias, _ops.check_eps(eps), axis, asked, epilogue)
     return _unpack(_dropped(results, stats, asked, 2))
 
 
-def instance_norm(x, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_axis=1, return_stats=False):
+def instance_norm(x, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_axis=1, return_stats=False,
+                  activation=None):
     """:func:`cunorm.instance_norm` as the registered op ``torch.ops.cunorm.instance_norm`` (differentiable)."""
     axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
+    epilogue = _plan.activation_flags(activation)
+    if epilogue and _needs_grad(x, weight, bias):  # the activation as torch's op (see rms_norm)
+        return _activated(instance_norm(x, weight, bias, eps=eps, channel_axis=axis, return_stats=stats), activation)
     if _eager_autograd(x, weight, bias):
         return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, None, None, "instance", None, True, 0.1, eps,
                                                         axis)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias)
-    results = torch.ops.cunorm.instance_norm(x, weight, bias, _ops.check_eps(eps), axis, asked)
+    results = torch.ops.cunorm.instance_norm(x, weight, bias, _ops.check_eps(eps), axis, asked, epilogue)
     return _unpack(_dropped(results, stats, asked, 2))
 
 
 def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
-               eps=norms.DEFAULT_EPS, channel_axis=1, return_stats=False):
+               eps=norms.DEFAULT_EPS, channel_axis=1, return_stats=False, activation=None):
     """:func:`cunorm.batch_norm` as the registered op ``torch.ops.cunorm.batch_norm``; in training the
     running buffers are updated in place as there (the op returns them, this copies them back)."""
     axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
     training = _ops.check_flag(training, "training")
+    epilogue = _plan.activation_flags(activation)
+    if epilogue and _needs_grad(x, weight, bias):  # the activation as torch's op (see rms_norm)
+        return _activated(batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
+                                     training=training, momentum=momentum, eps=eps, channel_axis=axis,
+                                     return_stats=stats), activation)
     if _eager_autograd(x, weight, bias):
         return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, running_mean, running_var, "batch", None,
                                                         training, momentum, eps, axis)), stats, True, 2))
     asked = stats or (training and _needs_grad(x, weight, bias))
     results = torch.ops.cunorm.batch_norm(x, weight, bias, running_mean, running_var, training,
-                                          _channels._momentum(momentum), _ops.check_eps(eps), axis, asked)
+                                          _channels._momentum(momentum), _ops.check_eps(eps), axis, asked, epilogue)
     buffers = [b for b in (running_mean, running_var) if b is not None] if training else []
     if buffers:
         with torch.no_grad():
@@ -478,128 +529,9 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
 
 
 # -- modules ----------------------------------------------------------------------------------------------------------
-# Under eager autograd RMSNorm, LayerNorm, GroupNorm and BatchNorm2d enter
-# their autograd.Function (cunorm/_torch_autograd.py) directly; otherwise
-# they call the array-level ops, which run as the registered operators
-# under dynamo (torch.compile) and take the launch cache in inference.
+# The torch.nn layers (cunorm/_torch_layers.py) and replace_norms with its
+# registry of timm's and transformers' norm layers (cunorm/_torch_zoo.py).
 
-class RMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` computed by cunorm (same arguments, parameters and
-    state_dict). ``eps=None`` means torch's default, the machine epsilon of
-    float32 (float64 for float64 input)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        eps = self.eps if self.eps is not None else _default_rms_eps(x.dtype)
-        axis = _trailing_axes(self.normalized_shape)
-        weight = self.weight  # (a parameter: each read goes through Module.__getattr__)
-        if _eager_autograd(x, weight):  # straight to the autograd.Function (as the op would route it)
-            return _row_norm_apply(x, weight, None, None, "rms", axis, eps)[0]
-        return norms.rms_norm(x, weight, axis=axis, eps=eps)
-
-
-def _trailing_axes(normalized_shape):
-    """The axes a layer's normalized_shape names: -1 for one (an int keys the
-    launch cache without a walk over a tuple), else the trailing ones."""
-    n = len(normalized_shape)
-    return -1 if n == 1 else tuple(range(-n, 0))
-
-
-def _default_rms_eps(dtype) -> float:
-    # torch's rms_norm takes the epsilon of its compute type (float32 for the
-    # 16-bit dtypes), which is cunorm's accumulation dtype too.
-    return float(np.finfo(_dtypes.accumulation(_adapter.NUMPY_DTYPE[dtype])).eps)
-
-
-class LayerNorm(torch.nn.LayerNorm):
-    """``torch.nn.LayerNorm`` computed by cunorm (same arguments, parameters and state_dict)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        axis = _trailing_axes(self.normalized_shape)
-        weight, bias = self.weight, self.bias
-        if _eager_autograd(x, weight, bias):  # as in RMSNorm.forward
-            return _row_norm_apply(x, weight, bias, None, "ln", axis, self.eps)[0]
-        return norms.layer_norm(x, weight, bias, axis=axis, eps=self.eps)
-
-
-class GroupNorm(torch.nn.GroupNorm):
-    """``torch.nn.GroupNorm`` computed by cunorm (same arguments, parameters and state_dict); x (N, C, *),
-    channels_last tensors run as they are."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        weight, bias = self.weight, self.bias
-        if _eager_autograd(x, weight, bias):  # as in RMSNorm.forward
-            return _channel_norm_apply(x, weight, bias, None, None, "group", self.num_groups, True, 0.1, self.eps,
-                                       1)[0]
-        return norms.group_norm(x, self.num_groups, weight, bias, eps=self.eps)
-
-
-class InstanceNorm2d(torch.nn.InstanceNorm2d):
-    """``torch.nn.InstanceNorm2d`` computed by cunorm (same arguments, parameters, buffers and state_dict).
-
-    With ``track_running_stats=True`` in training, the running buffers are
-    updated as torch updates them, from cunorm's float32 statistics (the
-    variance recovered from rstd: relative error ~1e-7 of var + eps)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        self._check_input_dim(x)
-        if x.dim() == 3:  # unbatched (C, H, W), as torch allows
-            return self.forward(x.unsqueeze(0)).squeeze(0)
-        use_input_stats = self.training or not self.track_running_stats
-        if not use_input_stats:
-            return norms.batch_norm(x, self.weight, self.bias, running_mean=self.running_mean,
-                                    running_var=self.running_var, training=False, eps=self.eps)
-        if not (self.track_running_stats and self.running_mean is not None):
-            return norms.instance_norm(x, self.weight, self.bias, eps=self.eps)
-        y, mean, rstd = norms.instance_norm(x, self.weight, self.bias, eps=self.eps, return_stats=True)
-        momentum = self.momentum if self.momentum is not None else 0.0
-        n = math.prod(x.shape[2:])
-        with torch.no_grad():
-            var = (rstd.double().pow(-2) - self.eps).clamp_min(0) * (n / max(n - 1, 1))
-            self.running_mean.mul_(1 - momentum).add_(mean.mean(0).to(self.running_mean.dtype), alpha=momentum)
-            self.running_var.mul_(1 - momentum).add_(var.mean(0).to(self.running_var.dtype), alpha=momentum)
-        return y
-
-
-class BatchNorm2d(torch.nn.BatchNorm2d):
-    """``torch.nn.BatchNorm2d`` computed by cunorm (same arguments, parameters, buffers and state_dict),
-    including ``momentum=None`` (the cumulative average) and ``num_batches_tracked``."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        # torch's _BatchNorm.forward, with the normalization itself cunorm's
-        self._check_input_dim(x)
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        training = self.training or (self.running_mean is None and self.running_var is None)
-        keep = not self.training or self.track_running_stats
-        running_mean, running_var = (self.running_mean, self.running_var) if keep else (None, None)
-        weight, bias = self.weight, self.bias
-        if _eager_autograd(x, weight, bias):  # as in RMSNorm.forward
-            return _channel_norm_apply(x, weight, bias, running_mean, running_var, "batch", None, training, factor,
-                                       self.eps, 1)[0]
-        return norms.batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
-                                training=training, momentum=factor, eps=self.eps)
-
-
-_REPLACEMENTS = {torch.nn.RMSNorm: RMSNorm, torch.nn.LayerNorm: LayerNorm, torch.nn.GroupNorm: GroupNorm,
-                 torch.nn.InstanceNorm2d: InstanceNorm2d, torch.nn.BatchNorm2d: BatchNorm2d}
-
-
-def replace_norms(model: torch.nn.Module) -> torch.nn.Module:
-    """Make every ``torch.nn`` RMSNorm, LayerNorm, GroupNorm, InstanceNorm2d
-    and BatchNorm2d in ``model`` (``model`` itself included) compute with
-    cunorm, in place, and return ``model``.
-
-    The modules stay the same objects with the same parameters, buffers,
-    hooks and training mode (an optimizer built before keeps working); only
-    their class becomes cunorm's subclass of it. Subclasses of the torch
-    layers (whose forward may differ) are left alone.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    for module in model.modules():
-        replacement = _REPLACEMENTS.get(type(module))
-        if replacement is not None:
-            module.__class__ = replacement
-    return model
+from ._torch_layers import (BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, InstanceNorm1d,  # noqa: E402
+                            InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm)
+from ._torch_zoo import NormReport, replace_norms  # noqa: E402

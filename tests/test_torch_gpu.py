@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 cupy = pytest.importorskip("cupy")
 from cunorm import torch as cunorm_torch  # noqa: E402
 from cunorm._interop import torch as torch_adapter  # noqa: E402
+from cunorm._torch_layers import TORCH_LAYERS, default_rms_eps  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
@@ -350,7 +351,7 @@ def test_replace_norms_keeps_outputs_and_weights(gen, model_name):
     model.eval()
     with torch.no_grad():
         before = model(x)
-    norms_before = [type(m) for m in model.modules() if isinstance(m, tuple(cunorm_torch._REPLACEMENTS))]
+    norms_before = [type(m) for m in model.modules() if isinstance(m, tuple(TORCH_LAYERS))]
     assert cunorm_torch.replace_norms(model) is model
     swapped = [m for m in model.modules() if type(m).__module__ == "cunorm.torch"]
     assert len(swapped) == len(norms_before) > 0
@@ -545,7 +546,7 @@ def test_torch_compile_training_step(gen):
 
 def test_backward_without_statistics_names_the_fix(gen):
     x = randn(gen, 4, 64).requires_grad_()
-    y = torch.ops.cunorm.rms_norm(x, None, None, [-1], 1e-5, False)[0]
+    y = torch.ops.cunorm.rms_norm(x, None, None, [-1], 1e-5, False, 0)[0]
     with pytest.raises(RuntimeError, match="return_stats=False while autograd recorded"):
         y.sum().backward()
 
@@ -668,4 +669,4 @@ def test_default_rms_eps_is_torchs():
     ours = cunorm_torch.replace_norms(torch.nn.RMSNorm(64).cuda())
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x))
-    assert math.isclose(cunorm_torch._default_rms_eps(torch.bfloat16), torch.finfo(torch.float32).eps)
+    assert math.isclose(default_rms_eps(torch.bfloat16), torch.finfo(torch.float32).eps)

@@ -56,7 +56,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUITES = ("kernelbench", "llm", "sweep", "backward", "host")
+SUITES = ("kernelbench", "llm", "sweep", "backward", "host", "models")
+#: what runs without --suite (the models suite takes minutes: ask for it)
+DEFAULT_SUITES = SUITES[:-1]
 #: exit status without a GPU (as ``python -m cunorm precompile``)
 NO_GPU_EXIT = 2
 
@@ -184,10 +186,10 @@ def backward_cases(quick: bool) -> list[Case]:
 
 
 SUITE_CASES = {"kernelbench": kernelbench_cases, "llm": llm_cases, "sweep": sweep_cases, "backward": backward_cases,
-               "host": lambda quick: []}  # the host suite is not per-case: _cases.host_rows
+               "host": lambda quick: [], "models": lambda quick: []}  # (not per-case: host_rows, _models.rows)
 
 
-def cases(suites=SUITES, quick=False) -> list[Case]:
+def cases(suites=DEFAULT_SUITES, quick=False) -> list[Case]:
     """The cases of the named suites, in order."""
     unknown = [s for s in suites if s not in SUITE_CASES]
     if unknown:
@@ -307,7 +309,7 @@ def _commit() -> str | None:
         return None
 
 
-def run(suites=SUITES, *, quick=False, with_compile=None, only="", progress=True) -> dict:
+def run(suites=DEFAULT_SUITES, *, quick=False, with_compile=None, only="", progress=True) -> dict:
     """Measure the copy bandwidth, then every case of the suites. Returns
     ``{"meta": ..., "cases": [row, ...]}``; with_compile defaults to not
     quick."""
@@ -330,6 +332,10 @@ def run(suites=SUITES, *, quick=False, with_compile=None, only="", progress=True
     result = {"meta": meta, "cases": rows}
     if "host" in suites:
         result["host"] = _cases.host_rows(200 if quick else 2000)
+    if "models" in suites:
+        from . import _models
+
+        result["models"] = _models.rows(quick, with_compile)
     return result
 
 
@@ -366,17 +372,22 @@ def format_table(result: dict, markdown: bool = False) -> str:
     host = [[r["case"], f"{r['us']:.1f}", _f(r.get("torch_us"), ".1f"), _f(r.get("ratio"), ".2f")]
             for r in result.get("host", [])]
     host_titles = ["host time per call", "cunorm us", "torch us", "cunorm / torch"]
+    from ._models import TITLES as model_titles
+    from ._models import format_rows
+
+    models = format_rows(result.get("models", []))
     if markdown:
         lines = [head, ""]
         if body:
             lines += ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
             lines += ["| " + " | ".join(row) + " |" for row in body]
-        if host:
-            lines += ["", "| " + " | ".join(host_titles) + " |", "|" + "---|" * len(host_titles)]
-            lines += ["| " + " | ".join(row) + " |" for row in host]
+        for names, table in ((host_titles, host), (model_titles, models)):
+            if table:
+                lines += ["", "| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+                lines += ["| " + " | ".join(row) + " |" for row in table]
         return "\n".join(lines)
     out = [head]
-    for names, table in ((titles, body), (host_titles, host)):
+    for names, table in ((titles, body), (host_titles, host), (model_titles, models)):
         if not table:
             continue
         widths = [max(len(t), *(len(row[i]) for row in table)) for i, t in enumerate(names)]
@@ -407,7 +418,7 @@ def write_results(result: dict, out_dir) -> list[Path]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cunorm bench", description=__doc__.splitlines()[0])
     parser.add_argument("--suite", action="append", choices=SUITES,
-                        help="a suite to run (repeatable; default: all)")
+                        help="a suite to run (repeatable; default: all but models)")
     parser.add_argument("--quick", action="store_true", help="scaled-down shapes, no torch.compile (under a minute)")
     parser.add_argument("--out", default="cunorm-bench", help="directory for results.json/.csv/.md and the plots")
     parser.add_argument("--only", default="", help="only the cases whose name contains this text")
@@ -431,7 +442,7 @@ def main(argv=None) -> int:
               "(`python -m cunorm check` compiles every kernel without one.)")
         return NO_GPU_EXIT
     with_compile = False if args.no_compile else (True if args.compile else None)
-    result = run(tuple(args.suite or SUITES), quick=args.quick, with_compile=with_compile, only=args.only,
+    result = run(tuple(args.suite or DEFAULT_SUITES), quick=args.quick, with_compile=with_compile, only=args.only,
                  progress=not args.no_progress)
     print(format_table(result))
     print()

@@ -319,7 +319,7 @@ channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ 
                     Vec<T, VEC> o;
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
-                        narrow(apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
+                        narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
                     }
                     store_vec<T, VEC>(y + offset + v * VEC, o);
                 });
@@ -348,7 +348,7 @@ channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ 
                         Vec<T, VEC> o;
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
-                            narrow(apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc[j], bc[j]),
+                            narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc[j], bc[j]),
                                    o.v[j]);
                         }
                         store_vec<T, VEC>(y + offset + p * channels, o);

@@ -100,7 +100,7 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
 }
 
 // Elementwise epilogue shared by every family:
-//   y = (x - center) * scale [* weight] [+ bias]
+//   y = act((x - center) * scale [* weight] [+ bias])
 // in the accumulation type, rounded once to the storage type. Subtracting
 // the center before scaling keeps LayerNorm exact for rows whose mean is far
 // larger than their spread (x*rstd - mean*rstd would cancel catastrophically).
@@ -110,13 +110,52 @@ struct Affine {
     A scale;
 };
 
-// Which affine parameters a kernel applies (the FLAGS template argument).
+// The FLAGS template argument: which affine parameters a kernel applies
+// (kWeight, kBias), and how the epilogue rounds and ends:
+//   kWeightOffset      the weight is read as 1 + weight (Gemma's RMSNorm)
+//   kRoundNormalized   (x - center) * scale is rounded to the storage type
+//                      before the weight multiplies (Llama's RMSNorm rounds
+//                      there), then the product is rounded again
+//   bits 4..6          the activation applied last (Activation), computed
+//                      as torch computes it in float32
 constexpr int kWeight = 1;
 constexpr int kBias = 2;
+constexpr int kWeightOffset = 4;
+constexpr int kRoundNormalized = 8;
+constexpr int kActivationShift = 4;
+enum Activation { kIdentity = 0, kRelu = 1, kSilu = 2, kGelu = 3, kGeluTanh = 4 };
 
-template <int FLAGS, class A>
+// v rounded to the storage type T and widened back (exact for float, double).
+template <class T, class A>
+__device__ __forceinline__ A rounded_to(A v) {
+    T t;
+    narrow(v, t);
+    return static_cast<A>(widen(t));
+}
+
+// The activations, each with torch's formula and order of operations.
+// ReLU keeps a NaN (as torch's clamp does).
+template <int ACT, class A>
+__device__ __forceinline__ A activate(A v) {
+    if constexpr (ACT == kRelu) {
+        return v < A(0) ? A(0) : v;
+    } else if constexpr (ACT == kSilu) {
+        return v / (A(1) + exp(-v));
+    } else if constexpr (ACT == kGelu) {
+        return v * A(0.5) * (A(1) + erf(v * A(0.70710678118654752440)));
+    } else if constexpr (ACT == kGeluTanh) {
+        const A inner = A(0.79788456080286535588) * (v + A(0.044715) * (v * v * v));
+        return A(0.5) * v * (A(1) + tanh(inner));
+    } else {
+        return v;
+    }
+}
+
+template <int FLAGS, class T, class A>
 __device__ __forceinline__ A apply_affine(A x, const Affine<A>& f, A w, A b) {
     A v = (x - f.center) * f.scale;
+    if constexpr ((FLAGS & kRoundNormalized) != 0) v = rounded_to<T>(v);
+    if constexpr ((FLAGS & kWeightOffset) != 0) w = A(1) + w;
     if constexpr ((FLAGS & kWeight) && (FLAGS & kBias)) {
         v = fma(v, w, b);
     } else if constexpr (FLAGS & kWeight) {
@@ -124,18 +163,18 @@ __device__ __forceinline__ A apply_affine(A x, const Affine<A>& f, A w, A b) {
     } else if constexpr (FLAGS & kBias) {
         v = v + b;
     }
-    return v;
+    return activate<(FLAGS >> kActivationShift) & 7>(v);
 }
 
 // The affine parameters of one vector: VEC weights and/or biases in their
-// storage type P (nothing at all when FLAGS is 0).
-template <class P, int FLAGS, int VEC>
+// storage type P (nothing at all when FLAGS names neither).
+template <class P, int FLAGS, int VEC, bool ANY = (FLAGS & (kWeight | kBias)) != 0>
 struct ParamVec {
     Vec<P, VEC> w;
     Vec<P, VEC> b;
 };
-template <class P, int VEC>
-struct ParamVec<P, 0, VEC> {};
+template <class P, int FLAGS, int VEC>
+struct ParamVec<P, FLAGS, VEC, false> {};
 
 template <class P, int FLAGS, int VEC>
 __device__ __forceinline__ ParamVec<P, FLAGS, VEC> load_params(const P* w, const P* b, long long i) {
@@ -164,7 +203,7 @@ __device__ __forceinline__ Vec<T, VEC> normalized(const Vec<T, VEC>& in, const P
     Vec<T, VEC> out;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-        const A v = apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot, f, param_w<A>(p, j), param_b<A>(p, j));
+        const A v = apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, param_w<A>(p, j), param_b<A>(p, j));
         narrow(v, out.v[j]);
     }
     return out;

@@ -118,7 +118,7 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
             Vec<T, VEC> out;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                narrow(apply_affine<FLAGS>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc, bc), out.v[j]);
+                narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc, bc), out.v[j]);
             }
             store_vec<T, VEC>(yo + c * inner, out);
         };

@@ -1,0 +1,186 @@
+"""cunorm's drop-in torch.nn norm layers, and the forwards they share with
+the timm and transformers layers that replace_norms swaps in
+(cunorm/_torch_zoo.py).
+
+The layers subclass their torch.nn counterparts and replace only
+``forward``: constructor arguments, parameters, buffers, ``state_dict`` keys
+and ``repr`` are torch's own. Under eager autograd the RMSNorm, LayerNorm,
+GroupNorm and BatchNorm forwards enter their autograd.Function
+(cunorm/_torch_autograd.py) directly; otherwise they call the array-level
+ops, which run as the registered operators under dynamo (torch.compile)
+and take the launch cache in inference. A forward with an ``activation``
+runs it in the kernel's epilogue in inference, and as torch's op after the
+norm where autograd records (cunorm.torch.rms_norm says why).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import _dtypes, norms
+from ._interop import torch as _adapter
+from ._torch_autograd import channel_norm_apply, eager_autograd, row_norm_apply
+
+
+def trailing_axes(normalized_shape):
+    """The axes a layer's normalized_shape names: -1 for one (an int keys the
+    launch cache without a walk over a tuple), else the trailing ones."""
+    n = len(normalized_shape)
+    return -1 if n == 1 else tuple(range(-n, 0))
+
+
+def default_rms_eps(dtype) -> float:
+    # torch's rms_norm takes the epsilon of its compute type (float32 for the
+    # 16-bit dtypes), which is cunorm's accumulation dtype too.
+    return float(np.finfo(_dtypes.accumulation(_adapter.NUMPY_DTYPE[dtype])).eps)
+
+
+def rms_forward(module, x: Tensor, axis, eps, *, activation=None, weight_offset=0, rounding="output") -> Tensor:
+    """rms_norm of x by ``module.weight`` (None when the layer has none)."""
+    weight = module.weight  # (a parameter: each read goes through Module.__getattr__)
+    if activation is None and not weight_offset and eager_autograd(x, weight):
+        return row_norm_apply(x, weight, None, None, "rms", axis, eps, rounding)[0]
+    return norms.rms_norm(x, weight, axis=axis, eps=eps, weight_offset=weight_offset, rounding=rounding,
+                          activation=activation)
+
+
+def layer_forward(module, x: Tensor, axis, *, activation=None) -> Tensor:
+    """layer_norm of x with the module's weight, bias and eps."""
+    weight, bias = module.weight, module.bias
+    if activation is None and eager_autograd(x, weight, bias):
+        return row_norm_apply(x, weight, bias, None, "ln", axis, module.eps, "output")[0]
+    return norms.layer_norm(x, weight, bias, axis=axis, eps=module.eps, activation=activation)
+
+
+def group_forward(module, x: Tensor, *, activation=None) -> Tensor:
+    """group_norm of x (N, C, *) with a torch.nn.GroupNorm's attributes."""
+    weight, bias = module.weight, module.bias
+    if activation is None and eager_autograd(x, weight, bias):
+        return channel_norm_apply(x, weight, bias, None, None, "group", module.num_groups, True, 0.1, module.eps,
+                                  1)[0]
+    return norms.group_norm(x, module.num_groups, weight, bias, eps=module.eps, activation=activation)
+
+
+def batch_forward(module, x: Tensor, *, activation=None) -> Tensor:
+    """torch's _BatchNorm.forward (momentum=None's cumulative average and
+    num_batches_tracked included), with the normalization cunorm's."""
+    module._check_input_dim(x)
+    factor = 0.0 if module.momentum is None else module.momentum
+    if module.training and module.track_running_stats and module.num_batches_tracked is not None:
+        module.num_batches_tracked.add_(1)
+        factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
+    training = module.training or (module.running_mean is None and module.running_var is None)
+    keep = not module.training or module.track_running_stats
+    running_mean, running_var = (module.running_mean, module.running_var) if keep else (None, None)
+    weight, bias = module.weight, module.bias
+    if activation is None and eager_autograd(x, weight, bias):
+        return channel_norm_apply(x, weight, bias, running_mean, running_var, "batch", None, training, factor,
+                                  module.eps, 1)[0]
+    return norms.batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var, training=training,
+                            momentum=factor, eps=module.eps, activation=activation)
+
+
+def instance_forward(module, x: Tensor) -> Tensor:
+    """torch's _InstanceNorm.forward with the normalization cunorm's. With
+    ``track_running_stats=True`` in training, the running buffers are
+    updated as torch updates them, from cunorm's float32 statistics (the
+    variance recovered from rstd: relative error ~1e-7 of var + eps)."""
+    module._check_input_dim(x)
+    if x.dim() == module._get_no_batch_dim():  # unbatched (C, *spatial), as torch allows
+        return instance_forward(module, x.unsqueeze(0)).squeeze(0)
+    use_input_stats = module.training or not module.track_running_stats
+    if not use_input_stats:
+        return norms.batch_norm(x, module.weight, module.bias, running_mean=module.running_mean,
+                                running_var=module.running_var, training=False, eps=module.eps)
+    if not (module.track_running_stats and module.running_mean is not None):
+        return norms.instance_norm(x, module.weight, module.bias, eps=module.eps)
+    y, mean, rstd = norms.instance_norm(x, module.weight, module.bias, eps=module.eps, return_stats=True)
+    momentum = module.momentum if module.momentum is not None else 0.0
+    n = math.prod(x.shape[2:])
+    with torch.no_grad():
+        var = (rstd.double().pow(-2) - module.eps).clamp_min(0) * (n / max(n - 1, 1))
+        module.running_mean.mul_(1 - momentum).add_(mean.mean(0).to(module.running_mean.dtype), alpha=momentum)
+        module.running_var.mul_(1 - momentum).add_(var.mean(0).to(module.running_var.dtype), alpha=momentum)
+    return y
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` computed by cunorm (same arguments, parameters and
+    state_dict). ``eps=None`` means torch's default, the machine epsilon of
+    float32 (float64 for float64 input)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        eps = self.eps if self.eps is not None else default_rms_eps(x.dtype)
+        return rms_forward(self, x, trailing_axes(self.normalized_shape), eps)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` computed by cunorm (same arguments, parameters and state_dict)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return layer_forward(self, x, trailing_axes(self.normalized_shape))
+
+
+class GroupNorm(torch.nn.GroupNorm):
+    """``torch.nn.GroupNorm`` computed by cunorm (same arguments, parameters and state_dict); x (N, C, *),
+    channels_last tensors run as they are."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return group_forward(self, x)
+
+
+class InstanceNorm1d(torch.nn.InstanceNorm1d):
+    """``torch.nn.InstanceNorm1d`` computed by cunorm (as InstanceNorm2d)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return instance_forward(self, x)
+
+
+class InstanceNorm2d(torch.nn.InstanceNorm2d):
+    """``torch.nn.InstanceNorm2d`` computed by cunorm (same arguments, parameters, buffers and state_dict),
+    running statistics included (see instance_forward)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return instance_forward(self, x)
+
+
+class InstanceNorm3d(torch.nn.InstanceNorm3d):
+    """``torch.nn.InstanceNorm3d`` computed by cunorm (as InstanceNorm2d)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return instance_forward(self, x)
+
+
+class BatchNorm1d(torch.nn.BatchNorm1d):
+    """``torch.nn.BatchNorm1d`` computed by cunorm, x (N, C) or (N, C, L) (as BatchNorm2d)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return batch_forward(self, x)
+
+
+class BatchNorm2d(torch.nn.BatchNorm2d):
+    """``torch.nn.BatchNorm2d`` computed by cunorm (same arguments, parameters, buffers and state_dict),
+    including ``momentum=None`` (the cumulative average) and ``num_batches_tracked``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return batch_forward(self, x)
+
+
+class BatchNorm3d(torch.nn.BatchNorm3d):
+    """``torch.nn.BatchNorm3d`` computed by cunorm (as BatchNorm2d)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return batch_forward(self, x)
+
+
+#: torch.nn's norm layers and cunorm's subclass computing each
+TORCH_LAYERS = {torch.nn.RMSNorm: RMSNorm, torch.nn.LayerNorm: LayerNorm, torch.nn.GroupNorm: GroupNorm,
+                torch.nn.InstanceNorm1d: InstanceNorm1d, torch.nn.InstanceNorm2d: InstanceNorm2d,
+                torch.nn.InstanceNorm3d: InstanceNorm3d, torch.nn.BatchNorm1d: BatchNorm1d,
+                torch.nn.BatchNorm2d: BatchNorm2d, torch.nn.BatchNorm3d: BatchNorm3d}
+for _layer in TORCH_LAYERS.values():
+    _layer.__module__ = "cunorm.torch"  # where they are public (and found by pickle)
+del _layer

@@ -1,0 +1,192 @@
+"""replace_norms' registry without a GPU: which classes of torch.nn, timm and
+transformers map to what, what is left alone and why, and that a swap keeps
+the module's parameters, buffers, state_dict and repr. The timm and
+transformers classes are stood in for by classes of the same module and
+name (the registry knows them by those); the real ones are checked too
+where the libraries are installed. Needs torch (skipped without it)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+from cunorm import _plan  # noqa: E402
+from cunorm import torch as cunorm_torch  # noqa: E402
+from cunorm._torch_zoo import decide, rule_for  # noqa: E402
+
+
+def stand_in(module: str, name: str, base=torch.nn.Module, forward=None):
+    """A class named ``module.name`` (a stand-in for a library's class)."""
+    cls = type(name, (base,), {"forward": forward or (lambda self, x: x)})
+    cls.__module__, cls.__qualname__ = module, name
+    return cls
+
+
+class HFRMSNorm(torch.nn.Module):
+    def __init__(self, n, eps=1e-6, attr="variance_epsilon"):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        setattr(self, attr, eps)
+
+
+def hf_class(family: str, name: str):
+    return stand_in(f"transformers.models.{family}.modeling_{family}", name, HFRMSNorm)
+
+
+def timm_norm_act(name: str, base, act, drop=None):
+    cls = stand_in("timm.layers.norm_act", name, base)
+    return cls, act, drop
+
+
+@pytest.mark.parametrize("family,name", [("llama", "LlamaRMSNorm"), ("qwen3", "Qwen3RMSNorm"),
+                                         ("gemma2", "Gemma2RMSNorm"), ("olmo2", "Olmo2RMSNorm"),
+                                         ("t5", "T5LayerNorm"), ("deepseek_v3", "DeepseekV3RMSNorm"),
+                                         ("phi3", "Phi3RMSNorm"), ("mixtral", "MixtralRMSNorm")])
+def test_transformers_rms_norms_are_replaced(family, name):
+    layer = hf_class(family, name)(16)
+    replacement, reason = decide(layer)
+    assert reason is None and issubclass(replacement, type(layer))
+    assert replacement.forward is rule_for(type(layer)).forward
+
+
+def test_unknown_transformers_norm_is_left_with_a_reason():
+    layer = hf_class("cohere", "CohereLayerNorm")(16)
+    replacement, reason = decide(layer)
+    assert replacement is None and "formula" in reason
+
+
+@pytest.mark.parametrize("name,base,args", [("LayerNorm", torch.nn.LayerNorm, (8,)),
+                                            ("LayerNorm2d", torch.nn.LayerNorm, (8,)),
+                                            ("GroupNorm", torch.nn.GroupNorm, (2, 8)),
+                                            ("GroupNorm1", torch.nn.GroupNorm, (1, 8))])
+def test_timm_norms_are_replaced_unless_fast_norm(name, base, args):
+    cls = stand_in("timm.layers.norm", name, base)
+    layer = cls(*args)
+    layer._fast_norm = False
+    replacement, reason = decide(layer)
+    assert reason is None and replacement.__mro__[1] is cls
+    layer._fast_norm = True
+    replacement, reason = decide(layer)
+    assert replacement is None and "fast_norm" in reason
+
+
+@pytest.mark.parametrize("act,expected", [(torch.nn.ReLU(inplace=True), "relu"), (torch.nn.SiLU(), "silu"),
+                                          (torch.nn.GELU(), "gelu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
+                                          (torch.nn.Identity(), None)])
+def test_timm_norm_act_fuses_known_activations(act, expected):
+    cls = stand_in("timm.layers.norm_act", "BatchNormAct2d", torch.nn.BatchNorm2d)
+    layer = cls(8)
+    layer.act, layer.drop = act, torch.nn.Identity()
+    model = torch.nn.Sequential(layer)
+    report = cunorm_torch.replace_norms(model, report=True)
+    assert report.replaced == {"0": "timm.layers.norm_act.BatchNormAct2d"} and not report.left
+    assert layer._cunorm_activation == expected
+    assert isinstance(layer, cls) and type(layer) is not cls
+
+
+@pytest.mark.parametrize("act,drop,why", [(torch.nn.Tanh(), torch.nn.Identity(), "activation Tanh"),
+                                          (torch.nn.ReLU(), torch.nn.Dropout(0.1), "drop layer Dropout"),
+                                          (torch.nn.LeakyReLU(), torch.nn.Identity(), "activation LeakyReLU")])
+def test_timm_norm_act_with_other_activation_or_drop_is_left(act, drop, why):
+    cls = stand_in("timm.layers.norm_act", "GroupNormAct", torch.nn.GroupNorm)
+    layer = cls(2, 8)
+    layer.act, layer.drop, layer._fast_norm = act, drop, False
+    report = cunorm_torch.replace_norms(torch.nn.Sequential(layer), report=True)
+    assert not report.replaced and why in report.left["0"]
+    assert type(layer) is cls
+
+
+def test_torch_layers_and_their_unknown_subclasses():
+    class MyLayerNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    class FancyNorm(torch.nn.Module):  # a norm-like leaf of an unknown formula
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(4))
+
+    class NormHead(torch.nn.Module):  # not a norm: a block holding parameters in children
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.BatchNorm3d(4), torch.nn.InstanceNorm1d(4),
+                                torch.nn.InstanceNorm3d(4, affine=True), torch.nn.RMSNorm(4), MyLayerNorm(4),
+                                FancyNorm(), NormHead(), torch.nn.Linear(4, 4))
+    keys, text = list(model.state_dict()), repr(model)
+    report = cunorm_torch.replace_norms(model, report=True)
+    assert sorted(report.replaced) == ["0", "1", "2", "3", "4"]
+    assert report.replaced["0"] == "torch.nn.modules.batchnorm.BatchNorm1d"
+    assert "subclass of torch.nn.LayerNorm" in report.left["5"]
+    assert "formula" in report.left["6"] and "7" not in report.left
+    assert type(model[0]) is cunorm_torch.BatchNorm1d and type(model[3]) is cunorm_torch.InstanceNorm3d
+    assert type(model[5]) is MyLayerNorm
+    assert list(model.state_dict()) == keys and repr(model) == text
+    again = cunorm_torch.replace_norms(model, report=True)  # idempotent: already cunorm's
+    assert again.replaced == report.replaced and again.left == report.left
+    assert "5 replaced, 2 left alone" in str(again)
+
+
+def test_replace_norms_returns_the_model_and_checks_it():
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4))
+    assert cunorm_torch.replace_norms(model) is model
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        cunorm_torch.replace_norms([model])
+
+
+def test_replacement_classes_are_made_once_per_class():
+    cls = hf_class("llama", "LlamaRMSNorm")
+    a, b = cls(8), cls(8)
+    cunorm_torch.replace_norms(torch.nn.Sequential(a, b))
+    assert type(a) is type(b) and type(a)._cunorm_original is cls
+
+
+# -- the epilogue's options ----------------------------------------------------------------------------------------
+
+
+def test_epilogue_flags():
+    assert _plan.rms_epilogue_flags(0, "output", True) == 0
+    assert _plan.rms_epilogue_flags(1, "normalized", True) == _plan.FLAG_WEIGHT_OFFSET | _plan.FLAG_ROUND_NORMALIZED
+    assert _plan.activation_flags("silu") == 2 << _plan.ACTIVATION_SHIFT
+    for name in _plan.ACTIVATIONS:
+        assert _plan.activation_name(_plan.activation_flags(name) | 3) == (None if name == "identity" else name)
+    with pytest.raises(ValueError, match="needs a weight"):
+        _plan.rms_epilogue_flags(1, "output", False)
+    with pytest.raises(ValueError, match="rounding"):
+        _plan.rms_epilogue_flags(0, "input", True)
+    with pytest.raises(TypeError, match="activation"):
+        _plan.activation_flags(torch.nn.ReLU())
+
+
+@pytest.mark.parametrize("name", ["relu", "silu", "gelu", "gelu_tanh"])
+def test_reference_activations_are_torchs(name):
+    from cunorm import reference
+
+    y = torch.linspace(-8, 8, 1001, dtype=torch.float64)
+    ours = torch.from_numpy(reference.apply_activation(y.numpy(), name))
+    theirs = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+              "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[name](y)
+    torch.testing.assert_close(ours, theirs, rtol=1e-14, atol=1e-15)
+
+
+def test_real_libraries_are_recognized():
+    """The real classes, where timm and transformers are installed."""
+    found = 0
+    try:
+        import timm.layers
+    except ImportError:  # (not installed, or its torchvision missing)
+        timm = None
+    if timm is not None:
+        for name in ("LayerNorm", "LayerNorm2d", "GroupNorm", "GroupNorm1", "RmsNorm", "RmsNorm2d", "GroupNormAct",
+                     "BatchNormAct2d", "LayerNormAct"):
+            assert rule_for(getattr(timm.layers, name)) is not None, name
+            found += 1
+    try:
+        import transformers.models.llama.modeling_llama as llama
+        import transformers.models.gemma.modeling_gemma as gemma
+    except ImportError:
+        llama = None
+    if llama is not None:
+        assert rule_for(llama.LlamaRMSNorm).forward.__name__ == "_hf_llama_rms"
+        assert rule_for(gemma.GemmaRMSNorm).forward.__name__ == "_hf_gemma_rms"
+        found += 2
+    if not found:
+        pytest.skip("neither timm nor transformers is installed")
