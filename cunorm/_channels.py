@@ -285,11 +285,11 @@ def execute(call, x, y, last, stats, override: dict | None = None):
                               tuple(r is not None for r in running), x.data.device_id)
     program.run(tuple(_launch.ptr(a) for a in (x, y, w, b, mean_out, rstd_out, *running)), _launch.cupy_stream(),
                 _launch.cupy_alloc)
-    if not from_running:
-        for buf, used in zip((call.running_mean, call.running_var), running):
-            if buf is not None and used is not buf:
+    for buf, used in zip((call.running_mean, call.running_var), running):
+        if buf is not None and used is not buf:
+            converted = True  # (the Program ran over the copy: the launch cache must not replay it over buf)
+            if not from_running:
                 buf[...] = used
-                converted = True
     return launch.tier, None if converted else program
 
 

@@ -169,6 +169,24 @@ def test_running_buffers_of_other_dtypes(rng, running_dtype):
     check("batch", x, running=running)
 
 
+@pytest.mark.parametrize("running_dtype", [_dtypes.bfloat16, np.float64])
+@pytest.mark.parametrize("with_stats", [False, True], ids=["one-launch", "with-stats"])
+def test_eval_with_converted_running_buffers_is_not_replayed(rng, running_dtype, with_stats):
+    """Eval-mode BatchNorm over running buffers of another dtype than the
+    statistics' runs over float32 copies: a second call with other buffers
+    of the same signature must read those (a launch-cache entry would read
+    the new buffers as float32)."""
+    cupy = pytest.importorskip("cupy")
+    x = cupy.asarray(random(rng, (4, 6, 5, 5), np.float32))
+    for _ in range(2):
+        rm, rv = random(rng, (6,), running_dtype), (rng.random(6) + 0.5).astype(running_dtype)
+        results = cunorm.batch_norm(x, running_mean=cupy.asarray(rm), running_var=cupy.asarray(rv), training=False,
+                                    return_stats=with_stats)
+        y = results[0] if with_stats else results
+        ref = reference.batch_norm(cupy.asnumpy(x), running_mean=rm, running_var=rv, training=False, exact=True)
+        assert_close(cupy.asnumpy(y), ref, np.float32)
+
+
 def test_large_groups_are_chunked(rng):
     """Groups big enough to be split over many blocks in both layouts."""
     x = random(rng, (2, 4, 256, 257), np.float32, scale=1.0, offset=3.0)

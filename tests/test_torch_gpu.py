@@ -600,13 +600,14 @@ def test_opcheck():
     x = torch.randn(4, 8, 6, 5, device="cuda")
     w = torch.randn(8, device="cuda")
     samples = [
-        (torch.ops.cunorm.rms_norm.default, (x, None, None, [-1], 1e-5, True)),
-        (torch.ops.cunorm.layer_norm.default, (x, None, None, x.clone(), [2, 3], 1e-5, True)),
+        (torch.ops.cunorm.rms_norm.default, (x, None, None, [-1], 1e-5, True, 0)),
+        (torch.ops.cunorm.rms_norm.default, (x, w[:5], None, [-1], 1e-5, False, 8 | 4 | 32)),  # the epilogue's bits
+        (torch.ops.cunorm.layer_norm.default, (x, None, None, x.clone(), [2, 3], 1e-5, True, 0)),
         (torch.ops.cunorm.normalize.default, (x, "l2", [], 1e-12)),
-        (torch.ops.cunorm.group_norm.default, (x.to(memory_format=torch.channels_last), 4, w, w, 1e-5, 1, True)),
-        (torch.ops.cunorm.instance_norm.default, (x, w, None, 1e-5, 1, False)),
+        (torch.ops.cunorm.group_norm.default, (x.to(memory_format=torch.channels_last), 4, w, w, 1e-5, 1, True, 16)),
+        (torch.ops.cunorm.instance_norm.default, (x, w, None, 1e-5, 1, False, 0)),
         (torch.ops.cunorm.batch_norm.default, (x, w, w, torch.zeros(8, device="cuda"), torch.ones(8, device="cuda"),
-                                               True, 0.1, 1e-5, 1, True)),
+                                               True, 0.1, 1e-5, 1, True, 0)),
     ]
     for op, args in samples:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
