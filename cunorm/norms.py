@@ -60,18 +60,19 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
         Also return the per-group ``rstd = rsqrt(mean(h**2) + eps)``, of
         shape x.shape without the normalized axes, float32 (float64 for
         float64 x).
-    weight_offset : 0 or 1, default 0
-        1 multiplies by ``1 + weight`` (formed in float32) instead of the
-        weight: the Gemma family's RMSNorm.
-    rounding : {"output", "normalized"}, default "output"
+    weight_offset : int, default 0
+        0 or 1: 1 multiplies by ``1 + weight`` (formed in float32) instead
+        of the weight, the Gemma family's RMSNorm.
+    rounding : str, default "output"
         Where the result is rounded to x's dtype. "output": once, after the
         weight (torch.nn.RMSNorm, OLMo2). "normalized": ``h * rstd`` is
         rounded to x's dtype first and the weight multiplies that, the
         product rounded again: Hugging Face's Llama, Mistral, Qwen, Phi-3,
         DeepSeek-V3 and T5 RMSNorms (bitwise, to their rstd's last float32
         bit, when the weight has x's dtype).
-    activation : {None, "relu", "silu", "gelu", "gelu_tanh", "identity"}
-        Applied to y in the same pass, in float32 with torch's formulas
+    activation : str, optional
+        None (the default), "relu", "silu", "gelu", "gelu_tanh" or
+        "identity": applied to y in the same pass, in float32 with torch's formulas
         (``gelu``: the exact erf form; ``gelu_tanh``: torch's
         ``approximate="tanh"``), before the one rounding.
     out : array, optional
