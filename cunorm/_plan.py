@@ -233,7 +233,8 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
         # by whole vectors
         x_row_stride = s_outer if outer > 1 else reduced
         peel_vec = max(vec, vector_width(itemsize, 0, [x_row_stride - reduced], [(x_ptr - y_ptr, itemsize)]))
-    return Plan(norm, dtype, param_dtype if flags & PARAM_FLAGS else None, flags, residual, outer, reduced, inner, s_outer,
+    params = param_dtype if flags & PARAM_FLAGS else None
+    return Plan(norm, dtype, params, flags, residual, outer, reduced, inner, s_outer,
                 s_reduced, vec, peel_vec)
 
 
@@ -318,5 +319,6 @@ def make_channel_plan(norm, dtype, param_dtype, flags, channels_last, batch, cha
         batch, spatial = 1, batch * spatial
     extent = channels if channels_last else spatial
     vec = vector_width(dtype.itemsize, extent, [], [(x_ptr, dtype.itemsize), (y_ptr, dtype.itemsize)])
-    return ChannelPlan(norm, dtype, param_dtype if flags & PARAM_FLAGS else None, flags, channels_last, batch, channels, spatial,
+    params = param_dtype if flags & PARAM_FLAGS else None
+    return ChannelPlan(norm, dtype, params, flags, channels_last, batch, channels, spatial,
                        channels_per_group, per_sample, vec)

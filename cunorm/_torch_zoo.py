@@ -23,7 +23,7 @@ from torch import Tensor
 from ._torch_layers import (TORCH_LAYERS, batch_forward, group_forward, layer_forward, rms_forward,
                             trailing_axes)
 
-# --- the activations a norm layer may end with ------------------------------------------------------------------------
+# --- the activations a norm layer may end with ----------------------------------------------------------------------
 
 
 def activation_of(module) -> tuple[Optional[str], Optional[str]]:
@@ -57,7 +57,7 @@ def _act_and_drop(module) -> tuple[Optional[str], Optional[str]]:
     return activation_of(getattr(module, "act", torch.nn.Identity()))
 
 
-# --- the forwards -------------------------------------------------------------------------------------------------------
+# --- the forwards ---------------------------------------------------------------------------------------------------
 # Each is the replacement class's forward; ``original`` is the class it
 # replaces, whose forward runs where cunorm's formula would differ at run
 # time (a dtype combination whose result dtype is not x's).
@@ -111,7 +111,7 @@ def _hf_gemma_rms(self, x: Tensor) -> Tensor:  # times (1 + weight) in float32, 
     return rms_forward(self, x, -1, self.eps, weight_offset=1)
 
 
-# --- the registry -------------------------------------------------------------------------------------------------------
+# --- the registry ---------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def rule_for(cls) -> Optional[Rule]:
     return RULES.get((cls.__module__, cls.__qualname__))
 
 
-# --- replacement classes ---------------------------------------------------------------------------------------------
+# --- replacement classes --------------------------------------------------------------------------------------------
 
 _replacements: dict[type, type] = {}  # one entry per replaced class (bounded by the registry)
 _lock = threading.Lock()
