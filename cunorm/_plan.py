@@ -89,6 +89,13 @@ def activation_name(flags: int) -> str | None:
     return None if code == 0 else next(n for n, c in ACTIVATIONS.items() if c == code)
 
 
+def rms_epilogue(weight_offset, rounding, activation, has_weight: bool) -> int:
+    """All of rms_norm's epilogue bits, validated (the defaults at once: every call passes here)."""
+    if activation is None and rounding == "output" and type(weight_offset) is int and weight_offset == 0:
+        return 0
+    return rms_epilogue_flags(weight_offset, rounding, has_weight) | activation_flags(activation)
+
+
 def rms_epilogue_flags(weight_offset, rounding, has_weight: bool) -> int:
     """The FLAGS bits of rms_norm's ``weight_offset`` (0 or 1) and ``rounding``, validated."""
     if isinstance(weight_offset, (bool, np.bool_)) or not isinstance(weight_offset, (int, float, np.integer,

@@ -285,7 +285,8 @@ def replace_norms(model: torch.nn.Module, *, report: bool = False):
     for name, module in model.named_modules():
         replacement, reason = decide(module)
         if replacement is not None:
-            if rule_for(type(module)) is not None and rule_for(type(module)).fuses_act:
+            rule = rule_for(type(module))
+            if rule is not None and rule.fuses_act:
                 module._cunorm_activation = _act_and_drop(module)[0]
             module.__class__ = replacement
         if is_replacement(type(module)):

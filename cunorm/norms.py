@@ -105,11 +105,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     all NaN; so does a group whose float32 sum of squares overflows
     (``|x|`` beyond about 1e19). Other groups are unaffected.
     """
-    if activation is None and rounding == "output" and type(weight_offset) is int and weight_offset == 0:
-        epilogue = 0
-    else:
-        epilogue = _plan.rms_epilogue_flags(weight_offset, rounding, weight is not None) | \
-            _plan.activation_flags(activation)
+    epilogue = _plan.rms_epilogue(weight_offset, rounding, activation, weight is not None)
     return _row_op("rms", x, weight, None, residual, axis, eps, return_stats, out, reference.rms_norm,
                    lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
                                              return_stats=return_stats, weight_offset=weight_offset,
@@ -170,7 +166,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     A group holding Inf or NaN comes out all NaN; other groups are
     unaffected.
     """
-    epilogue = 0 if activation is None else _plan.activation_flags(activation)
+    epilogue = _plan.activation_flags(activation)
     return _row_op("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm,
                    lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
                                                return_stats=return_stats, activation=activation), epilogue)
@@ -341,7 +337,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
     return _channel_op("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
                        out, lambda: _torch().group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
                                                         return_stats=return_stats, activation=activation),
-                       activation)
+                       _plan.activation_flags(activation))
 
 
 def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False,
@@ -374,7 +370,7 @@ def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1,
     return _channel_op("instance", x, None, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
                        out, lambda: _torch().instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
                                                            return_stats=return_stats, activation=activation),
-                       activation)
+                       _plan.activation_flags(activation))
 
 
 def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
@@ -425,7 +421,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                        lambda: _torch().batch_norm(x, weight, bias, running_mean=running_mean,
                                                    running_var=running_var, training=training, momentum=momentum,
                                                    eps=eps, channel_axis=channel_axis, return_stats=return_stats,
-                                                   activation=activation), activation)
+                                                   activation=activation), _plan.activation_flags(activation))
 
 
 def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, torch_op, epilogue=0):
@@ -447,9 +443,8 @@ def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, refer
 
 
 def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
-                return_stats, out, torch_op, activation=None):
+                return_stats, out, torch_op, epilogue=0):
     """A channel norm, as _row_op."""
-    epilogue = 0 if activation is None else _plan.activation_flags(activation)
     key = None
     if out is None:
         key = _fast.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum,

@@ -242,6 +242,14 @@ def _(dy, x, mean, rstd, norm, num_groups, weight, bias, training, eps, channel_
     return [dx] + [torch.empty_like(p) for p in _present(weight, bias)]
 
 
+# The epilogue's bits the backward operators do not differentiate: the
+# functions below run them as torch ops around the norm where autograd
+# records, and the operators refuse a backward through them.
+_UNFUSED_IN_BACKWARD = ~(_plan.FLAG_ROUND_NORMALIZED | _plan.PARAM_FLAGS)
+_UNFUSED = ("cunorm.{op}: the operator was called with an activation or a weight offset (epilogue={bits}) while "
+            "autograd recorded it; its backward does not differentiate them. Call it through cunorm.torch.{op} "
+            "(or cunorm.{op}), which runs them as torch ops where autograd records.")
+
 _NO_STATS = ("cunorm.{op}: the operator was called with return_stats=False while autograd recorded it, so the "
              "statistics its backward needs were not kept. Call it through cunorm.torch.{op} (or cunorm.{op}), "
              "which asks for them, or pass return_stats=True.")
@@ -252,8 +260,9 @@ def _output_grads(grads) -> list:
     return list(grads[0]) if len(grads) == 1 and isinstance(grads[0], (list, tuple)) else list(grads)
 
 
-def _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, statistics):
+def _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, statistics, epilogue):
     ctx.kept = return_stats
+    ctx.unfused = epilogue & _UNFUSED_IN_BACKWARD
     if not return_stats:
         return
     h = output[1] if residual is not None else x
@@ -262,6 +271,8 @@ def _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, stat
 
 
 def _check_kept(ctx):
+    if ctx.unfused:
+        raise RuntimeError(_UNFUSED.format(op=ctx.op, bits=ctx.unfused))
     if not ctx.kept:
         raise RuntimeError(_NO_STATS.format(op=ctx.op))
 
@@ -276,7 +287,7 @@ def _rows_dy(ctx, grads, h):
 def _rms_setup(ctx, inputs, output):
     x, weight, residual, axes, eps, return_stats, epilogue = inputs
     ctx.op = "rms_norm"
-    _rows_setup(ctx, x, weight, None, residual, axes, return_stats, output, 1)
+    _rows_setup(ctx, x, weight, None, residual, axes, return_stats, output, 1, epilogue)
 
 
 def _rms_backward(ctx, *grads):
@@ -291,7 +302,7 @@ def _rms_backward(ctx, *grads):
 def _ln_setup(ctx, inputs, output):
     x, weight, bias, residual, axes, eps, return_stats, epilogue = inputs
     ctx.op = "layer_norm"
-    _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, 2)
+    _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, 2, epilogue)
 
 
 def _ln_backward(ctx, *grads):
@@ -314,17 +325,20 @@ def _normalize_backward(ctx, dy):
     return torch.ops.cunorm.normalize_backward(dy, x, ctx.norm, ctx.axes, ctx.eps), None, None, None
 
 
-def _channel_setup(ctx, norm, x, num_groups, weight, bias, channel_axis, return_stats, output, training=True,
+def _channel_setup(ctx, norm, x, num_groups, weight, bias, channel_axis, return_stats, output, epilogue, training=True,
                    eps=0.0, running=(None, None)):
+    ctx.norm, ctx.unfused = norm, epilogue & _UNFUSED_IN_BACKWARD
     ctx.kept = return_stats or not training
     if not ctx.kept:
         return
     mean, rstd = (output[1], output[2]) if training else running
     ctx.save_for_backward(x, mean, rstd, weight, bias)
-    ctx.norm, ctx.num_groups, ctx.channel_axis, ctx.training, ctx.eps = norm, num_groups, channel_axis, training, eps
+    ctx.num_groups, ctx.channel_axis, ctx.training, ctx.eps = num_groups, channel_axis, training, eps
 
 
 def _channel_grads(ctx, grads):
+    if ctx.unfused:
+        raise RuntimeError(_UNFUSED.format(op=f"{ctx.norm}_norm", bits=ctx.unfused))
     if not ctx.kept:
         raise RuntimeError(_NO_STATS.format(op=f"{ctx.norm}_norm"))
     x, mean, rstd, weight, bias = ctx.saved_tensors
@@ -338,7 +352,7 @@ def _channel_grads(ctx, grads):
 
 def _group_setup(ctx, inputs, output):
     x, num_groups, weight, bias, eps, channel_axis, return_stats, epilogue = inputs
-    _channel_setup(ctx, "group", x, num_groups, weight, bias, channel_axis, return_stats, output)
+    _channel_setup(ctx, "group", x, num_groups, weight, bias, channel_axis, return_stats, output, epilogue)
 
 
 def _group_backward(ctx, *grads):
@@ -348,7 +362,7 @@ def _group_backward(ctx, *grads):
 
 def _instance_setup(ctx, inputs, output):
     x, weight, bias, eps, channel_axis, return_stats, epilogue = inputs
-    _channel_setup(ctx, "instance", x, 0, weight, bias, channel_axis, return_stats, output)
+    _channel_setup(ctx, "instance", x, 0, weight, bias, channel_axis, return_stats, output, epilogue)
 
 
 def _instance_backward(ctx, *grads):
@@ -358,7 +372,7 @@ def _instance_backward(ctx, *grads):
 
 def _batch_setup(ctx, inputs, output):
     x, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis, return_stats, epilogue = inputs
-    _channel_setup(ctx, "batch", x, 0, weight, bias, channel_axis, return_stats, output, training, eps,
+    _channel_setup(ctx, "batch", x, 0, weight, bias, channel_axis, return_stats, output, epilogue, training, eps,
                    (running_mean, running_var))
 
 
@@ -423,9 +437,8 @@ def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, r
              rounding="output", activation=None):
     """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm`` (differentiable)."""
     stats = _ops.check_flag(return_stats, "return_stats")
-    epilogue = _plan.rms_epilogue_flags(weight_offset, rounding, weight is not None) | \
-        _plan.activation_flags(activation)
-    if epilogue & ~_plan.FLAG_ROUND_NORMALIZED and _needs_grad(x, weight, residual):
+    epilogue = _plan.rms_epilogue(weight_offset, rounding, activation, weight is not None)
+    if epilogue & _UNFUSED_IN_BACKWARD and _needs_grad(x, weight, residual):
         # the weight offset and the activation as torch ops around the norm, so autograd sees them
         w = _offset_weight(x, weight) if weight_offset else weight
         results = rms_norm(x, w, axis=axis, eps=eps, residual=residual, return_stats=stats, rounding=rounding)

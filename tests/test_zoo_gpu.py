@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dtypes, reference
+from cunorm import _dtypes, _plan, reference
 from helpers import RTOL, assert_close, output_scale
 
 pytestmark = pytest.mark.gpu
@@ -192,6 +192,23 @@ def test_activation_gradients_are_torchs(gen, activation):
     g_theirs = torch.autograd.grad(theirs, (x, w, b), dy)
     for a, t in zip(g_ours, g_theirs):
         torch.testing.assert_close(a, t, rtol=1e-4, atol=1e-4)
+
+
+def test_operators_refuse_a_backward_through_unfused_options(gen):
+    """The registered operators with an activation or weight offset in their
+    epilogue argument do not differentiate them: a backward raises (the
+    functions run them as torch ops instead)."""
+    x = randn(gen, 4, 8, 5, 3).requires_grad_()
+    w = randn(gen, 3)
+    silu = _plan.activation_flags("silu")
+    for y in (torch.ops.cunorm.rms_norm(x, w, None, [-1], 1e-5, True, silu)[0],
+              torch.ops.cunorm.rms_norm(x, w, None, [-1], 1e-5, True, 4)[0],
+              torch.ops.cunorm.group_norm(x, 2, None, None, 1e-5, 1, True, silu)[0]):
+        with pytest.raises(RuntimeError, match="does not differentiate"):
+            y.sum().backward()
+    y = torch.ops.cunorm.rms_norm(x, w, None, [-1], 1e-5, True, 8)[0]  # the rounding point: differentiated
+    y.sum().backward()
+    assert x.grad is not None
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
