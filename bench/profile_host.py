@@ -1,8 +1,11 @@
 """Profile the host time of cached calls (cProfile, top functions by own
 time): rms_norm on torch tensors and CuPy arrays, a BatchNorm2d in eval,
-and an RMSNorm training step. PYTHONPATH=. python bench/profile_host.py"""
+an RMSNorm training step and a BatchNorm2d training step (torch's beside
+it). PYTHONPATH=. python bench/profile_host.py [case name ...]"""
 import cProfile
+import copy
 import pstats
+import sys
 import time
 
 import cupy
@@ -25,10 +28,20 @@ def step():
     norm(xg).backward(dy)
 
 
+torch_bn = torch.nn.BatchNorm2d(64, device="cuda")
+train_bn = ct.replace_norms(copy.deepcopy(torch_bn))
+img_g = img.clone().requires_grad_()
+dimg = torch.randn_like(img)
+
 cases = {"rms_norm torch": lambda: cunorm.rms_norm(x, w), "rms_norm cupy": lambda: cunorm.rms_norm(xc, wc),
-         "BatchNorm2d eval": lambda: bn(img), "RMSNorm step": step}
+         "BatchNorm2d eval": lambda: bn(img), "RMSNorm step": step,
+         "BatchNorm2d step": lambda: train_bn(img_g).backward(dimg),
+         "torch BatchNorm2d step": lambda: torch_bn(img_g).backward(dimg)}
+wanted = sys.argv[1:] or list(cases)
 for name, fn in cases.items():
-    with torch.no_grad() if name != "RMSNorm step" else torch.enable_grad():
+    if name not in wanted:
+        continue
+    with torch.no_grad() if not name.endswith("step") else torch.enable_grad():
         for _ in range(300):
             fn()
         torch.cuda.synchronize()

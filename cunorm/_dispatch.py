@@ -128,6 +128,18 @@ CHANNEL_MAX_CHUNK_BYTES = 256 * 1024
 #: tile's parameters and pivots and combines its partials once per chunk).
 CHANNEL_LAST_BLOCKS_PER_SM = 2
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
+#: channels-first planes (a channel's positions of one sample) of at most
+#: this many vectors run as "plane rows": a row of up to 32 threads a plane,
+#: 256 / that many planes a block, where a 256-thread block a plane would
+#: leave most of its threads idle (up to 4 vectors a thread: for_each_batched's
+#: batch). BatchNorm2d on ResNet-50's (32,2048,7,7) fp32, one training step:
+#: 776 us of GPU time before, 187 us with rows of 32; (32,256,56,56) bf16
+#: 273 -> 240 us (docs/performance.md, issue 22).
+CHANNEL_PLANE_ROWS_MAX_VECS = 1024
+#: statistic groups of at most this many partials are finalized by a row of
+#: up to 32 threads each, 256 / that many groups a block (a block a group
+#: spent 48 us on BatchNorm's 2048 channels of 32 partials).
+CHANNEL_FINALIZE_ROWS_MAX_MEMBERS = 256
 #: the channel family's statistic: mean and variance (Chan's pairwise update)
 CHANNEL_NORM = "cunorm::LayerNorm"
 STRIDED_BLOCK_THREADS = 256
@@ -409,6 +421,15 @@ def channel_rows_fast(plan: ChannelPlan) -> bool:
     return plan.per_sample and not plan.channels_last and not plan.flags & PARAM_FLAGS
 
 
+def plane_rows_block(vecs: int, threads: int) -> tuple[int, int]:
+    """The (bx, by) block of the plane-rows layout for planes (or groups of
+    partials) of ``vecs`` items: bx threads a plane, enough for 4 items a
+    thread, a power of two up to a warp (its partials combine by shuffles);
+    by = threads / bx planes."""
+    bx = min(32, next_pow2(_ceil_div(max(vecs, 1), 4)))
+    return bx, threads // bx
+
+
 def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = False, returns_stats: bool = True,
                     override: dict | None = None) -> Launch:
     """The three-launch walk of cunorm/kernels/channels.cu for ``plan``:
@@ -418,7 +439,8 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     launch that reads the running buffers itself, or, where the call
     returns its statistics, channel_from_running first (it writes them).
     ``override`` {"chunks": n} forces the chunks a channel's positions are
-    cut into (the tuning script)."""
+    cut into, {"plane_rows": bool} the channels-first layout (the tuning
+    and diagnosis scripts)."""
     from ._dtypes import KERNEL_TYPE, accumulation
 
     override = override or {}
@@ -442,6 +464,12 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         grid = (min(chunks, MAX_GRID_X), min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         acc_bytes = accumulation(plan.dtype).itemsize
         partial_shared = by * bx * plan.vec * NORMS["ln"].stat_words * acc_bytes
+    elif override.get("plane_rows", plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS):
+        vecs = plan.spatial // plan.vec
+        block = plane_rows_block(vecs, CHANNEL_BLOCK_THREADS)
+        chunks, chunk_len = 1, vecs
+        grid = (1, min(_ceil_div(plan.channels, block[1]), MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
+        partial_shared = 0
     else:
         vecs = plan.spatial // plan.vec
         block = (CHANNEL_BLOCK_THREADS,)
@@ -469,8 +497,13 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
                       workspace_words=3 * groups)
     partial = Step(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, plan.vec, plan.channels_last), grid, block,
                    partial_shared)
+    group_partials = (1 if plan.per_sample else plan.batch) * plan.channels_per_group * chunks
+    finalize_block, groups_a_block = (CHANNEL_BLOCK_THREADS,), 1
+    if group_partials <= CHANNEL_FINALIZE_ROWS_MAX_MEMBERS:
+        finalize_block = plane_rows_block(group_partials, CHANNEL_BLOCK_THREADS)
+        groups_a_block = finalize_block[1]
     finalize = Step(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, plan.channels_last),
-                    (min(groups, MAX_GRID_X),), (CHANNEL_BLOCK_THREADS,))
+                    (min(_ceil_div(groups, groups_a_block), MAX_GRID_X),), finalize_block)
     members = plan.batch * plan.channels * chunks
     return Launch("channel_split", (partial, finalize, apply), chunks=chunks, chunk_vecs=chunk_len,
                   workspace_words=3 * (members + groups))

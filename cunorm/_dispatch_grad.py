@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import _kernels as K
-from ._dispatch import (RESIDENT_SHARED_RESERVE, MAX_GRID_X, Device, Step, _ceil_div, next_pow2, norm_info)
+from ._dispatch import (CHANNEL_PLANE_ROWS_MAX_VECS, RESIDENT_SHARED_RESERVE, MAX_GRID_X, Device, Step, _ceil_div,
+                        next_pow2, norm_info, plane_rows_block)
 from ._plan import ChannelPlan
 
 #: elements a rows_grad_cached thread holds in registers (x, dy and its
@@ -224,14 +225,16 @@ def column_sum_width(a: str, n: int) -> int:
     return columns if n % columns == 0 else 1
 
 
-def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> GradLaunch:
-    """The backward launch of a channel norm: sums, combine, finalize, apply."""
+def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, override: dict | None = None) -> GradLaunch:
+    """The backward launch of a channel norm: sums, combine, finalize, apply.
+    ``override``: {"plane_rows": bool} forces the channels-first layout."""
     from ._dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     acc = accumulation(plan.dtype)
     a, t = KERNEL_TYPE[acc], KERNEL_TYPE[plan.dtype]
     p = NO_PARAMS if not plan.flags else KERNEL_TYPE[plan.param_dtype]
     sm = device.sm_count
+    override = override or {}
     if plan.channels_last:
         vecs = plan.channels // plan.vec
         bx = min(GRAD_BLOCK_THREADS, next_pow2(vecs))
@@ -243,6 +246,12 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> Gr
         chunks = _ceil_div(plan.spatial, chunk_len)
         grid = (chunks, tiles, plan.batch)
         shared = bx * by * plan.vec * 2 * acc.itemsize
+    elif override.get("plane_rows", plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS):
+        vecs = plan.spatial // plan.vec  # (the forward's plane rows)
+        block = plane_rows_block(vecs, GRAD_BLOCK_THREADS)
+        chunks, chunk_len = 1, vecs
+        grid = (1, _ceil_div(plan.channels, block[1]), plan.batch)
+        shared = 0
     else:
         vecs = plan.spatial // plan.vec
         block = (GRAD_BLOCK_THREADS,)

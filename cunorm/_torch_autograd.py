@@ -17,6 +17,11 @@ from . import backward, norms
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 
+#: the epilogue's activations as torch's ops (where they run unfused: under autograd, and under torch.compile)
+TORCH_ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+                     "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+                     "identity": lambda t: t}
+
 
 def needs_grad(*tensors) -> bool:
     """Whether autograd records a call on these tensors: grad mode on and

@@ -22,7 +22,9 @@ from torch import Tensor
 
 from . import _dtypes, norms
 from ._interop import torch as _adapter
-from ._torch_autograd import channel_norm_apply, eager_autograd, row_norm_apply
+from ._torch_autograd import TORCH_ACTIVATIONS, channel_norm_apply, eager_autograd, row_norm_apply
+
+is_compiling = torch.compiler.is_compiling
 
 
 def trailing_axes(normalized_shape):
@@ -76,6 +78,12 @@ def batch_forward(module, x: Tensor, *, activation=None) -> Tensor:
     keep = not module.training or module.track_running_stats
     running_mean, running_var = (module.running_mean, module.running_var) if keep else (None, None)
     weight, bias = module.weight, module.bias
+    if not training and is_compiling():
+        # Eval BatchNorm is a per-channel affine map: traced as torch's own op,
+        # inductor fuses it into its neighbours' kernels, where an opaque
+        # operator is a pass of its own (docs/performance.md, issue 22).
+        y = torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, module.eps)
+        return y if activation is None else TORCH_ACTIVATIONS[activation](y)
     if activation is None and eager_autograd(x, weight, bias):
         return channel_norm_apply(x, weight, bias, running_mean, running_var, "batch", None, training, factor,
                                   module.eps, 1)[0]

@@ -71,7 +71,7 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, axis=-1, dh=None):
 
     {errors}
     """
-    return _rows_grad("rms", dy, x, None, rstd, weight, None, dh, axis, 0.0, lambda g: reference.rms_norm_backward(
+    return rows_grad("rms", dy, x, None, rstd, weight, None, dh, axis, 0.0, lambda g: reference.rms_norm_backward(
         g.dy, g.call.x, g.scale, g.call.weight, axis=_axes(g.call), dh=g.dh))
 
 
@@ -102,7 +102,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, d
 
     {errors}
     """
-    return _rows_grad("ln", dy, x, mean, rstd, weight, bias, dh, axis, 0.0, lambda g: reference.layer_norm_backward(
+    return rows_grad("ln", dy, x, mean, rstd, weight, bias, dh, axis, 0.0, lambda g: reference.layer_norm_backward(
         g.dy, g.call.x, g.center, g.scale, g.call.weight, g.call.bias, axis=_axes(g.call), dh=g.dh))
 
 
@@ -130,21 +130,22 @@ def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=LP_EPS):
 
     {errors}
     """
-    return _rows_grad(lp_norm_name(p), dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
-        g.dy, g.call.x, float(p), axis=_axes(g.call), eps=g.call.eps))
+    return rows_grad(lp_norm_name(p), dy, x, None, None, None, None, None, axis, eps,
+                     lambda g: reference.normalize_backward(g.dy, g.call.x, float(p), axis=_axes(g.call),
+                                                            eps=g.call.eps))
 
 
 def mean_abs_normalize_backward(dy, x, *, axis=-1, eps=LP_EPS):
     """The gradient of :func:`cunorm.mean_abs_normalize` (as
     :func:`normalize_backward`, with ``dN/dx = sign(x) / n``)."""
-    return _rows_grad("mean_abs", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
+    return rows_grad("mean_abs", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
         g.dy, g.call.x, 1.0, axis=_axes(g.call), eps=g.call.eps, mean=True))
 
 
 def frobenius_normalize_backward(dy, x, *, axis=None, eps=LP_EPS):
     """The gradient of :func:`cunorm.frobenius_normalize`: ``normalize_backward``
     with p = 2 over every axis by default."""
-    return _rows_grad("l2", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
+    return rows_grad("l2", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
         g.dy, g.call.x, 2.0, axis=_axes(g.call), eps=g.call.eps))
 
 
@@ -176,7 +177,7 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None, bias=None, *
 
     {errors}
     """
-    return _channel_grad("group", dy, x, mean, rstd, num_groups, weight, bias, channel_axis, True, DEFAULT_EPS,
+    return channel_grad("group", dy, x, mean, rstd, num_groups, weight, bias, channel_axis, True, DEFAULT_EPS,
                          lambda g: reference.group_norm_backward(
         g.dy, g.call.x, g.mean, g.rstd, g.call.groups, g.call.weight, g.call.bias,
         channel_axis=g.call.channel_axis))
@@ -185,7 +186,7 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None, bias=None, *
 def instance_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, channel_axis=1):
     """The gradients of :func:`cunorm.instance_norm`, from its (N, C) mean
     and rstd: :func:`group_norm_backward` with a group per channel."""
-    return _channel_grad("instance", dy, x, mean, rstd, None, weight, bias, channel_axis, True, DEFAULT_EPS,
+    return channel_grad("instance", dy, x, mean, rstd, None, weight, bias, channel_axis, True, DEFAULT_EPS,
                          lambda g: reference.instance_norm_backward(
         g.dy, g.call.x, g.mean, g.rstd, g.call.weight, g.call.bias, channel_axis=g.call.channel_axis))
 
@@ -208,7 +209,7 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, training=T
 
     {errors}
     """
-    return _channel_grad("batch", dy, x, mean, rstd, None, weight, bias, channel_axis, training, eps,
+    return channel_grad("batch", dy, x, mean, rstd, None, weight, bias, channel_axis, training, eps,
                          lambda g: reference.batch_norm_backward(
         g.dy, g.call.x, g.mean, g.rstd, g.call.weight, g.call.bias, training=g.training, eps=g.call.eps,
         channel_axis=g.call.channel_axis))
@@ -224,9 +225,11 @@ for _f in (rms_norm_backward, layer_norm_backward, normalize_backward, group_nor
 del _f
 
 
-def _rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_fn):
+def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_fn):
     """A row norm's backward: the launch cache's entry for the call's
-    signature if it has one, else the general path (which fills it)."""
+    signature if it has one, else the general path (which fills it). Not
+    exported: the public functions above and cunorm.torch's backward
+    operators call it."""
     key = _fast.grad_key(norm, dy, x, mean, rstd, weight, bias, dh, (axis,), eps)
     results = _fast.replay(_fast.ROWS_GRAD, key, dy, x, mean, rstd, weight, bias, dh)
     if results is not None:
@@ -235,8 +238,8 @@ def _rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_f
     return _grad.run_rows(g, reference_fn, key=key)
 
 
-def _channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps, reference_fn):
-    """A channel norm's backward, as _rows_grad."""
+def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps, reference_fn):
+    """A channel norm's backward, as rows_grad."""
     key = _fast.grad_key(norm, dy, x, mean, rstd, weight, bias, None, (num_groups, channel_axis, training), eps)
     results = _fast.replay(_fast.CHANNELS_GRAD, key, dy, x, mean, rstd, weight, bias, None)
     if results is not None:

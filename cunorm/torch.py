@@ -35,11 +35,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _channels, _dtypes, _grad, _ops, _plan, backward, norms, reference
+from . import _channels, _dtypes, _fast, _ops, _plan, backward, norms, reference
 from ._interop import torch as _adapter
 from ._torch_autograd import channel_norm_apply as _channel_norm_apply
 from ._torch_autograd import eager_autograd as _eager_autograd
 from ._torch_autograd import needs_grad as _needs_grad  # (the forward operators then return the statistics)
+from ._torch_autograd import TORCH_ACTIVATIONS as _TORCH_ACTIVATIONS
 from ._torch_autograd import row_norm_apply as _row_norm_apply
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
@@ -57,6 +58,34 @@ def _as_list(results) -> list[Tensor]:
     return list(results) if isinstance(results, tuple) else [results]
 
 
+def _run_rows(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, reference_fn) -> list[Tensor]:
+    """A row operator's implementation: the launch cache's entry for the
+    call's signature, else the general path, which fills the cache (the
+    registered operators run here on every call of a compiled graph)."""
+    key = _fast.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue)
+    results = _fast.replay(_fast.ROWS, key, x, weight, bias, residual)
+    if results is None:
+        call = _ops.Call(norm, x, axis, eps, None, weight=weight, bias=bias, residual=residual,
+                         return_stats=return_stats, epilogue=epilogue)
+        results = _ops.run(call, reference_fn, key=key)
+    return _as_list(results)
+
+
+def _run_channels(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
+                  return_stats, epilogue) -> list[Tensor]:
+    """A channel operator's implementation, as _run_rows."""
+    key = _fast.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,
+                            channel_axis, return_stats, epilogue)
+    results = _fast.replay(_fast.CHANNELS, key, x, weight, bias, running_mean, running_var)
+    if results is None:
+        call = _channels.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
+                                     channel_axis=channel_axis, return_stats=return_stats, running_mean=running_mean,
+                                     running_var=running_var, training=training, momentum=momentum,
+                                     epilogue=epilogue)
+        results = _channels.run(call, key=key)
+    return _as_list(results)
+
+
 def _stats_like(x: Tensor, shape) -> Tensor:
     """An empty statistics tensor: the accumulation dtype of x's dtype."""
     dtype = _adapter.TORCH_DTYPE[_dtypes.accumulation(_adapter.NUMPY_DTYPE[x.dtype])]
@@ -66,23 +95,18 @@ def _stats_like(x: Tensor, shape) -> Tensor:
 @torch.library.custom_op("cunorm::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], axes: list[int], eps: float,
                  return_stats: bool, epilogue: int) -> list[Tensor]:
-    call = _ops.Call("rms", x, tuple(axes), eps, None, weight=weight, residual=residual, return_stats=return_stats,
-                     epilogue=epilogue)
-    return _as_list(_ops.run(call, reference.rms_norm))
+    return _run_rows("rms", x, weight, None, residual, tuple(axes), eps, return_stats, epilogue, reference.rms_norm)
 
 
 @torch.library.custom_op("cunorm::layer_norm", mutates_args=())
 def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
                    axes: list[int], eps: float, return_stats: bool, epilogue: int) -> list[Tensor]:
-    call = _ops.Call("ln", x, tuple(axes), eps, None, weight=weight, bias=bias, residual=residual,
-                     return_stats=return_stats, epilogue=epilogue)
-    return _as_list(_ops.run(call, reference.layer_norm))
+    return _run_rows("ln", x, weight, bias, residual, tuple(axes), eps, return_stats, epilogue, reference.layer_norm)
 
 
 @torch.library.custom_op("cunorm::normalize", mutates_args=())
 def _normalize_op(x: Tensor, norm: str, axes: list[int], eps: float) -> Tensor:
-    call = _ops.Call(norm, x, tuple(axes) if axes else None, eps, None)
-    return _ops.run(call, None)
+    return _run_rows(norm, x, None, None, None, tuple(axes) if axes else None, eps, False, 0, None)[0]
 
 
 def _rows_fake(x, residual, axes, return_stats, statistics):
@@ -113,17 +137,15 @@ def _(x, norm, axes, eps):
 @torch.library.custom_op("cunorm::group_norm", mutates_args=())
 def _group_norm_op(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                    channel_axis: int, return_stats: bool, epilogue: int) -> list[Tensor]:
-    call = _channels.ChannelCall("group", x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
-                                 channel_axis=channel_axis, return_stats=return_stats, epilogue=epilogue)
-    return _as_list(_channels.run(call))
+    return _run_channels("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
+                         epilogue)
 
 
 @torch.library.custom_op("cunorm::instance_norm", mutates_args=())
 def _instance_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, channel_axis: int,
                       return_stats: bool, epilogue: int) -> list[Tensor]:
-    call = _channels.ChannelCall("instance", x, weight=weight, bias=bias, eps=eps, channel_axis=channel_axis,
-                                 return_stats=return_stats, epilogue=epilogue)
-    return _as_list(_channels.run(call))
+    return _run_channels("instance", x, None, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
+                         epilogue)
 
 
 @torch.library.custom_op("cunorm::batch_norm", mutates_args=())
@@ -136,11 +158,9 @@ def _batch_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     if training:
         running_mean = None if running_mean is None else running_mean.clone()
         running_var = None if running_var is None else running_var.clone()
-    call = _channels.ChannelCall("batch", x, weight=weight, bias=bias, eps=eps, channel_axis=channel_axis,
-                                 return_stats=return_stats, running_mean=running_mean, running_var=running_var,
-                                 training=training, momentum=momentum, epilogue=epilogue)
     updated = [b for b in (running_mean, running_var) if b is not None] if training else []
-    return _as_list(_channels.run(call)) + updated
+    return _run_channels("batch", x, None, weight, bias, running_mean, running_var, training, momentum, eps,
+                         channel_axis, return_stats, epilogue) + updated
 
 
 def _channels_fake(norm, x, channel_axis, groups, return_stats):
@@ -205,17 +225,15 @@ def _layer_norm_backward_op(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w
 
 @torch.library.custom_op("cunorm::normalize_backward", mutates_args=())
 def _normalize_backward_op(dy: Tensor, x: Tensor, norm: str, axes: list[int], eps: float) -> Tensor:
-    g = _grad.RowGradCall(norm, dy, x, axis=tuple(axes) if axes else None, eps=eps)
-    return _grad.run_rows(g, None)
+    return backward.rows_grad(norm, dy, x, None, None, None, None, None, tuple(axes) if axes else None, eps, None)
 
 
 @torch.library.custom_op("cunorm::channel_norm_backward", mutates_args=())
 def _channel_norm_backward_op(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, norm: str, num_groups: int,
                               weight: Optional[Tensor], bias: Optional[Tensor], training: bool, eps: float,
                               channel_axis: int) -> list[Tensor]:
-    g = _grad.ChannelGradCall(norm, dy, x, mean, rstd, num_groups=num_groups if norm == "group" else None,
-                              weight=weight, bias=bias, channel_axis=channel_axis, training=training, eps=eps)
-    dx, dw, db = _grad.run_channels(g, None)
+    dx, dw, db = backward.channel_grad(norm, dy, x, mean, rstd, num_groups if norm == "group" else None, weight, bias,
+                                       channel_axis, training, eps, None)
     return [dx] + _present(dw, db)
 
 
@@ -412,16 +430,12 @@ def _dropped(results: list[Tensor], wanted: bool, asked: bool, count: int) -> li
     return results[:-count] if asked and not wanted else results
 
 
-_ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
-                "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"), "identity": lambda t: t}
-
-
 def _activated(results, activation):
     """The results with torch's ``activation`` applied to y (the first):
     under autograd the epilogue's activation runs as torch's op after the
     norm, so its gradient is torch's (cunorm's backward kernels take the
     gradient of the norm only)."""
-    act = _ACTIVATIONS[activation]
+    act = _TORCH_ACTIVATIONS[activation]
     if isinstance(results, tuple):
         return (act(results[0]),) + results[1:]
     return act(results)

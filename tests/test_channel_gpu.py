@@ -101,6 +101,7 @@ SHAPES = [
     ((2, 8, 13), 1),
     ((1, 64, 64, 64), 8),
     ((2, 4, 3, 1, 5), 2),
+    ((3, 40, 6, 6), 5),
 ]
 
 
@@ -133,7 +134,9 @@ def test_instance_norm(rng, dtype, shape, channel_axis):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("shape", [(4, 16, 32, 32), (2, 6, 7, 7), (3, 5, 1, 1), (7, 12), (1, 3, 4097)])
+# (3, 37, 7, 7), (2, 300, 14, 14): plane rows (see test_backward_gpu's CHANNEL_CASES)
+@pytest.mark.parametrize("shape", [(4, 16, 32, 32), (2, 6, 7, 7), (3, 5, 1, 1), (7, 12), (1, 3, 4097), (3, 37, 7, 7),
+                                   (2, 300, 14, 14)])
 @pytest.mark.parametrize("channel_axis", [1, -1])
 def test_batch_norm(rng, dtype, shape, channel_axis):
     c = shape[1]

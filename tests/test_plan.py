@@ -262,6 +262,28 @@ def test_channel_rows_fast_path():
     assert not _dispatch.channel_rows_fast(channel_plan("batch", cpg=1))
 
 
+def test_small_channels_first_planes_run_as_plane_rows():
+    """ResNet-50's late activations, 7x7 and 14x14 fp32 (49 scalars, 49
+    vectors a plane): a row of 16 threads a plane (up to 4 items a thread),
+    16 planes a block, one chunk, forward and backward alike, and the
+    finalize a row of 8 threads for each channel's 32 partials; 28x28 and
+    56x56 (196 and 784 vectors) rows of 32; a plane of 3 rows of 1; 64x64
+    (1024 vectors) the last plane rows, 72x72 a block a plane."""
+    cases = ((49, (16, 16)), (196, (16, 16)), (784, (32, 8)), (3, (1, 256)), (56 * 56, (32, 8)), (64 * 64, (32, 8)),
+             (72 * 72, (256,)))
+    for spatial, block in cases:
+        p = channel_plan("batch", flags=3, batch=32, channels=2048, spatial=spatial, cpg=1)
+        fwd = _dispatch.choose_channels(p, H200)
+        bwd = _dispatch_grad.choose_channel_grad(p, True, H200)
+        for step in (fwd.steps[0], fwd.steps[2], bwd.steps[0], bwd.steps[-1]):
+            assert step.block == block, (spatial, step)
+            if len(block) == 2:
+                assert step.grid == (1, 2048 // block[1], 32), (spatial, step)
+        if len(block) == 2:
+            assert fwd.chunks == bwd.chunks == 1
+            assert (fwd.steps[1].block, fwd.steps[1].grid) == ((8, 32), (2048 // 32,))
+
+
 def test_channel_backward_chunks_cap_their_bytes():
     """Problem 35's 1 MB channels (fp32, channels-first) go in chunks of at
     most GRAD_CHANNEL_MAX_CHUNK_BYTES, both passes on the same grid."""

@@ -190,3 +190,38 @@ def test_real_libraries_are_recognized():
         found += 2
     if not found:
         pytest.skip("neither timm nor transformers is installed")
+
+
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_eval_batch_norm_under_torch_compile_traces_torchs_op(activation):
+    """Under dynamo an eval-mode BatchNorm layer emits torch's batch_norm
+    (a per-channel affine map inductor fuses into its neighbours), with its
+    activation after it; no cunorm operator is in the graph. Runs on CPU:
+    nothing of cunorm's launches."""
+    from cunorm._torch_layers import batch_forward
+
+    class Layer(torch.nn.BatchNorm2d):
+        def forward(self, x):
+            return batch_forward(self, x, activation=activation)
+
+    theirs = torch.nn.BatchNorm2d(6).eval()
+    with torch.no_grad():
+        theirs.running_mean.uniform_(-1, 1)
+        theirs.running_var.uniform_(0.5, 2)
+        theirs.weight.uniform_(0.5, 2)
+        theirs.bias.uniform_(-1, 1)
+    ours = Layer(6).eval()
+    ours.load_state_dict(theirs.state_dict())
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(3, 6, 5, 7)
+    torch._dynamo.reset()
+    got = torch.compile(ours, backend=backend, fullgraph=True)(x)
+    want = theirs(x) if activation is None else torch.relu(theirs(x))
+    assert torch.equal(got, want)
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert any("batch_norm" in t for t in targets) and not any("cunorm" in t for t in targets), targets

@@ -335,7 +335,7 @@ def run(suites=DEFAULT_SUITES, *, quick=False, with_compile=None, only="", progr
     if "models" in suites:
         from . import _models
 
-        result["models"] = _models.rows(quick, with_compile)
+        result["models"] = _models.rows(quick, with_compile, only)
     return result
 
 
@@ -421,7 +421,8 @@ def main(argv=None) -> int:
                         help="a suite to run (repeatable; default: all but models)")
     parser.add_argument("--quick", action="store_true", help="scaled-down shapes, no torch.compile (under a minute)")
     parser.add_argument("--out", default="cunorm-bench", help="directory for results.json/.csv/.md and the plots")
-    parser.add_argument("--only", default="", help="only the cases whose name contains this text")
+    parser.add_argument("--only", default="",
+                        help="only the cases (and the models rows, by 'model mode') whose name contains this text")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--compile", action="store_true", help="time torch.compile also with --quick")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

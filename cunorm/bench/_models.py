@@ -157,10 +157,11 @@ def without_norms(model, replaced_names):
     return bare
 
 
-def rows(quick: bool = False, with_compile: bool = True) -> list[dict]:
+def rows(quick: bool = False, with_compile: bool = True, only: str = "") -> list[dict]:
     """One row per (model, mode, compiled): torch's and cunorm's ms, the
     speedup, the norm kernels' share of the untouched model's time, what
-    replace_norms replaced."""
+    replace_norms replaced. ``only``: the rows whose "model mode" contains
+    this text (or one of its comma-separated parts)."""
     import torch
 
     from cunorm import torch as cunorm_torch
@@ -168,6 +169,11 @@ def rows(quick: bool = False, with_compile: bool = True) -> list[dict]:
     repeats = 5 if quick else 20
     out = []
     for label, build in models(quick):
+        modes = [(m, False) for m in MODES] + ([(m, True) for m in COMPILE_MODES] if with_compile else [])
+        modes = [(m, c) for m, c in modes
+                 if any(part in f"{label} {m}{' compiled' if c else ''}" for part in only.split(","))]
+        if not modes:
+            continue
         try:
             model, make_input = build()
         except ImportError as err:  # timm or transformers not installed
@@ -178,7 +184,6 @@ def rows(quick: bool = False, with_compile: bool = True) -> list[dict]:
         ours = copy.deepcopy(theirs)
         report = cunorm_torch.replace_norms(ours, report=True)
         bare = without_norms(theirs, report.replaced)
-        modes = [(m, False) for m in MODES] + ([(m, True) for m in COMPILE_MODES] if with_compile else [])
         for mode, compiled in modes:
             row = {"model": label, "mode": mode + (" compiled" if compiled else ""),
                    "replaced": len(report.replaced), "left": len(report.left)}

@@ -734,7 +734,9 @@ __device__ __forceinline__ long long stat_index(long long n, int c, int channels
 
 // Pass 1: (A, B) = (sum dy, sum dy * (x - mean)) of each (n, c, chunk) into
 // partial[((n * channels + c) * chunks + chunk) * 2].
-// Channels-first: block (chunk, c, n) reduces its chunk of the (n, c) run.
+// Channels-first: block (chunk, c, n) reduces its chunk of the (n, c) run;
+// or, for runs of few vectors, "plane rows" (as channels.cu): block
+// (bx <= 32, by) takes channels by * blockIdx.y + y, a row per channel.
 // Channels-last: block (chunk, channel tile, n) of (bx, by) threads: x a
 // channel vector, y a position of the chunk (stride by); the by partial
 // sums of a channel are added in y order through shared memory.
@@ -750,26 +752,29 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
     const long long chunk = blockIdx.x;
     if constexpr (!LAST) {
         __shared__ typename Sums::Stats scratch[33];
-        const int c = blockIdx.y;
-        const A m = mean[stat_index(n, c, channels_per_group, stat_batch)];
-        const long long base = (n * channels + c) * spatial;
-        const long long end = min(spatial / VEC, (chunk + 1) * chunk_len);
+        const int c = blockIdx.y * blockDim.y + threadIdx.y;  // (plane rows: blockDim.y channels a block)
+        const bool active = c < channels;
         typename Sums::Stats s = Sums::init();
-        for_each_batched<4>(
-            chunk * chunk_len + threadIdx.x, end, blockDim.x,
-            [&](long long v) {
-                return load_pair<T, VEC>(x, dy, base + v * VEC);
-            },
-            [&](long long, const GradPair<T, VEC>& it) {
+        if (active) {
+            const A m = mean[stat_index(n, c, channels_per_group, stat_batch)];
+            const long long base = (n * channels + c) * spatial;
+            const long long end = min(spatial / VEC, (chunk + 1) * chunk_len);
+            for_each_batched<4>(
+                chunk * chunk_len + threadIdx.x, end, blockDim.x,
+                [&](long long v) {
+                    return load_pair<T, VEC>(x, dy, base + v * VEC);
+                },
+                [&](long long, const GradPair<T, VEC>& it) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const A g = static_cast<A>(widen(it.dy.v[j]));
-                    s.a += g;
-                    s.b = fma(g, static_cast<A>(widen(it.x.v[j])) - m, s.b);
-                }
-            });
-        s = block_reduce<Sums>(s, scratch);
-        if (threadIdx.x == 0) Sums::store(partial + ((n * channels + c) * chunks + chunk) * 2, s);
+                    for (int j = 0; j < VEC; ++j) {
+                        const A g = static_cast<A>(widen(it.dy.v[j]));
+                        s.a += g;
+                        s.b = fma(g, static_cast<A>(widen(it.x.v[j])) - m, s.b);
+                    }
+                });
+        }
+        s = blockDim.y == 1 ? block_reduce<Sums>(s, scratch) : group_reduce<Sums>(s, blockDim.x);
+        if (active && threadIdx.x == 0) Sums::store(partial + ((n * channels + c) * chunks + chunk) * 2, s);
     } else {
         extern __shared__ unsigned char shared_raw[];
         auto* shared = reinterpret_cast<typename Sums::Stats*>(shared_raw);  // [by][bx * VEC]
@@ -904,7 +909,8 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
     const long long chunk = gridDim.x - 1 - blockIdx.x;
     const int tile_y = gridDim.y - 1 - blockIdx.y;
     if constexpr (!LAST) {
-        const int c = tile_y;
+        const int c = tile_y * blockDim.y + threadIdx.y;  // (plane rows: blockDim.y channels a block)
+        if (c >= channels) return;
         const long long m = n * channels + c;
         const A alpha = coeffs[m * 3], beta = coeffs[m * 3 + 1], gamma = coeffs[m * 3 + 2];
         const A mu = mean[stat_index(n, c, channels_per_group, stat_batch)];

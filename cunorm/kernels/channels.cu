@@ -29,7 +29,10 @@
 // channel_from_running replaces the first two for BatchNorm in eval mode.
 //
 // Thread layouts. Channels-first: a 256-thread block per (sample, channel,
-// chunk), walking the chunk's contiguous vectors. Channels-last: a 2-D block
+// chunk), walking the chunk's contiguous vectors; or, for planes of few
+// vectors (a channel's positions of one sample), "plane rows": a 2-D block
+// of (bx <= 32, 256 / bx), a row of bx threads per channel, whole planes
+// (one chunk), reduced within the row by shuffles. Channels-last: a 2-D block
 // of 256, threadIdx.x along the channels in vectors of VEC (up to 256
 // vectors: a row of threads reads a position's channels, contiguous, and the
 // block several consecutive positions), threadIdx.y over the chunk's
@@ -67,16 +70,19 @@ __device__ __forceinline__ A group_pivot(const T* x, const ChannelShape& cs, lon
     else return static_cast<A>(widen(x[pivot_offset<CHANNELS_LAST>(cs, n, c)]));
 }
 
-// Every (sample, channel, chunk) of a channels-first grid, grid-strided.
-// The bounds are uniform across a block, so f may hold barriers.
+// Every (sample, first channel of the block's `rows`, chunk) of a
+// channels-first grid, grid-strided; the block's row y takes channel c0 + y
+// (which may be past the last channel). The bounds are uniform across a
+// block, so f may hold barriers.
 template <class F>
-__device__ __forceinline__ void for_each_channel_chunk(long long batch, int channels, long long chunks, F f) {
+__device__ __forceinline__ void for_each_channel_chunk(long long batch, int channels, long long chunks, int rows,
+                                                       F f) {
 #pragma unroll 1
     for (long long n = blockIdx.z; n < batch; n += gridDim.z)
 #pragma unroll 1
-        for (int c = blockIdx.y; c < channels; c += gridDim.y)
+        for (int c0 = blockIdx.y * rows; c0 < channels; c0 += gridDim.y * rows)
 #pragma unroll 1
-            for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) f(n, c, chunk);
+            for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) f(n, c0, chunk);
 }
 
 __device__ __forceinline__ ChannelShape channel_shape(long long batch, long long spatial, int channels,
@@ -101,17 +107,24 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
     if constexpr (!CHANNELS_LAST) {
         __shared__ Stats scratch[33];
         const long long spatial_vecs = spatial / VEC;
-        for_each_channel_chunk(batch, channels, chunks, [&](long long n, int c, long long chunk) {
-            const T* row = x + (n * channels + c) * spatial;
-            const A pivot = group_pivot<Norm, A, T, false>(x, cs, n, c);
-            const long long begin = chunk * chunk_len;
-            const long long end = min(begin + chunk_len, spatial_vecs);
+        const int rows = blockDim.y;  // planes a block: 1, or 256 / blockDim.x (plane rows, blockDim.x <= 32)
+        for_each_channel_chunk(batch, channels, chunks, rows, [&](long long n, int c0, long long chunk) {
+            const int c = c0 + static_cast<int>(threadIdx.y);
+            const bool active = c < channels;
             Stats s = Norm::init();
-            for_each_batched<4>(
-                begin + threadIdx.x, end, blockDim.x, [&](long long v) { return load_vec<T, VEC>(row + v * VEC); },
-                [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
-            s = block_reduce<Norm>(s, scratch);
-            if (threadIdx.x == 0) out[(n * channels + c) * chunks + chunk] = s;
+            if (active) {
+                const T* row = x + (n * channels + c) * spatial;
+                const A pivot = group_pivot<Norm, A, T, false>(x, cs, n, c);
+                const long long begin = chunk * chunk_len;
+                const long long end = min(begin + chunk_len, spatial_vecs);
+                for_each_batched<4>(
+                    begin + threadIdx.x, end, blockDim.x,
+                    [&](long long v) { return load_vec<T, VEC>(row + v * VEC); },
+                    [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
+            }
+            // every lane reaches the reduction: the bounds are uniform across the block
+            s = rows == 1 ? block_reduce<Norm>(s, scratch) : group_reduce<Norm>(s, blockDim.x);
+            if (active && threadIdx.x == 0) out[(n * channels + c) * chunks + chunk] = s;
         });
     } else {
         extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -187,8 +200,9 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
     }
 }
 
-// One block per statistic group: combine its partials (for each sample of
-// the group, its channels and chunks) in a fixed order, then
+// A block, or a row of blockDim.x <= 32 threads of a 2-D block (groups of
+// few partials), per statistic group: combine its partials (for each
+// sample of the group, its channels and chunks) in a fixed order, then
 //   affine[3 g .. 3 g + 2] = (pivot, center, scale) for channel_apply,
 //   mean_out[g] = pivot + center, rstd_out[g] = scale   (when not null),
 //   running_mean[g], running_var[g] (when not null; BatchNorm, a group per
@@ -214,8 +228,12 @@ channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restr
     const long long samples_in_group = per_sample ? 1 : batch;
     // A sample's partials of one group: channels_per_group * chunks of them.
     const int per_sample_members = static_cast<int>(channels_per_group * chunks);
+    const int rows = blockDim.y;  // groups a block: 1, or 256 / blockDim.x (blockDim.x <= 32)
 #pragma unroll 1
-    for (int group = blockIdx.x; group < group_count; group += gridDim.x) {
+    for (int group0 = blockIdx.x * rows; group0 < group_count; group0 += gridDim.x * rows) {
+        // the bounds are uniform across the block (the reduction's barriers)
+        const int group = min(group0 + static_cast<int>(threadIdx.y), group_count - 1);
+        const bool active = group0 + static_cast<int>(threadIdx.y) < group_count;
         const int n0 = per_sample ? group / cs.groups : 0;
         const int g = group - n0 * cs.groups;
         const int c0 = g * channels_per_group;
@@ -236,8 +254,8 @@ channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restr
                 }
             }
         }
-        s = block_reduce<Norm>(s, scratch);
-        if (threadIdx.x == 0) {
+        s = rows == 1 ? block_reduce<Norm>(s, scratch) : group_reduce<Norm>(s, blockDim.x);
+        if (active && threadIdx.x == 0) {
             const long long count = samples_in_group * channels_per_group * spatial;
             const Affine<A> f = Norm::finalize(s, count, eps);
             const A pivot = group_pivot<Norm, A, T, CHANNELS_LAST>(x, cs, n0, c0);
@@ -305,7 +323,9 @@ channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ 
     };
     if constexpr (!CHANNELS_LAST) {
         const long long spatial_vecs = spatial / VEC;
-        for_each_channel_chunk(batch, channels, chunks, [&](long long n, int c, long long chunk) {
+        for_each_channel_chunk(batch, channels, chunks, blockDim.y, [&](long long n, int c0, long long chunk) {
+            const int c = c0 + static_cast<int>(threadIdx.y);
+            if (c >= channels) return;  // no barrier below
             Affine<A> f;
             A pivot, wc, bc;
             params_of(n, c, f, pivot, wc, bc);
