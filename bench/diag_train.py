@@ -1,7 +1,9 @@
-"""Where a BatchNorm2d training step's time goes, torch against cunorm, on
-ResNet-50's activations (b32): per layer, forward + backward, the single
-call (CUDA events), the GPU time (profiler kernel sums) and the host time
-(wall clock per call in a loop). PYTHONPATH=. python bench/diag_train.py"""
+"""Where a norm layer's time goes, torch against cunorm: BatchNorm2d on
+ResNet-50's activations (b32), LayerNorm on ViT-S/16's (64,197,384) and
+BERT's (8,512,768) under bf16 autocast; per layer, forward + backward
+(train) or forward (eval), the single call (CUDA events), the GPU time
+(profiler kernel sums) and the host time (wall clock per call in a loop).
+PYTHONPATH=. python bench/diag_train.py [-v] [bn] [ln]"""
 import copy
 import os
 import statistics
@@ -19,12 +21,26 @@ if "PLANE_ROWS_MAX_VECS" in os.environ:  # the plane-rows threshold to try (befo
 
 SHAPES = [(32, 64, 112, 112), (32, 256, 56, 56), (32, 128, 56, 56), (32, 512, 28, 28), (32, 1024, 14, 14),
           (32, 2048, 7, 7)]
+LN_SHAPES = [(64, 197, 384), (8, 512, 768)]
 
 
-def step_fn(layer, x, dy):
+def cases(kinds):
+    """(label, torch layer, input dtype, autocast) of each case."""
+    if "bn" in kinds:
+        for shape in SHAPES:
+            for dtype in (torch.float32, torch.bfloat16):
+                yield shape, (lambda c=shape[1]: torch.nn.BatchNorm2d(c, device="cuda")), dtype, False
+    if "ln" in kinds:
+        for shape in LN_SHAPES:
+            for dtype in (torch.float32, torch.bfloat16):
+                yield shape, (lambda c=shape[-1]: torch.nn.LayerNorm(c, device="cuda")), dtype, True
+
+
+def step_fn(layer, x, dy, autocast=False):
     def step():
-        y = layer(x)
-        y.backward(dy)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        y.backward(dy.to(y.dtype))
     return step
 
 
@@ -74,29 +90,29 @@ def main():
     verbose = "-v" in sys.argv
     print("| shape | dtype | mode | torch single us | cunorm single us | torch GPU us | cunorm GPU us | torch host us | cunorm host us |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for shape in SHAPES:
-        for dtype in (torch.float32, torch.bfloat16):
-            for mode in ("train", "eval"):
-                theirs = torch.nn.BatchNorm2d(shape[1], device="cuda").train(mode == "train")
-                ours = ct.replace_norms(copy.deepcopy(theirs))
-                x = torch.randn(shape, device="cuda", dtype=dtype).requires_grad_(mode == "train")
-                dy = torch.randn_like(x)
-                row = {}
-                for name, layer in (("torch", theirs), ("cunorm", ours)):
-                    if mode == "train":
-                        fn = step_fn(layer, x, dy)
-                    else:
-                        def fn(layer=layer):
-                            with torch.no_grad():
-                                layer(x)
-                    row[name] = (single(fn), *gpu_time(fn), host(fn))
-                print(f"| {shape} | {str(dtype)[6:]} | {mode} | {row['torch'][0]:.1f} | {row['cunorm'][0]:.1f} | "
-                      f"{row['torch'][1]:.1f} | {row['cunorm'][1]:.1f} | {row['torch'][3]:.1f} | {row['cunorm'][3]:.1f} |",
-                      flush=True)
-                if verbose:
-                    for name in ("torch", "cunorm"):
-                        for k, v in sorted(row[name][2].items(), key=lambda kv: -kv[1])[:4]:
-                            print(f"    {name}: {v:8.1f} us  {k[:100]}")
+    kinds = [a for a in sys.argv[1:] if not a.startswith("-")] or ["bn"]
+    for shape, make, dtype, autocast in cases(kinds):
+        for mode in ("train", "eval"):
+            theirs = make().train(mode == "train")
+            ours = ct.replace_norms(copy.deepcopy(theirs))
+            x = torch.randn(shape, device="cuda", dtype=dtype).requires_grad_(mode == "train")
+            dy = torch.randn_like(x)
+            row = {}
+            for name, layer in (("torch", theirs), ("cunorm", ours)):
+                if mode == "train":
+                    fn = step_fn(layer, x, dy, autocast)
+                else:
+                    def fn(layer=layer):
+                        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                            layer(x)
+                row[name] = (single(fn), *gpu_time(fn), host(fn))
+            print(f"| {shape}{' autocast' if autocast else ''} | {str(dtype)[6:]} | {mode} | {row['torch'][0]:.1f} | {row['cunorm'][0]:.1f} | "
+                  f"{row['torch'][1]:.1f} | {row['cunorm'][1]:.1f} | {row['torch'][3]:.1f} | {row['cunorm'][3]:.1f} |",
+                  flush=True)
+            if verbose:
+                for name in ("torch", "cunorm"):
+                    for k, v in sorted(row[name][2].items(), key=lambda kv: -kv[1])[:4]:
+                        print(f"    {name}: {v:8.1f} us  {k[:100]}")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,23 @@ def rms_forward(module, x: Tensor, axis, eps, *, activation=None, weight_offset=
                           activation=activation)
 
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_autocast_on = torch.is_autocast_enabled
+
+
+def autocast_float32(x: Tensor) -> Tensor:
+    """x as torch's CUDA autocast hands it to layer_norm and group_norm, ops
+    it runs in float32: a 16-bit x becomes float32 (and so does the result,
+    as the replaced layer's) while autocast is on."""
+    if x.dtype in _LOW_PRECISION and _autocast_on("cuda"):
+        return x.float()
+    return x
+
+
 def layer_forward(module, x: Tensor, axis, *, activation=None) -> Tensor:
-    """layer_norm of x with the module's weight, bias and eps."""
+    """layer_norm of x with the module's weight, bias and eps (in float32
+    under autocast, as torch's F.layer_norm)."""
+    x = autocast_float32(x)
     weight, bias = module.weight, module.bias
     if activation is None and eager_autograd(x, weight, bias):
         return row_norm_apply(x, weight, bias, None, "ln", axis, module.eps, "output")[0]
@@ -58,7 +73,9 @@ def layer_forward(module, x: Tensor, axis, *, activation=None) -> Tensor:
 
 
 def group_forward(module, x: Tensor, *, activation=None) -> Tensor:
-    """group_norm of x (N, C, *) with a torch.nn.GroupNorm's attributes."""
+    """group_norm of x (N, C, *) with a torch.nn.GroupNorm's attributes (in
+    float32 under autocast, as torch's F.group_norm)."""
+    x = autocast_float32(x)
     weight, bias = module.weight, module.bias
     if activation is None and eager_autograd(x, weight, bias):
         return channel_norm_apply(x, weight, bias, None, None, "group", module.num_groups, True, 0.1, module.eps,

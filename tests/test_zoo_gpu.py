@@ -424,3 +424,42 @@ def test_transformers_models_end_to_end(gen, family):
         Logits(model), lambda g: torch.randint(0, 256, (2, 19), generator=g, device="cuda"), gen, torch.float32)
     assert report.replaced and not report.left, str(report)
     assert err_after <= 2 * err_before + 1e-6, (family, err_before, err_after)
+
+
+AUTOCAST_LAYERS = ["LayerNorm", "GroupNorm", "BatchNorm2d", "RMSNorm", "timm LayerNorm2d", "timm GroupNormAct",
+                   "timm LayerNormAct", "timm RmsNorm"]
+
+
+def _autocast_layer(name):
+    if name.startswith("timm "):
+        return _timm_layers(_timm(), 24)[name[5:]]
+    return {"LayerNorm": (torch.nn.LayerNorm(24), (3, 17, 24)),
+            "GroupNorm": (torch.nn.GroupNorm(4, 24), (2, 24, 9, 7)),
+            "BatchNorm2d": (torch.nn.BatchNorm2d(24), (4, 24, 9, 7)),
+            "RMSNorm": (torch.nn.RMSNorm(24), (3, 17, 24))}[name]
+
+
+@pytest.mark.parametrize("name", AUTOCAST_LAYERS)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_layers_under_autocast_return_what_torchs_return(gen, name, training):
+    """Under bf16 autocast torch runs layer_norm and group_norm in float32
+    (a 16-bit input comes out float32), BatchNorm and RMSNorm in the input's
+    dtype: the replaced layers give the same dtypes, values within 2x the
+    original's error against float64, and x's gradient in x's dtype."""
+    layer, shape = _autocast_layer(name)
+    layer = layer.cuda().train(training)
+    _randomize(layer, gen)
+    ours = cunorm_torch.replace_norms(copy.deepcopy(layer))
+    x = randn(gen, *shape, dtype=torch.bfloat16, scale=2.0)
+    xs = [x.clone().requires_grad_(training) for _ in range(2)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, want = ours(xs[0]), layer(xs[1])
+    assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+    exact = copy.deepcopy(layer).double().train(training)
+    ref = exact(x.double()).detach()
+    err_ours, err_theirs = (got.double() - ref).norm(), (want.double() - ref).norm()
+    assert err_ours <= 2 * err_theirs + 1e-6 * ref.norm(), (name, float(err_ours), float(err_theirs))
+    if training:
+        dy = randn(gen, *shape, dtype=got.dtype)
+        (gx,), (gx_theirs,) = torch.autograd.grad(got, [xs[0]], dy), torch.autograd.grad(want, [xs[1]], dy)
+        assert gx.dtype == gx_theirs.dtype == torch.bfloat16
