@@ -72,6 +72,7 @@ class RowNorm(torch.autograd.Function):
         ctx.save_for_backward(h, weight, bias, *statistics)
         ctx.norm, ctx.axis, ctx.residual = norm, axis, residual is not None
         ctx.mark_non_differentiable(*statistics)
+        ctx.set_materialize_grads(False)  # (no zero tensors made for the statistics' absent gradients)
         return results
 
     @staticmethod
@@ -79,6 +80,8 @@ class RowNorm(torch.autograd.Function):
     def backward(ctx, dy, *grads):
         h, weight, bias, *statistics = ctx.saved_tensors
         dh = grads[0] if ctx.residual else None
+        if dy is None:  # only h was used
+            dy = torch.zeros_like(h)
         if ctx.norm == "rms":
             (dx, dw), db = backward.rms_norm_backward(dy, h, statistics[0], weight, axis=ctx.axis, dh=dh), None
         else:
@@ -107,11 +110,14 @@ class ChannelNorm(torch.autograd.Function):
         ctx.save_for_backward(x, *saved, weight, bias)
         ctx.args = norm, num_groups, training, eps, channel_axis
         ctx.mark_non_differentiable(mean, rstd)
+        ctx.set_materialize_grads(False)  # (no zero tensors made for the statistics' absent gradients)
         return y, mean, rstd
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, _dmean, _drstd):
+        if dy is None:  # y unused (the statistics alone were)
+            return (None,) * 11
         x, mean, rstd, weight, bias = ctx.saved_tensors
         norm, num_groups, training, eps, channel_axis = ctx.args
         if norm == "group":
