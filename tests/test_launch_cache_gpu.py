@@ -184,11 +184,15 @@ def test_torch_layers_under_autocast(rng):
         x = torch.randn(4, 9, 768, device="cuda", dtype=torch.bfloat16)
         ours = cunorm_torch.replace_norms(type(theirs)(768, device="cuda"))
         ours.load_state_dict(theirs.state_dict())
-        plain = ours(x)
+        # torch runs layer_norm in float32 under autocast (its output float32), rms_norm in x's dtype
+        in_float32 = isinstance(theirs, torch.nn.LayerNorm)
+        plain = ours(x.float() if in_float32 else x)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             cast = ours(x)
             cast_again = ours(x)
-        assert cast.dtype == torch.bfloat16 and torch.equal(cast, plain) and torch.equal(cast_again, plain)
+            want_dtype = theirs(x).dtype
+        assert cast.dtype == want_dtype == (torch.float32 if in_float32 else torch.bfloat16)
+        assert torch.equal(cast, plain) and torch.equal(cast_again, plain)
 
 
 @pytest.mark.parametrize("layer", ["RMSNorm", "LayerNorm", "GroupNorm", "BatchNorm2d"])
