@@ -4,6 +4,7 @@ on other streams, under CUDA-graph capture, from threads at once, under
 autocast and through autograd."""
 from __future__ import annotations
 
+import copy
 import threading
 
 import numpy as np
@@ -221,3 +222,24 @@ def test_torch_eager_training_matches_torch(layer, rng):
             torch.testing.assert_close(p_ours.grad, p_theirs.grad, rtol=1e-9, atol=1e-9)
     for b_ours, b_theirs in zip(ours.buffers(), theirs.buffers()):
         torch.testing.assert_close(b_ours, b_theirs, rtol=1e-9, atol=1e-9)
+
+
+def test_bf16_model_eval_batch_norm_is_cached():
+    """A BatchNorm2d cast to bfloat16 (bfloat16 running buffers), in eval:
+    the layer passes float32 copies of its buffers it keeps, so the call is
+    cached; outputs as torch's layer within bf16's rounding, call after call."""
+    torch = _torch()
+    from cunorm import torch as cunorm_torch
+
+    theirs = torch.nn.BatchNorm2d(16, device="cuda")
+    with torch.no_grad():
+        theirs.running_mean.uniform_(-1, 1)
+        theirs.running_var.uniform_(0.5, 2)
+    theirs = theirs.to(torch.bfloat16).eval()
+    ours = cunorm_torch.replace_norms(copy.deepcopy(theirs))
+    before = len(_fast.CHANNELS)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 16, 7, 9, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(ours(x).float(), theirs(x).float(), rtol=1.6e-2, atol=1.6e-2)
+    _cached(_fast.CHANNELS, before)

@@ -225,3 +225,31 @@ def test_eval_batch_norm_under_torch_compile_traces_torchs_op(activation):
     assert torch.equal(got, want)
     targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
     assert any("batch_norm" in t for t in targets) and not any("cunorm" in t for t in targets), targets
+
+
+def test_eval_batch_norm_keeps_statistics_dtype_copies_of_16_bit_buffers():
+    """A BatchNorm cast to bfloat16, in eval: its running buffers as float32
+    copies, made once and kept (so the call is the launch cache's), made
+    again when a buffer is written or replaced; float32 buffers as they are."""
+    from cunorm._torch_layers import statistics_dtype_running
+
+    bn = torch.nn.BatchNorm2d(5).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+    x = torch.randn(2, 5, 3, 3, dtype=torch.bfloat16)
+    mean, var = statistics_dtype_running(bn, x, bn.running_mean, bn.running_var)
+    assert mean.dtype == var.dtype == torch.float32 and torch.equal(mean, bn.running_mean.float())
+    again = statistics_dtype_running(bn, x, bn.running_mean, bn.running_var)
+    assert again[0] is mean and again[1] is var
+    with torch.no_grad():
+        bn.running_var.fill_(3.0)
+    _, var = statistics_dtype_running(bn, x, bn.running_mean, bn.running_var)
+    assert torch.equal(var, torch.full((5,), 3.0))
+    bn.running_mean = torch.zeros(5, dtype=torch.bfloat16)
+    mean, _ = statistics_dtype_running(bn, x, bn.running_mean, bn.running_var)
+    assert torch.equal(mean, torch.zeros(5))
+    plain = torch.nn.BatchNorm2d(5).eval()
+    got = statistics_dtype_running(plain, x, plain.running_mean, plain.running_var)
+    assert got[0] is plain.running_mean and got[1] is plain.running_var
+    x64 = x.double()  # float64 x: float64 statistics
+    assert statistics_dtype_running(plain, x64, plain.running_mean, plain.running_var)[0].dtype == torch.float64
