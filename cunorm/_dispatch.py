@@ -133,8 +133,9 @@ CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
 #: 256 / that many planes a block, where a 256-thread block a plane would
 #: leave most of its threads idle (up to 4 vectors a thread: for_each_batched's
 #: batch). BatchNorm2d on ResNet-50's (32,2048,7,7) fp32, one training step:
-#: 776 us of GPU time before, 187 us with rows of 32; (32,256,56,56) bf16
-#: 273 -> 240 us (docs/performance.md, issue 22).
+#: 776 us of GPU time before, 107 us after (with the finalize rows below);
+#: at most 1024 rather than 256 vectors: (32,256,56,56) bf16 273 -> 240 us
+#: (docs/performance.md, issue 22).
 CHANNEL_PLANE_ROWS_MAX_VECS = 1024
 #: statistic groups of at most this many partials are finalized by a row of
 #: up to 32 threads each, 256 / that many groups a block (a block a group
@@ -439,8 +440,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     launch that reads the running buffers itself, or, where the call
     returns its statistics, channel_from_running first (it writes them).
     ``override`` {"chunks": n} forces the chunks a channel's positions are
-    cut into, {"plane_rows": bool} the channels-first layout (the tuning
-    and diagnosis scripts)."""
+    cut into (the tuning script)."""
     from ._dtypes import KERNEL_TYPE, accumulation
 
     override = override or {}
@@ -464,7 +464,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         grid = (min(chunks, MAX_GRID_X), min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         acc_bytes = accumulation(plan.dtype).itemsize
         partial_shared = by * bx * plan.vec * NORMS["ln"].stat_words * acc_bytes
-    elif override.get("plane_rows", plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS):
+    elif plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS:
         vecs = plan.spatial // plan.vec
         block = plane_rows_block(vecs, CHANNEL_BLOCK_THREADS)
         chunks, chunk_len = 1, vecs

@@ -225,16 +225,14 @@ def column_sum_width(a: str, n: int) -> int:
     return columns if n % columns == 0 else 1
 
 
-def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, override: dict | None = None) -> GradLaunch:
-    """The backward launch of a channel norm: sums, combine, finalize, apply.
-    ``override``: {"plane_rows": bool} forces the channels-first layout."""
+def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> GradLaunch:
+    """The backward launch of a channel norm: sums, combine, finalize, apply."""
     from ._dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     acc = accumulation(plan.dtype)
     a, t = KERNEL_TYPE[acc], KERNEL_TYPE[plan.dtype]
     p = NO_PARAMS if not plan.flags else KERNEL_TYPE[plan.param_dtype]
     sm = device.sm_count
-    override = override or {}
     if plan.channels_last:
         vecs = plan.channels // plan.vec
         bx = min(GRAD_BLOCK_THREADS, next_pow2(vecs))
@@ -246,7 +244,7 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, overr
         chunks = _ceil_div(plan.spatial, chunk_len)
         grid = (chunks, tiles, plan.batch)
         shared = bx * by * plan.vec * 2 * acc.itemsize
-    elif override.get("plane_rows", plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS):
+    elif plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS:
         vecs = plan.spatial // plan.vec  # (the forward's plane rows)
         block = plane_rows_block(vecs, GRAD_BLOCK_THREADS)
         chunks, chunk_len = 1, vecs

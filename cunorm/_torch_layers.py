@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from . import _dtypes, norms
+from . import norms
 from ._interop import torch as _adapter
 from ._torch_autograd import TORCH_ACTIVATIONS, channel_norm_apply, eager_autograd, row_norm_apply
 
@@ -37,7 +36,7 @@ def trailing_axes(normalized_shape):
 def default_rms_eps(dtype) -> float:
     # torch's rms_norm takes the epsilon of its compute type (float32 for the
     # 16-bit dtypes), which is cunorm's accumulation dtype too.
-    return float(np.finfo(_dtypes.accumulation(_adapter.NUMPY_DTYPE[dtype])).eps)
+    return torch.finfo(_adapter.ACCUMULATION[dtype]).eps
 
 
 def rms_forward(module, x: Tensor, axis, eps, *, activation=None, weight_offset=0, rounding="output") -> Tensor:
@@ -90,10 +89,9 @@ def statistics_dtype_running(module, x: Tensor, running_mean: Tensor, running_va
     (303 us of host time a call against 37 us). The copies are kept on the
     module and made again when a buffer is replaced or written (its pointer
     or version changes)."""
-    acc = _adapter.NUMPY_DTYPE.get(x.dtype)
-    if acc is None or running_mean.dtype not in _adapter.NUMPY_DTYPE or running_var.dtype not in _adapter.NUMPY_DTYPE:
+    acc = _adapter.ACCUMULATION.get(x.dtype)
+    if acc is None or running_mean.dtype not in _adapter.ACCUMULATION or running_var.dtype not in _adapter.ACCUMULATION:
         return running_mean, running_var  # (batch_norm's checks say what is wrong)
-    acc = _adapter.TORCH_DTYPE[_dtypes.accumulation(acc)]
     if running_mean.dtype == acc and running_var.dtype == acc:
         return running_mean, running_var
     key = (acc, running_mean.data_ptr(), running_mean._version, running_var.data_ptr(), running_var._version)

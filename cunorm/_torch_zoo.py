@@ -245,12 +245,12 @@ def decide(module) -> tuple[Optional[type], Optional[str]]:
         return torch_layer, None
     rule = rule_for(cls)
     if rule is None:
-        if not _norm_like(module) and _torch_base(cls) is None:
-            return None, None
         base = _torch_base(cls)
         if base is not None:
             return None, f"a subclass of torch.nn.{base.__name__} whose forward cunorm does not know"
-        return None, "a norm layer whose formula cunorm does not know"
+        if _norm_like(module):
+            return None, "a norm layer whose formula cunorm does not know"
+        return None, None
     if rule.fast_norm and getattr(module, "_fast_norm", False):
         return None, "timm's fast_norm mode is on (it computes in the autocast dtype)"
     if rule.fuses_act:

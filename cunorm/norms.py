@@ -428,14 +428,16 @@ def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, refer
     """A row norm: the launch cache's entry for the call's signature if it
     has one, else the registered torch operator where autograd or dynamo
     must see the call, else the general path (which fills the cache).
-    ``epilogue``: the validated FLAGS bits of the epilogue's options."""
+    ``epilogue``: the validated FLAGS bits of the epilogue's options.
+    ``torch_op`` None: never routed (the registered operators'
+    implementations, cunorm.torch, run here)."""
     key = None
     if out is None:
         key = _fast.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue)
         results = _fast.replay(_fast.ROWS, key, x, weight, bias, residual)
         if results is not None:
             return results
-    if _interop.torch_route(x, weight, bias, residual, out=out):
+    if torch_op is not None and _interop.torch_route(x, weight, bias, residual, out=out):
         return torch_op()
     call = _ops.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual, return_stats=return_stats,
                      epilogue=epilogue)
@@ -452,7 +454,7 @@ def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, tr
         results = _fast.replay(_fast.CHANNELS, key, x, weight, bias, running_mean, running_var)
         if results is not None:
             return results
-    if _interop.torch_route(x, weight, bias, out=out):
+    if torch_op is not None and _interop.torch_route(x, weight, bias, out=out):
         return torch_op()
     call = _channels.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
                                  channel_axis=channel_axis, out=out, return_stats=return_stats,

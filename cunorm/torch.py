@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _channels, _dtypes, _fast, _ops, _plan, backward, norms, reference
+from . import _channels, _ops, _plan, backward, norms, reference
 from ._interop import torch as _adapter
 from ._torch_autograd import channel_norm_apply as _channel_norm_apply
 from ._torch_autograd import eager_autograd as _eager_autograd
@@ -59,36 +59,23 @@ def _as_list(results) -> list[Tensor]:
 
 
 def _run_rows(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, reference_fn) -> list[Tensor]:
-    """A row operator's implementation: the launch cache's entry for the
-    call's signature, else the general path, which fills the cache (the
-    registered operators run here on every call of a compiled graph)."""
-    key = _fast.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue)
-    results = _fast.replay(_fast.ROWS, key, x, weight, bias, residual)
-    if results is None:
-        call = _ops.Call(norm, x, axis, eps, None, weight=weight, bias=bias, residual=residual,
-                         return_stats=return_stats, epilogue=epilogue)
-        results = _ops.run(call, reference_fn, key=key)
-    return _as_list(results)
+    """A row operator's implementation: the array-level op's launch cache,
+    else its general path (the registered operators run here on every call
+    of a compiled graph)."""
+    return _as_list(norms._row_op(norm, x, weight, bias, residual, axis, eps, return_stats, None, reference_fn, None,
+                                  epilogue))
 
 
 def _run_channels(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
                   return_stats, epilogue) -> list[Tensor]:
     """A channel operator's implementation, as _run_rows."""
-    key = _fast.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,
-                            channel_axis, return_stats, epilogue)
-    results = _fast.replay(_fast.CHANNELS, key, x, weight, bias, running_mean, running_var)
-    if results is None:
-        call = _channels.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
-                                     channel_axis=channel_axis, return_stats=return_stats, running_mean=running_mean,
-                                     running_var=running_var, training=training, momentum=momentum,
-                                     epilogue=epilogue)
-        results = _channels.run(call, key=key)
-    return _as_list(results)
+    return _as_list(norms._channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum,
+                                      eps, channel_axis, return_stats, None, None, epilogue))
 
 
 def _stats_like(x: Tensor, shape) -> Tensor:
     """An empty statistics tensor: the accumulation dtype of x's dtype."""
-    dtype = _adapter.TORCH_DTYPE[_dtypes.accumulation(_adapter.NUMPY_DTYPE[x.dtype])]
+    dtype = _adapter.ACCUMULATION[x.dtype]
     return x.new_empty(shape, dtype=dtype)
 
 
@@ -444,7 +431,7 @@ def _activated(results, activation):
 def _offset_weight(x: Tensor, weight: Tensor) -> Tensor:
     """``1 + weight`` in the accumulation dtype, as the kernel's weight
     offset forms it (autograd then takes the offset's gradient)."""
-    return weight.to(_adapter.TORCH_DTYPE[_dtypes.accumulation(_adapter.NUMPY_DTYPE[x.dtype])]) + 1
+    return weight.to(_adapter.ACCUMULATION[x.dtype]) + 1
 
 
 def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,

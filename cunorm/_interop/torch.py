@@ -29,6 +29,8 @@ name = "torch"
 NUMPY_DTYPE = {torch.float16: _dtypes.float16, torch.bfloat16: _dtypes.bfloat16, torch.float32: _dtypes.float32,
                 torch.float64: _dtypes.float64}
 TORCH_DTYPE = {v: k for k, v in NUMPY_DTYPE.items()}
+#: each dtype's statistics (accumulation) dtype: float32, float64 for float64
+ACCUMULATION = {t: TORCH_DTYPE[_dtypes.accumulation(n)] for t, n in NUMPY_DTYPE.items()}
 
 
 def owns(x) -> bool:
