@@ -3,7 +3,8 @@ ResNet-50's activations (b32), LayerNorm on ViT-S/16's (64,197,384) and
 BERT's (8,512,768) under bf16 autocast; per layer, forward + backward
 (train) or forward (eval), the single call (CUDA events), the GPU time
 (profiler kernel sums) and the host time (wall clock per call in a loop).
-PYTHONPATH=. python bench/diag_train.py [-v] [bn] [ln]"""
+PYTHONPATH=. python bench/diag_train.py [-v] [-q] [bn] [ln] [bnsweep] [lnsweep] [gn]
+(-q: no profiler, single call and host time only)"""
 import copy
 import os
 import statistics
@@ -22,6 +23,12 @@ if "PLANE_ROWS_MAX_VECS" in os.environ:  # the plane-rows threshold to try (befo
 SHAPES = [(32, 64, 112, 112), (32, 256, 56, 56), (32, 128, 56, 56), (32, 512, 28, 28), (32, 1024, 14, 14),
           (32, 2048, 7, 7)]
 LN_SHAPES = [(64, 197, 384), (8, 512, 768)]
+#: the crossover sweeps (kinds "bnsweep", "lnsweep", "gn"): sizes around where
+#: cunorm's single call overtakes torch's
+BN_SWEEP = [(32, 64, 56, 56), (32, 128, 56, 56), (32, 256, 56, 56), (64, 256, 56, 56), (32, 128, 28, 28),
+            (128, 512, 28, 28), (128, 1024, 14, 14)]
+LN_SWEEP = [(8, 512, 768), (32, 512, 768), (64, 512, 768), (128, 512, 768), (64, 197, 768), (256, 197, 384)]
+GN_SHAPES = [(2, 320, 64, 64), (8, 320, 64, 64), (8, 640, 32, 32), (8, 1280, 16, 16), (8, 512, 128, 128)]
 
 
 def cases(kinds):
@@ -34,6 +41,16 @@ def cases(kinds):
         for shape in LN_SHAPES:
             for dtype in (torch.float32, torch.bfloat16):
                 yield shape, (lambda c=shape[-1]: torch.nn.LayerNorm(c, device="cuda")), dtype, True
+    if "bnsweep" in kinds:
+        for shape in BN_SWEEP:
+            for dtype in (torch.float32, torch.bfloat16):
+                yield shape, (lambda c=shape[1]: torch.nn.BatchNorm2d(c, device="cuda")), dtype, False
+    if "lnsweep" in kinds:
+        for shape in LN_SWEEP:
+            yield shape, (lambda c=shape[-1]: torch.nn.LayerNorm(c, device="cuda")), torch.bfloat16, True
+    if "gn" in kinds:
+        for shape in GN_SHAPES:
+            yield shape, (lambda c=shape[1]: torch.nn.GroupNorm(32, c, device="cuda")), torch.bfloat16, True
 
 
 def step_fn(layer, x, dy, autocast=False):
@@ -60,6 +77,8 @@ def single(fn, n=30):
 
 
 def gpu_time(fn, n=10):
+    if "-q" in sys.argv:
+        return float("nan"), {}
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()

@@ -4,13 +4,17 @@ the timm and transformers layers that replace_norms swaps in
 
 The layers subclass their torch.nn counterparts and replace only
 ``forward``: constructor arguments, parameters, buffers, ``state_dict`` keys
-and ``repr`` are torch's own. Under eager autograd the RMSNorm, LayerNorm,
-GroupNorm and BatchNorm forwards enter their autograd.Function
-(cunorm/_torch_autograd.py) directly; otherwise they call the array-level
-ops, which run as the registered operators under dynamo (torch.compile)
-and take the launch cache in inference. A forward with an ``activation``
-runs it in the kernel's epilogue in inference, and as torch's op after the
-norm where autograd records (cunorm.torch.rms_norm says why).
+and ``repr`` are torch's own. Each replaced class names the class it
+replaces (``_cunorm_original``), whose forward runs instead of cunorm's
+where that is faster (``runs_original``): under dynamo's tracing
+(torch.compile), and under eager autograd for small inputs when the
+original is one fused torch op. Otherwise, under eager autograd, the
+RMSNorm, LayerNorm, GroupNorm and BatchNorm forwards enter their
+autograd.Function (cunorm/_torch_autograd.py) directly, and in inference
+they call the array-level ops, which take the launch cache. A forward with
+an ``activation`` runs it in the kernel's epilogue in inference, and as
+torch's op after the norm where autograd records (cunorm.torch.rms_norm
+says why).
 """
 from __future__ import annotations
 
@@ -21,9 +25,39 @@ from torch import Tensor
 
 from . import norms
 from ._interop import torch as _adapter
-from ._torch_autograd import TORCH_ACTIVATIONS, channel_norm_apply, eager_autograd, row_norm_apply
+from ._torch_autograd import channel_norm_apply, eager_autograd, needs_grad, row_norm_apply
 
 is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+#: Under eager autograd a replaced layer whose original is one fused torch
+#: op (``_cunorm_fused_original``) runs that op for inputs of fewer
+#: elements: there a training step is host-bound, and cunorm's
+#: autograd.Function and launches cost ~100-300 us more host time a step
+#: than torch's op (its GPU time is smaller, but the GPU waits). Single
+#: call of a step, H100, 2026-11-24 (docs/performance.md, "Routing"):
+#: cunorm lost below 2**24 elements in every case measured, and won from
+#: ~2**25 on most (BatchNorm2d bf16 (32,64,112,112) 635 against 1383 us).
+EAGER_AUTOGRAD_MIN_ELEMENTS = 1 << 24
+
+
+def runs_original(module, x: Tensor, *params) -> bool:
+    """Whether the replaced layer ``module`` runs the forward of the class
+    it replaces: under dynamo's tracing always (inductor generates the norm
+    and fuses it with its neighbours, where cunorm's operator would be an
+    opaque call of ~110 us of dispatch; docs/performance.md, "Routing"),
+    and under eager autograd below EAGER_AUTOGRAD_MIN_ELEMENTS when the
+    original is one fused torch op (a norm written as several torch ops,
+    as transformers' RMSNorms are, is slower than cunorm's at every size)."""
+    if is_compiling():
+        return True
+    if not module._cunorm_fused_original or not _grad_enabled():
+        return False
+    return needs_grad(x, *params) and x.numel() < EAGER_AUTOGRAD_MIN_ELEMENTS
+
+
+def original_forward(module, x: Tensor) -> Tensor:
+    return module._cunorm_original.forward(module, x)
 
 
 def trailing_axes(normalized_shape):
@@ -41,7 +75,16 @@ def default_rms_eps(dtype) -> float:
 
 def rms_forward(module, x: Tensor, axis, eps, *, activation=None, weight_offset=0, rounding="output") -> Tensor:
     """rms_norm of x by ``module.weight`` (None when the layer has none)."""
+    if runs_original(module, x, module.weight):
+        return original_forward(module, x)
+    return rms_cunorm(module, x, axis, eps, activation=activation, weight_offset=weight_offset, rounding=rounding)
+
+
+def rms_cunorm(module, x: Tensor, axis, eps, *, activation=None, weight_offset=0, rounding="output") -> Tensor:
+    """rms_forward's computation by cunorm (runs_original answered)."""
     weight = module.weight  # (a parameter: each read goes through Module.__getattr__)
+    if copies_rows(x, axis):
+        x = x.contiguous()
     if activation is None and not weight_offset and eager_autograd(x, weight):
         return row_norm_apply(x, weight, None, None, "rms", axis, eps, rounding)[0]
     return norms.rms_norm(x, weight, axis=axis, eps=eps, weight_offset=weight_offset, rounding=rounding,
@@ -52,20 +95,40 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _autocast_on = torch.is_autocast_enabled
 
 
-def autocast_float32(x: Tensor) -> Tensor:
+def autocast_float32(x: Tensor, memory_format=torch.preserve_format) -> Tensor:
     """x as torch's CUDA autocast hands it to layer_norm and group_norm, ops
     it runs in float32: a 16-bit x becomes float32 (and so does the result,
-    as the replaced layer's) while autocast is on."""
+    as the replaced layer's) while autocast is on; in ``memory_format``
+    when it is converted."""
     if x.dtype in _LOW_PRECISION and _autocast_on("cuda"):
-        return x.float()
+        return x.to(torch.float32, memory_format=memory_format)
     return x
+
+
+def copies_rows(x: Tensor, axis) -> bool:
+    """Whether a row norm over x's last axis takes a contiguous copy of x
+    first: its last axis is not unit-stride (a permuted view, as timm's
+    ConvNeXt blocks normalize). torch's layer_norm copies it too; cunorm's
+    kernels would, outside the launch cache (~150 us of host time a call;
+    docs/performance.md, "Routing")."""
+    return axis == -1 and x.dim() > 0 and x.stride(-1) != 1 and x.shape[-1] != 1
 
 
 def layer_forward(module, x: Tensor, axis, *, activation=None) -> Tensor:
     """layer_norm of x with the module's weight, bias and eps (in float32
     under autocast, as torch's F.layer_norm)."""
-    x = autocast_float32(x)
+    if runs_original(module, x, module.weight, module.bias):
+        return original_forward(module, x)
+    return layer_cunorm(module, x, axis, activation=activation)
+
+
+def layer_cunorm(module, x: Tensor, axis, *, activation=None) -> Tensor:
+    """layer_forward's computation by cunorm (runs_original answered)."""
     weight, bias = module.weight, module.bias
+    if copies_rows(x, axis):  # (the copy and autocast's cast one pass)
+        x = autocast_float32(x, torch.contiguous_format).contiguous()
+    else:
+        x = autocast_float32(x)
     if activation is None and eager_autograd(x, weight, bias):
         return row_norm_apply(x, weight, bias, None, "ln", axis, module.eps, "output")[0]
     return norms.layer_norm(x, weight, bias, axis=axis, eps=module.eps, activation=activation)
@@ -74,8 +137,10 @@ def layer_forward(module, x: Tensor, axis, *, activation=None) -> Tensor:
 def group_forward(module, x: Tensor, *, activation=None) -> Tensor:
     """group_norm of x (N, C, *) with a torch.nn.GroupNorm's attributes (in
     float32 under autocast, as torch's F.group_norm)."""
-    x = autocast_float32(x)
     weight, bias = module.weight, module.bias
+    if runs_original(module, x, weight, bias):
+        return original_forward(module, x)
+    x = autocast_float32(x)
     if activation is None and eager_autograd(x, weight, bias):
         return channel_norm_apply(x, weight, bias, None, None, "group", module.num_groups, True, 0.1, module.eps,
                                   1)[0]
@@ -105,6 +170,9 @@ def statistics_dtype_running(module, x: Tensor, running_mean: Tensor, running_va
 def batch_forward(module, x: Tensor, *, activation=None) -> Tensor:
     """torch's _BatchNorm.forward (momentum=None's cumulative average and
     num_batches_tracked included), with the normalization cunorm's."""
+    weight, bias = module.weight, module.bias
+    if runs_original(module, x, weight, bias):
+        return original_forward(module, x)
     module._check_input_dim(x)
     factor = 0.0 if module.momentum is None else module.momentum
     if module.training and module.track_running_stats and module.num_batches_tracked is not None:
@@ -113,13 +181,6 @@ def batch_forward(module, x: Tensor, *, activation=None) -> Tensor:
     training = module.training or (module.running_mean is None and module.running_var is None)
     keep = not module.training or module.track_running_stats
     running_mean, running_var = (module.running_mean, module.running_var) if keep else (None, None)
-    weight, bias = module.weight, module.bias
-    if not training and is_compiling():
-        # Eval BatchNorm is a per-channel affine map: traced as torch's own op,
-        # inductor fuses it into its neighbours' kernels, where an opaque
-        # operator is a pass of its own (docs/performance.md, issue 22).
-        y = torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, module.eps)
-        return y if activation is None else TORCH_ACTIVATIONS[activation](y)
     if not training:
         running_mean, running_var = statistics_dtype_running(module, x, running_mean, running_var)
     if activation is None and eager_autograd(x, weight, bias):
@@ -134,6 +195,8 @@ def instance_forward(module, x: Tensor) -> Tensor:
     ``track_running_stats=True`` in training, the running buffers are
     updated as torch updates them, from cunorm's float32 statistics (the
     variance recovered from rstd: relative error ~1e-7 of var + eps)."""
+    if runs_original(module, x, module.weight, module.bias):
+        return original_forward(module, x)
     module._check_input_dim(x)
     if x.dim() == module._get_no_batch_dim():  # unbatched (C, *spatial), as torch allows
         return instance_forward(module, x.unsqueeze(0)).squeeze(0)
@@ -227,6 +290,8 @@ TORCH_LAYERS = {torch.nn.RMSNorm: RMSNorm, torch.nn.LayerNorm: LayerNorm, torch.
                 torch.nn.InstanceNorm1d: InstanceNorm1d, torch.nn.InstanceNorm2d: InstanceNorm2d,
                 torch.nn.InstanceNorm3d: InstanceNorm3d, torch.nn.BatchNorm1d: BatchNorm1d,
                 torch.nn.BatchNorm2d: BatchNorm2d, torch.nn.BatchNorm3d: BatchNorm3d}
-for _layer in TORCH_LAYERS.values():
+for _original, _layer in TORCH_LAYERS.items():
     _layer.__module__ = "cunorm.torch"  # where they are public (and found by pickle)
-del _layer
+    _layer._cunorm_original = _original  # whose forward runs_original runs
+    _layer._cunorm_fused_original = True  # torch's forward: one fused op
+del _original, _layer

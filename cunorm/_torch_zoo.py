@@ -20,8 +20,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ._torch_layers import (TORCH_LAYERS, batch_forward, group_forward, layer_forward, rms_forward,
-                            trailing_axes)
+from ._torch_layers import (TORCH_LAYERS, batch_forward, group_forward, layer_cunorm, layer_forward,
+                            original_forward, rms_cunorm, rms_forward, runs_original, trailing_axes)
 
 # --- the activations a norm layer may end with ----------------------------------------------------------------------
 
@@ -67,8 +67,15 @@ def _timm_layer_norm(self, x: Tensor) -> Tensor:
     return layer_forward(self, x, trailing_axes(self.normalized_shape), activation=self._cunorm_activation)
 
 
-def _timm_layer_norm_2d(self, x: Tensor) -> Tensor:  # a LayerNorm over the channels of NCHW
-    return layer_forward(self, x, 1, activation=self._cunorm_activation)
+def _timm_layer_norm_2d(self, x: Tensor) -> Tensor:
+    """A LayerNorm over the channels of NCHW, through timm's NHWC view as
+    timm computes it: the result is channels-last in memory, as the
+    original's, which the convolutions after it read fastest (the strided
+    kernel over axis 1 gave NCHW, and ConvNeXt's depthwise convolutions
+    then ran a slow kernel; docs/performance.md, "Routing")."""
+    if runs_original(self, x, self.weight, self.bias):
+        return original_forward(self, x)
+    return layer_cunorm(self, x.permute(0, 2, 3, 1), -1, activation=self._cunorm_activation).permute(0, 3, 1, 2)
 
 
 def _timm_rms_norm(self, x: Tensor) -> Tensor:
@@ -76,7 +83,16 @@ def _timm_rms_norm(self, x: Tensor) -> Tensor:
 
 
 def _timm_rms_norm_2d(self, x: Tensor) -> Tensor:
-    return rms_forward(self, x, 1, self.eps, activation=self._cunorm_activation)
+    """An RMSNorm over the channels of NCHW; a channels-last x through its
+    NHWC view, where the channels are rows (the result keeps x's layout,
+    as the original's elementwise formula does)."""
+    if runs_original(self, x, self.weight):
+        return original_forward(self, x)
+    if x.dim() == 4 and x.stride(1) == 1 and x.shape[1] > 1:
+        nhwc = x.permute(0, 2, 3, 1)
+        if nhwc.is_contiguous():
+            return rms_cunorm(self, nhwc, -1, self.eps, activation=self._cunorm_activation).permute(0, 3, 1, 2)
+    return rms_cunorm(self, x, 1, self.eps, activation=self._cunorm_activation)
 
 
 def _timm_group_norm(self, x: Tensor) -> Tensor:
@@ -121,6 +137,7 @@ class Rule:
     forward: Callable
     fuses_act: bool = False  # a timm norm-act layer: its act (and drop) must be fusable
     fast_norm: bool = False  # a timm layer with a _fast_norm switch (left alone when on)
+    fused_original: bool = True  # the original's norm is one fused torch op (_torch_layers.runs_original)
 
 
 _TIMM_NORM = "timm.layers.norm"
@@ -130,10 +147,10 @@ RULES: dict[tuple[str, str], Rule] = {
     (_TIMM_NORM, "LayerNormFp32"): Rule(_timm_layer_norm),
     (_TIMM_NORM, "LayerNorm2d"): Rule(_timm_layer_norm_2d, fast_norm=True),
     (_TIMM_NORM, "LayerNorm2dFp32"): Rule(_timm_layer_norm_2d),
-    (_TIMM_NORM, "RmsNorm"): Rule(_timm_rms_norm, fast_norm=True),
-    (_TIMM_NORM, "RmsNormFp32"): Rule(_timm_rms_norm),
-    (_TIMM_NORM, "RmsNorm2d"): Rule(_timm_rms_norm_2d, fast_norm=True),
-    (_TIMM_NORM, "RmsNorm2dFp32"): Rule(_timm_rms_norm_2d),
+    (_TIMM_NORM, "RmsNorm"): Rule(_timm_rms_norm, fast_norm=True, fused_original=False),
+    (_TIMM_NORM, "RmsNormFp32"): Rule(_timm_rms_norm, fused_original=False),
+    (_TIMM_NORM, "RmsNorm2d"): Rule(_timm_rms_norm_2d, fast_norm=True, fused_original=False),
+    (_TIMM_NORM, "RmsNorm2dFp32"): Rule(_timm_rms_norm_2d, fused_original=False),
     (_TIMM_NORM, "GroupNorm"): Rule(_timm_group_norm, fast_norm=True),
     (_TIMM_NORM, "GroupNorm1"): Rule(_timm_group_norm, fast_norm=True),
     (_TIMM_NORM_ACT, "BatchNormAct2d"): Rule(_timm_batch_norm, fuses_act=True),
@@ -143,15 +160,15 @@ RULES: dict[tuple[str, str], Rule] = {
     (_TIMM_NORM_ACT, "LayerNormActFp32"): Rule(_timm_layer_norm, fuses_act=True),
     (_TIMM_NORM_ACT, "LayerNormAct2d"): Rule(_timm_layer_norm_2d, fuses_act=True, fast_norm=True),
     (_TIMM_NORM_ACT, "LayerNormAct2dFp32"): Rule(_timm_layer_norm_2d, fuses_act=True),
-    (_TIMM_NORM_ACT, "RmsNormAct"): Rule(_timm_rms_norm, fuses_act=True, fast_norm=True),
-    (_TIMM_NORM_ACT, "RmsNormActFp32"): Rule(_timm_rms_norm, fuses_act=True),
-    (_TIMM_NORM_ACT, "RmsNormAct2d"): Rule(_timm_rms_norm_2d, fuses_act=True, fast_norm=True),
-    (_TIMM_NORM_ACT, "RmsNormAct2dFp32"): Rule(_timm_rms_norm_2d, fuses_act=True),
+    (_TIMM_NORM_ACT, "RmsNormAct"): Rule(_timm_rms_norm, fuses_act=True, fast_norm=True, fused_original=False),
+    (_TIMM_NORM_ACT, "RmsNormActFp32"): Rule(_timm_rms_norm, fuses_act=True, fused_original=False),
+    (_TIMM_NORM_ACT, "RmsNormAct2d"): Rule(_timm_rms_norm_2d, fuses_act=True, fast_norm=True, fused_original=False),
+    (_TIMM_NORM_ACT, "RmsNormAct2dFp32"): Rule(_timm_rms_norm_2d, fuses_act=True, fused_original=False),
 }
 
 
 def _hf(family: str, name: str, forward) -> None:
-    RULES[(f"transformers.models.{family}.modeling_{family}", name)] = Rule(forward)
+    RULES[(f"transformers.models.{family}.modeling_{family}", name)] = Rule(forward, fused_original=False)
 
 
 for _family, _name in (("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"),
@@ -183,6 +200,7 @@ def _replacement(cls, rule: Rule) -> type:
         made = _replacements.get(cls)
         if made is None:
             made = type(cls.__name__, (cls,), {"forward": rule.forward, "_cunorm_original": cls,
+                                               "_cunorm_fused_original": rule.fused_original,
                                                "_cunorm_activation": None, "__module__": __name__,
                                                "__doc__": f"{cls.__module__}.{cls.__qualname__} computed by cunorm."})
             _replacements[cls] = made

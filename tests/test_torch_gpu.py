@@ -22,6 +22,15 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
 
 
+@pytest.fixture(autouse=True)
+def cunorm_at_every_size(monkeypatch):
+    """The layers under eager autograd run torch's op below
+    EAGER_AUTOGRAD_MIN_ELEMENTS; these tests check cunorm's, at small sizes."""
+    from cunorm import _torch_layers
+
+    monkeypatch.setattr(_torch_layers, "EAGER_AUTOGRAD_MIN_ELEMENTS", 0)
+
+
 def to_numpy(t):
     """A tensor's values as NumPy (bfloat16 as ml_dtypes.bfloat16), through CuPy."""
     return cupy.asnumpy(cupy.from_dlpack(t.detach().contiguous()))
@@ -525,12 +534,31 @@ def test_training_tracks_torchs_loss_curve(model_name):
     assert rel[:50].max() < 1e-3 and rel.max() < 2e-2, (rel[:50].max(), rel.max())
 
 
+class FunctionalBlock(torch.nn.Module):
+    """Block with its norms as cunorm.torch's functions: under torch.compile
+    they stay cunorm's registered operators (replaced layers trace the
+    originals' forward there)."""
+
+    def __init__(self, d=128, heads=4):
+        super().__init__()
+        self.block = Block(d, heads)
+        self.norm3 = torch.nn.GroupNorm(4, d)
+
+    def forward(self, x):
+        b = self.block
+        h = cunorm_torch.rms_norm(x, b.norm1.weight, eps=b.norm1.eps or 1e-6)
+        x = x + b.attn(h, h, h, need_weights=False)[0]
+        x = x + b.mlp(cunorm_torch.layer_norm(x, b.norm2.weight, b.norm2.bias))
+        g = self.norm3
+        return cunorm_torch.group_norm(x.transpose(1, 2), g.num_groups, g.weight, g.bias).transpose(1, 2)
+
+
 def test_torch_compile_training_step(gen):
     """A compiled training step (forward and backward) through cunorm's
-    layers: the backward operators trace too (fullgraph), and the gradients
-    agree with eager."""
+    registered operators: the backward operators trace too (fullgraph), the
+    graph holds cunorm's operators, and the gradients agree with eager."""
     torch._dynamo.reset()
-    model = cunorm_torch.replace_norms(Block(128, 4)).cuda()
+    model = FunctionalBlock(128, 4).cuda()
     x = randn(gen, 4, 32, 128)
 
     def step(m, x):
@@ -538,10 +566,18 @@ def test_torch_compile_training_step(gen):
 
     eager = copy.deepcopy(model)
     step(eager, x).backward()
-    compiled = torch.compile(step, fullgraph=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._inductor.compile(gm, example_inputs)
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
     compiled(model, x).backward()
     for (name, a), b in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert {"cunorm.rms_norm", "cunorm.layer_norm", "cunorm.group_norm"} <= targets, targets
 
 
 def test_backward_without_statistics_names_the_fix(gen):
@@ -567,8 +603,9 @@ def test_out_with_grad_is_refused():
 
 @pytest.mark.parametrize("model_name", ["convnet", "transformer block"])
 def test_torch_compile_fullgraph(gen, model_name):
-    """The cunorm layers are opaque ops to dynamo: fullgraph=True compiles
-    (no graph break) and the compiled model agrees with eager."""
+    """A model after replace_norms compiles with fullgraph=True (no graph
+    break: its layers trace their originals' forward) and agrees with
+    cunorm's eager model."""
     torch._dynamo.reset()
     model = (ConvNet() if model_name == "convnet" else Block()).cuda().eval()
     cunorm_torch.replace_norms(model)
@@ -579,6 +616,26 @@ def test_torch_compile_fullgraph(gen, model_name):
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_torch_compile_channels_last_operators(gen):
+    """cunorm's channel operators in a compiled function on channels-last
+    input: the fake implementations give the real strides, so what follows
+    them compiles against the layout the kernels write."""
+    torch._dynamo.reset()
+    x = randn(gen, 8, 16, 12, 10).to(memory_format=torch.channels_last)
+    w, b = randn(gen, 16), randn(gen, 16)
+    rm, rv = randn(gen, 16), randn(gen, 16).abs() + 0.5
+
+    def f(x):
+        g = cunorm_torch.group_norm(x, 4, w, b)
+        e = cunorm_torch.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=False)
+        return g * 2 + e, g
+
+    with torch.no_grad():
+        (got, g_got), (want, g_want) = torch.compile(f, fullgraph=True)(x), f(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert g_got.stride() == g_want.stride() == x.stride()
 
 
 def test_torch_compile_top_level_ops(gen):

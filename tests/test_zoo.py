@@ -4,6 +4,8 @@ the module's parameters, buffers, state_dict and repr. The timm and
 transformers classes are stood in for by classes of the same module and
 name (the registry knows them by those); the real ones are checked too
 where the libraries are installed. Needs torch (skipped without it)."""
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -192,39 +194,102 @@ def test_real_libraries_are_recognized():
         pytest.skip("neither timm nor transformers is installed")
 
 
-@pytest.mark.parametrize("activation", [None, "relu"])
-def test_eval_batch_norm_under_torch_compile_traces_torchs_op(activation):
-    """Under dynamo an eval-mode BatchNorm layer emits torch's batch_norm
-    (a per-channel affine map inductor fuses into its neighbours), with its
-    activation after it; no cunorm operator is in the graph. Runs on CPU:
-    nothing of cunorm's launches."""
-    from cunorm._torch_layers import batch_forward
+def _layer_cases():
+    """(label, original layer, input) of each torch.nn class replace_norms swaps."""
+    return [("RMSNorm", torch.nn.RMSNorm(12), torch.randn(3, 5, 12)),
+            ("LayerNorm", torch.nn.LayerNorm(12), torch.randn(3, 5, 12)),
+            ("GroupNorm", torch.nn.GroupNorm(2, 6), torch.randn(3, 6, 5, 7)),
+            ("InstanceNorm2d", torch.nn.InstanceNorm2d(6, affine=True), torch.randn(3, 6, 5, 7)),
+            ("BatchNorm2d", torch.nn.BatchNorm2d(6), torch.randn(3, 6, 5, 7)),
+            ("BatchNormAct2d", None, torch.randn(3, 6, 5, 7))]
 
-    class Layer(torch.nn.BatchNorm2d):
-        def forward(self, x):
-            return batch_forward(self, x, activation=activation)
 
-    theirs = torch.nn.BatchNorm2d(6).eval()
+def _randomized(layer):
     with torch.no_grad():
-        theirs.running_mean.uniform_(-1, 1)
-        theirs.running_var.uniform_(0.5, 2)
-        theirs.weight.uniform_(0.5, 2)
-        theirs.bias.uniform_(-1, 1)
-    ours = Layer(6).eval()
-    ours.load_state_dict(theirs.state_dict())
+        for p in layer.parameters():
+            p.uniform_(0.5, 2)
+        for name, b in layer.named_buffers():
+            if name == "running_var":
+                b.uniform_(0.5, 2)
+            elif name == "running_mean":
+                b.uniform_(-1, 1)
+    return layer
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("case", [c[0] for c in _layer_cases()])
+def test_replaced_layers_under_torch_compile_trace_the_originals(case, training):
+    """Under dynamo a replaced layer traces the forward of the class it
+    replaced (inductor generates and fuses the norm): the graph holds no
+    cunorm operator, and the compiled layer computes what the original
+    computes (running buffers included). Runs on CPU: nothing of cunorm's
+    launches."""
+    label, theirs, x = next(c for c in _layer_cases() if c[0] == case)
+    if theirs is None:  # timm's BatchNormAct2d, its ReLU fused by replace_norms
+        timm = pytest.importorskip("timm")
+        theirs = timm.layers.BatchNormAct2d(6, act_layer=torch.nn.ReLU)
+    theirs = _randomized(theirs).train(training)
+    ours = cunorm_torch.replace_norms(copy.deepcopy(theirs))
+    assert type(ours) is not type(theirs)
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    x = torch.randn(3, 6, 5, 7)
     torch._dynamo.reset()
     got = torch.compile(ours, backend=backend, fullgraph=True)(x)
-    want = theirs(x) if activation is None else torch.relu(theirs(x))
+    want = theirs(x)
     assert torch.equal(got, want)
+    for (name, a), b in zip(ours.named_buffers(), theirs.buffers()):
+        assert torch.equal(a, b), name
     targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
-    assert any("batch_norm" in t for t in targets) and not any("cunorm" in t for t in targets), targets
+    assert targets and not any("cunorm" in t for t in targets), targets
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _layer_cases() if c[1] is not None])
+def test_small_inputs_under_autograd_run_the_original(case, monkeypatch):
+    """Under eager autograd a replaced torch.nn layer runs torch's forward
+    below EAGER_AUTOGRAD_MIN_ELEMENTS (on CPU: the same values and
+    gradients, bit for bit), and cunorm's at and above it (on CPU tensors
+    that is a TypeError asking for CUDA: the call reached cunorm). Without
+    autograd (no_grad, or nothing requiring grad), cunorm's at any size."""
+    from cunorm import _torch_layers
+
+    _, theirs, x = next(c for c in _layer_cases() if c[0] == case)
+    theirs = _randomized(theirs).train()
+    ours = cunorm_torch.replace_norms(copy.deepcopy(theirs))
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    dy = torch.randn_like(x)
+    got, want = ours(xs[0]), theirs(xs[1])
+    assert torch.equal(got, want)
+    got.backward(dy)
+    want.backward(dy)
+    assert torch.equal(xs[0].grad, xs[1].grad)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    monkeypatch.setattr(_torch_layers, "EAGER_AUTOGRAD_MIN_ELEMENTS", x.numel())
+    with pytest.raises(TypeError, match="cunorm runs on CUDA tensors"):
+        ours(x.clone().requires_grad_())
+    monkeypatch.setattr(_torch_layers, "EAGER_AUTOGRAD_MIN_ELEMENTS", x.numel() + 1)
+    with torch.no_grad(), pytest.raises(TypeError, match="cunorm runs on CUDA tensors"):
+        ours(x.clone().requires_grad_())
+    for p in ours.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(TypeError, match="cunorm runs on CUDA tensors"):
+        ours(x)
+
+
+def test_composite_originals_run_cunorm_under_autograd_at_any_size():
+    """A norm whose original is several torch ops (transformers' RMSNorms,
+    timm's RmsNorm) is cunorm's under eager autograd however small x is."""
+    cls = hf_class("llama", "LlamaRMSNorm")
+    layer = cunorm_torch.replace_norms(cls(8))
+    assert type(layer)._cunorm_fused_original is False
+    with pytest.raises(TypeError, match="cunorm runs on CUDA tensors"):
+        layer(torch.randn(2, 8, requires_grad=True))
+    assert rule_for(stand_in("timm.layers.norm", "RmsNorm")).fused_original is False
+    assert rule_for(stand_in("timm.layers.norm", "LayerNorm")).fused_original is True
 
 
 def test_eval_batch_norm_keeps_statistics_dtype_copies_of_16_bit_buffers():

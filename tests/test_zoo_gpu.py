@@ -26,6 +26,15 @@ TORCH_ACT = {"relu": torch.relu, "silu": F.silu, "gelu": F.gelu,
              "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
 
+@pytest.fixture(autouse=True)
+def cunorm_at_every_size(monkeypatch):
+    """The layers under eager autograd run torch's op below
+    EAGER_AUTOGRAD_MIN_ELEMENTS; these tests check cunorm's, at small sizes."""
+    from cunorm import _torch_layers
+
+    monkeypatch.setattr(_torch_layers, "EAGER_AUTOGRAD_MIN_ELEMENTS", 0)
+
+
 @pytest.fixture
 def gen():
     seed = int.from_bytes(np.random.bytes(4), "little")
@@ -301,6 +310,43 @@ def test_timm_layers(gen, name, dtype, training):
             assert err_ours <= 2 * err_theirs + 1e-5 * g_exact.norm(), (name, float(err_ours), float(err_theirs))
         for a, b in zip(layer.buffers(), original.buffers()):  # running statistics, num_batches_tracked
             torch.testing.assert_close(a.double(), b.double(), rtol=1e-3, atol=1e-3)
+
+
+LAYOUT_CASES = [(name, layout) for name in ("LayerNorm2d", "LayerNormAct2d", "RmsNorm2d", "GroupNorm", "LayerNorm")
+                for layout in ("nchw", "channels_last", "permuted")
+                if not (name == "RmsNorm2d" and layout == "permuted")]  # (kept dense: the NCHW result differs)
+
+
+@pytest.mark.parametrize("name,layout", LAYOUT_CASES)
+def test_timm_layers_keep_the_originals_memory_layout(gen, name, layout):
+    """The result is laid out in memory as the original's (LayerNorm2d's
+    channels-last from an NCHW input, as timm's permute gives; RmsNorm2d's
+    as x), which the convolutions after it are fastest on; a permuted view
+    into a row norm (ConvNeXt's blocks) is normalized as the original
+    normalizes it. (RmsNorm2d on an array dense in neither layout returns
+    NCHW where timm's elementwise formula keeps x's order.)"""
+    timm = _timm()
+    layer, shape = _timm_layers(timm, 24)[name]
+    layer = layer.cuda()
+    _randomize(layer, gen)
+    original = copy.deepcopy(layer)
+    cunorm_torch.replace_norms(layer)
+    x = randn(gen, 2, 24, 9, 7)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    elif layout == "permuted":
+        x = x.transpose(2, 3).contiguous().transpose(2, 3)  # dense in neither layout
+    if name == "LayerNorm":  # over the channels of the 4-D tensor seen as NHWC (ConvNeXt's blocks)
+        x = x.permute(0, 2, 3, 1)
+    with torch.no_grad():
+        got, want = layer(x), original(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if name == "GroupNorm" and layout == "channels_last":
+        # torch's group_norm returns NCHW; cunorm's keeps a channels-last x
+        # channels-last (no copy; the layout the convolutions around it use)
+        assert got.is_contiguous(memory_format=torch.channels_last) and want.is_contiguous()
+    else:
+        assert got.stride() == want.stride(), (got.stride(), want.stride())
 
 
 # -- transformers ---------------------------------------------------------------------------------------------------
