@@ -1,4 +1,4 @@
-"""Host time of a training step's parts, split finer than diag_step_host.py:
+"""Host time of a training step's parts, cunorm against torch: the step,
 the signature, the launcher, the Function machinery and the engine, for
 BatchNorm2d, LayerNorm (autocast and not) and RMSNorm on tiny inputs (the
 GPU idles; wall clock per call in a loop).

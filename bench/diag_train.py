@@ -42,9 +42,8 @@ def cases(kinds):
             for dtype in (torch.float32, torch.bfloat16):
                 yield shape, (lambda c=shape[-1]: torch.nn.LayerNorm(c, device="cuda")), dtype, True
     if "bnsweep" in kinds:
-        for shape in BN_SWEEP:
-            for dtype in (torch.float32, torch.bfloat16):
-                yield shape, (lambda c=shape[1]: torch.nn.BatchNorm2d(c, device="cuda")), dtype, False
+        yield from ((shape, (lambda c=shape[1]: torch.nn.BatchNorm2d(c, device="cuda")), dtype, False)
+                    for shape in BN_SWEEP for dtype in (torch.float32, torch.bfloat16))
     if "lnsweep" in kinds:
         for shape in LN_SWEEP:
             yield shape, (lambda c=shape[-1]: torch.nn.LayerNorm(c, device="cuda")), torch.bfloat16, True

@@ -43,12 +43,15 @@ def all_kernels(norms=None) -> list[Kernel]:
                 for p, flags in affine:
                     for residual in residuals:
                         common = (policy, t, p, flags, residual, vec)
+                        # y in x's type; float32 too for LayerNorm of 16-bit x (autocast's output)
+                        outputs = [t] + (["float"] if norm == "ln" and dtype.itemsize == 2 and not residual else [])
                         for vpt in VECS_PER_THREAD_CHOICES:
                             cost = cached_cost(vpt, vec_bytes, residual, is_heavy(norm, dtype))
-                            if group_fits(cost):
-                                out.append(K.ROWS_CACHED(*common, vpt, False))
-                            if block_cache_limit(cost, cached_loads(vpt, residual), is_heavy(norm, dtype)):
-                                out.append(K.ROWS_CACHED(*common, vpt, True))
+                            for y in outputs:
+                                if group_fits(cost):
+                                    out.append(K.ROWS_CACHED(*common, vpt, False, y))
+                                if block_cache_limit(cost, cached_loads(vpt, residual), is_heavy(norm, dtype)):
+                                    out.append(K.ROWS_CACHED(*common, vpt, True, y))
                         out.append(K.ROWS_UNCACHED(*common))
                         out.append(K.ROWS_SPLIT_APPLY(*common))
                         if info.residual:  # the norms of the resident tier's experiments
@@ -74,7 +77,8 @@ def channel_kernels() -> list[Kernel]:
             for vec in _vector_widths(dtype):
                 out.append(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, vec, last))
                 for p, flags in affine:
-                    out.append(K.CHANNEL_APPLY(t, p, flags, vec, last))
+                    for y in [t] + (["float"] if dtype.itemsize == 2 else []):  # (float32 y: autocast's GroupNorm)
+                        out.append(K.CHANNEL_APPLY(t, p, flags, vec, last, y))
     return out
 
 

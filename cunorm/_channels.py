@@ -23,17 +23,22 @@ class ChannelCall:
     """A validated call of group_norm, instance_norm or batch_norm."""
 
     __slots__ = ("norm", "adapter", "x", "channel_axis", "groups", "weight", "bias", "eps", "out", "out_given",
-                 "return_stats", "running_mean", "running_var", "training", "momentum", "epilogue")
+                 "return_stats", "running_mean", "running_var", "training", "momentum", "epilogue", "out_dtype")
 
     def __init__(self, norm, x, *, num_groups=None, weight=None, bias=None, eps, channel_axis, out=None,
                  return_stats=False, running_mean=None, running_var=None, training=True, momentum=0.1,
-                 epilogue=0):
+                 epilogue=0, out_dtype=None):
         fn = f"{norm}_norm"
         self.norm = norm
         self.epilogue = epilogue  # the activation's FLAGS bits (_plan.activation_flags)
+        # y's dtype where it is not x's (cunorm's GroupNorm layers under
+        # autocast: float32 from 16-bit x); internal, without out=
+        self.out_dtype = out_dtype
         self.adapter = _interop.adapter_for(x, "x")
         xa = x if self.adapter is _interop.NUMPY else self.adapter.to_cupy(x, "x")
         _ops.check_dtype(xa.dtype, "x")
+        if out_dtype is not None and xa.dtype.itemsize != 2:
+            raise TypeError(f"a float32 result is for float16 or bfloat16 x, got {xa.dtype}")
         if xa.ndim < 2:
             raise ValueError(f"{fn}: x must have a batch and a channel axis (N, C, ...), got shape {tuple(xa.shape)}")
         self.x = xa
@@ -160,7 +165,8 @@ def _channel_entry(call: ChannelCall, program, last: bool) -> _fast.Entry:
     x = call.x
     order = _plan.channel_orders(x.ndim, call.channel_axis)[last]
     perm = tuple(int(a) for a in np.argsort(order))
-    outputs = {"y": ([x.shape[a] for a in order], x.dtype, None if perm == tuple(range(x.ndim)) else perm)}
+    outputs = {"y": ([x.shape[a] for a in order], call.out_dtype or x.dtype,
+                     None if perm == tuple(range(x.ndim)) else perm)}
     if call.return_stats:
         acc = _dtypes.accumulation(x.dtype)
         outputs["mean"] = outputs["rstd"] = (call.stats_shape, acc, None)
@@ -196,7 +202,7 @@ def prepare(call: ChannelCall):
             raise ValueError(f"out must have x's memory layout ({'channels-last' if last else 'channels-first'}, "
                              f"dense), got strides {y.strides}")
     else:
-        y = cupy.empty([x.shape[a] for a in order], dtype=x.dtype).transpose(np.argsort(order))
+        y = cupy.empty([x.shape[a] for a in order], dtype=call.out_dtype or x.dtype).transpose(np.argsort(order))
     acc = _dtypes.accumulation(x.dtype)
     stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2)] if call.return_stats else []
     return x, y, last, stats
@@ -240,6 +246,8 @@ def _run_reference(call):
         results = reference.batch_norm(call.x, call.weight, call.bias, running_mean=call.running_mean,
                                        running_var=call.running_var, training=call.training,
                                        momentum=call.momentum, **kw)
+    if call.out_dtype is not None:
+        results = _ops._with_y(results, lambda y: y.astype(call.out_dtype))
     if call.out is None:
         return results
     first = results[0] if isinstance(results, tuple) else results
@@ -266,7 +274,7 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     from_running = call.norm == "batch" and not call.training
     key = (call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial, channels // call.groups,
            call.norm != "batch", x.data.ptr % 32, y.data.ptr % 32, from_running, bool(stats), x.data.device_id,
-           tuple(sorted((override or {}).items())))
+           tuple(sorted((override or {}).items())), y.dtype if y.dtype != x.dtype else None)
     plan, launch = _planned(*key)
     acc = _dtypes.accumulation(x.dtype)
     mean_out, rstd_out = (s.reshape(-1) for s in stats) if stats else (None, None)
@@ -274,9 +282,9 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     if launch is None:  # a row norm in disguise: LayerNorm over each group's contiguous row
         rows = plan.statistic_groups
         xv = cupy.ndarray((rows, x.size // rows), x.dtype, x.data)
-        yv = cupy.ndarray((rows, x.size // rows), x.dtype, y.data)
+        yv = cupy.ndarray((rows, x.size // rows), y.dtype, y.data)
         _, row_launch, program = _ops._launch_rows("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1,
-                                                   eps=call.eps, epilogue=call.epilogue)
+                                                   eps=call.eps, epilogue=call.epilogue, out_dtype=y.dtype)
         return f"rows ({row_launch.tier})", program
     # Running buffers the kernels update in place: accumulation dtype,
     # contiguous (copied back below when they had to be converted).
@@ -331,10 +339,10 @@ def channel_program(plan, launch, from_running: bool, eps: float, momentum: floa
 
 @functools.lru_cache(maxsize=1024)
 def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group, per_sample, x_mod,
-             y_mod, from_running, returns_stats, device_id, override_items=()):
+             y_mod, from_running, returns_stats, device_id, override_items=(), out_dtype=None):
     """(plan, launch) of a call; launch None for the row family's path."""
     plan = _plan.make_channel_plan(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group,
-                                   per_sample, x_mod, y_mod)
+                                   per_sample, x_mod, y_mod, out_dtype)
     override = dict(override_items)
     if override.get("walk", "split") != "split":
         raise ValueError(f"unknown channel walk override {override['walk']!r}")

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from . import _kernels as K
 from ._kernels import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
-from ._plan import PARAM_FLAGS, ChannelPlan, Plan, kernel_types
+from ._plan import PARAM_FLAGS, ChannelPlan, Plan, kernel_types, output_type
 
 # --- thresholds --------------------------------------------------------------
 #: vector loads per thread in rows_cached. 4 beat 8 and 2: fp32 65536x1024,
@@ -275,15 +275,21 @@ def residual_add_step(dtype, n_vec: int, vec: int, device: Device) -> Step:
     return Step(K.RESIDUAL_ADD(KERNEL_TYPE[dtype], vec), (grid,), (RESIDUAL_ADD_BLOCK,))
 
 
-def choose(plan: Plan, device: Device, *, override: dict | None = None) -> Launch:
-    """The launch for ``plan`` on ``device``.
+def choose(plan: Plan, device: Device, *, override: dict | None = None) -> Launch | None:
+    """The launch for ``plan`` on ``device``; None for a plan whose y dtype
+    is not x's (``plan.out_dtype``) where the tier picked is not
+    rows_cached, the only kernel that writes another dtype (the caller
+    casts x first).
 
     ``override`` forces a tier or its parameters (tests and the tuning script
     use it); every forced choice is still checked against the kernels' limits.
     """
     override = override or {}
+    if plan.out_dtype is not None and (plan.residual or not plan.contiguous_rows):
+        return None
     if plan.contiguous_rows:
-        return _choose_rows(plan, device, override)
+        launch = _choose_rows(plan, device, override)
+        return None if plan.out_dtype is not None and launch.tier != "cached" else launch
     return _choose_strided(plan, device, override)
 
 
@@ -334,13 +340,14 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     if tier == "cached":
         if not fits(threads):  # only a forced tier or thread count gets here
             raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
+        y = output_type(plan)
         if threads <= 32:
             block = GROUP_BLOCK_THREADS
-            kernel = K.ROWS_CACHED(*common, vpt, False)
+            kernel = K.ROWS_CACHED(*common, vpt, False, y)
             grid = min(_ceil_div(rows, block // threads), MAX_GRID_X)
         else:
             block = threads
-            kernel = K.ROWS_CACHED(*common, vpt, True)
+            kernel = K.ROWS_CACHED(*common, vpt, True, y)
             grid = min(rows, MAX_GRID_X)
         step = Step(kernel, (grid,), (block,))
         return Launch("cached", (step,), threads_per_row=threads)
@@ -486,7 +493,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     if groups >= 2**31 or plan.channels_per_group * chunks >= 2**31 or plan.channels >= 2**31:
         raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
                          f"is over the kernels' 2**31 - 1 index limit")
-    apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, plan.vec, plan.channels_last), grid, block)
+    apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, plan.vec, plan.channels_last, output_type(plan)), grid, block)
     if from_running and not returns_stats:
         return Launch("channel_eval", (apply,), chunks=chunks, chunk_vecs=chunk_len)
     if from_running:

@@ -97,17 +97,17 @@ def key(ad, x, *arrays, scalars=()):
     return None if parts is None else parts + scalars
 
 
-def rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=0):
+def rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=0, out_dtype=None):
     """The signature of a row norm's call (None: not keyed); ``epilogue``:
-    its FLAGS bits (validated)."""
+    its FLAGS bits (validated); ``out_dtype``: y's dtype where it is not x's."""
     ad = adapter(x)
     if ad is None or type(eps) is not float or type(return_stats) is not bool or not _int_axes(axis):
         return None
-    return key(ad, x, weight, bias, residual, scalars=(norm, axis, eps, return_stats, epilogue))
+    return key(ad, x, weight, bias, residual, scalars=(norm, axis, eps, return_stats, epilogue, out_dtype))
 
 
 def channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,
-                channel_axis, return_stats, epilogue=0):
+                channel_axis, return_stats, epilogue=0, out_dtype=None):
     """The signature of a channel norm's call (None: not keyed)."""
     ad = adapter(x)
     if (ad is None or type(eps) is not float or type(channel_axis) is not int or type(return_stats) is not bool
@@ -115,7 +115,7 @@ def channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, tr
             or not (num_groups is None or type(num_groups) is int)):
         return None
     return key(ad, x, weight, bias, running_mean, running_var,
-               scalars=(norm, num_groups, training, momentum, eps, channel_axis, return_stats, epilogue))
+               scalars=(norm, num_groups, training, momentum, eps, channel_axis, return_stats, epilogue, out_dtype))
 
 
 def grad_key(norm, dy, x, mean, rstd, weight, bias, dh, layout, eps):

@@ -86,7 +86,7 @@ _NORM_ROWS = ("NormT", "T", "P", "FLAGS", "RESIDUAL", "VEC")
 _CHANNEL_DIMS = "batch spatial:i64 channels channels_per_group"
 
 # rows.cu
-ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD", "BLOCK_PER_ROW"),
+ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD", "BLOCK_PER_ROW", "Y"),
                          _args(f"{_ROW_OUT} rows:i64 n:i32 x_row_stride:i64 eps:acc threads_per_row:i32"))
 ROWS_UNCACHED = KernelDecl("rows", "rows_uncached", _NORM_ROWS,
                            _args(f"{_ROW_OUT} rows n x_row_stride:i64 eps:acc stash_vecs:i64"))
@@ -111,7 +111,7 @@ CHANNEL_FINALIZE = KernelDecl("channels", "channel_finalize", ("NormT", "T", "CH
 CHANNEL_FROM_RUNNING = KernelDecl("channels", "channel_from_running", ("A",),
                                   _args("running_mean running_var affine mean_out rstd_out:ptr channels:i32 "
                                         "eps:acc"))
-CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "P", "FLAGS", "VEC", "CHANNELS_LAST"),
+CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "P", "FLAGS", "VEC", "CHANNELS_LAST", "Y"),
                            _args(f"x y w b affine running_mean running_var:ptr {_CHANNEL_DIMS} per_sample:i32 "
                                  f"chunks chunk_len:i64 eps:acc"))
 # backward.cu

@@ -69,16 +69,21 @@ class Call:
     parameters, the residual, eps and out, each checked against x."""
 
     __slots__ = ("norm", "adapter", "x", "first", "last", "norm_shape", "weight", "bias", "residual", "eps", "out",
-                 "out_given", "return_stats", "epilogue")
+                 "out_given", "return_stats", "epilogue", "out_dtype")
 
     def __init__(self, norm, x, axis, eps, out, *, weight=None, bias=None, residual=None, return_stats=False,
-                 epilogue=0):
+                 epilogue=0, out_dtype=None):
         self.norm = norm
         self.epilogue = epilogue  # the epilogue's FLAGS bits (_plan: rounding, weight offset, activation)
+        # y's dtype where it is not x's (cunorm's layers under autocast: float32
+        # from 16-bit x); internal, without out= or a residual
+        self.out_dtype = out_dtype
         adapter = _interop.adapter_for(x, "x")
         self.adapter = adapter
         xa = x if adapter is _interop.NUMPY else adapter.to_cupy(x, "x")
         check_dtype(xa.dtype, "x")
+        if out_dtype is not None and xa.dtype.itemsize != 2:
+            raise TypeError(f"a float32 result is for float16 or bfloat16 x, got {xa.dtype}")
         self.first, self.last = axis_span(axis, xa.ndim)
         self.norm_shape = tuple(xa.shape[self.first : self.last + 1])
         if math.prod(self.norm_shape) == 0:
@@ -216,6 +221,8 @@ def run(call: Call, reference, key=None):
         if call.norm == "ln":
             kwargs["bias"] = call.bias
         results = reference(call.x, **kwargs)
+        if call.out_dtype is not None:
+            results = _with_y(results, lambda y: y.astype(call.out_dtype))
         if call.out is None:
             return results
         first = results[0] if isinstance(results, tuple) else results
@@ -229,12 +236,17 @@ def run(call: Call, reference, key=None):
     return results
 
 
+def _with_y(results, change):
+    """results with y (the first, or the only one) changed."""
+    return (change(results[0]),) + tuple(results[1:]) if isinstance(results, tuple) else change(results)
+
+
 def _rows_entry(call: Call, program) -> _fast.Entry:
     """The launch cache's entry of a row norm's call that ran ``program``
     over its arrays as given; called as entry(x, weight, bias, residual)."""
     x = call.x
     acc = _dtypes.accumulation(x.dtype)
-    outputs = {"y": (x.shape, x.dtype, None)}
+    outputs = {"y": (x.shape, x.dtype if call.out_dtype is None else call.out_dtype, None)}
     if call.residual is not None:
         outputs["h"] = (x.shape, x.dtype, None)
     if call.return_stats:
@@ -254,7 +266,7 @@ def _run_gpu(call: Call):
     import cupy
 
     x = call.x
-    y = call.out if call.out is not None else cupy.empty(x.shape, dtype=x.dtype)
+    y = call.out if call.out is not None else cupy.empty(x.shape, dtype=call.out_dtype or x.dtype)
     h = None if call.residual is None else cupy.empty(x.shape, dtype=x.dtype)
     stats = []
     if call.return_stats:
@@ -266,7 +278,8 @@ def _run_gpu(call: Call):
         w, b = _as_param(call.weight, pdtype), _as_param(call.bias, pdtype)
         center, scale = (stats if call.norm == "ln" else [None] + stats) if stats else (None, None)
         _, _, program = _launch_rows(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
-                                     first=call.first, last=call.last, eps=call.eps, epilogue=call.epilogue)
+                                     first=call.first, last=call.last, eps=call.eps, epilogue=call.epilogue,
+                                     out_dtype=call.out_dtype)
         if w is not call.weight or b is not call.bias or call.out is not None:
             program = None
     out = call.adapter.from_cupy
@@ -312,6 +325,8 @@ def _plan_and_choose(key, override):
         return plan, None
     device = _launch.device_info(key[-1])
     launch = _dispatch.choose(plan, device, override=override)
+    if launch is None:  # y in another dtype, which this tier does not write
+        return plan, None
     for step in launch.steps:
         _launch.check_limits(step, device)
     return plan, launch
@@ -332,12 +347,16 @@ def launch_on(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=
 
 
 def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=None, first, last, eps,
-                 override=None, epilogue=0):
+                 override=None, epilogue=0, out_dtype=None):
     """launch_on, returning (plan, launch, program): program is the Program
     that ran over the arrays as given, None when x or r was copied or h
     formed unfused first. ``epilogue``: the FLAGS bits of the epilogue's
-    options (_plan.FLAG_ROUND_NORMALIZED ...)."""
+    options (_plan.FLAG_ROUND_NORMALIZED ...). ``out_dtype``: y's dtype
+    where it is not x's (no residual); where rows_cached does not take the
+    call, x is cast to it first."""
     import cupy
+
+    mixed = out_dtype if out_dtype is not None and out_dtype != x.dtype else None
 
     if r is not None and r.strides != x.strides:
         x, r = cupy.ascontiguousarray(x), cupy.ascontiguousarray(r)
@@ -349,8 +368,11 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
     pdtype = None if not flags else (w if w is not None else b).dtype
     flags |= epilogue
     key = (norm, x.dtype, pdtype, flags, r is not None, x.shape, strides, first, last,
-           x.data.ptr % 32, y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), x.data.device_id)
+           x.data.ptr % 32, y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), mixed, x.data.device_id)
     plan, launch = _planned(*key) if override is None else _plan_and_choose(key, override)
+    if mixed is not None and (plan is None or launch is None):  # rows_cached does not take it: cast x first
+        return _launch_rows(norm, x.astype(mixed), y, w=w, b=b, center=center, scale=scale, first=first, last=last,
+                            eps=eps, override=override, epilogue=epilogue)[:2] + (None,)
     if plan is None:  # a layout the kernels do not walk: one contiguous copy
         x = cupy.ascontiguousarray(x)
         r = None if r is None else cupy.ascontiguousarray(r)

@@ -38,6 +38,9 @@ class Plan:
         (rows_uncached) may use: wider than vec when rows start off
         alignment (rows of 65535 floats) but x's and y's rows share their
         misalignment and there are no parameters or residual; else vec.
+    out_dtype: y's storage dtype where it is not x's (float32 for 16-bit
+        x: LayerNorm under autocast), else None. Only rows_cached writes
+        it (cunorm/_dispatch.py); y's alignment counts in vec.
     """
 
     norm: str
@@ -52,6 +55,7 @@ class Plan:
     reduced_stride: int
     vec: int
     peel_vec: int
+    out_dtype: np.dtype | None = None
 
     @property
     def contiguous_rows(self) -> bool:
@@ -211,19 +215,22 @@ def vector_width(itemsize: int, extent: int, strides, pointers) -> int:
 
 
 def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, last, x_ptr, y_ptr, r_ptr, h_ptr,
-              w_ptr, b_ptr):
+              w_ptr, b_ptr, out_dtype=None):
     """Plan for a call, or None when x must be made contiguous first.
 
     Pointers may be given modulo 32 (only their alignment matters); absent
     arrays pass 0. The residual r shares x's strides; y and h are
-    C-contiguous.
+    C-contiguous. ``out_dtype``: y's dtype where it is not x's.
     """
     view = canonical_view(shape, strides, first, last)
     if view is None:
         return None
     outer, reduced, inner, s_outer, s_reduced = view
     itemsize = dtype.itemsize
-    pointers = [(x_ptr, itemsize), (y_ptr, itemsize), (r_ptr, itemsize), (h_ptr, itemsize)]
+    if out_dtype is not None and out_dtype == dtype:
+        out_dtype = None
+    out_itemsize = itemsize if out_dtype is None else out_dtype.itemsize
+    pointers = [(x_ptr, itemsize), (y_ptr, out_itemsize), (r_ptr, itemsize), (h_ptr, itemsize)]
     if inner == 1:
         extent = reduced
         other_strides = [s_outer] if outer > 1 else []
@@ -234,7 +241,7 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
         other_strides = [s for s, n in ((s_outer, outer), (s_reduced, reduced)) if n > 1]
     vec = vector_width(itemsize, extent, other_strides, pointers)
     peel_vec = vec
-    if inner == 1 and not flags & PARAM_FLAGS and not residual:
+    if inner == 1 and not flags & PARAM_FLAGS and not residual and out_dtype is None:
         # every row of x must start as far off alignment as y's (C-contiguous,
         # a row each `reduced` elements): their strides and addresses differ
         # by whole vectors
@@ -242,8 +249,14 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
         peel_vec = max(vec, vector_width(itemsize, 0, [x_row_stride - reduced], [(x_ptr - y_ptr, itemsize)]))
     params = param_dtype if flags & PARAM_FLAGS else None
     return Plan(norm, dtype, params, flags, residual, outer, reduced, inner, s_outer,
-                s_reduced, vec, peel_vec)
+                s_reduced, vec, peel_vec, out_dtype)
 
+
+
+def output_type(plan) -> str:
+    """The Y template argument of rows_cached and channel_apply (a Plan or
+    a ChannelPlan): y's storage type."""
+    return _dtypes.KERNEL_TYPE[plan.dtype if plan.out_dtype is None else plan.out_dtype]
 
 
 def kernel_types(plan: Plan) -> tuple[str, str]:
@@ -265,6 +278,8 @@ class ChannelPlan:
     positions (batch 1), its statistic spanning both anyway.
     vec: elements per vector along the contiguous axis (positions when
     channels-first, channels when channels-last).
+    out_dtype: y's storage dtype where it is not x's (float32 for 16-bit x:
+    GroupNorm under autocast), else None; y's alignment counts in vec.
     """
 
     norm: str
@@ -278,6 +293,7 @@ class ChannelPlan:
     channels_per_group: int
     per_sample: bool
     vec: int
+    out_dtype: np.dtype | None = None
 
     @property
     def groups(self) -> int:
@@ -320,12 +336,16 @@ def channel_layout(shape, strides, channel_axis: int, per_sample: bool) -> bool 
 
 
 def make_channel_plan(norm, dtype, param_dtype, flags, channels_last, batch, channels, spatial,
-                      channels_per_group, per_sample, x_ptr, y_ptr) -> ChannelPlan:
-    """Plan for a dense x (pointers may be given modulo 32)."""
+                      channels_per_group, per_sample, x_ptr, y_ptr, out_dtype=None) -> ChannelPlan:
+    """Plan for a dense x (pointers may be given modulo 32); ``out_dtype``:
+    y's dtype where it is not x's."""
     if channels_last and not per_sample:
         batch, spatial = 1, batch * spatial
+    if out_dtype is not None and out_dtype == dtype:
+        out_dtype = None
     extent = channels if channels_last else spatial
-    vec = vector_width(dtype.itemsize, extent, [], [(x_ptr, dtype.itemsize), (y_ptr, dtype.itemsize)])
+    y_size = dtype.itemsize if out_dtype is None else out_dtype.itemsize
+    vec = vector_width(dtype.itemsize, extent, [], [(x_ptr, dtype.itemsize), (y_ptr, y_size)])
     params = param_dtype if flags & PARAM_FLAGS else None
     return ChannelPlan(norm, dtype, params, flags, channels_last, batch, channels, spatial,
-                       channels_per_group, per_sample, vec)
+                       channels_per_group, per_sample, vec, out_dtype)

@@ -41,7 +41,7 @@ _grad_enabled = torch.is_grad_enabled
 EAGER_AUTOGRAD_MIN_ELEMENTS = 1 << 24
 
 
-def runs_original(module, x: Tensor, *params) -> bool:
+def runs_original(module, x: Tensor) -> bool:
     """Whether the replaced layer ``module`` runs the forward of the class
     it replaces: under dynamo's tracing always (inductor generates the norm
     and fuses it with its neighbours, where cunorm's operator would be an
@@ -51,9 +51,12 @@ def runs_original(module, x: Tensor, *params) -> bool:
     as transformers' RMSNorms are, is slower than cunorm's at every size)."""
     if is_compiling():
         return True
-    if not module._cunorm_fused_original or not _grad_enabled():
+    if not module._cunorm_fused_original or not _grad_enabled() or x.numel() >= EAGER_AUTOGRAD_MIN_ELEMENTS:
         return False
-    return needs_grad(x, *params) and x.numel() < EAGER_AUTOGRAD_MIN_ELEMENTS
+    if x.requires_grad:
+        return True
+    # (the module's own parameters, read from its dict: inference pays no attribute lookup)
+    return any(p is not None and p.requires_grad for p in module._parameters.values())
 
 
 def original_forward(module, x: Tensor) -> Tensor:
@@ -75,7 +78,7 @@ def default_rms_eps(dtype) -> float:
 
 def rms_forward(module, x: Tensor, axis, eps, *, activation=None, weight_offset=0, rounding="output") -> Tensor:
     """rms_norm of x by ``module.weight`` (None when the layer has none)."""
-    if runs_original(module, x, module.weight):
+    if runs_original(module, x):
         return original_forward(module, x)
     return rms_cunorm(module, x, axis, eps, activation=activation, weight_offset=weight_offset, rounding=rounding)
 
@@ -117,15 +120,22 @@ def copies_rows(x: Tensor, axis) -> bool:
 def layer_forward(module, x: Tensor, axis, *, activation=None) -> Tensor:
     """layer_norm of x with the module's weight, bias and eps (in float32
     under autocast, as torch's F.layer_norm)."""
-    if runs_original(module, x, module.weight, module.bias):
+    if runs_original(module, x):
         return original_forward(module, x)
     return layer_cunorm(module, x, axis, activation=activation)
 
 
 def layer_cunorm(module, x: Tensor, axis, *, activation=None) -> Tensor:
-    """layer_forward's computation by cunorm (runs_original answered)."""
+    """layer_forward's computation by cunorm (runs_original answered). In
+    inference under autocast a 16-bit x is read as it is and y written in
+    float32 by one kernel; where autograd records, x is cast first (the
+    backward kernels take x and dy of one dtype)."""
     weight, bias = module.weight, module.bias
-    if copies_rows(x, axis):  # (the copy and autocast's cast one pass)
+    copies = copies_rows(x, axis)
+    if not needs_grad(x, weight, bias) and x.dtype in _LOW_PRECISION and _autocast_on("cuda"):
+        return norms._layer_norm_float32(x.contiguous() if copies else x, weight, bias, axis=axis, eps=module.eps,
+                                         activation=activation)
+    if copies:  # (the copy and autocast's cast one pass)
         x = autocast_float32(x, torch.contiguous_format).contiguous()
     else:
         x = autocast_float32(x)
@@ -137,9 +147,12 @@ def layer_cunorm(module, x: Tensor, axis, *, activation=None) -> Tensor:
 def group_forward(module, x: Tensor, *, activation=None) -> Tensor:
     """group_norm of x (N, C, *) with a torch.nn.GroupNorm's attributes (in
     float32 under autocast, as torch's F.group_norm)."""
-    weight, bias = module.weight, module.bias
-    if runs_original(module, x, weight, bias):
+    if runs_original(module, x):
         return original_forward(module, x)
+    weight, bias = module.weight, module.bias
+    if not needs_grad(x, weight, bias) and x.dtype in _LOW_PRECISION and _autocast_on("cuda"):
+        # (inference: x read as it is, y written in float32 by the kernel)
+        return norms._group_norm_float32(x, module.num_groups, weight, bias, eps=module.eps, activation=activation)
     x = autocast_float32(x)
     if activation is None and eager_autograd(x, weight, bias):
         return channel_norm_apply(x, weight, bias, None, None, "group", module.num_groups, True, 0.1, module.eps,
@@ -170,9 +183,9 @@ def statistics_dtype_running(module, x: Tensor, running_mean: Tensor, running_va
 def batch_forward(module, x: Tensor, *, activation=None) -> Tensor:
     """torch's _BatchNorm.forward (momentum=None's cumulative average and
     num_batches_tracked included), with the normalization cunorm's."""
-    weight, bias = module.weight, module.bias
-    if runs_original(module, x, weight, bias):
+    if runs_original(module, x):
         return original_forward(module, x)
+    weight, bias = module.weight, module.bias
     module._check_input_dim(x)
     factor = 0.0 if module.momentum is None else module.momentum
     if module.training and module.track_running_stats and module.num_batches_tracked is not None:
@@ -195,15 +208,16 @@ def instance_forward(module, x: Tensor) -> Tensor:
     ``track_running_stats=True`` in training, the running buffers are
     updated as torch updates them, from cunorm's float32 statistics (the
     variance recovered from rstd: relative error ~1e-7 of var + eps)."""
-    if runs_original(module, x, module.weight, module.bias):
+    if runs_original(module, x):
         return original_forward(module, x)
     module._check_input_dim(x)
     if x.dim() == module._get_no_batch_dim():  # unbatched (C, *spatial), as torch allows
         return instance_forward(module, x.unsqueeze(0)).squeeze(0)
     use_input_stats = module.training or not module.track_running_stats
     if not use_input_stats:
-        return norms.batch_norm(x, module.weight, module.bias, running_mean=module.running_mean,
-                                running_var=module.running_var, training=False, eps=module.eps)
+        running_mean, running_var = statistics_dtype_running(module, x, module.running_mean, module.running_var)
+        return norms.batch_norm(x, module.weight, module.bias, running_mean=running_mean,
+                                running_var=running_var, training=False, eps=module.eps)
     if not (module.track_running_stats and module.running_mean is not None):
         return norms.instance_norm(x, module.weight, module.bias, eps=module.eps)
     y, mean, rstd = norms.instance_norm(x, module.weight, module.bias, eps=module.eps, return_stats=True)

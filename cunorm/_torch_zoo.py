@@ -73,7 +73,7 @@ def _timm_layer_norm_2d(self, x: Tensor) -> Tensor:
     original's, which the convolutions after it read fastest (the strided
     kernel over axis 1 gave NCHW, and ConvNeXt's depthwise convolutions
     then ran a slow kernel; docs/performance.md, "Routing")."""
-    if runs_original(self, x, self.weight, self.bias):
+    if runs_original(self, x):
         return original_forward(self, x)
     return layer_cunorm(self, x.permute(0, 2, 3, 1), -1, activation=self._cunorm_activation).permute(0, 3, 1, 2)
 
@@ -86,7 +86,7 @@ def _timm_rms_norm_2d(self, x: Tensor) -> Tensor:
     """An RMSNorm over the channels of NCHW; a channels-last x through its
     NHWC view, where the channels are rows (the result keeps x's layout,
     as the original's elementwise formula does)."""
-    if runs_original(self, x, self.weight):
+    if runs_original(self, x):
         return original_forward(self, x)
     if x.dim() == 4 and x.stride(1) == 1 and x.shape[1] > 1:
         nhwc = x.permute(0, 2, 3, 1)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from . import _channels, _fast, _interop, _ops, _plan, reference
+from . import _channels, _dtypes, _fast, _interop, _ops, _plan, reference
 from ._ops import DEFAULT_EPS, LP_EPS  # the defaults, defined beside the argument checks (backward reads them too)
 
 # The description of x, shared by the docstrings (filled in at the end).
@@ -170,6 +170,26 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     return _row_op("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm,
                    lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
                                                return_stats=return_stats, activation=activation), epilogue)
+
+
+def _layer_norm_float32(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, activation=None):
+    """layer_norm of a 16-bit x returning float32 y, in one pass (no cast of
+    x first): what torch's autocast makes of a LayerNorm, for cunorm's
+    layers in inference (cunorm/_torch_layers.py). Not exported: no
+    residual, statistics or out=; never routed to the registered operators
+    (the layers call it outside autograd and dynamo)."""
+    epilogue = _plan.activation_flags(activation)
+    return _row_op("ln", x, weight, bias, None, axis, eps, False, None, reference.layer_norm, None, epilogue,
+                   out_dtype=_dtypes.float32)
+
+
+def _group_norm_float32(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, activation=None):
+    """group_norm of a 16-bit x (N, C, *) returning float32 y, in one pass
+    over y (no cast of x first): what torch's autocast makes of a GroupNorm,
+    for cunorm's layers in inference. Not exported, as
+    _layer_norm_float32."""
+    return _channel_op("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, 1, False, None, None,
+                       _plan.activation_flags(activation), out_dtype=_dtypes.float32)
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
@@ -424,33 +444,35 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                                                    activation=activation), _plan.activation_flags(activation))
 
 
-def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, torch_op, epilogue=0):
+def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, torch_op, epilogue=0,
+            out_dtype=None):
     """A row norm: the launch cache's entry for the call's signature if it
     has one, else the registered torch operator where autograd or dynamo
     must see the call, else the general path (which fills the cache).
     ``epilogue``: the validated FLAGS bits of the epilogue's options.
     ``torch_op`` None: never routed (the registered operators'
-    implementations, cunorm.torch, run here)."""
+    implementations, cunorm.torch, run here). ``out_dtype``: y's dtype
+    where it is not x's (layer_norm_float32)."""
     key = None
     if out is None:
-        key = _fast.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue)
+        key = _fast.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, out_dtype)
         results = _fast.replay(_fast.ROWS, key, x, weight, bias, residual)
         if results is not None:
             return results
     if torch_op is not None and _interop.torch_route(x, weight, bias, residual, out=out):
         return torch_op()
     call = _ops.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual, return_stats=return_stats,
-                     epilogue=epilogue)
+                     epilogue=epilogue, out_dtype=out_dtype)
     return _ops.run(call, reference_fn, key=key)
 
 
 def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
-                return_stats, out, torch_op, epilogue=0):
+                return_stats, out, torch_op, epilogue=0, out_dtype=None):
     """A channel norm, as _row_op."""
     key = None
     if out is None:
         key = _fast.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum,
-                                eps, channel_axis, return_stats, epilogue)
+                                eps, channel_axis, return_stats, epilogue, out_dtype)
         results = _fast.replay(_fast.CHANNELS, key, x, weight, bias, running_mean, running_var)
         if results is not None:
             return results
@@ -459,7 +481,7 @@ def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, tr
     call = _channels.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
                                  channel_axis=channel_axis, out=out, return_stats=return_stats,
                                  running_mean=running_mean, running_var=running_var, training=training,
-                                 momentum=momentum, epilogue=epilogue)
+                                 momentum=momentum, epilogue=epilogue, out_dtype=out_dtype)
     return _channels.run(call, key=key)
 
 

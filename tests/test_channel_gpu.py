@@ -253,3 +253,38 @@ def test_against_torch_with_running_stats(rng):
     assert g.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(cunorm.instance_norm(xc), torch.nn.functional.instance_norm(x), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, _dtypes.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("shape,groups", [((4, 64, 9, 7), 8), ((2, 320, 16, 16), 32), ((3, 24, 5), 24)],
+                         ids=["odd planes", "unet", "1-d"])
+@pytest.mark.parametrize("params", ["none", "w b", "w b 16-bit"])
+def test_group_norm_float32_output_of_16_bit_x(rng, poisoned, dtype, last, shape, groups, params):
+    """The autocast form (norms._group_norm_float32): 16-bit x read as it
+    is, float32 y in x's layout (without parameters on channels-first x,
+    the row family's LayerNorm writes it), against the float64 reference
+    of the same 16-bit values at float32's tolerance; x unchanged, a repeat
+    (the launch cache's entry) bitwise equal."""
+    import cupy
+
+    from cunorm import norms
+
+    x_np = random(rng, shape, dtype, scale=2.0, offset=0.5)
+    c = shape[1]
+    pdtype = dtype if params.endswith("16-bit") else np.float32
+    w_np = random(rng, (c,), pdtype, 0.5, 1.0) if params != "none" else None
+    b_np = random(rng, (c,), pdtype) if params != "none" else None
+    x = cupy.asarray(x_np)
+    if last and len(shape) == 4:
+        x = cupy.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    w = None if w_np is None else cupy.asarray(w_np)
+    b = None if b_np is None else cupy.asarray(b_np)
+    y = norms._group_norm_float32(x, groups, w, b, eps=1e-5)
+    assert y.dtype == np.float32 and y.shape == shape and y.strides == tuple(s * 2 for s in x.strides)
+    want = reference.group_norm(x_np.astype(np.float64), groups, w_np, b_np, eps=1e-5)
+    tol = RTOL[np.dtype(np.float32)]
+    assert_close(cupy.asnumpy(y), want, np.float32, rtol=tol, atol=tol * output_scale(want), what="float32 y")
+    again = norms._group_norm_float32(x, groups, w, b, eps=1e-5)
+    assert bool((again == y).all())
+    np.testing.assert_array_equal(cupy.asnumpy(x), x_np)

@@ -117,7 +117,8 @@ def test_instantiation_resolves_the_accumulation_kind():
     assert k32.expression == "cunorm::residual_add<float, 4>"
     k64 = _kernels.ROWS_GRAD_FINALIZE("cunorm::RmsGrad<double>", "double")
     assert dict(k64.signature)["eps"] == "f64"
-    assert dict(_kernels.ROWS_CACHED("cunorm::RmsNorm", "cunorm::bf16_t", "float", 1, False, 8, 4, True)
+    assert dict(_kernels.ROWS_CACHED("cunorm::RmsNorm", "cunorm::bf16_t", "float", 1, False, 8, 4, True,
+                                     "cunorm::bf16_t")
                 .signature)["eps"] == "f32"
 
 

@@ -194,6 +194,47 @@ def test_torch_layers_under_autocast(rng):
             want_dtype = theirs(x).dtype
         assert cast.dtype == want_dtype == (torch.float32 if in_float32 else torch.bfloat16)
         assert torch.equal(cast, plain) and torch.equal(cast_again, plain)
+        # inference: LayerNorm reads the bfloat16 x itself and writes float32
+        # (one kernel, another thread layout than float32 x's: float32's
+        # rounding apart), RMSNorm as under autograd
+        before = len(_fast.ROWS)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            fused, fused_again = ours(x), ours(x)
+        assert fused.dtype == want_dtype and torch.equal(fused, fused_again)
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+        _cached(_fast.ROWS, before)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_group_norm_layer_under_autocast(channels_last):
+    """GroupNorm under bf16 autocast returns float32 as torch's: in
+    inference one kernel reads the bfloat16 x and writes float32 (cached),
+    within float32's rounding of the layer on x.float(); under autograd x
+    is cast first."""
+    torch = _torch()
+    from cunorm import torch as cunorm_torch
+
+    theirs = torch.nn.GroupNorm(8, 64, device="cuda")
+    with torch.no_grad():
+        theirs.weight.normal_()
+        theirs.bias.normal_()
+    ours = cunorm_torch.replace_norms(copy.deepcopy(theirs))
+    x = torch.randn(4, 64, 9, 9, device="cuda", dtype=torch.bfloat16)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        plain = ours(x.float())
+        before = len(_fast.CHANNELS)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            fused, fused_again, want = ours(x), ours(x), theirs(x)
+    assert fused.dtype == want.dtype == torch.float32 and torch.equal(fused, fused_again)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, want, rtol=1e-4, atol=1e-4)
+    _cached(_fast.CHANNELS, before)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        trained = ours(x)
+    assert trained.dtype == torch.float32 and trained.requires_grad
+    torch.testing.assert_close(trained.detach(), plain, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layer", ["RMSNorm", "LayerNorm", "GroupNorm", "BatchNorm2d"])
@@ -228,14 +269,20 @@ def test_torch_eager_training_matches_torch(layer, rng, monkeypatch):
         torch.testing.assert_close(b_ours, b_theirs, rtol=1e-9, atol=1e-9)
 
 
-def test_bf16_model_eval_batch_norm_is_cached():
-    """A BatchNorm2d cast to bfloat16 (bfloat16 running buffers), in eval:
-    the layer passes float32 copies of its buffers it keeps, so the call is
-    cached; outputs as torch's layer within bf16's rounding, call after call."""
+@pytest.mark.parametrize("layer", ["BatchNorm2d", "InstanceNorm2d"])
+def test_bf16_model_eval_batch_norm_is_cached(layer):
+    """A BatchNorm2d (or an InstanceNorm2d tracking running statistics) cast
+    to bfloat16 (bfloat16 running buffers), in eval: the layer passes
+    float32 copies of its buffers it keeps, so the call is cached; outputs
+    as torch's layer within bf16's rounding, call after call."""
     torch = _torch()
     from cunorm import torch as cunorm_torch
 
-    theirs = torch.nn.BatchNorm2d(16, device="cuda")
+    _fast.clear()  # (the two layers' calls share a signature)
+    if layer == "BatchNorm2d":
+        theirs = torch.nn.BatchNorm2d(16, device="cuda")
+    else:
+        theirs = torch.nn.InstanceNorm2d(16, affine=True, track_running_stats=True, device="cuda")
     with torch.no_grad():
         theirs.running_mean.uniform_(-1, 1)
         theirs.running_var.uniform_(0.5, 2)

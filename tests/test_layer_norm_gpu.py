@@ -259,3 +259,45 @@ def test_torch_layer_norm_residual_returns_torch(rng):
     assert torch.equal(h, (x.float() + r.float()).to(torch.bfloat16))
     expected = torch.nn.functional.layer_norm(h.double(), (1024,), w.double(), b.double())
     torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, _dtypes.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape", [(37, 768), (5, 3, 96), (300, 760), (7, 4097), (2, 1 << 20)],
+                         ids=["768", "3-d", "760", "odd", "split tier"])
+@pytest.mark.parametrize("params", ["none", "w", "w b", "w b 16-bit"])
+def test_layer_norm_float32_output_of_16_bit_x(rng, dtype, shape, params):
+    """The autocast form (norms._layer_norm_float32): 16-bit x read as it
+    is, y written in float32 by rows_cached, or, where another tier takes
+    the rows (the split tier, long rows), x cast first. y against the
+    float64 reference of the same 16-bit values at float32's tolerance;
+    poisoned outputs, x unchanged, a repeat (the launch cache's entry)
+    bitwise equal."""
+    import cupy
+
+    from cunorm import norms
+
+    x_np = random(rng, shape, dtype, scale=3.0, offset=1.0)
+    n = shape[-1]
+    pdtype = dtype if params.endswith("16-bit") else np.float32
+    w_np = random(rng, (n,), pdtype, 0.5, 1.0) if "w" in params else None
+    b_np = random(rng, (n,), pdtype) if " b" in params else None
+    x = cupy.asarray(x_np)
+    w = None if w_np is None else cupy.asarray(w_np)
+    b = None if b_np is None else cupy.asarray(b_np)
+    y = norms._layer_norm_float32(x, w, b, eps=1e-5)
+    assert y.dtype == np.float32 and y.shape == shape and y.flags.c_contiguous
+    want = reference.layer_norm(x_np.astype(np.float64), w_np, b_np, eps=1e-5, exact=True)
+    tol = RTOL[np.dtype(np.float32)]
+    assert_close(cupy.asnumpy(y), want, np.float32, rtol=tol, atol=tol * output_scale(want), what="float32 y")
+    again = norms._layer_norm_float32(x, w, b, eps=1e-5)
+    assert again.data.ptr != y.data.ptr and bool((again == y).all())
+    np.testing.assert_array_equal(cupy.asnumpy(x), x_np)
+
+
+def test_layer_norm_float32_output_refuses_other_dtypes():
+    import cupy
+
+    from cunorm import norms
+
+    with pytest.raises(TypeError, match="float16 or bfloat16 x, got float32"):
+        norms._layer_norm_float32(cupy.ones((2, 8), np.float32))

@@ -168,6 +168,42 @@ def test_every_choice_is_compiled():
                                             assert step.kernel.expression in compiled, step.kernel.expression
 
 
+def test_float32_output_of_16_bit_layer_norm():
+    """LayerNorm of 16-bit rows with a float32 y (autocast's result): the
+    plan carries y's dtype, its vector counts y's alignment (16-byte x
+    vectors, 32-byte y vectors), rows_cached writes it, and every such choice
+    is in all_kernels(); the tiers that cannot write it (and the strided
+    axis, a residual) return None, for the caller to cast x first. y's dtype
+    equal to x's is the plain plan."""
+    compiled = {k.expression for k in _catalogue.all_kernels()}
+    f32 = np.dtype(np.float32)
+    for dtype in (_dtypes.bfloat16, _dtypes.float16):
+        for flags, pdtype in ((0, None), (1, f32), (3, f32), (3, dtype)):
+            for n in (8, 96, 384, 760, 768, 4096, 32768):
+                for y_ptr in (0, 16):
+                    first, last = normalize_axes(-1, 2)
+                    p = make_plan("ln", dtype, pdtype, flags, False, (4096, n), (n, 1), first, last, 0, y_ptr, 0, 0,
+                                  0, 0, f32)
+                    assert p.out_dtype == f32
+                    assert p.vec * 4 <= 32 and (y_ptr % (p.vec * 4) == 0)
+                    launch = _dispatch.choose(p, H200)
+                    if launch is None:  # y off 32-byte alignment: narrower vectors, over the register budget
+                        assert y_ptr and n == 32768
+                        continue
+                    assert launch.tier == "cached", (dtype, n)
+                    (step,) = launch.steps
+                    assert step.kernel.expression.endswith(", float>"), step.kernel.expression
+                    assert step.kernel.expression in compiled, step.kernel.expression
+        long_rows = make_plan("ln", dtype, None, 0, False, (4, 1 << 20), (1 << 20, 1), 1, 1, 0, 0, 0, 0, 0, 0, f32)
+        assert _dispatch.choose(long_rows, H200) is None
+        strided = make_plan("ln", dtype, None, 0, False, (4, 64, 9), (576, 9, 1), 1, 1, 0, 0, 0, 0, 0, 0, f32)
+        assert _dispatch.choose(strided, H200) is None
+        residual = make_plan("ln", dtype, None, 0, True, (4, 768), (768, 1), 1, 1, 0, 0, 0, 0, 0, 0, f32)
+        assert _dispatch.choose(residual, H200) is None
+    same = make_plan("ln", f32, None, 0, False, (4, 768), (768, 1), 1, 1, 0, 0, 0, 0, 0, 0, f32)
+    assert same.out_dtype is None and same == plan_for((4, 768), -1, norm="ln")
+
+
 def test_residual_and_layernorm_cost_registers():
     """x and r are both live while h is formed, and LayerNorm carries three
     words of statistic: the register budget admits shorter cached rows."""
@@ -239,6 +275,29 @@ def test_channel_launches_cover_and_fit(last, batch, channels, spatial):
                     assert step.kernel.expression in compiled, step.kernel.expression
                     assert step.grid[0] <= _dispatch.MAX_GRID_X and all(g <= _dispatch.MAX_GRID_Y for g in step.grid[1:])
                     assert np.prod(step.block) <= 1024 and step.shared_bytes <= 48 * 1024
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_group_norm_float32_output_of_16_bit_x(last):
+    """GroupNorm of 16-bit x with a float32 y (autocast's result): the apply
+    writes float32 (its vector counting y's 4-byte elements for alignment),
+    the statistics passes read x as before, every choice is compiled."""
+    compiled = {k.expression for k in _catalogue.all_kernels()}
+    f32 = np.dtype(np.float32)
+    for dtype in (_dtypes.bfloat16, _dtypes.float16):
+        for flags in (0, 1, 3):
+            for channels, spatial in ((320, 64 * 64), (640, 32 * 32), (24, 63), (1280, 16 * 16)):
+                for y_ptr in (0, 16):
+                    p = make_channel_plan("group", dtype, None if not flags else f32, flags, last, 8, channels,
+                                          spatial, channels // 8 if channels % 8 == 0 else 1, True, 0, y_ptr, f32)
+                    assert p.out_dtype == f32 and y_ptr % (p.vec * 4) == 0
+                    launch = _dispatch.choose_channels(p, H200)
+                    apply = launch.steps[-1].kernel.expression
+                    assert "channel_apply" in apply and apply.endswith(", float>"), apply
+                    for step in launch.steps:
+                        assert step.kernel.expression in compiled, step.kernel.expression
+    same = make_channel_plan("group", f32, None, 0, last, 2, 8, 64, 2, True, 0, 0, f32)
+    assert same.out_dtype is None and same == channel_plan(last=last)
 
 
 def test_batch_norm_eval_is_one_launch_without_statistics():

@@ -292,14 +292,16 @@ channel_from_running(const A* __restrict__ running_mean, const A* __restrict__ r
 // y = (x - pivot - center) * scale [* w[c]] [+ b[c]] with the (pivot,
 // center, scale) of the element's statistic group; same grid and block
 // shapes as channel_partial, chunks of chunk_len positions (vectors of VEC
-// positions when channels-first). P/FLAGS: per-channel parameters.
+// positions when channels-first). P/FLAGS: per-channel parameters. Y: y's
+// storage type, T's or float for 16-bit T (GroupNorm under autocast reads
+// bf16 and returns float32, with no cast pass before it).
 // With running_var not null (BatchNorm in eval mode, no statistics
 // returned: one launch, no workspace), a channel's (0, center, scale) is
 // (0, running_mean[c], rsqrt(running_var[c] + eps)), as
 // channel_from_running writes it, and affine is not read.
-template <class T, class P, int FLAGS, int VEC, bool CHANNELS_LAST>
+template <class T, class P, int FLAGS, int VEC, bool CHANNELS_LAST, class Y>
 __global__ void __launch_bounds__(256, 2)
-channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
+channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
               const typename AccOf<T>::type* __restrict__ affine,
               const typename AccOf<T>::type* __restrict__ running_mean,
               const typename AccOf<T>::type* __restrict__ running_var, long long batch, long long spatial,
@@ -336,12 +338,12 @@ channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ 
                 begin + threadIdx.x, end, blockDim.x,
                 [&](long long v) { return load_vec<T, VEC>(x + offset + v * VEC); },
                 [&](long long v, const Vec<T, VEC>& in) {
-                    Vec<T, VEC> o;
+                    Vec<Y, VEC> o;
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
                     }
-                    store_vec<T, VEC>(y + offset + v * VEC, o);
+                    store_vec<Y, VEC>(y + offset + v * VEC, o);
                 });
         });
     } else {
@@ -365,13 +367,13 @@ channel_apply(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ 
                 for_each_batched<4>(
                     begin + ty, end, by, [&](long long p) { return load_vec<T, VEC>(x + offset + p * channels); },
                     [&](long long p, const Vec<T, VEC>& in) {
-                        Vec<T, VEC> o;
+                        Vec<Y, VEC> o;
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
                             narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc[j], bc[j]),
                                    o.v[j]);
                         }
-                        store_vec<T, VEC>(y + offset + p * channels, o);
+                        store_vec<Y, VEC>(y + offset + p * channels, o);
                     });
             }
         }

@@ -196,11 +196,12 @@ __device__ __forceinline__ A param_b(const ParamVec<P, FLAGS, VEC>& p, int j) {
 }
 
 // epilogue(h[0:VEC] - pivot) with the parameters of those positions (pivot:
-// the group's shift, 0 for unshifted norms), rounded to the storage type.
-template <class T, class P, int FLAGS, int VEC, class A>
-__device__ __forceinline__ Vec<T, VEC> normalized(const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
+// the group's shift, 0 for unshifted norms), rounded to the output's
+// storage type Y (T's, or float for a 16-bit T read and float32 written).
+template <class T, class P, int FLAGS, int VEC, class A, class Y = T>
+__device__ __forceinline__ Vec<Y, VEC> normalized(const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
                                                   const Affine<A>& f, A pivot) {
-    Vec<T, VEC> out;
+    Vec<Y, VEC> out;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
         const A v = apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, param_w<A>(p, j), param_b<A>(p, j));
@@ -209,11 +210,11 @@ __device__ __forceinline__ Vec<T, VEC> normalized(const Vec<T, VEC>& in, const P
     return out;
 }
 
-// y[0:VEC] = normalized(h[0:VEC]).
-template <class T, class P, int FLAGS, int VEC, class A>
-__device__ __forceinline__ void write_normalized(T* dst, const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
+// y[0:VEC] = normalized(h[0:VEC]); y's storage type Y from dst.
+template <class T, class P, int FLAGS, int VEC, class A, class Y>
+__device__ __forceinline__ void write_normalized(Y* dst, const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
                                                  const Affine<A>& f, A pivot) {
-    store_vec<T, VEC>(dst, normalized<T, P, FLAGS, VEC, A>(in, p, f, pivot));
+    store_vec<Y, VEC>(dst, normalized<T, P, FLAGS, VEC, A, Y>(in, p, f, pivot));
 }
 
 // h = x + r, rounded to the storage type (the fused pre-norm residual add:

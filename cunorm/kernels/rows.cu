@@ -19,6 +19,9 @@
 //
 //   rows_cached    the row is read once into registers, reduced, then scaled
 //                  from registers: one read and one write of every element.
+//                  Y: the storage type of y, T's or float for 16-bit T
+//                  (LayerNorm under autocast reads bf16 and returns float32,
+//                  with no cast pass before it).
 //                  BLOCK_PER_ROW=false: a group of threads_per_row lanes (a
 //                  power of two <= 32) per row, several rows per block,
 //                  butterfly shuffles only (short rows). BLOCK_PER_ROW=true:
@@ -202,7 +205,7 @@ __device__ __forceinline__ void copy_async_wait_all() {
 }
 
 template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC, int VECS_PER_THREAD,
-          bool BLOCK_PER_ROW>
+          bool BLOCK_PER_ROW, class Y>
 __global__ void __launch_bounds__(
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
                                      VECS_PER_THREAD, RESIDUAL>::kBlockMaxThreads
@@ -210,7 +213,7 @@ __global__ void __launch_bounds__(
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
                                      VECS_PER_THREAD, RESIDUAL>::kBlockMinBlocks
                   : 2)
-rows_cached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, T* __restrict__ h,
+rows_cached(const T* __restrict__ x, const T* __restrict__ r, Y* __restrict__ y, T* __restrict__ h,
             const P* __restrict__ w, const P* __restrict__ b, typename AccOf<T>::type* center_out,
             typename AccOf<T>::type* scale_out, long long rows, int n, long long x_row_stride,
             typename AccOf<T>::type eps, int threads_per_row) {
@@ -267,7 +270,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
         const Affine<A> f = Norm::finalize(s, n, eps);
         if (active && lane == 0) store_stats(center_out, scale_out, row, f, pivot);
 
-        T* yr = y + row * n;
+        Y* yr = y + row * n;
 #pragma unroll
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
             const int v = lane + k * row_threads;
