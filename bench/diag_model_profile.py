@@ -1,12 +1,15 @@
 """One model of the models suite, untouched and after replace_norms: host
 time per call (wall clock in a loop, the GPU drained at the ends), GPU
 time per call (profiler kernel sums) and the top kernels of each.
-PYTHONPATH=. python bench/diag_model_profile.py [label part] [mode]
-(mode: a models-suite mode, default "eval bf16 autocast"). The two models'
-host times are taken one after the other, and the host's speed drifts
-between device calls and within one: compare host times with the models
-suite (which alternates the two), the kernels and GPU times here."""
+PYTHONPATH=. python bench/diag_model_profile.py [label part] [mode] [-p]
+(mode: a models-suite mode, default "eval bf16 autocast"; -p: cProfile of
+each). Host times: the least of five rounds alternating the two models
+(the host's speed drifts), and with Python's garbage collector off."""
 import copy
+import cProfile
+import gc
+import io
+import pstats
 import sys
 import time
 
@@ -16,31 +19,58 @@ from torch.profiler import ProfilerActivity, profile
 from cunorm import torch as cunorm_torch
 from cunorm.bench import _models
 
-part = sys.argv[1] if len(sys.argv) > 1 else "vit"
-mode = sys.argv[2] if len(sys.argv) > 2 else "eval bf16 autocast"
+args = [a for a in sys.argv[1:] if not a.startswith("-")]
+part = args[0] if args else "vit"
+mode = args[1] if len(args) > 1 else "eval bf16 autocast"
 label, build = next((lb, b) for lb, b in _models.models(quick=False) if part in lb)
 model, make_input = build()
 theirs = model.cuda()
 ours = cunorm_torch.replace_norms(copy.deepcopy(theirs))
 print(label, mode, flush=True)
-for name, m in (("torch", theirs), ("cunorm", ours)):
-    step = _models._step(m, make_input, mode, False)
-    for _ in range(5):
-        step()
+steps = {name: _models._step(m, make_input, mode, False) for name, m in (("torch", theirs), ("cunorm", ours))}
+
+
+def host_ms(step, n=10):
+    """Host ms a call over n calls, and the wall ms with the GPU drained."""
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(20):
+    for _ in range(n):
         step()
-    host = (time.perf_counter() - t) / 20
+    host = (time.perf_counter() - t) / n
     torch.cuda.synchronize()
-    total = (time.perf_counter() - t) / 20
+    return host * 1e3, (time.perf_counter() - t) / n * 1e3
+
+
+for step in steps.values():
+    for _ in range(5):
+        step()
+rounds = {name: [] for name in steps}
+for _ in range(5):  # alternated: the host's speed drifts
+    for name, step in steps.items():
+        rounds[name].append(host_ms(step))
+for name, step in steps.items():
+    host, wall = min(rounds[name])
+    gc.disable()
+    host_nogc, _ = min(host_ms(step) for _ in range(3))
+    gc.enable()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
     kernels = [k for k in prof.key_averages() if k.device_type.name == "CUDA"]
     gpu = sum(k.device_time_total for k in kernels) / 5
-    print(f"{name}: host {host * 1e3:.2f} ms/call, wall {total * 1e3:.2f} ms/call, GPU {gpu / 1e3:.2f} ms/call, "
+    print(f"{name}: host {host:.2f} ms/call (gc off {host_nogc:.2f}), wall {wall:.2f}, GPU {gpu / 1e3:.2f} ms/call, "
           f"{sum(k.count for k in kernels) // 5} kernels/call", flush=True)
     for k in sorted(kernels, key=lambda k: -k.device_time_total)[:8]:
         print(f"   {k.device_time_total / 5:8.1f} us  n={k.count // 5:4d}  {k.key[:90]}")
+if "-p" in sys.argv:  # where the host time goes (cProfile inflates short calls)
+    for name, step in steps.items():
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+        pr.disable()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(14)
+        print(name, out.getvalue()[:3500])
