@@ -12,6 +12,7 @@ import time
 import cupy
 import torch
 import torch.nn.functional as F
+from _timing import print_profile
 from cupy_backends.cuda.api import driver
 
 import cunorm
@@ -119,21 +120,9 @@ for name, fn in steps.items():
     show(name + ", backward on the calling thread", fn, 1000)
 torch.autograd.set_multithreading_enabled(True)
 if "--cprofile" in sys.argv:
-    import cProfile
-    import pstats
-
     torch.autograd.set_multithreading_enabled(False)
     for name, fn in {**steps, "cunorm RMSNorm forward, grad on": lambda: norm(xg)}.items():
-        for _ in range(50):
-            fn()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(1000):
-            fn()
-        torch.cuda.synchronize()
-        profiler.disable()
-        print(f"== {name}: 1000 steps, by own time")
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+        print_profile(fn, 1000, name)
     torch.autograd.set_multithreading_enabled(True)
 if "--source" in sys.argv:
     import inspect

@@ -6,14 +6,12 @@ PYTHONPATH=. python bench/diag_model_profile.py [label part] [mode] [-p]
 each). Host times: the least of five rounds alternating the two models
 (the host's speed drifts), and with Python's garbage collector off."""
 import copy
-import cProfile
 import gc
-import io
-import pstats
 import sys
 import time
 
 import torch
+from _timing import print_profile
 from torch.profiler import ProfilerActivity, profile
 
 from cunorm import torch as cunorm_torch
@@ -63,14 +61,6 @@ for name, step in steps.items():
           f"{sum(k.count for k in kernels) // 5} kernels/call", flush=True)
     for k in sorted(kernels, key=lambda k: -k.device_time_total)[:8]:
         print(f"   {k.device_time_total / 5:8.1f} us  n={k.count // 5:4d}  {k.key[:90]}")
-if "-p" in sys.argv:  # where the host time goes (cProfile inflates short calls)
+if "-p" in sys.argv:  # where the host time goes
     for name, step in steps.items():
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
-        pr.disable()
-        out = io.StringIO()
-        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(14)
-        print(name, out.getvalue()[:3500])
+        print_profile(step, 10, name, top=14, warmup=0)

@@ -37,8 +37,7 @@ class ChannelCall:
         self.adapter = _interop.adapter_for(x, "x")
         xa = x if self.adapter is _interop.NUMPY else self.adapter.to_cupy(x, "x")
         _ops.check_dtype(xa.dtype, "x")
-        if out_dtype is not None and xa.dtype.itemsize != 2:
-            raise TypeError(f"a float32 result is for float16 or bfloat16 x, got {xa.dtype}")
+        _ops.check_out_dtype(out_dtype, xa.dtype)
         if xa.ndim < 2:
             raise ValueError(f"{fn}: x must have a batch and a channel axis (N, C, ...), got shape {tuple(xa.shape)}")
         self.x = xa

@@ -58,6 +58,13 @@ def check_int(value, name: str) -> int:
     return int(value)
 
 
+def check_out_dtype(out_dtype, x_dtype) -> None:
+    """The internal float32-output form (norms._layer_norm_float32,
+    _group_norm_float32) is for 16-bit x only."""
+    if out_dtype is not None and x_dtype.itemsize != 2:
+        raise TypeError(f"a float32 result is for float16 or bfloat16 x, got {x_dtype}")
+
+
 def check_dtype(dtype, name: str) -> np.dtype:
     if dtype not in _dtypes.KERNEL_TYPE:
         raise TypeError(f"{name} must have dtype {_dtypes.SUPPORTED_NAMES}, got {dtype}")
@@ -82,8 +89,7 @@ class Call:
         self.adapter = adapter
         xa = x if adapter is _interop.NUMPY else adapter.to_cupy(x, "x")
         check_dtype(xa.dtype, "x")
-        if out_dtype is not None and xa.dtype.itemsize != 2:
-            raise TypeError(f"a float32 result is for float16 or bfloat16 x, got {xa.dtype}")
+        check_out_dtype(out_dtype, xa.dtype)
         self.first, self.last = axis_span(axis, xa.ndim)
         self.norm_shape = tuple(xa.shape[self.first : self.last + 1])
         if math.prod(self.norm_shape) == 0:

@@ -108,12 +108,20 @@ def autocast_float32(x: Tensor, memory_format=torch.preserve_format) -> Tensor:
     return x
 
 
+def float32_in_one_pass(x: Tensor, *params) -> bool:
+    """Whether the kernel reads a 16-bit x as it is and writes the float32
+    that autocast's layer_norm and group_norm return: under autocast, in
+    inference. Where autograd records, x is cast first (the backward
+    kernels take x and dy of one dtype)."""
+    return x.dtype in _LOW_PRECISION and _autocast_on("cuda") and not needs_grad(x, *params)
+
+
 def copies_rows(x: Tensor, axis) -> bool:
     """Whether a row norm over x's last axis takes a contiguous copy of x
     first: its last axis is not unit-stride (a permuted view, as timm's
     ConvNeXt blocks normalize). torch's layer_norm copies it too; cunorm's
-    kernels would, outside the launch cache (~150 us of host time a call;
-    docs/performance.md, "Routing")."""
+    kernels would, on the general path every call (outside the launch
+    cache; docs/performance.md, "Routing")."""
     return axis == -1 and x.dim() > 0 and x.stride(-1) != 1 and x.shape[-1] != 1
 
 
@@ -126,13 +134,10 @@ def layer_forward(module, x: Tensor, axis, *, activation=None) -> Tensor:
 
 
 def layer_cunorm(module, x: Tensor, axis, *, activation=None) -> Tensor:
-    """layer_forward's computation by cunorm (runs_original answered). In
-    inference under autocast a 16-bit x is read as it is and y written in
-    float32 by one kernel; where autograd records, x is cast first (the
-    backward kernels take x and dy of one dtype)."""
+    """layer_forward's computation by cunorm (runs_original answered)."""
     weight, bias = module.weight, module.bias
     copies = copies_rows(x, axis)
-    if not needs_grad(x, weight, bias) and x.dtype in _LOW_PRECISION and _autocast_on("cuda"):
+    if float32_in_one_pass(x, weight, bias):
         return norms._layer_norm_float32(x.contiguous() if copies else x, weight, bias, axis=axis, eps=module.eps,
                                          activation=activation)
     if copies:  # (the copy and autocast's cast one pass)
@@ -150,8 +155,7 @@ def group_forward(module, x: Tensor, *, activation=None) -> Tensor:
     if runs_original(module, x):
         return original_forward(module, x)
     weight, bias = module.weight, module.bias
-    if not needs_grad(x, weight, bias) and x.dtype in _LOW_PRECISION and _autocast_on("cuda"):
-        # (inference: x read as it is, y written in float32 by the kernel)
+    if float32_in_one_pass(x, weight, bias):
         return norms._group_norm_float32(x, module.num_groups, weight, bias, eps=module.eps, activation=activation)
     x = autocast_float32(x)
     if activation is None and eager_autograd(x, weight, bias):

@@ -107,7 +107,7 @@ def _hf_llama_rms(self, x: Tensor) -> Tensor:
     """x normalized in float32, rounded to x's dtype, times the weight in the
     promoted dtype: rounding="normalized" where that dtype is x's."""
     if torch.promote_types(self.weight.dtype, x.dtype) != x.dtype:
-        return self._cunorm_original.forward(self, x)
+        return original_forward(self, x)
     return rms_forward(self, x, -1, self.variance_epsilon, rounding="normalized")
 
 
@@ -115,7 +115,7 @@ def _hf_t5_rms(self, x: Tensor) -> Tensor:
     """T5: as Llama when the weight has x's dtype (it rounds to the weight's
     16-bit dtype otherwise)."""
     if self.weight.dtype != x.dtype:
-        return self._cunorm_original.forward(self, x)
+        return original_forward(self, x)
     return rms_forward(self, x, -1, self.variance_epsilon, rounding="normalized")
 
 
