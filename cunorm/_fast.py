@@ -253,13 +253,41 @@ def launcher(e: Entry):
     return fn
 
 
+class Watch(threading.local):
+    """What a replaced torch layer watches for while its forward runs
+    (cunorm/_torch_layers.py, ``memoized``): ``found`` is set to the
+    (launcher, inputs, results) of the last call of this thread that a
+    launcher ran or stored, while ``on``."""
+
+    on = False
+    found = None
+
+
+WATCH = Watch()
+
+
 def replay(cache, key, *inputs):
     """The results of ``key``'s entry run over ``inputs``; None where there
     is no key or entry, or the entry declines (another GPU is current)."""
     if key is None:
         return None
     found = cache.get(key)
-    return None if found is None else found(*inputs)
+    if found is None:
+        return None
+    results = found(*inputs)
+    if WATCH.on and results is not None:
+        WATCH.found = (found, inputs, results)
+    return results
+
+
+def stored(cache, key, inputs, results):
+    """``results`` of a general-path call; where a layer watches and the
+    call stored a launcher under ``key``, noted as replay notes it."""
+    if WATCH.on and key is not None:
+        found = cache.get(key)
+        if found is not None:
+            WATCH.found = (found, inputs, results)
+    return results
 
 
 def entry(ad, device, program, inputs, outputs, slots, returns, arrays=None):

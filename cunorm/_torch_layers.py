@@ -23,7 +23,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import norms
+from . import _fast, norms
 from ._interop import torch as _adapter
 from ._torch_autograd import channel_norm_apply, eager_autograd, needs_grad, row_norm_apply
 
@@ -63,6 +63,153 @@ def original_forward(module, x: Tensor) -> Tensor:
     return module._cunorm_original.forward(module, x)
 
 
+# --- the layers' memo -----------------------------------------------------------------------------------------------
+
+#: The input signatures a replaced layer keeps a launcher for (a model calls
+#: each layer with one or a few shapes; past that the memo starts over).
+MEMO_SIGNATURES = 8
+
+_autocast_on = torch.is_autocast_enabled
+_fast_watch = _fast.WATCH
+
+
+def _memo_key(x: Tensor, tag: int):
+    # what the launcher depends on that comes from x, autocast (which
+    # decides the output dtype of LayerNorm and GroupNorm), and which of the
+    # module's memoized functions (``tag``) ran it
+    return x.dtype, x.shape, x.stride(), x.get_device(), x.data_ptr() & 15, _autocast_on("cuda"), tag
+
+
+def memo_run(module, x: Tensor, tag: int = 0):
+    """The result of the launcher this layer's memoized function ``tag``
+    kept for x's signature, or None where it kept none or the call must take
+    the forward: autograd records it, or one of the module's tensors the
+    launcher reads was replaced, moved or cast since (each is checked by
+    pointer and dtype). Outside dynamo's tracing only (memoized checks)."""
+    memo = module.__dict__.get("_cunorm_memo")
+    if not memo:
+        return None
+    try:  # (_memo_key's, inline: this is every call in inference)
+        entry = memo.get((x.dtype, x.shape, x.stride(), x.get_device(), x.data_ptr() & 15, _autocast_on("cuda"), tag))
+    except (AttributeError, RuntimeError):  # not a strided tensor
+        return None
+    if entry is None:
+        return None
+    launch, sources = entry
+    grad = _grad_enabled()
+    if grad and x.requires_grad:
+        return None
+    args = []
+    for store, name, pointer, dtype in sources:
+        if store is None:
+            args.append(None)
+            continue
+        t = module.__dict__[store].get(name)
+        if t is None or t.data_ptr() != pointer or t.dtype is not dtype or (grad and t.requires_grad):
+            return None
+        args.append(t)
+    return launch(x, *args)
+
+
+def _memo_fill(module, x: Tensor, found, y, tag: int = 0) -> None:
+    """Keep the launcher that computed ``y = forward(x)`` in the module's
+    memo, when it ran over x itself and the module's own parameters and
+    buffers and returned y as the forward did (a forward that copied or
+    cast x, or changed the result, keeps nothing)."""
+    launch, inputs, results = found
+    if results is not y or inputs[0] is not x:
+        return
+    sources = []
+    for t in inputs[1:]:
+        if t is None:
+            sources.append((None, None, 0, None))
+            continue
+        for store in ("_parameters", "_buffers"):
+            name = next((k for k, v in module.__dict__[store].items() if v is t), None)
+            if name is not None:
+                sources.append((store, name, t.data_ptr(), t.dtype))
+                break
+        else:
+            return  # (a tensor of the forward's own: a cast copy)
+    memo = module.__dict__.get("_cunorm_memo")
+    if memo is None or len(memo) >= MEMO_SIGNATURES:
+        memo = module.__dict__["_cunorm_memo"] = {}
+    memo[_memo_key(x, tag)] = (launch, tuple(sources))
+
+
+def memoized(forward, pure=None, tag: int = 0):
+    """A replaced layer's ``forward`` through its memo: a call whose input
+    signature the layer has seen runs the launcher that call ran, without
+    the forward's routing, checks and the launch cache's signature of the
+    parameters (the layers' host time inside a model;
+    docs/performance.md, "The layers' memo"). ``pure(module)``: whether the
+    forward does nothing beyond the launch in the module's present mode
+    (BatchNorm in training updates its counter: not pure); None for
+    always. ``tag``: which of a module's memoized functions this is (a
+    forward memoizing views of x inside keeps them apart: 0 for the
+    class's forward). The memo is cleared when an attribute of the module
+    is set (``memo_setattr``)."""
+
+    def memo_forward(self, x: Tensor) -> Tensor:
+        if is_compiling():
+            return forward(self, x)  # (traced: never memoized)
+        if _grad_enabled() and getattr(x, "requires_grad", False):  # recorded by autograd: never memoized
+            if tag == 0 and self._cunorm_fused_original and x.numel() < EAGER_AUTOGRAD_MIN_ELEMENTS:
+                # runs_original's answer without the forward's frames (x is the layer's input)
+                return self._cunorm_original.forward(self, x)
+            return forward(self, x)
+        y = memo_run(self, x, tag)
+        if y is not None:
+            return y
+        if pure is not None and not pure(self):
+            return forward(self, x)
+        watch = _fast_watch
+        outer, watch.on, watch.found = watch.on, True, None
+        try:
+            y = forward(self, x)
+            found = watch.found
+        finally:
+            watch.on, watch.found = outer, None
+        if found is not None:
+            _memo_fill(self, x, found, y, tag)
+        return y
+
+    memo_forward.__name__, memo_forward.__qualname__ = forward.__name__, forward.__qualname__
+    memo_forward.__doc__, memo_forward.__wrapped__ = forward.__doc__, forward
+    return memo_forward
+
+
+def memo_setattr(self, name: str, value) -> None:
+    """A replaced layer's ``__setattr__``: the original's, and the memo
+    cleared (an eps, a mode or an activation may have changed)."""
+    self.__dict__.pop("_cunorm_memo", None)
+    self._cunorm_original.__setattr__(self, name, value)
+
+
+def memo_getstate(self) -> dict:
+    """A replaced layer's state for pickle and deepcopy: its own, less the
+    memo (launchers are bound to this process and these tensors)."""
+    state = self.__dict__.copy()
+    state.pop("_cunorm_memo", None)
+    return state
+
+
+def not_updating_running(module) -> bool:
+    """Whether a BatchNorm or InstanceNorm forward is its launch alone: not
+    so in training with running buffers (they and the counter are updated),
+    which the memo does not take."""
+    return not (module.training and module.track_running_stats)
+
+
+def with_memo(cls: type, forward, pure=None, memoize: bool = True) -> None:
+    """Give a replacement class its forward, memoized unless ``memoize`` is
+    False (a forward that memoizes a view of x inside), and the memo's
+    __setattr__ and __getstate__."""
+    cls.forward = memoized(forward, pure) if memoize else forward
+    cls.__setattr__ = memo_setattr
+    cls.__getstate__ = memo_getstate
+
+
 def trailing_axes(normalized_shape):
     """The axes a layer's normalized_shape names: -1 for one (an int keys the
     launch cache without a walk over a tuple), else the trailing ones."""
@@ -95,7 +242,6 @@ def rms_cunorm(module, x: Tensor, axis, eps, *, activation=None, weight_offset=0
 
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-_autocast_on = torch.is_autocast_enabled
 
 
 def autocast_float32(x: Tensor, memory_format=torch.preserve_format) -> Tensor:
@@ -312,4 +458,5 @@ for _original, _layer in TORCH_LAYERS.items():
     _layer.__module__ = "cunorm.torch"  # where they are public (and found by pickle)
     _layer._cunorm_original = _original  # whose forward runs_original runs
     _layer._cunorm_fused_original = True  # torch's forward: one fused op
+    with_memo(_layer, _layer.forward, None if _layer in (RMSNorm, LayerNorm, GroupNorm) else not_updating_running)
 del _original, _layer

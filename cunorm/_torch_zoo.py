@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from ._torch_layers import (TORCH_LAYERS, batch_forward, group_forward, layer_cunorm, layer_forward,
-                            original_forward, rms_cunorm, rms_forward, runs_original, trailing_axes)
+                            memoized, not_updating_running, original_forward, rms_cunorm, rms_forward,
+                            runs_original, trailing_axes, with_memo)
 
 # --- the activations a norm layer may end with ----------------------------------------------------------------------
 
@@ -67,6 +68,14 @@ def _timm_layer_norm(self, x: Tensor) -> Tensor:
     return layer_forward(self, x, trailing_axes(self.normalized_shape), activation=self._cunorm_activation)
 
 
+def _nhwc_layer_norm(self, nhwc: Tensor) -> Tensor:
+    return layer_cunorm(self, nhwc, -1, activation=self._cunorm_activation)
+
+
+# (the memo keyed by the view; tags keep the functions memoizing views apart)
+_nhwc_layer_norm_memoized = memoized(_nhwc_layer_norm, tag=1)
+
+
 def _timm_layer_norm_2d(self, x: Tensor) -> Tensor:
     """A LayerNorm over the channels of NCHW, through timm's NHWC view as
     timm computes it: the result is channels-last in memory, as the
@@ -75,11 +84,23 @@ def _timm_layer_norm_2d(self, x: Tensor) -> Tensor:
     then ran a slow kernel; docs/performance.md, "Routing")."""
     if runs_original(self, x):
         return original_forward(self, x)
-    return layer_cunorm(self, x.permute(0, 2, 3, 1), -1, activation=self._cunorm_activation).permute(0, 3, 1, 2)
+    return _nhwc_layer_norm_memoized(self, x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
 def _timm_rms_norm(self, x: Tensor) -> Tensor:
     return rms_forward(self, x, trailing_axes(self.normalized_shape), self.eps, activation=self._cunorm_activation)
+
+
+def _nhwc_rms_norm(self, nhwc: Tensor) -> Tensor:
+    return rms_cunorm(self, nhwc, -1, self.eps, activation=self._cunorm_activation)
+
+
+def _nchw_rms_norm(self, x: Tensor) -> Tensor:
+    return rms_cunorm(self, x, 1, self.eps, activation=self._cunorm_activation)
+
+
+_nhwc_rms_norm_memoized = memoized(_nhwc_rms_norm, tag=2)
+_nchw_rms_norm_memoized = memoized(_nchw_rms_norm, tag=3)
 
 
 def _timm_rms_norm_2d(self, x: Tensor) -> Tensor:
@@ -91,8 +112,8 @@ def _timm_rms_norm_2d(self, x: Tensor) -> Tensor:
     if x.dim() == 4 and x.stride(1) == 1 and x.shape[1] > 1:
         nhwc = x.permute(0, 2, 3, 1)
         if nhwc.is_contiguous():
-            return rms_cunorm(self, nhwc, -1, self.eps, activation=self._cunorm_activation).permute(0, 3, 1, 2)
-    return rms_cunorm(self, x, 1, self.eps, activation=self._cunorm_activation)
+            return _nhwc_rms_norm_memoized(self, nhwc).permute(0, 3, 1, 2)
+    return _nchw_rms_norm_memoized(self, x)
 
 
 def _timm_group_norm(self, x: Tensor) -> Tensor:
@@ -138,6 +159,8 @@ class Rule:
     fuses_act: bool = False  # a timm norm-act layer: its act (and drop) must be fusable
     fast_norm: bool = False  # a timm layer with a _fast_norm switch (left alone when on)
     fused_original: bool = True  # the original's norm is one fused torch op (_torch_layers.runs_original)
+    pure: Optional[Callable] = None  # when the forward is its launch alone (_torch_layers.memoized); None: always
+    memo: bool = True  # the forward memoized on x (False: it runs the launch on a view of x, memoized inside)
 
 
 _TIMM_NORM = "timm.layers.norm"
@@ -145,25 +168,26 @@ _TIMM_NORM_ACT = "timm.layers.norm_act"
 RULES: dict[tuple[str, str], Rule] = {
     (_TIMM_NORM, "LayerNorm"): Rule(_timm_layer_norm, fast_norm=True),
     (_TIMM_NORM, "LayerNormFp32"): Rule(_timm_layer_norm),
-    (_TIMM_NORM, "LayerNorm2d"): Rule(_timm_layer_norm_2d, fast_norm=True),
-    (_TIMM_NORM, "LayerNorm2dFp32"): Rule(_timm_layer_norm_2d),
+    (_TIMM_NORM, "LayerNorm2d"): Rule(_timm_layer_norm_2d, fast_norm=True, memo=False),
+    (_TIMM_NORM, "LayerNorm2dFp32"): Rule(_timm_layer_norm_2d, memo=False),
     (_TIMM_NORM, "RmsNorm"): Rule(_timm_rms_norm, fast_norm=True, fused_original=False),
     (_TIMM_NORM, "RmsNormFp32"): Rule(_timm_rms_norm, fused_original=False),
-    (_TIMM_NORM, "RmsNorm2d"): Rule(_timm_rms_norm_2d, fast_norm=True, fused_original=False),
-    (_TIMM_NORM, "RmsNorm2dFp32"): Rule(_timm_rms_norm_2d, fused_original=False),
+    (_TIMM_NORM, "RmsNorm2d"): Rule(_timm_rms_norm_2d, fast_norm=True, fused_original=False, memo=False),
+    (_TIMM_NORM, "RmsNorm2dFp32"): Rule(_timm_rms_norm_2d, fused_original=False, memo=False),
     (_TIMM_NORM, "GroupNorm"): Rule(_timm_group_norm, fast_norm=True),
     (_TIMM_NORM, "GroupNorm1"): Rule(_timm_group_norm, fast_norm=True),
-    (_TIMM_NORM_ACT, "BatchNormAct2d"): Rule(_timm_batch_norm, fuses_act=True),
+    (_TIMM_NORM_ACT, "BatchNormAct2d"): Rule(_timm_batch_norm, fuses_act=True, pure=not_updating_running),
     (_TIMM_NORM_ACT, "GroupNormAct"): Rule(_timm_group_norm, fuses_act=True, fast_norm=True),
     (_TIMM_NORM_ACT, "GroupNorm1Act"): Rule(_timm_group_norm, fuses_act=True, fast_norm=True),
     (_TIMM_NORM_ACT, "LayerNormAct"): Rule(_timm_layer_norm, fuses_act=True, fast_norm=True),
     (_TIMM_NORM_ACT, "LayerNormActFp32"): Rule(_timm_layer_norm, fuses_act=True),
-    (_TIMM_NORM_ACT, "LayerNormAct2d"): Rule(_timm_layer_norm_2d, fuses_act=True, fast_norm=True),
-    (_TIMM_NORM_ACT, "LayerNormAct2dFp32"): Rule(_timm_layer_norm_2d, fuses_act=True),
+    (_TIMM_NORM_ACT, "LayerNormAct2d"): Rule(_timm_layer_norm_2d, fuses_act=True, fast_norm=True, memo=False),
+    (_TIMM_NORM_ACT, "LayerNormAct2dFp32"): Rule(_timm_layer_norm_2d, fuses_act=True, memo=False),
     (_TIMM_NORM_ACT, "RmsNormAct"): Rule(_timm_rms_norm, fuses_act=True, fast_norm=True, fused_original=False),
     (_TIMM_NORM_ACT, "RmsNormActFp32"): Rule(_timm_rms_norm, fuses_act=True, fused_original=False),
-    (_TIMM_NORM_ACT, "RmsNormAct2d"): Rule(_timm_rms_norm_2d, fuses_act=True, fast_norm=True, fused_original=False),
-    (_TIMM_NORM_ACT, "RmsNormAct2dFp32"): Rule(_timm_rms_norm_2d, fuses_act=True, fused_original=False),
+    (_TIMM_NORM_ACT, "RmsNormAct2d"): Rule(_timm_rms_norm_2d, fuses_act=True, fast_norm=True, fused_original=False,
+                                           memo=False),
+    (_TIMM_NORM_ACT, "RmsNormAct2dFp32"): Rule(_timm_rms_norm_2d, fuses_act=True, fused_original=False, memo=False),
 }
 
 
@@ -199,10 +223,10 @@ def _replacement(cls, rule: Rule) -> type:
     with _lock:
         made = _replacements.get(cls)
         if made is None:
-            made = type(cls.__name__, (cls,), {"forward": rule.forward, "_cunorm_original": cls,
-                                               "_cunorm_fused_original": rule.fused_original,
+            made = type(cls.__name__, (cls,), {"_cunorm_original": cls, "_cunorm_fused_original": rule.fused_original,
                                                "_cunorm_activation": None, "__module__": __name__,
                                                "__doc__": f"{cls.__module__}.{cls.__qualname__} computed by cunorm."})
+            with_memo(made, rule.forward, rule.pure, memoize=rule.memo)
             _replacements[cls] = made
         return made
 

@@ -463,7 +463,7 @@ def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, refer
         return torch_op()
     call = _ops.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual, return_stats=return_stats,
                      epilogue=epilogue, out_dtype=out_dtype)
-    return _ops.run(call, reference_fn, key=key)
+    return _fast.stored(_fast.ROWS, key, (x, weight, bias, residual), _ops.run(call, reference_fn, key=key))
 
 
 def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
@@ -482,7 +482,8 @@ def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, tr
                                  channel_axis=channel_axis, out=out, return_stats=return_stats,
                                  running_mean=running_mean, running_var=running_var, training=training,
                                  momentum=momentum, epilogue=epilogue, out_dtype=out_dtype)
-    return _channels.run(call, key=key)
+    return _fast.stored(_fast.CHANNELS, key, (x, weight, bias, running_mean, running_var),
+                        _channels.run(call, key=key))
 
 
 for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (normalize, _ROW_X), (mean_abs_normalize, _ROW_X),

@@ -45,7 +45,7 @@ def test_transformers_rms_norms_are_replaced(family, name):
     layer = hf_class(family, name)(16)
     replacement, reason = decide(layer)
     assert reason is None and issubclass(replacement, type(layer))
-    assert replacement.forward is rule_for(type(layer)).forward
+    assert replacement.forward.__wrapped__ is rule_for(type(layer)).forward
 
 
 def test_unknown_transformers_norm_is_left_with_a_reason():
@@ -318,3 +318,93 @@ def test_eval_batch_norm_keeps_statistics_dtype_copies_of_16_bit_buffers():
     assert got[0] is plain.running_mean and got[1] is plain.running_var
     x64 = x.double()  # float64 x: float64 statistics
     assert statistics_dtype_running(plain, x64, plain.running_mean, plain.running_var)[0].dtype == torch.float64
+
+
+class _Launcher:
+    """A stand-in launcher (CPU tensors): returns ``y`` and records its arguments."""
+
+    def __init__(self, y):
+        self.y, self.calls = y, []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        return self.y
+
+
+def _fill(layer, x, extra=None):
+    """The memo of ``layer`` given one launch over x and its weight and bias."""
+    from cunorm import _torch_layers
+
+    y = torch.empty_like(x)
+    launch = _Launcher(y)
+    inputs = (x, layer.weight, layer.bias if extra is None else extra, None)
+    _torch_layers._memo_fill(layer, x, (launch, inputs, y), y)
+    return launch, y
+
+
+def test_layer_memo_runs_the_kept_launcher_while_nothing_changed():
+    """A replaced layer's memo (_torch_layers.memoized): a call of a seen
+    signature in inference runs the kept launcher over x and the module's
+    tensors; it is not taken where autograd records, for another
+    signature, or once a parameter is replaced, cast or moved (pointer and
+    dtype checked); setting an attribute clears it; pickle and deepcopy
+    leave it behind. (CPU tensors: a call that reaches cunorm's forward
+    raises the TypeError asking for CUDA.)"""
+    import pickle
+
+    from cunorm import _torch_layers
+
+    layer = cunorm_torch.replace_norms(torch.nn.LayerNorm(8))
+    x = torch.randn(3, 8)
+    launch, y = _fill(layer, x)
+    with torch.no_grad():
+        assert layer(x) is y and layer(torch.randn(3, 8)) is y
+    assert launch.calls[-1][1] is layer.weight and launch.calls[-1][2] is layer.bias
+    assert _torch_layers.memo_run(layer, x) is None  # grad on, the parameters require it
+    with torch.no_grad(), pytest.raises(TypeError, match="cunorm runs on CUDA tensors"):
+        layer(torch.randn(4, 8))  # another signature
+    with torch.no_grad(), pytest.raises(TypeError, match="cunorm runs on CUDA tensors"):
+        layer(x.t().contiguous().t())  # other strides
+    assert pickle.loads(pickle.dumps(layer)).__dict__.get("_cunorm_memo") is None
+    assert copy.deepcopy(layer).__dict__.get("_cunorm_memo") is None
+    assert "_cunorm_memo" in layer.__dict__
+    layer.eps = 1e-3
+    assert "_cunorm_memo" not in layer.__dict__
+    for change in (lambda m: setattr(m.weight, "data", m.weight.data.clone()),
+                   lambda m: m.to(torch.float64),
+                   lambda m: m._parameters.__setitem__("bias", torch.nn.Parameter(m.bias.detach().clone()))):
+        _, y = _fill(layer, x)
+        with torch.no_grad():
+            assert _torch_layers.memo_run(layer, x) is y
+            change(layer)
+            assert _torch_layers.memo_run(layer, x) is None
+
+
+def test_layer_memo_keeps_only_a_launch_over_x_and_the_modules_tensors():
+    """Nothing is kept where the launch ran over a copy of x or a tensor not
+    the module's (a cast parameter), or returned another result than the
+    forward; entries of a module's memoized functions are apart (tags); at most MEMO_SIGNATURES signatures are kept; BatchNorm in
+    training with running buffers is never memoized (its counter and
+    buffers move every call)."""
+    from cunorm import _torch_layers
+
+    layer = cunorm_torch.replace_norms(torch.nn.LayerNorm(8))
+    x = torch.randn(3, 8)
+    y = torch.empty_like(x)
+    for inputs, result in (((x.clone(), layer.weight, layer.bias, None), y),
+                           ((x, layer.weight.double(), layer.bias, None), y),
+                           ((x, layer.weight, layer.bias, None), torch.empty_like(x))):
+        _torch_layers._memo_fill(layer, x, (_Launcher(result), inputs, result), y)
+        assert not layer.__dict__.get("_cunorm_memo")
+    launch = _Launcher(y)
+    _torch_layers._memo_fill(layer, x, (launch, (x, layer.weight, layer.bias, None), y), y, tag=1)
+    with torch.no_grad():  # another memoized function's entry (a view's) is not the forward's
+        assert _torch_layers.memo_run(layer, x) is None and _torch_layers.memo_run(layer, x, 1) is y
+    for n in range(1, _torch_layers.MEMO_SIGNATURES + 3):
+        _fill(layer, torch.randn(n, 8))
+        assert 0 < len(layer.__dict__["_cunorm_memo"]) <= _torch_layers.MEMO_SIGNATURES
+    bn = cunorm_torch.replace_norms(torch.nn.BatchNorm2d(4))
+    assert not _torch_layers.not_updating_running(bn)
+    assert _torch_layers.not_updating_running(bn.eval())
+    assert _torch_layers.not_updating_running(cunorm_torch.replace_norms(
+        torch.nn.BatchNorm2d(4, track_running_stats=False)))

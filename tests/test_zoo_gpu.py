@@ -229,9 +229,12 @@ def test_gemma_and_llama_gradients(gen, dtype):
         ours = cunorm_torch.rms_norm(x, w, eps=1e-6, **kw)
         theirs = formula(x, w, 1e-6)
         assert_within_one_ulp(ours.detach(), theirs.detach(), f"{kw} forward", ulps_allowed=NORMALIZED_ULPS)
-        exact = exact_rms(x, w, 1e-6, offset)
+        # the float64 gradients of float64 leaves (of x and w themselves they
+        # would be rounded to x's dtype on the way back)
+        xe, we = (t.detach().double().requires_grad_() for t in (x, w))
+        exact = exact_rms(xe, we, 1e-6, offset)
         for a, t, e in zip(torch.autograd.grad(ours, (x, w), dy), torch.autograd.grad(theirs, (x, w), dy),
-                           torch.autograd.grad(exact, (x, w), dy.double())):
+                           torch.autograd.grad(exact, (xe, we), dy.double())):
             err_ours, err_theirs = (a.double() - e).norm(), (t.double() - e).norm()
             assert a.dtype == t.dtype and err_ours <= 2 * err_theirs + 1e-6 * e.norm(), (kw, err_ours, err_theirs)
 
@@ -310,6 +313,32 @@ def test_timm_layers(gen, name, dtype, training):
             assert err_ours <= 2 * err_theirs + 1e-5 * g_exact.norm(), (name, float(err_ours), float(err_theirs))
         for a, b in zip(layer.buffers(), original.buffers()):  # running statistics, num_batches_tracked
             torch.testing.assert_close(a.double(), b.double(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "LayerNorm2d", "LayerNormAct2d", "RmsNorm", "RmsNorm2d", "GroupNormAct",
+                                  "BatchNormAct2d"])
+def test_timm_layers_memo(gen, name):
+    """In inference a replaced timm layer's later calls of a signature run
+    the launcher its first call kept (_torch_layers.memoized); the 2d
+    layers keep theirs for the NHWC view they normalize, apart from an
+    NCHW x of the same shape and strides (RmsNorm2d: (2,8,8,8) channels-last
+    has the NCHW one's view). Results as the original's, call after call,
+    the layouts alternated."""
+    timm = _timm()
+    layer, shape = _timm_layers(timm, 8)[name]
+    shape = (2, 8, 8, 8) if len(shape) == 4 else shape
+    layer = layer.cuda()
+    _randomize(layer, gen)
+    layer.eval()
+    original = copy.deepcopy(layer)
+    cunorm_torch.replace_norms(layer)
+    with torch.no_grad():
+        for i in range(6):
+            x = randn(gen, *shape, scale=2.0)
+            if len(shape) == 4 and i % 2:
+                x = x.to(memory_format=torch.channels_last)
+            torch.testing.assert_close(layer(x), original(x), rtol=2e-5, atol=2e-5, msg=f"call {i}")
+    assert layer.__dict__.get("_cunorm_memo"), "nothing memoized"
 
 
 LAYOUT_CASES = [(name, layout) for name in ("LayerNorm2d", "LayerNormAct2d", "RmsNorm2d", "GroupNorm", "LayerNorm")
