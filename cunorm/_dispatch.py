@@ -49,6 +49,8 @@ registers when reduced / blockDim.y fits the register cache, else two sweeps.
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 from . import _kernels as K
@@ -215,13 +217,22 @@ def power_norm_name(p: float) -> str:
     return POWER_NORM_PREFIX + format(struct.unpack("<Q", struct.pack("<d", float(p)))[0], "016x")
 
 
+_POWER_NORM = re.compile(r"lp:[0-9a-f]{16}")
+
+
 def norm_info(norm: str) -> NormInfo:
+    """The norm's policy. Nothing of ``norm`` reaches a kernel name but a
+    number cunorm formats itself: a general p's 16 hex digits are parsed
+    and formatted again (a name that is not exactly a NORMS key or
+    power_norm_name's form is refused)."""
     info = NORMS.get(norm)
     if info is not None:
         return info
-    if norm.startswith(POWER_NORM_PREFIX):
-        return NormInfo(f"cunorm::PowerNorm<0x{norm[len(POWER_NORM_PREFIX):]}ull>::Policy", 1, (0,), False)
-    raise ValueError(f"unknown norm {norm!r}")
+    if type(norm) is str and _POWER_NORM.fullmatch(norm):
+        bits = int(norm[len(POWER_NORM_PREFIX):], 16)
+        return NormInfo(f"cunorm::PowerNorm<0x{bits:016x}ull>::Policy", 1, (0,), False)
+    raise ValueError(f"unknown norm {norm!r}: expected one of {sorted(NORMS)} or {POWER_NORM_PREFIX!r} and the 16 "
+                     "hex digits of a float64 p")
 
 
 def next_pow2(n: int) -> int:

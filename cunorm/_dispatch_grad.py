@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import _kernels as K
-from ._dispatch import (CHANNEL_PLANE_ROWS_MAX_VECS, RESIDENT_SHARED_RESERVE, MAX_GRID_X, Device, Step, _ceil_div,
-                        next_pow2, norm_info, plane_rows_block)
+from ._dispatch import (CHANNEL_PLANE_ROWS_MAX_VECS, MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step,
+                        _ceil_div, next_pow2, norm_info, plane_rows_block)
 from ._plan import ChannelPlan
 
 #: elements a rows_grad_cached thread holds in registers (x, dy and its
@@ -242,13 +242,13 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> Gr
         want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, plan.batch * tiles))
         chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * by, _ceil_div(plan.spatial, want))
         chunks = _ceil_div(plan.spatial, chunk_len)
-        grid = (chunks, tiles, plan.batch)
+        grid = (chunks, min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         shared = bx * by * plan.vec * 2 * acc.itemsize
     elif plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS:
         vecs = plan.spatial // plan.vec  # (the forward's plane rows)
         block = plane_rows_block(vecs, GRAD_BLOCK_THREADS)
         chunks, chunk_len = 1, vecs
-        grid = (1, _ceil_div(plan.channels, block[1]), plan.batch)
+        grid = (1, min(_ceil_div(plan.channels, block[1]), MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         shared = 0
     else:
         vecs = plan.spatial // plan.vec
@@ -259,8 +259,10 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> Gr
             chunk_len = min(chunk_len, GRAD_CHANNEL_MAX_CHUNK_BYTES // (plan.vec * plan.dtype.itemsize))
         chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, chunk_len)
         chunks = _ceil_div(vecs, chunk_len)
-        grid = (chunks, plan.channels, plan.batch)
+        grid = (chunks, min(plan.channels, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         shared = 0
+    # (the kernels walk channel tiles and samples past the grid's y and z
+    # limits by grid stride, as the forward's)
     members = plan.batch * plan.channels
     per_member = (_ceil_div(members, GRAD_BLOCK_THREADS),)
     steps = (

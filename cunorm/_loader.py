@@ -14,6 +14,7 @@ import functools
 import hashlib
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,25 +56,38 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
+#: Most loaded kernels kept (oldest out first; the catalogue holds ~6800
+#: instantiations, a process uses a few hundred; an evicted one loads again
+#: from CuPy's disk cache). Launch-cache entries hold their own functions.
+MAX_FUNCTIONS = 4096
 _functions: dict[tuple[int, str], object] = {}
+_compile_lock = threading.Lock()
 
 
 def get_function(family: str, expression: str, device: int | None = None, cooperative: bool = False):
     """The compiled kernel for a template instantiation on ``device`` (the
     current device when None). ``cooperative`` kernels are launched with
-    cuLaunchCooperativeKernel (all blocks co-resident, or no launch)."""
+    cuLaunchCooperativeKernel (all blocks co-resident, or no launch).
+    Compile-and-insert holds a lock: threads asking for the same kernel at
+    once compile it once."""
     import cupy
 
     if device is None:
         device = cupy.cuda.runtime.getDevice()
     key = (device, expression)
     fn = _functions.get(key)
-    if fn is None:
-        with cupy.cuda.Device(device):
-            module = cupy.RawModule(code=source(family), options=OPTIONS, name_expressions=[expression],
-                                    enable_cooperative_groups=cooperative)
-            fn = module.get_function(expression)
-        _functions[key] = fn
+    if fn is not None:
+        return fn
+    with _compile_lock:
+        fn = _functions.get(key)
+        if fn is None:
+            with cupy.cuda.Device(device):
+                module = cupy.RawModule(code=source(family), options=OPTIONS, name_expressions=[expression],
+                                        enable_cooperative_groups=cooperative)
+                fn = module.get_function(expression)
+            while len(_functions) >= MAX_FUNCTIONS:
+                del _functions[next(iter(_functions))]
+            _functions[key] = fn
     return fn
 
 

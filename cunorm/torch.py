@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _channels, _ops, _plan, backward, norms, reference
+from . import _channels, _dispatch, _ops, _plan, backward, norms, reference
 from ._interop import torch as _adapter
 from ._torch_autograd import channel_norm_apply as _channel_norm_apply
 from ._torch_autograd import eager_autograd as _eager_autograd
@@ -93,6 +93,7 @@ def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
 
 @torch.library.custom_op("cunorm::normalize", mutates_args=())
 def _normalize_op(x: Tensor, norm: str, axes: list[int], eps: float) -> Tensor:
+    _dispatch.norm_info(norm)  # (a caller's string: checked before anything, never pasted into a kernel name)
     return _run_rows(norm, x, None, None, None, tuple(axes) if axes else None, eps, False, 0, None)[0]
 
 

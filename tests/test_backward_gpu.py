@@ -386,3 +386,43 @@ def test_backward_refuses_mixed_array_kinds():
     _, rstd = cunorm.rms_norm(x, return_stats=True)
     with pytest.raises(TypeError, match="dy is a NumPy array"):
         cunorm.rms_norm_backward(np.ones((4, 8), np.float32), x, rstd)
+
+
+def _batch_norm_backward_f64(dy, x, w, channel_axis):
+    """Training BatchNorm's (dx, dw, db) in float64 on the GPU, from the
+    formula (independent of the reference module): xhat = (x - mean) * rstd,
+    dx = w * rstd * (dy - mean(dy) - xhat * mean(dy * xhat)) per channel."""
+    import cupy
+
+    axes = tuple(a for a in range(x.ndim) if a != channel_axis % x.ndim)
+    x64, dy64 = x.astype(cupy.float64), dy.astype(cupy.float64)
+    mean = x64.mean(axis=axes, keepdims=True)
+    rstd = 1.0 / cupy.sqrt(((x64 - mean) ** 2).mean(axis=axes, keepdims=True) + 1e-5)
+    xhat = (x64 - mean) * rstd
+    shape = [1] * x.ndim
+    shape[channel_axis] = -1
+    w64 = w.astype(cupy.float64).reshape(shape)
+    dx = w64 * rstd * (dy64 - dy64.mean(axis=axes, keepdims=True) - xhat * (dy64 * xhat).mean(axis=axes, keepdims=True))
+    return dx, (dy64 * xhat).sum(axis=axes), dy64.sum(axis=axes)
+
+
+@pytest.mark.parametrize("shape,channel_axis", [((70000, 4, 3), 1), ((70000, 3, 4), -1), ((1, 17_000_000, 3), 1)],
+                         ids=["samples-first", "samples-last", "channel-tiles"])
+def test_batch_norm_backward_past_the_grid_limits(shape, channel_axis, rng):
+    """More samples (z) or channel tiles (y) than a grid holds (65535): the
+    backward's kernels walk the rest by grid stride (the launch used to be
+    refused); against the float64 formula, computed on the GPU."""
+    import cupy
+
+    c = shape[channel_axis]
+    x = cupy.random.standard_normal(shape, dtype=np.float32)
+    dy = cupy.random.standard_normal(shape, dtype=np.float32)
+    w = cupy.random.uniform(0.5, 2, c).astype(np.float32)
+    b = cupy.random.uniform(-1, 1, c).astype(np.float32)
+    _, mean, rstd = cunorm.batch_norm(x, w, b, channel_axis=channel_axis, return_stats=True)
+    dx, dw, db = cunorm.batch_norm_backward(dy, x, mean, rstd, w, b, channel_axis=channel_axis)
+    want = _batch_norm_backward_f64(dy, x, w, channel_axis)
+    for got, ref, name in zip((dx, dw, db), want, ("dx", "dweight", "dbias")):
+        err = float(cupy.max(cupy.abs(got.astype(cupy.float64) - ref)) / cupy.max(cupy.abs(ref)))
+        assert err < 1e-4, (name, err)
+        assert not bool(cupy.isnan(got).any()), name

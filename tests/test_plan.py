@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from cunorm import _catalogue, _dispatch, _dispatch_grad, _dtypes
+from cunorm import _catalogue, _dispatch, _dispatch_grad, _dtypes, _launch
 from cunorm._plan import canonical_view, collapse, make_plan, normalize_axes, vector_width
 
 H200 = _dispatch.Device(sm_count=132)
@@ -366,3 +366,35 @@ def test_streamed_backward_parts():
     for dtype, rows, n, vec in ((f32, 16, 64 * 256 * 256, 4), (bf16, 8, 1 << 20, 8)):
         launch = _dispatch_grad.choose_rows_grad("ln", dtype, dtype, 3, rows, n, 1, vec, H200)
         assert launch.tier == "streamed" and launch.parts == 1
+
+
+def test_channel_backward_grids_stay_within_the_launch_limits():
+    """A channel backward over more than 65535 samples or channels (or
+    channel tiles) caps its grid's y and z at 65535, as the forward does
+    (the kernels walk the rest by grid stride), every layout and tier;
+    the grid is the same for both passes."""
+    cases = [dict(batch=70000, channels=4, spatial=3), dict(batch=3, channels=70000, spatial=3),
+             dict(batch=70000, channels=4, spatial=3, last=True), dict(batch=2, channels=70000 * 8, spatial=3,
+                                                                        last=True),
+             dict(batch=70000, channels=2, spatial=64 * 64 * 4), dict(batch=2, channels=70000, spatial=64 * 64 * 4)]
+    for case in cases:
+        plan = channel_plan("batch", flags=3, cpg=1, **case)
+        launch = _dispatch_grad.choose_channel_grad(plan, True, H200)
+        sums, apply = launch.steps[0], launch.steps[-1]
+        assert sums.grid == apply.grid, case
+        for step in launch.steps:
+            assert all(0 < g <= _dispatch.MAX_GRID_Y for g in step.grid[1:]), (case, step.grid)
+            _launch.check_limits(step)
+
+
+@pytest.mark.parametrize("name", ["lp:0x1;}", "lp:4008000000000000ull>::Policy; struct X {", "lp:ABCDEF0123456789",
+                                  "lp:400800000000000", "lp:40080000000000000", "lp: 4008000000000000", "rms ", "",
+                                  "lp:4008000000000000\n"])
+def test_norm_names_reach_kernel_names_only_as_cunorms_numbers(name):
+    """A norm name that is not a known norm or exactly power_norm_name's
+    form is refused; a general p's digits are parsed and formatted again,
+    so nothing a caller passes becomes part of a kernel name."""
+    with pytest.raises(ValueError, match="unknown norm"):
+        _dispatch.norm_info(name)
+    p3 = _dispatch.norm_info(_dispatch.power_norm_name(3.0))
+    assert p3.policy == "cunorm::PowerNorm<0x4008000000000000ull>::Policy"

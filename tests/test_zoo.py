@@ -408,3 +408,14 @@ def test_layer_memo_keeps_only_a_launch_over_x_and_the_modules_tensors():
     assert _torch_layers.not_updating_running(bn.eval())
     assert _torch_layers.not_updating_running(cunorm_torch.replace_norms(
         torch.nn.BatchNorm2d(4, track_running_stats=False)))
+
+
+def test_registered_normalize_refuses_unknown_norm_names():
+    """torch.ops.cunorm.normalize takes a norm name: anything but cunorm's
+    own names is a ValueError before any other check or launch."""
+    from cunorm._interop import torch as adapter
+
+    for bad in ("lp:0x1;}", "lp:4008000000000000ull>::X", "frobenius"):
+        with pytest.raises(ValueError, match="unknown norm"):
+            torch.ops.cunorm.normalize(torch.randn(2, 3), bad, [-1], 1e-12)
+    assert adapter._streams.maxsize == 256  # (the stream map is bounded)

@@ -22,6 +22,7 @@ import cupy
 import torch
 
 from .. import _dtypes
+from .._fast import BoundedCache
 from ._scope import DeviceScope
 
 name = "torch"
@@ -89,7 +90,9 @@ def _allocator(device: int):
     return lambda nbytes: _allocate(nbytes, device)
 
 
-_streams: dict = {}
+#: torch's streams wrapped as CuPy streams, by (device, handle): bounded
+#: (a program making streams without end would otherwise grow it), oldest out
+_streams = BoundedCache(256)
 
 
 def _cupy_stream(device: int):
@@ -99,7 +102,7 @@ def _cupy_stream(device: int):
     wrapped = _streams.get((device, handle))
     if wrapped is None:
         wrapped = cupy.cuda.Stream.null if handle == 0 else _wrap(handle, device)
-        _streams[(device, handle)] = wrapped
+        _streams.put((device, handle), wrapped)
     return wrapped
 
 

@@ -748,11 +748,15 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                       long long chunks, long long chunk_len) {
     using A = typename AccOf<T>::type;
     using Sums = PairSum<A>;
-    const long long n = blockIdx.z;
     const long long chunk = blockIdx.x;
+    // samples and channel tiles beyond the grid's y and z limits (65535)
+    // are walked by grid stride; each step ends in a barrier (shared reuse)
+    const int tiles = LAST ? (channels / VEC + blockDim.x - 1) / blockDim.x : (channels + blockDim.y - 1) / blockDim.y;
+    for (long long n = blockIdx.z; n < batch; n += gridDim.z)
+    for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
     if constexpr (!LAST) {
         __shared__ typename Sums::Stats scratch[33];
-        const int c = blockIdx.y * blockDim.y + threadIdx.y;  // (plane rows: blockDim.y channels a block)
+        const int c = tile * blockDim.y + threadIdx.y;  // (plane rows: blockDim.y channels a block)
         const bool active = c < channels;
         typename Sums::Stats s = Sums::init();
         if (active) {
@@ -778,7 +782,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
     } else {
         extern __shared__ unsigned char shared_raw[];
         auto* shared = reinterpret_cast<typename Sums::Stats*>(shared_raw);  // [by][bx * VEC]
-        const int cv = blockIdx.y * blockDim.x + threadIdx.x;
+        const int cv = tile * blockDim.x + threadIdx.x;
         const bool active = cv < channels / VEC;
         A m[VEC];
         typename Sums::Stats s[VEC];
@@ -817,6 +821,8 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                 Sums::store(partial + ((n * channels + cv * VEC + j) * chunks + chunk) * 2, t);
             }
         }
+    }
+    __syncthreads();
     }
 }
 
@@ -905,12 +911,14 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                        const typename AccOf<T>::type* __restrict__ coeffs, long long batch, long long spatial,
                        int channels, int channels_per_group, int stat_batch, long long chunks, long long chunk_len) {
     using A = typename AccOf<T>::type;
-    const long long n = gridDim.z - 1 - blockIdx.z;
     const long long chunk = gridDim.x - 1 - blockIdx.x;
-    const int tile_y = gridDim.y - 1 - blockIdx.y;
+    const int tiles = LAST ? (channels / VEC + blockDim.x - 1) / blockDim.x : (channels + blockDim.y - 1) / blockDim.y;
+    // (grid stride over samples and tiles past the y and z limits, in reverse)
+    for (long long n = batch - 1 - static_cast<long long>(blockIdx.z); n >= 0; n -= gridDim.z)
+    for (int tile_y = tiles - 1 - static_cast<int>(blockIdx.y); tile_y >= 0; tile_y -= static_cast<int>(gridDim.y)) {
     if constexpr (!LAST) {
         const int c = tile_y * blockDim.y + threadIdx.y;  // (plane rows: blockDim.y channels a block)
-        if (c >= channels) return;
+        if (c >= channels) continue;
         const long long m = n * channels + c;
         const A alpha = coeffs[m * 3], beta = coeffs[m * 3 + 1], gamma = coeffs[m * 3 + 2];
         const A mu = mean[stat_index(n, c, channels_per_group, stat_batch)];
@@ -933,7 +941,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
             });
     } else {
         const int cv = tile_y * blockDim.x + threadIdx.x;
-        if (cv >= channels / VEC) return;
+        if (cv >= channels / VEC) continue;
         A alpha[VEC], beta[VEC], gamma[VEC], mu[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -960,6 +968,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                 }
                 store_vec<T, VEC>(dx + base + p * channels, out);
             });
+    }
     }
 }
 
