@@ -96,7 +96,7 @@ def check_gpu(name: str) -> int:
     return 1 if failures else 0
 
 
-def check_compile() -> int:
+def check_compile(jobs=None) -> int:
     from . import _catalogue, _loader
 
     kernels = _catalogue.all_kernels()
@@ -106,7 +106,7 @@ def check_compile() -> int:
     for arch in ("sm_80", "sm_90"):
         start = time.perf_counter()
         try:
-            results = _loader.compile_offline(arch, kernels)
+            results = _loader.compile_offline(arch, kernels, jobs=jobs)
         except Exception as err:  # report and fail, don't traceback
             print(f"  {arch}: FAILED\n{err}")
             bad += 1
@@ -127,11 +127,20 @@ def main(argv=None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m cunorm", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", default="check", choices=["check", "precompile", "bench"])
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="precompile: compiling processes (default: the CPU count)")
-    args = parser.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m cunorm", description=__doc__.splitlines()[0],
+                                     epilog="python -m cunorm COMMAND --help: the command's own options")
+    commands = parser.add_subparsers(dest="command", metavar="{check,precompile,bench}")
+    jobs = dict(type=int, default=None, help="compiling processes (default: the CPU count)")
+    check = commands.add_parser("check", help="the default: check the ops on the GPU, or compile them without one",
+                                description="On a GPU, run every op on random data against the float64 reference "
+                                "and print errors and timings; without a GPU, compile every kernel instantiation "
+                                "with NVRTC for sm_80 and sm_90.")
+    check.add_argument("--jobs", **jobs)
+    precompile = commands.add_parser("precompile", help="build every kernel for the current GPU ahead of time",
+                                     description="Build every kernel for the current GPU into CuPy's disk cache.")
+    precompile.add_argument("--jobs", **jobs)
+    commands.add_parser("bench", help="the benchmark suites (python -m cunorm bench --help)", add_help=False)
+    args = parser.parse_args(argv or ["check"])
     from ._launch import gpu_name
 
     name = gpu_name()
@@ -146,7 +155,7 @@ def main(argv=None) -> int:
         summary = precompile(verbose=True, jobs=args.jobs)
         print(f"{summary['kernels']} kernels in {summary['seconds']:.1f} s (source {summary['source']})")
         return 0
-    return check_gpu(name) if name else check_compile()
+    return check_gpu(name) if name else check_compile(args.jobs)
 
 
 if __name__ == "__main__":

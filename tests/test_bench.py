@@ -108,3 +108,14 @@ def test_quick_case_end_to_end(tmp_path):
     assert not math.isnan(row["max_rel_err"])
     bench.write_results(result, tmp_path)
     assert (tmp_path / "results.csv").exists()
+
+
+@pytest.mark.parametrize("command,says", [("check", "--jobs"), ("precompile", "CuPy's disk cache")])
+def test_each_command_has_its_own_help(command, says, capsys):
+    """``python -m cunorm COMMAND --help`` prints that command's usage and
+    options, not the top-level help."""
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m cunorm {command}") and says in out
