@@ -59,12 +59,18 @@ class ChannelCall:
                              f"(channel axis {self.channel_axis})")
         self.weight = self._param(weight, "weight", channels)
         self.bias = self._param(bias, "bias", channels)
-        self.eps = _ops.check_eps(eps)
+        self.eps = _ops.check_eps_fits(_ops.check_eps(eps), xa.dtype)
         self.return_stats = _ops.check_flag(return_stats, "return_stats")
         self.training = _ops.check_flag(training, "training")
         self.momentum = _momentum(momentum)
         self.running_mean = self._running(running_mean, "running_mean", channels)
         self.running_var = self._running(running_var, "running_var", channels)
+        for name, buf in (("running_mean", self.running_mean), ("running_var", self.running_var)):
+            if buf is not None and _ops._overlaps(buf, xa):
+                raise ValueError(f"batch_norm: {name} overlaps x; pass a separate buffer")
+        if (self.running_mean is not None and self.running_var is not None
+                and _ops._overlaps(self.running_mean, self.running_var)):
+            raise ValueError("batch_norm: running_mean and running_var overlap; pass two separate buffers")
         if norm == "batch" and not self.training and (self.running_mean is None or self.running_var is None):
             raise ValueError("batch_norm with training=False normalizes with the running statistics: "
                              "pass running_mean and running_var")
@@ -105,7 +111,7 @@ class ChannelCall:
         if tuple(oa.shape) != tuple(self.x.shape) or oa.dtype != self.x.dtype:
             raise ValueError(f"out must have x's shape {tuple(self.x.shape)} and dtype {self.x.dtype}, "
                              f"got shape {tuple(oa.shape)} and dtype {oa.dtype}")
-        if self.on_gpu and _ops._overlaps(oa, self.x):
+        if _ops._overlaps(oa, self.x):
             raise ValueError("out overlaps x; pass a separate buffer")
         return oa
 

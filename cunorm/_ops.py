@@ -46,6 +46,20 @@ def check_eps(eps) -> float:
     return value
 
 
+def check_eps_fits(eps: float, dtype) -> float:
+    """eps as the statistics hold it: float32 but for float64 x. An eps the
+    float32 cast would make inf (above ~3.4e38) or 0 (a positive eps below
+    ~1.4e-45) is refused, on every path alike (the NumPy reference computes
+    in float64 and would not round it)."""
+    if np.dtype(dtype) != np.float64 and eps:
+        with np.errstate(over="ignore"):
+            held = np.float32(eps)
+        if not np.isfinite(held) or held == 0:
+            raise ValueError(f"eps {eps!r} does not survive the cast to float32, the statistics' dtype for "
+                             f"{np.dtype(dtype).name} x (it becomes {float(held)!r}): pass an eps float32 can hold")
+    return eps
+
+
 def check_flag(value, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -101,7 +115,7 @@ class Call:
         self.weight = self._param(weight, "weight")
         self.bias = self._param(bias, "bias")
         self.residual = self._residual(residual)
-        self.eps = check_eps(eps)
+        self.eps = check_eps_fits(check_eps(eps), xa.dtype)
         self.out_given = out
         self.out = None if out is None else self._out(out)
         self.return_stats = check_flag(return_stats, "return_stats")
@@ -153,10 +167,9 @@ class Call:
             )
         if not oa.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
-        if self.adapter is not _interop.NUMPY:
-            for other, name in ((self.x, "x"), (self.residual, "residual")):
-                if other is not None and _overlaps(oa, other) and not (name == "x" and _same_view(oa, other)):
-                    raise ValueError(f"out overlaps {name}; pass a separate buffer (out may be x itself, for in place)")
+        for other, name in ((self.x, "x"), (self.residual, "residual")):  # (every path alike)
+            if other is not None and _overlaps(oa, other) and not (name == "x" and _same_view(oa, other)):
+                raise ValueError(f"out overlaps {name}; pass a separate buffer (out may be x itself, for in place)")
         return oa
 
     @property
@@ -190,8 +203,12 @@ def _writable(a, name: str) -> None:
                         f"leave {name} out and use the returned array")
 
 
+def _pointer(a) -> int:
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
 def _span(a):
-    lo = hi = a.data.ptr
+    lo = hi = _pointer(a)
     for n, s in zip(a.shape, a.strides):
         if n > 1:
             if s > 0:
@@ -209,7 +226,7 @@ def _overlaps(a, b) -> bool:
 
 
 def _same_view(a, b) -> bool:
-    return a.data.ptr == b.data.ptr and a.strides == b.strides and a.shape == b.shape
+    return _pointer(a) == _pointer(b) and a.strides == b.strides and a.shape == b.shape
 
 
 def run(call: Call, reference, key=None):

@@ -122,13 +122,12 @@ def normalize_axes(axis, ndim: int) -> tuple[int, int]:
 
     ``axis`` is an int or a tuple/list of ints naming adjacent axes in any
     order; negative values count from the end. Memoized for the common
-    hashable forms (the per-call cost of a repeated call is a lookup).
+    forms of exact ints only (the per-call cost of a repeated call is a
+    lookup): a memo keyed by equality would take (True,) or (1.0,) for a
+    (1,) it saw, and validation would depend on call order.
     """
-    if type(axis) is int or type(axis) is tuple:
-        try:
-            return _normalize_axes_cached(axis, ndim)
-        except TypeError:  # a tuple holding something unhashable
-            pass
+    if type(axis) is int or (type(axis) is tuple and all(type(a) is int for a in axis)):
+        return _normalize_axes_cached(axis, ndim)
     return _normalize_axes(axis, ndim)
 
 

@@ -187,3 +187,60 @@ def test_out_overlapping_residual():
     r = cupy.ones((2, 4), dtype=np.float32)
     with pytest.raises(ValueError, match="out overlaps residual"):
         cunorm.rms_norm(x, residual=r, out=r)
+
+
+def test_axis_validation_does_not_depend_on_what_was_seen_before():
+    """(True,) and (1.0,) are refused after (1,) has been accepted (the
+    axis memo keys exact ints only)."""
+    x = np.ones((3, 4), np.float32)
+    cunorm.layer_norm(x, axis=(1,))
+    cunorm.layer_norm(x, axis=1)
+    for bad in ((True,), (1.0,), True, 1.0):
+        with pytest.raises(TypeError, match="axis must be an int"):
+            cunorm.layer_norm(x, axis=bad)
+
+
+@pytest.mark.parametrize("eps", [1e39, 1e-46])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "group_norm", "batch_norm"])
+def test_an_eps_float32_cannot_hold_is_refused(op, eps):
+    """An eps the float32 statistics would hold as inf or 0 is a ValueError
+    on the NumPy path as on the GPU's (float64 x keeps float64 statistics
+    and takes it)."""
+    x = np.random.default_rng().standard_normal((4, 6, 5)).astype(np.float32)
+    call = {"group_norm": lambda a, e: cunorm.group_norm(a, 2, eps=e),
+            "batch_norm": lambda a, e: cunorm.batch_norm(a, eps=e)}.get(op, lambda a, e: getattr(cunorm, op)(a, eps=e))
+    with pytest.raises(ValueError, match="does not survive the cast to float32"):
+        call(x, eps)
+    assert np.isfinite(call(x.astype(np.float64), eps)).all() or eps > 1e38
+
+
+def test_a_masked_array_is_refused():
+    """A NumPy masked array's mask would be ignored: a TypeError names it,
+    for x and for a parameter alike."""
+    x = np.ones((3, 4), np.float32)
+    masked = np.ma.masked_array(x, mask=x > 0)
+    with pytest.raises(TypeError, match="masked array"):
+        cunorm.layer_norm(masked)
+    with pytest.raises(TypeError, match="masked array"):
+        cunorm.layer_norm(x, np.ma.masked_array(np.ones(4, np.float32)))
+
+
+def test_overlapping_outputs_and_running_buffers_are_refused_on_every_path():
+    """out overlapping x (other than x itself), running buffers aliasing each
+    other or x: ValueError before anything is written, NumPy as GPU."""
+    base = np.random.default_rng().standard_normal(65).astype(np.float32)
+    x, shifted = base[:60].reshape(4, 3, 5), base[5:].reshape(4, 3, 5)  # (shifted: x's memory, 5 on)
+    before = x.copy()
+    with pytest.raises(ValueError, match="out overlaps x"):
+        cunorm.layer_norm(x, out=shifted)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        cunorm.group_norm(x, 3, out=shifted)
+    buf = np.zeros(6, np.float32)
+    with pytest.raises(ValueError, match="running_mean and running_var overlap"):
+        cunorm.batch_norm(x, running_mean=buf[:3], running_var=buf[2:5], training=True)
+    with pytest.raises(ValueError, match="running_var overlaps x"):
+        cunorm.batch_norm(x, running_mean=np.zeros(3, np.float32), running_var=x.reshape(-1)[:3], training=True)
+    assert np.array_equal(x, before)
+    y = cunorm.layer_norm(x.copy(), out=None)
+    inplace = x.copy()
+    assert cunorm.layer_norm(inplace, out=inplace) is inplace and np.allclose(inplace, y, atol=1e-6)

@@ -43,6 +43,9 @@ def adapter_for(x, name: str = "x"):
     adapter = _by_type.get(kind)
     if adapter is not None:
         return adapter
+    if isinstance(x, np.ma.MaskedArray):  # (its mask would be ignored: its values are not what it means)
+        raise TypeError(f"{name} is a NumPy masked array, whose mask cunorm would ignore: pass "
+                        f"{name}.filled(value) or the data of the unmasked elements")
     if isinstance(x, np.ndarray):
         adapter = NUMPY
     else:
