@@ -59,7 +59,7 @@ class ChannelCall:
                              f"(channel axis {self.channel_axis})")
         self.weight = self._param(weight, "weight", channels)
         self.bias = self._param(bias, "bias", channels)
-        self.eps = _ops.check_eps_fits(_ops.check_eps(eps), xa.dtype)
+        self.eps = _ops.check_eps(eps, xa.dtype)
         self.return_stats = _ops.check_flag(return_stats, "return_stats")
         self.training = _ops.check_flag(training, "training")
         self.momentum = _momentum(momentum)

@@ -24,39 +24,15 @@ from __future__ import annotations
 import threading
 
 from . import _launch
+from ._cache import BoundedCache
 
 MAX_ENTRIES = 2048
 
 
-class BoundedCache:
-    """A dict of at most ``maxsize`` entries, the oldest dropped first.
-    Reads take no lock (a dict read is atomic); writes do."""
-
-    def __init__(self, maxsize: int = MAX_ENTRIES):
-        self.maxsize = maxsize
-        self._entries: dict = {}
-        self._lock = threading.Lock()
-        self.get = self._entries.get
-
-    def put(self, key, value) -> None:
-        with self._lock:
-            if key not in self._entries:
-                while len(self._entries) >= self.maxsize:
-                    del self._entries[next(iter(self._entries))]
-            self._entries[key] = value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-ROWS = BoundedCache()
-CHANNELS = BoundedCache()
-ROWS_GRAD = BoundedCache()
-CHANNELS_GRAD = BoundedCache()
+ROWS = BoundedCache(MAX_ENTRIES)
+CHANNELS = BoundedCache(MAX_ENTRIES)
+ROWS_GRAD = BoundedCache(MAX_ENTRIES)
+CHANNELS_GRAD = BoundedCache(MAX_ENTRIES)
 CACHES = (ROWS, CHANNELS, ROWS_GRAD, CHANNELS_GRAD)
 
 

@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from ._cache import BoundedCache
+
 KERNEL_DIR = Path(__file__).parent / "kernels"
 #: options shared by the run-time and the offline (CI) compiles. CuPy adds
 #: -arch for the current device and -ftz=true itself.
@@ -60,7 +62,7 @@ def source_digest() -> str:
 #: instantiations, a process uses a few hundred; an evicted one loads again
 #: from CuPy's disk cache). Launch-cache entries hold their own functions.
 MAX_FUNCTIONS = 4096
-_functions: dict[tuple[int, str], object] = {}
+_functions = BoundedCache(MAX_FUNCTIONS)
 _compile_lock = threading.Lock()
 
 
@@ -85,9 +87,7 @@ def get_function(family: str, expression: str, device: int | None = None, cooper
                 module = cupy.RawModule(code=source(family), options=OPTIONS, name_expressions=[expression],
                                         enable_cooperative_groups=cooperative)
                 fn = module.get_function(expression)
-            while len(_functions) >= MAX_FUNCTIONS:
-                del _functions[next(iter(_functions))]
-            _functions[key] = fn
+            _functions.put(key, fn)
     return fn
 
 

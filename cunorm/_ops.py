@@ -35,29 +35,27 @@ def lp_norm_name(p) -> str:
     return _dispatch.power_norm_name(value)
 
 
-def check_eps(eps) -> float:
+def check_eps(eps, dtype=None) -> float:
+    """eps as a float, finite and >= 0. With x's ``dtype``: also as the
+    statistics hold it (float32 but for float64 x): an eps the float32 cast
+    would make inf (above ~3.4e38) or 0 (a positive eps below ~1.4e-45) is
+    refused, on every path alike (the NumPy reference computes in float64
+    and would not round it)."""
     if type(eps) is float and 0.0 <= eps < math.inf:
-        return eps
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
-    value = float(eps)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
-    return value
-
-
-def check_eps_fits(eps: float, dtype) -> float:
-    """eps as the statistics hold it: float32 but for float64 x. An eps the
-    float32 cast would make inf (above ~3.4e38) or 0 (a positive eps below
-    ~1.4e-45) is refused, on every path alike (the NumPy reference computes
-    in float64 and would not round it)."""
-    if np.dtype(dtype) != np.float64 and eps:
+        value = eps
+    else:
+        if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
+            raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+        value = float(eps)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
+    if dtype is not None and value and np.dtype(dtype) != np.float64:
         with np.errstate(over="ignore"):
-            held = np.float32(eps)
+            held = np.float32(value)
         if not np.isfinite(held) or held == 0:
             raise ValueError(f"eps {eps!r} does not survive the cast to float32, the statistics' dtype for "
                              f"{np.dtype(dtype).name} x (it becomes {float(held)!r}): pass an eps float32 can hold")
-    return eps
+    return value
 
 
 def check_flag(value, name: str) -> bool:
@@ -115,7 +113,7 @@ class Call:
         self.weight = self._param(weight, "weight")
         self.bias = self._param(bias, "bias")
         self.residual = self._residual(residual)
-        self.eps = check_eps_fits(check_eps(eps), xa.dtype)
+        self.eps = check_eps(eps, xa.dtype)
         self.out_given = out
         self.out = None if out is None else self._out(out)
         self.return_stats = check_flag(return_stats, "return_stats")

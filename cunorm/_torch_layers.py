@@ -83,9 +83,10 @@ def _memo_key(x: Tensor, tag: int):
 def memo_run(module, x: Tensor, tag: int = 0):
     """The result of the launcher this layer's memoized function ``tag``
     kept for x's signature, or None where it kept none or the call must take
-    the forward: autograd records it, or one of the module's tensors the
-    launcher reads was replaced, moved or cast since (each is checked by
-    pointer and dtype). Outside dynamo's tracing only (memoized checks)."""
+    the forward: autograd records it through the module's tensors, or one of
+    them was replaced, moved or cast since (each is checked by pointer and
+    dtype). Outside dynamo's tracing, for an x autograd does not record
+    (memoized checks both first)."""
     memo = module.__dict__.get("_cunorm_memo")
     if not memo:
         return None
@@ -97,8 +98,6 @@ def memo_run(module, x: Tensor, tag: int = 0):
         return None
     launch, sources = entry
     grad = _grad_enabled()
-    if grad and x.requires_grad:
-        return None
     args = []
     for store, name, pointer, dtype in sources:
         if store is None:

@@ -22,7 +22,7 @@ import cupy
 import torch
 
 from .. import _dtypes
-from .._fast import BoundedCache
+from .._cache import BoundedCache
 from ._scope import DeviceScope
 
 name = "torch"
