@@ -2,7 +2,8 @@
 
 check (the default): on a GPU, run every op on random data against the
 float64 reference and print errors and timings; without a GPU, say so and
-compile every kernel instantiation with NVRTC for sm_80 and sm_90.
+compile a representative instantiation of every kernel and norm for every
+dtype with NVRTC for sm_80 and sm_90 (``check --all``: all of them).
 precompile: build every kernel for the current GPU ahead of time.
 bench: the benchmark suites (``python -m cunorm bench --help``; cunorm/bench).
 """
@@ -96,17 +97,24 @@ def check_gpu(name: str) -> int:
     return 1 if failures else 0
 
 
-def check_compile(jobs=None) -> int:
+def check_compile(jobs=None, everything=False) -> int:
     from . import _catalogue, _loader
 
     kernels = _catalogue.all_kernels()
+    chosen = kernels if everything else _catalogue.representative_kernels(kernels)
     print("No CUDA GPU found: nothing can run here. Checking what can be checked without one:")
-    print(f"compiling all {len(kernels)} kernel instantiations with NVRTC (no spills allowed)")
+    if everything:
+        print(f"compiling all {len(kernels)} kernel instantiations with NVRTC for sm_80 and sm_90 "
+              "(no spills allowed)")
+    else:
+        print(f"compiling {len(chosen)} of the {len(kernels)} kernel instantiations with NVRTC for sm_80 and "
+              "sm_90 (no spills allowed): every kernel and every norm for every dtype, each at its most "
+              "work per thread")
     bad = 0
     for arch in ("sm_80", "sm_90"):
         start = time.perf_counter()
         try:
-            results = _loader.compile_offline(arch, kernels, jobs=jobs)
+            results = _loader.compile_offline(arch, chosen, jobs=jobs, progress=_progress(arch))
         except Exception as err:  # report and fail, don't traceback
             print(f"  {arch}: FAILED\n{err}")
             bad += 1
@@ -118,7 +126,22 @@ def check_compile(jobs=None) -> int:
         print(f"  {arch}: {len(compiled)} kernels in {time.perf_counter() - start:.1f} s, "
               f"at most {regs} registers, {status}")
         bad += bool(spilled)
+    if not everything:
+        print(f"all {len(kernels)}: python -m cunorm check --all (about 10 minutes per architecture on 2 cores)")
     return 1 if bad else 0
+
+
+def _progress(arch):
+    """A progress line about every tenth of the kernels of a long compile (a
+    line each, so a log shows it too)."""
+    shown = [0]
+
+    def report(done, total):
+        if total >= 1000 and done * 10 // total > shown[0] and done < total:
+            shown[0] = done * 10 // total
+            print(f"  {arch}: {done}/{total} ...", flush=True)
+
+    return report
 
 
 def main(argv=None) -> int:
@@ -133,9 +156,12 @@ def main(argv=None) -> int:
     jobs = dict(type=int, default=None, help="compiling processes (default: the CPU count)")
     check = commands.add_parser("check", help="the default: check the ops on the GPU, or compile them without one",
                                 description="On a GPU, run every op on random data against the float64 reference "
-                                "and print errors and timings; without a GPU, compile every kernel instantiation "
+                                "and print errors and timings; without a GPU, compile a representative instantiation "
+                                "of every kernel and norm for every dtype (--all: every instantiation) "
                                 "with NVRTC for sm_80 and sm_90.")
     check.add_argument("--jobs", **jobs)
+    check.add_argument("--all", action="store_true",
+                       help="without a GPU: compile every instantiation, not the representative set")
     precompile = commands.add_parser("precompile", help="build every kernel for the current GPU ahead of time",
                                      description="Build every kernel for the current GPU into CuPy's disk cache.")
     precompile.add_argument("--jobs", **jobs)
@@ -155,7 +181,7 @@ def main(argv=None) -> int:
         summary = precompile(verbose=True, jobs=args.jobs)
         print(f"{summary['kernels']} kernels in {summary['seconds']:.1f} s (source {summary['source']})")
         return 0
-    return check_gpu(name) if name else check_compile(args.jobs)
+    return check_gpu(name) if name else check_compile(args.jobs, getattr(args, "all", False))
 
 
 if __name__ == "__main__":

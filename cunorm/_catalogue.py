@@ -62,7 +62,8 @@ def all_kernels(norms=None) -> list[Kernel]:
     for dtype in _dtypes.SUPPORTED:
         for vec in _vector_widths(dtype):
             out.append(K.RESIDUAL_ADD(_dtypes.KERNEL_TYPE[dtype], vec))
-    return out + channel_kernels() + backward_kernels()
+    # (each once: the dtypes that share an accumulation type share its kernels)
+    return list(dict.fromkeys(out + channel_kernels() + backward_kernels()))
 
 
 def channel_kernels() -> list[Kernel]:
@@ -117,3 +118,32 @@ def backward_kernels() -> list[Kernel]:
                 out.append(K.CHANNEL_GRAD_SUMS(t, vec, last))
                 out.append(K.CHANNEL_GRAD_APPLY(t, vec, last))
     return out
+
+
+def representative_kernels(kernels=None) -> list[Kernel]:
+    """A subset of ``kernels`` (default: all_kernels()) that compiles every
+    kernel declaration for every data type, and every norm policy for every
+    data type: per group, the instantiation with the most work per thread
+    (the product of its numeric template arguments: vector width, vectors
+    per thread, flags), where register pressure and spills show first. The
+    quick compile check without a GPU (``python -m cunorm``) and CI's check
+    for the second architecture compile these; ``check --all`` and CI's
+    first architecture compile everything."""
+    kernels = all_kernels() if kernels is None else list(kernels)
+    data_types = set(_dtypes.KERNEL_TYPE.values())
+    heaviest: dict[tuple, tuple[int, int]] = {}
+    for i, k in enumerate(kernels):
+        args = k.template_args
+        data = next((a for a in args if a in data_types), None)
+        work = 1
+        for a in args:
+            if type(a) is int and a > 0:
+                work *= a
+        groups = [(k.name, data)]
+        if args and isinstance(args[0], str) and args[0] not in data_types:  # a norm or gradient policy
+            groups.append((args[0], data))
+        for group in groups:
+            if group not in heaviest or work > heaviest[group][0]:
+                heaviest[group] = (work, i)
+    chosen = sorted({i for _, i in heaviest.values()})
+    return [kernels[i] for i in chosen]

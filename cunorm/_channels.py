@@ -54,9 +54,6 @@ class ChannelCall:
         else:
             self.groups = channels
         per_group = (channels // max(self.groups, 1)) * spatial * (shape[0] if norm == "batch" else 1)
-        if per_group == 0:
-            raise ValueError(f"{fn}: x of shape {shape} leaves no elements in a normalization group "
-                             f"(channel axis {self.channel_axis})")
         self.weight = self._param(weight, "weight", channels)
         self.bias = self._param(bias, "bias", channels)
         self.eps = _ops.check_eps(eps, xa.dtype)
@@ -76,7 +73,7 @@ class ChannelCall:
                              "pass running_mean and running_var")
         if norm == "batch" and self.training and per_group == 1:
             raise ValueError(f"batch_norm in training needs more than one value per channel, got x of shape {shape}")
-        if norm == "instance" and spatial == 1:
+        if norm == "instance" and spatial == 1 and xa.size:
             raise ValueError(f"instance_norm needs more than one spatial element, got x of shape {shape}")
         self.out_given = out
         self.out = None if out is None else self._out(out)
@@ -150,6 +147,8 @@ def run(call: ChannelCall, key=None):
     signature in the launch cache (cunorm/_fast.py), which gets an entry
     when the call ran without copies or conversions."""
     if not call.on_gpu:
+        if not call.x.size:  # nothing to normalize; the running buffers are left as they are
+            return _ops.empty_results(call, 1, 2)
         return _run_reference(call)
     with call.adapter.scope(call.x.data.device_id):
         x, y, last, stats = prepare(call)
@@ -210,6 +209,9 @@ def prepare(call: ChannelCall):
         y = cupy.empty([x.shape[a] for a in order], dtype=call.out_dtype or x.dtype).transpose(np.argsort(order))
     acc = _dtypes.accumulation(x.dtype)
     stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2)] if call.return_stats else []
+    if not x.size:  # statistics over no elements (_ops.empty_results)
+        for s in stats:
+            s.fill(np.nan)
     return x, y, last, stats
 
 

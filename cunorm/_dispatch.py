@@ -304,6 +304,18 @@ def choose(plan: Plan, device: Device, *, override: dict | None = None) -> Launc
     return _choose_strided(plan, device, override)
 
 
+def rows_cache_fits(plan: Plan, threads: int) -> bool:
+    """Whether rows_cached with ``threads`` per row holds the row within
+    the register budget (what a forced cached tier is checked against)."""
+    vpt = next_pow2(_ceil_div(plan.reduced // plan.vec, threads))
+    if vpt > MAX_VECS_PER_THREAD:
+        return False
+    heavy = is_heavy(plan.norm, plan.dtype)
+    cost = cached_cost(vpt, plan.vec * plan.dtype.itemsize, plan.residual, heavy)
+    limit = block_cache_limit(cost, cached_loads(vpt, plan.residual), heavy)
+    return group_fits(cost) if threads <= 32 else threads <= limit
+
+
 def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     vec_bytes = plan.vec * plan.dtype.itemsize
     n_vec = plan.reduced // plan.vec
@@ -319,12 +331,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         if _ceil_div(n_vec, threads) > MAX_VECS_PER_THREAD:
             threads = 1024
     def fits(threads):
-        vpt = next_pow2(_ceil_div(n_vec, threads))
-        cost = cached_cost(vpt, vec_bytes, plan.residual, heavy)
-        if vpt > MAX_VECS_PER_THREAD:
-            return False
-        limit = block_cache_limit(cost, cached_loads(vpt, plan.residual), heavy)
-        return group_fits(cost) if threads <= 32 else threads <= limit
+        return rows_cache_fits(plan, threads)
 
     if threads > 32:
         threads = max(threads, 64)  # a block per row: at least two warps

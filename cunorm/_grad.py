@@ -67,6 +67,8 @@ def run_rows(g: RowGradCall, reference, key=None):
     when the call ran without copies or casts."""
     call = g.call
     if not call.on_gpu:
+        if not call.x.size:
+            return _empty_grads(call, {"rms": 1, "ln": 2}.get(g.norm, 0))
         return reference(g)
     with call.adapter.scope(call.x.data.device_id):
         (dx, dw, db), program = _rows_gpu(g)
@@ -139,6 +141,14 @@ def _param_grad_buffers(call, shape, pdtype):
     import cupy
 
     return tuple(None if p is None else cupy.empty(shape, dtype=pdtype) for p in (call.weight, call.bias))
+
+
+def _empty_grads(call, params: int):
+    """The NumPy backward of x with no elements: dx empty, the parameters'
+    gradients zero (sums over nothing); ``params`` of them returned."""
+    dx = np.empty(call.x.shape, call.x.dtype)
+    grads = [None if p is None else np.zeros(p.shape, p.dtype) for p in (call.weight, call.bias)][:params]
+    return (dx, *grads) if params else dx
 
 
 def _param_grads(call, dw, db, *, empty: bool):
@@ -273,6 +283,8 @@ def run_channels(g: ChannelGradCall, reference, key=None):
     run_rows."""
     call = g.call
     if not call.on_gpu:
+        if not call.x.size:
+            return _empty_grads(call, 2)
         return reference(g)
     with call.adapter.scope(call.x.data.device_id):
         (dx, dw, db), program, last = _channels_gpu(g)

@@ -15,7 +15,7 @@ data ``T`` or the accumulation ``A`` template argument is double).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KINDS = ("ptr", "i32", "i64", "acc")
 
@@ -33,6 +33,10 @@ class Kernel:
     persistent: bool = False
     #: (name, kind) of each argument in order, kinds resolved (acc -> f32 / f64)
     signature: tuple = ()
+    #: the declaration's name and the template arguments it was made from
+    #: (what the catalogue's representative set groups by)
+    name: str = field(default="", compare=False, repr=False)
+    template_args: tuple = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class KernelDecl:
         data = params.get("T", params.get("A"))
         acc = "f64" if data == "double" else "f32"
         signature = tuple((n, acc if k == "acc" else k) for n, k in self.args)
-        return Kernel(self.family, self.expression(*targs), cooperative, persistent, signature)
+        return Kernel(self.family, self.expression(*targs), cooperative, persistent, signature, self.name, tuple(targs))
 
 
 def _format(value) -> str:

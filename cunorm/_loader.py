@@ -96,25 +96,46 @@ def precompile(verbose: bool = False, jobs: int | None = None) -> dict:
     current GPU (filling CuPy's disk cache), compiling in ``jobs`` processes
     (default: the CPU count; each compiles a share into the shared disk
     cache, then this process loads them all from it). Returns a summary
-    with the time it took."""
-    import concurrent.futures
-    import multiprocessing
+    with the time it took. Raises RuntimeError where there is no GPU
+    (``python -m cunorm check`` compiles without one).
+
+    The workers are fresh interpreters running this module (``python -m
+    cunorm._loader``), not multiprocessing's children, so a caller's script
+    is never re-run in them (no ``if __name__ == "__main__"`` guard needed).
+    """
     import os
+    import subprocess
 
     from ._catalogue import all_kernels
+    from ._launch import gpu_name
 
+    if gpu_name() is None:
+        raise RuntimeError("cunorm.precompile: no CUDA GPU found; precompile builds the kernels for the current "
+                           "GPU. Without one, `python -m cunorm check` compiles them with NVRTC for sm_80 and sm_90.")
     kernels = all_kernels()
     start = time.perf_counter()
     jobs = jobs or os.cpu_count() or 1
     if jobs > 1:
-        shares = [kernels[i::jobs] for i in range(jobs)]
-        context = multiprocessing.get_context("spawn")  # CUDA does not survive fork
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            for done, _ in enumerate(concurrent.futures.as_completed(
-                    [pool.submit(_compile_share, [(k.family, k.expression, k.cooperative) for k in share])
-                     for share in shares])):
-                if verbose and sys.stdout.isatty():
-                    print(f"\r  {done + 1}/{jobs} compiling processes done", end="", flush=True)
+        package_parent = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+        workers = []
+        for i in range(jobs):
+            share = "\n".join(f"{k.family} {int(k.cooperative)} {k.expression}" for k in kernels[i::jobs])
+            worker = subprocess.Popen([sys.executable, "-m", "cunorm._loader"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+            worker.stdin.write(share)
+            worker.stdin.close()
+            workers.append(worker)
+        failed = []
+        for done, worker in enumerate(workers):
+            err = worker.stderr.read()
+            if worker.wait():
+                failed.append(err.strip().splitlines()[-1:] or [f"exit status {worker.returncode}"])
+            if verbose and sys.stdout.isatty():
+                print(f"\r  {done + 1}/{jobs} compiling processes done", end="", flush=True)
+        if failed:
+            raise RuntimeError(f"cunorm.precompile: {len(failed)} of {jobs} compiling processes failed: {failed[0][0]}")
     for i, kernel in enumerate(kernels):
         get_function(kernel.family, kernel.expression, cooperative=kernel.cooperative)
         if verbose and sys.stdout.isatty():
@@ -124,11 +145,16 @@ def precompile(verbose: bool = False, jobs: int | None = None) -> dict:
     return {"kernels": len(kernels), "seconds": time.perf_counter() - start, "source": source_digest()}
 
 
-def _compile_share(kernels) -> int:
-    """Compile (family, expression, cooperative) triples in a worker process."""
-    for family, expression, cooperative in kernels:
-        get_function(family, expression, cooperative=cooperative)
-    return len(kernels)
+def _compile_share(lines) -> int:
+    """Compile the kernels of precompile's worker: one per line, "family
+    cooperative expression" (the expression last: it holds spaces)."""
+    count = 0
+    for line in lines:
+        if line.strip():
+            family, cooperative, expression = line.split(" ", 2)
+            get_function(family, expression.strip(), cooperative=cooperative == "1")
+            count += 1
+    return count
 
 
 # --- offline compile (no GPU): NVRTC through CuPy's low-level bindings --------
@@ -138,11 +164,12 @@ _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 
 
-def compile_offline(arch: str, kernels, jobs: int | None = None) -> list[dict]:
+def compile_offline(arch: str, kernels, jobs: int | None = None, progress=None) -> list[dict]:
     """Compile kernels with NVRTC for ``arch`` (e.g. "sm_90") without a GPU.
 
     Each family's instantiations are compiled as name expressions of a few
     NVRTC programs, spread over ``jobs`` processes (default: the CPU count).
+    ``progress(done, total)``, where given, is called as kernels finish.
     Returns, per kernel: expression, registers, stack frame bytes, spill
     store and load bytes; and the same for device functions the kernels
     call, marked ``helper``. Raises RuntimeError with NVRTC's log on an
@@ -154,15 +181,36 @@ def compile_offline(arch: str, kernels, jobs: int | None = None) -> list[dict]:
     by_family: dict[str, list[str]] = {}
     for k in kernels:
         by_family.setdefault(k.family, []).append(k.expression)
+    total = sum(len(e) for e in by_family.values())
     jobs = jobs or os.cpu_count() or 1
     batches = []
     for family, expressions in by_family.items():
+        # batches of at most 200 (a program's compile time grows faster than
+        # its name expressions), at least one per process
         size = max(1, min(200, -(-len(expressions) // jobs)))
         batches += [(family, expressions[i : i + size], arch) for i in range(0, len(expressions), size)]
+    results: list[list[dict]] = [[] for _ in batches]
+    done = 0
     if jobs == 1 or len(batches) == 1:
-        return [r for batch in batches for r in _compile_batch(*batch)]
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
-        return [r for part in pool.map(_compile_batch, *zip(*batches)) for r in part]
+        for i, batch in enumerate(batches):
+            results[i] = _compile_batch(*batch)
+            done += len(batch[1])
+            if progress:
+                progress(done, total)
+    else:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_compile_batch, *batch): i for i, batch in enumerate(batches)}
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    i = futures[future]
+                    results[i] = future.result()
+                    done += len(batches[i][1])
+                    if progress:
+                        progress(done, total)
+            except BaseException:  # an NVRTC error or ^C: the batches not started are not waited for
+                pool.shutdown(cancel_futures=True)
+                raise
+    return [r for part in results for r in part]
 
 
 def _compile_batch(family: str, expressions: list[str], arch: str) -> list[dict]:
@@ -211,3 +259,7 @@ def _parse_ptxas(log: str, lowered: dict[str, str]) -> list[dict]:
         if name not in lowered:
             entry["helper"] = True
     return list(found.values())
+
+
+if __name__ == "__main__":  # precompile's worker: the kernels to compile on stdin
+    _compile_share(sys.stdin.read().splitlines())

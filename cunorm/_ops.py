@@ -104,11 +104,6 @@ class Call:
         check_out_dtype(out_dtype, xa.dtype)
         self.first, self.last = axis_span(axis, xa.ndim)
         self.norm_shape = tuple(xa.shape[self.first : self.last + 1])
-        if math.prod(self.norm_shape) == 0:
-            raise ValueError(
-                f"the normalized axes of x have zero length (x.shape {tuple(xa.shape)}, axes "
-                f"{self.first}..{self.last}): a norm over no elements is undefined"
-            )
         self.x = xa
         self.weight = self._param(weight, "weight")
         self.bias = self._param(bias, "bias")
@@ -232,6 +227,8 @@ def run(call: Call, reference, key=None):
     caller's array type. ``key``: the call's signature in the launch cache
     (cunorm/_fast.py), which gets an entry when the call ran without copies."""
     if not call.on_gpu:
+        if not call.x.size:
+            return empty_results(call, 1 + (call.residual is not None), (2 if call.norm == "ln" else 1))
         kwargs = {"axis": tuple(range(call.first, call.last + 1)), "eps": call.eps}
         if call.norm in ("rms", "ln"):
             kwargs.update(weight=call.weight, residual=call.residual, return_stats=call.return_stats,
@@ -255,6 +252,18 @@ def run(call: Call, reference, key=None):
     if key is not None and program is not None:
         _fast.ROWS.put(key, _rows_entry(call, program))
     return results
+
+
+def empty_results(call, arrays: int, stats: int):
+    """The NumPy results of a call whose x has no elements: y (into out
+    where given), h where there is a residual (``arrays`` 2), and the
+    statistics where asked for, NaN (the mean of nothing, as NumPy's) where
+    they have entries; nothing is computed or updated."""
+    y = np.empty(call.x.shape, call.out_dtype or call.x.dtype) if call.out is None else call.out_given
+    results = [y] + [np.empty(call.x.shape, call.x.dtype)] * (arrays - 1)
+    if call.return_stats:
+        results += [np.full(call.stats_shape, np.nan, _dtypes.accumulation(call.x.dtype)) for _ in range(stats)]
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 def _with_y(results, change):
@@ -293,6 +302,9 @@ def _run_gpu(call: Call):
     if call.return_stats:
         acc = _dtypes.accumulation(x.dtype)
         stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2 if call.norm == "ln" else 1)]
+        if not x.size:  # statistics over no elements (empty_results)
+            for s in stats:
+                s.fill(np.nan)
     program = None
     if x.size:
         _, pdtype = kernel_params(x.dtype, call.weight, call.bias)

@@ -94,8 +94,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
         tensor, or of a dtype other than the four floats; residual of another
         dtype than x; an array on the other side (NumPy vs GPU) from x.
     ValueError
-        a bad axis (out of range, repeated, not adjacent), zero-length
-        normalized axes, weight or residual of the wrong shape, eps negative
+        a bad axis (out of range, repeated, not adjacent), weight or residual of the wrong shape, eps negative
         or not finite, out of the wrong shape/dtype/layout or overlapping,
         arrays on different GPUs.
 
@@ -229,7 +228,7 @@ def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
         floats; p not a real number.
     ValueError
         p <= 0 or NaN, a bad axis (out of range, repeated, not adjacent),
-        zero-length normalized axes, eps negative or not finite, a bad out.
+        eps negative or not finite, a bad out.
 
     Notes
     -----
@@ -347,8 +346,8 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
         a wrong array kind or dtype, num_groups not an int.
     ValueError
         num_groups < 1 or not dividing C, weight/bias not of shape (C,), a
-        channel_axis other than 1 or -1, x of fewer than 2 dimensions or with
-        empty groups, eps negative or not finite, a bad ``out``.
+        channel_axis other than 1 or -1, x of fewer than 2 dimensions, eps
+        negative or not finite, a bad ``out``.
 
     Notes
     -----

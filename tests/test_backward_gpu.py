@@ -267,7 +267,7 @@ def check_channels(op, x_np, *, groups=None, weight=None, bias=None, channel_axi
     dtype = x_np.dtype
     x = to_layout(cupy, x_np, memory, channel_axis)
     dy_np = random(rng, x_np.shape, dtype)
-    dy = to_layout(cupy, dy_np, "c", channel_axis)
+    dy = to_layout(cupy, dy_np, "sliced" if memory == "sliced" else "c", channel_axis)
     w = None if weight is None else cupy.asarray(weight)
     b = None if bias is None else cupy.asarray(bias)
     before = [cupy.asnumpy(a) for a in (x, dy)]

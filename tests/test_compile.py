@@ -1,21 +1,54 @@
-"""Every kernel instantiation compiles with NVRTC for sm_80 and sm_90, with no
-local-memory spill (CPU: no GPU needed)."""
+"""Every kernel instantiation compiles with NVRTC for sm_90, and a
+representative set of them (every kernel and every norm for every dtype) for
+sm_80, with no local-memory spill (CPU: no GPU needed). One test per kernel
+declaration, so a run shows its progress; ``python -m cunorm check --all``
+compiles everything for both architectures."""
+import functools
 import re
 
 import pytest
 
-from cunorm import _catalogue, _dispatch, _loader
+from cunorm import _catalogue, _dispatch, _dtypes, _kernels, _loader
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_all_instantiations_compile_without_spills(arch):
-    kernels = _catalogue.all_kernels()
+@functools.lru_cache(maxsize=None)
+def _all():
+    return tuple(_catalogue.all_kernels())
+
+
+def _check(arch, kernels):
     results = _loader.compile_offline(arch, kernels)
     compiled = [r for r in results if not r.get("helper")]
     assert len(compiled) == len(kernels)
     spilled = [r for r in results if r.get("stack") or r.get("spill_stores") or r.get("spill_loads")]
     assert not spilled, f"{len(spilled)} kernels or their callees use local memory on {arch}, e.g. {spilled[:3]}"
     assert all(0 < r["registers"] <= 255 for r in compiled)
+
+
+@pytest.mark.parametrize("name", [d.name for d in _kernels.DECLARATIONS])
+def test_every_instantiation_compiles_for_sm_90_without_spills(name):
+    kernels = [k for k in _all() if k.name == name]
+    assert kernels, f"the catalogue has no instantiation of {name}"
+    _check("sm_90", kernels)
+
+
+def test_representative_set_compiles_for_sm_80_without_spills():
+    _check("sm_80", _catalogue.representative_kernels(_all()))
+
+
+def test_representative_set_covers_every_kernel_norm_and_dtype():
+    chosen = _catalogue.representative_kernels(_all())
+    assert len(chosen) < len(_all()) / 20
+    types = set(_dtypes.KERNEL_TYPE.values())
+    want = {(k.name, next((a for a in k.template_args if a in types), None)) for k in _all()}
+    assert {(k.name, next((a for a in k.template_args if a in types), None)) for k in chosen} == want
+    policies = {(k.template_args[0], k.template_args[1]) for k in _all()
+                if k.template_args and isinstance(k.template_args[0], str) and k.template_args[0] not in types}
+    assert {(k.template_args[0], k.template_args[1]) for k in chosen
+            if k.template_args and isinstance(k.template_args[0], str) and k.template_args[0] not in types} == policies
+    # the heaviest of its group: rows_cached of float16 RMSNorm at 16-byte vectors and the most vectors per thread
+    rms = [k for k in chosen if k.name == "rows_cached" and k.template_args[:2] == ("cunorm::RmsNorm", "cunorm::half_t")]
+    assert rms and rms[0].template_args[5] == 8 and rms[0].template_args[6] == max(_dispatch.VECS_PER_THREAD_CHOICES)
 
 
 def test_source_inlines_every_header():

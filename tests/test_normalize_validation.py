@@ -45,9 +45,7 @@ def test_bad_axes(xp, op):
 
 
 @pytest.mark.parametrize("op", OPS, ids=OP_IDS)
-def test_empty_axis_and_scalar(xp, op):
-    with pytest.raises(ValueError, match="zero length"):
-        op(xp.zeros((3, 0), dtype=np.float32), axis=-1)
+def test_scalar(xp, op):
     with pytest.raises(ValueError, match="at least one dimension"):
         op(xp.asarray(np.float32(1.0)), axis=None)
 

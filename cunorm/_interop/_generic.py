@@ -26,7 +26,11 @@ def to_cupy(x, arg: str = "x"):
 
     _, device = x.__dlpack_device__()
     with cupy.cuda.Device(int(device)):  # the producer orders its work before this device's current stream
-        return cupy.from_dlpack(x)
+        array = cupy.from_dlpack(x)
+    from .cupy import check_whole_elements
+
+    check_whole_elements(array, arg)  # (a DLPack byte_offset need not be whole elements)
+    return array
 
 
 def from_cupy(y):

@@ -18,7 +18,19 @@ def owns(x) -> bool:
 
 
 def to_cupy(x, arg: str = "x") -> cupy.ndarray:
+    check_whole_elements(x, arg)
     return x
+
+
+def check_whole_elements(x, arg: str) -> None:
+    """Refuse a view whose address or strides are not whole elements (CuPy
+    makes them from a byte offset or byte strides): the kernels address
+    elements, and would round them down."""
+    itemsize = x.itemsize
+    if itemsize > 1 and (x.data.ptr % itemsize or any(s % itemsize for s, n in zip(x.strides, x.shape) if n > 1)):
+        raise ValueError(f"{arg} is a view whose address or strides are not whole {itemsize}-byte elements "
+                         f"(address {x.data.ptr % itemsize} bytes past an element boundary, strides "
+                         f"{x.strides} bytes): pass a copy ({arg}.copy())")
 
 
 def from_cupy(y: cupy.ndarray):

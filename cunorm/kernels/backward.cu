@@ -732,6 +732,13 @@ __device__ __forceinline__ long long stat_index(long long n, int c, int channels
     return n * stat_batch + c / channels_per_group;
 }
 
+// The channel tiles of the channel backward's grid y: channel vectors of
+// blockDim.x (channels-last) or channels of blockDim.y (plane rows).
+template <int VEC, bool LAST>
+__device__ __forceinline__ int channel_tiles(int channels) {
+    return LAST ? (channels / VEC + blockDim.x - 1) / blockDim.x : (channels + blockDim.y - 1) / blockDim.y;
+}
+
 // Pass 1: (A, B) = (sum dy, sum dy * (x - mean)) of each (n, c, chunk) into
 // partial[((n * channels + c) * chunks + chunk) * 2].
 // Channels-first: block (chunk, c, n) reduces its chunk of the (n, c) run;
@@ -751,7 +758,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
     const long long chunk = blockIdx.x;
     // samples and channel tiles beyond the grid's y and z limits (65535)
     // are walked by grid stride; each step ends in a barrier (shared reuse)
-    const int tiles = LAST ? (channels / VEC + blockDim.x - 1) / blockDim.x : (channels + blockDim.y - 1) / blockDim.y;
+    const int tiles = channel_tiles<VEC, LAST>(channels);
     for (long long n = blockIdx.z; n < batch; n += gridDim.z)
     for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
     if constexpr (!LAST) {
@@ -912,7 +919,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                        int channels, int channels_per_group, int stat_batch, long long chunks, long long chunk_len) {
     using A = typename AccOf<T>::type;
     const long long chunk = gridDim.x - 1 - blockIdx.x;
-    const int tiles = LAST ? (channels / VEC + blockDim.x - 1) / blockDim.x : (channels + blockDim.y - 1) / blockDim.y;
+    const int tiles = channel_tiles<VEC, LAST>(channels);
     // (grid stride over samples and tiles past the y and z limits, in reverse)
     for (long long n = batch - 1 - static_cast<long long>(blockIdx.z); n >= 0; n -= gridDim.z)
     for (int tile_y = tiles - 1 - static_cast<int>(blockIdx.y); tile_y >= 0; tile_y -= static_cast<int>(gridDim.y)) {

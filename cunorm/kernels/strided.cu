@@ -28,6 +28,10 @@
 
 namespace cunorm {
 
+// channels per thread folded apart before joining the thread's total (the
+// two-sweep loop below)
+constexpr unsigned kStridedRun = 256;
+
 template <template <class> class NormT, class T, class P, int FLAGS, int VEC, int CHANNELS_PER_THREAD>
 __global__ void __launch_bounds__(256, 2)
 strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
@@ -87,11 +91,29 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
             }
         } else {
             if (active) {
-#pragma unroll 4
-                for (int c = ty; c < reduced; c += by) {
-                    const Vec<T, VEC> in = load_vec<T, VEC>(xo + c * x_reduced_stride);
+                // Two levels: each run of kStridedRun channels is folded into
+                // its own partial, then combined into s, so a float32 sum's
+                // rounding grows with reduced / kStridedRun + kStridedRun
+                // values, not with reduced / by (0.5% at 2^31 channels).
+                // unsigned: reduced may be within by of 2^31, past which an
+                // int c + by overflows.
+                const unsigned end = static_cast<unsigned>(reduced);
+#pragma unroll 1
+                for (unsigned start = ty; start < end; start += by * kStridedRun) {
+                    const unsigned stop = min(end, start + by * kStridedRun);
+                    Stats run[VEC];
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) s[j] = fold_one<Norm>(s[j], static_cast<A>(widen(in.v[j])) - pivot[j]);
+                    for (int j = 0; j < VEC; ++j) run[j] = Norm::init();
+#pragma unroll 4
+                    for (unsigned c = start; c < stop; c += by) {
+                        const Vec<T, VEC> in = load_vec<T, VEC>(xo + c * x_reduced_stride);
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) {
+                            run[j] = fold_one<Norm>(run[j], static_cast<A>(widen(in.v[j])) - pivot[j]);
+                        }
+                    }
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) s[j] = Norm::combine(s[j], run[j]);
                 }
             }
         }
@@ -111,7 +133,7 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
             if (active && ty == 0) store_stats(center_out, scale_out, o * inner + iv * VEC + j, f[j], pivot[j]);
         }
 
-        auto write = [&](int c, const Vec<T, VEC>& in) {
+        auto write = [&](long long c, const Vec<T, VEC>& in) {
             A wc = A(1), bc = A(0);
             if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
             if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
@@ -131,7 +153,9 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
         } else {
             if (active) {
 #pragma unroll 4
-                for (int c = ty; c < reduced; c += by) write(c, load_vec<T, VEC>(xo + c * x_reduced_stride));
+                for (unsigned c = ty; c < static_cast<unsigned>(reduced); c += by) {
+                    write(c, load_vec<T, VEC>(xo + c * x_reduced_stride));
+                }
             }
         }
     }

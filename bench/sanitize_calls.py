@@ -1,0 +1,94 @@
+"""One call of every kernel, forward and backward, on small shapes: the
+program compute-sanitizer runs (bench/sanitize.sh, each of memcheck,
+racecheck, initcheck and synccheck).
+
+CuPy's memory pool is off, so each array is its own cudaMalloc and memcheck
+sees an access past any of them. Every kernel declaration of
+cunorm/_kernels.py must have been loaded by the end (the script fails
+naming any that was not), so a new kernel cannot go unsanitized. Exit
+status 0 when every call ran and every declaration was reached.
+"""
+from __future__ import annotations
+
+import sys
+
+import cupy
+import numpy as np
+
+import cunorm
+from cunorm import _dtypes, _kernels, _loader, _ops
+
+reached: set[str] = set()
+_load = _loader.get_function
+
+
+def _recording(family, expression, device=None, cooperative=False):
+    reached.add(expression.split("<", 1)[0].removeprefix("cunorm::"))
+    return _load(family, expression, device, cooperative)
+
+
+def main() -> int:
+    _loader.get_function = _recording
+    cupy.cuda.set_allocator(None)  # no pool: an array is its own allocation
+    rng = np.random.default_rng(0)
+
+    def arr(*shape, dtype=np.float32):
+        return cupy.asarray(rng.standard_normal(shape).astype(dtype))
+
+    bf16 = _dtypes.bfloat16
+    x, w, b, r = arr(64, 1024), arr(1024), arr(1024), arr(64, 1024)
+    long_rows = arr(2, 1 << 17)
+    nchw, c8 = arr(2, 8, 5, 7), arr(8)
+    nhwc = cupy.ascontiguousarray(nchw.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+    # the row tiers: the dispatch's own choice, then each forced
+    y, h, mean, rstd = cunorm.layer_norm(x, w, b, residual=r, return_stats=True)
+    cunorm.rms_norm(arr(64, 1000, dtype=bf16), arr(1000, dtype=bf16))
+    xs, ws, rs = arr(64, 256), arr(256), arr(64, 256)
+    for override in ({"tier": "cached", "threads": 32}, {"tier": "cached", "threads": 256}, {"tier": "uncached"},
+                     {"tier": "split"}, {"tier": "resident"}):
+        _ops.launch_on("ln", xs, cupy.empty_like(xs), w=ws, b=ws, r=rs, h=cupy.empty_like(xs), first=1, last=1,
+                       eps=1e-5, override=override)
+    # strided axes: registers, then two sweeps; the residual added unfused there
+    cunorm.rms_norm(arr(2, 64, 33), axis=1)
+    cunorm.rms_norm(arr(2, 600, 40), arr(600), axis=1, residual=arr(2, 600, 40))
+    _ops.launch_on("rms", arr(3, 300, 40), cupy.empty((3, 300, 40), np.float32), first=1, last=1, eps=1e-5,
+                   override={"tier": "uncached"})
+    for p in (1, 2, 3.0, np.inf):
+        cunorm.normalize(x, p)
+    cunorm.mean_abs_normalize(x)
+    cunorm.frobenius_normalize(long_rows)
+    # the channel norms, both layouts, training and eval
+    cunorm.group_norm(nchw, 4, c8, c8, return_stats=True)
+    cunorm.instance_norm(nhwc, c8, c8)
+    cunorm.batch_norm(nhwc, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32))
+    for stats in (False, True):  # eval: one launch, or the running buffers' statistics first
+        cunorm.batch_norm(nchw, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32),
+                          training=False, return_stats=stats)
+
+    # backward: cached rows, streamed long rows, a strided axis, the channel norms
+    cunorm.layer_norm_backward(arr(64, 1024), h, mean, rstd, w, b)
+    _, long_rstd = cunorm.rms_norm(long_rows, arr(1 << 17), return_stats=True)
+    cunorm.rms_norm_backward(arr(2, 1 << 17), long_rows, long_rstd, arr(1 << 17))
+    strided = arr(4, 64, 48)
+    _, s_mean, s_rstd = cunorm.layer_norm(strided, arr(64), arr(64), axis=1, return_stats=True)
+    cunorm.layer_norm_backward(arr(4, 64, 48), strided, s_mean, s_rstd, arr(64), arr(64), axis=1)
+    cunorm.normalize_backward(arr(64, 1024), x, np.inf)
+    for norm, layout in (("group", nchw), ("batch", nhwc)):
+        extra = (4,) if norm == "group" else ()
+        _, m, s = getattr(cunorm, f"{norm}_norm")(layout, *extra, c8, c8, return_stats=True)
+        getattr(cunorm, f"{norm}_norm_backward")(arr(2, 8, 5, 7), layout, m, s, *extra, c8, c8)
+    cunorm.batch_norm_backward(arr(2, 8, 5, 7), nchw, cupy.zeros(8, np.float32), cupy.ones(8, np.float32), c8, c8,
+                               training=False)
+    cupy.cuda.Device().synchronize()
+
+    missing = sorted({d.name for d in _kernels.DECLARATIONS} - reached)
+    print(f"{len(reached)} kernels reached: {', '.join(sorted(reached))}")
+    if missing:
+        print(f"not reached (add a call): {', '.join(missing)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

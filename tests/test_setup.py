@@ -1,0 +1,76 @@
+"""A newcomer's first commands (CPU): the GPU detection of the test suite,
+``cunorm.precompile()`` and ``python -m cunorm`` without a GPU."""
+import subprocess
+
+import pytest
+
+import conftest
+import cunorm
+from cunorm import __main__ as cli
+from cunorm import _catalogue, _loader
+from conftest import HAS_GPU
+
+
+def _no_device(monkeypatch):
+    import cupy
+
+    def fail():
+        raise cupy.cuda.runtime.CUDARuntimeError(35)  # cudaErrorInsufficientDriver
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", fail)
+    monkeypatch.delenv("CUNORM_TEST_CPU_ONLY", raising=False)
+
+
+def test_gpu_present_but_unusable_stops_the_suite(monkeypatch):
+    _no_device(monkeypatch)
+    monkeypatch.setattr(conftest, "_nvidia_gpu_present", lambda: True)
+    with pytest.raises(pytest.UsageError, match="GPU is present but CuPy cannot use it"):
+        conftest._gpu_available()
+    monkeypatch.setenv("CUNORM_TEST_CPU_ONLY", "1")
+    assert conftest._gpu_available() is False
+
+
+def test_no_gpu_skips_the_gpu_tests(monkeypatch):
+    _no_device(monkeypatch)
+    monkeypatch.setattr(conftest, "_nvidia_gpu_present", lambda: False)
+    assert conftest._gpu_available() is False
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")
+def test_precompile_without_gpu_says_so_and_starts_nothing(monkeypatch):
+    def no_process(*args, **kwargs):
+        raise AssertionError("precompile started a process without a GPU")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    with pytest.raises(RuntimeError, match="no CUDA GPU found.*python -m cunorm check"):
+        cunorm.precompile(jobs=4)
+
+
+def test_precompile_worker_reads_its_share(monkeypatch):
+    got = []
+    monkeypatch.setattr(_loader, "get_function", lambda family, expression, cooperative: got.append(
+        (family, expression, cooperative)))
+    kernels = _catalogue.representative_kernels()[:5]
+    lines = [f"{k.family} {int(k.cooperative)} {k.expression}" for k in kernels] + [""]
+    assert _loader._compile_share(lines) == len(kernels)
+    assert got == [(k.family, k.expression, k.cooperative) for k in kernels]
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")
+@pytest.mark.parametrize("everything", [False, True])
+def test_check_without_gpu_compiles_the_representative_set(monkeypatch, capsys, everything):
+    asked = []
+
+    def compile_offline(arch, kernels, jobs=None, progress=None):
+        asked.append((arch, len(kernels), jobs))
+        if progress:
+            progress(len(kernels), len(kernels))
+        return [{"expression": k.expression, "registers": 32} for k in kernels]
+
+    monkeypatch.setattr(_loader, "compile_offline", compile_offline)
+    assert cli.main(["check", "--jobs", "3"] + (["--all"] if everything else [])) == 0
+    n = len(_catalogue.all_kernels() if everything else _catalogue.representative_kernels())
+    assert asked == [("sm_80", n, 3), ("sm_90", n, 3)]
+    out = capsys.readouterr().out
+    assert "No CUDA GPU found" in out and f"sm_90: {n} kernels" in out
+    assert ("check --all" in out) != everything
