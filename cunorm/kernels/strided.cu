@@ -30,7 +30,7 @@ namespace cunorm {
 
 // channels per thread folded apart before joining the thread's total (the
 // two-sweep loop below)
-constexpr unsigned kStridedRun = 256;
+constexpr int kStridedRun = 256;
 
 template <template <class> class NormT, class T, class P, int FLAGS, int VEC, int CHANNELS_PER_THREAD>
 __global__ void __launch_bounds__(256, 2)
@@ -95,17 +95,18 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
                 // its own partial, then combined into s, so a float32 sum's
                 // rounding grows with reduced / kStridedRun + kStridedRun
                 // values, not with reduced / by (0.5% at 2^31 channels).
-                // unsigned: reduced may be within by of 2^31, past which an
-                // int c + by overflows.
-                const unsigned end = static_cast<unsigned>(reduced);
+                // 64-bit indexes: reduced may be within by of 2^31, past which
+                // an int c + by overflows (measured: no slower than int;
+                // unsigned is 10-50% slower, docs/performance.md).
+                const long long end = reduced, step = static_cast<long long>(by) * kStridedRun;
 #pragma unroll 1
-                for (unsigned start = ty; start < end; start += by * kStridedRun) {
-                    const unsigned stop = min(end, start + by * kStridedRun);
+                for (long long start = ty; start < end; start += step) {
+                    const long long stop = min(end, start + step);
                     Stats run[VEC];
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) run[j] = Norm::init();
 #pragma unroll 4
-                    for (unsigned c = start; c < stop; c += by) {
+                    for (long long c = start; c < stop; c += by) {
                         const Vec<T, VEC> in = load_vec<T, VEC>(xo + c * x_reduced_stride);
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
@@ -153,7 +154,7 @@ strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w
         } else {
             if (active) {
 #pragma unroll 4
-                for (unsigned c = ty; c < static_cast<unsigned>(reduced); c += by) {
+                for (long long c = ty; c < reduced; c += by) {
                     write(c, load_vec<T, VEC>(xo + c * x_reduced_stride));
                 }
             }
