@@ -217,7 +217,7 @@ def power_norm_name(p: float) -> str:
     return POWER_NORM_PREFIX + format(struct.unpack("<Q", struct.pack("<d", float(p)))[0], "016x")
 
 
-_POWER_NORM = re.compile(r"lp:[0-9a-f]{16}")
+_POWER_NORM = re.compile(re.escape(POWER_NORM_PREFIX) + "[0-9a-f]{16}")
 
 
 def norm_info(norm: str) -> NormInfo:
@@ -330,20 +330,17 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             threads = max(threads, 64)
         if _ceil_div(n_vec, threads) > MAX_VECS_PER_THREAD:
             threads = 1024
-    def fits(threads):
-        return rows_cache_fits(plan, threads)
-
     if threads > 32:
         threads = max(threads, 64)  # a block per row: at least two warps
     if "threads" not in override:
         # Spread the row over more threads while a thread's cache is over
         # the register budget (residual, LayerNorm, float64 cost more).
-        while not fits(threads) and threads < 1024:
+        while not rows_cache_fits(plan, threads) and threads < 1024:
             threads = 64 if threads == 32 else threads * 2
     vpt = next_pow2(_ceil_div(n_vec, threads))
     tier = override.get("tier")
     if tier is None:
-        cacheable = fits(threads)
+        cacheable = rows_cache_fits(plan, threads)
         few_rows = rows < SPLIT_MAX_ROWS_PER_SM * device.sm_count
         if few_rows and row_bytes >= SPLIT_MIN_ROW_BYTES:
             tier = "split"
@@ -356,7 +353,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     policy = norm_info(plan.norm).policy
     common = (policy, t, p, plan.flags, plan.residual, plan.vec)
     if tier == "cached":
-        if not fits(threads):  # only a forced tier or thread count gets here
+        if not rows_cache_fits(plan, threads):  # only a forced tier or thread count gets here
             raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
         y = output_type(plan)
         if threads <= 32:

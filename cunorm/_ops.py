@@ -49,13 +49,19 @@ def check_eps(eps, dtype=None) -> float:
         value = float(eps)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
-    if dtype is not None and value and np.dtype(dtype) != np.float64:
-        with np.errstate(over="ignore"):
-            held = np.float32(value)
-        if not np.isfinite(held) or held == 0:
-            raise ValueError(f"eps {eps!r} does not survive the cast to float32, the statistics' dtype for "
-                             f"{np.dtype(dtype).name} x (it becomes {float(held)!r}): pass an eps float32 can hold")
+    # (two comparisons first: the common eps never reaches NumPy's cast)
+    if (value >= _F32_ROUNDS_TO_INF or 0 < value <= _F32_ROUNDS_TO_ZERO) and dtype is not None \
+            and np.dtype(dtype) != np.float64:
+        held = float("inf") if value >= _F32_ROUNDS_TO_INF else 0.0
+        raise ValueError(f"eps {eps!r} does not survive the cast to float32, the statistics' dtype for "
+                         f"{np.dtype(dtype).name} x (it becomes {held!r}): pass an eps float32 can hold")
     return value
+
+
+#: float32's round-to-nearest: from halfway past its largest finite value a
+#: float64 rounds to inf; at or below half its smallest subnormal, to 0
+_F32_ROUNDS_TO_INF = 2.0**128 - 2.0**103
+_F32_ROUNDS_TO_ZERO = 2.0**-150
 
 
 def check_flag(value, name: str) -> bool:
