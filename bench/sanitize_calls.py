@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 
 import cunorm
-from cunorm import _dtypes, _kernels, _loader, _ops
+from cunorm import _channels, _dtypes, _kernels, _loader, _ops
 
 reached: set[str] = set()
 _load = _loader.get_function
@@ -61,6 +61,12 @@ def main() -> int:
     # the channel norms, both layouts, training and eval
     cunorm.group_norm(nchw, 4, c8, c8, return_stats=True)
     cunorm.instance_norm(nhwc, c8, c8)
+    # channel_stream, forced small: many tiles a group, slabs of one group, lag 2
+    stream_x = arr(3, 8, 5, 8)
+    call = _channels.ChannelCall("group", stream_x, num_groups=4, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
+                                 return_stats=True)
+    _channels.execute(call, *_channels.prepare(call),
+                      override={"walk": "stream", "tile_vecs": 3, "slab_bytes": 1, "lag": 2})
     cunorm.batch_norm(nhwc, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32))
     for stats in (False, True):  # eval: one launch, or the running buffers' statistics first
         cunorm.batch_norm(nchw, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32),

@@ -80,6 +80,9 @@ def channel_kernels() -> list[Kernel]:
                 for p, flags in affine:
                     for y in [t] + (["float"] if dtype.itemsize == 2 else []):  # (float32 y: autocast's GroupNorm)
                         out.append(K.CHANNEL_APPLY(t, p, flags, vec, last, y))
+        for p, flags in affine:  # channel_stream: channels-first, 16-byte vectors
+            for y in [t] + (["float"] if dtype.itemsize == 2 else []):
+                out.append(K.CHANNEL_STREAM(CHANNEL_NORM, t, p, flags, 16 // dtype.itemsize, y, persistent=True))
     return out
 
 

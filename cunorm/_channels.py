@@ -266,9 +266,11 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     """Launch the call over non-empty x (from prepare); returns (walk, program):
     the walk it took, for the benchmark's table, and the Program that ran,
     None where a parameter or running buffer had to be converted first.
-    ``override`` (the tuning script): {"walk": "split"} takes the three
-    launches where the row family would run, {"chunks": n} cuts them as
-    told (_dispatch.choose_channels)."""
+    ``override`` (tests and the tuning script): {"walk": "split", "stream"
+    or "rows"} forces a walk (_dispatch.choose_channel_walk); {"chunks": n}
+    cuts the three launches as told, {"hints": h} sets their L2 hints
+    (_dispatch.choose_channels); "tile_vecs", "slab_bytes", "lag" and
+    "hints" set channel_stream's schedule (_dispatch.choose_channel_stream)."""
     import cupy
 
     shape = x.shape
@@ -327,12 +329,21 @@ def channel_program(plan, launch, from_running: bool, eps: float, momentum: floa
     dims = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
             "channels_per_group": plan.channels_per_group, "per_sample": int(plan.per_sample)}
     apply = {"x": x, "y": pb["y"], "w": w, "b": b, **dims, "chunks": launch.chunks, "chunk_len": launch.chunk_vecs,
-             "eps": eps}
+             "eps": eps, "hints": launch.hints}
     if not launch.workspace_words:  # eval mode in one launch: the epilogue reads the running buffers
         pb.launch(launch.steps[0], affine=None, running_mean=rm, running_var=rv, **apply)
         return pb.build()
     ws = pb.workspace(launch.workspace_words * acc_bytes)
     affine = ws + (launch.workspace_words - 3 * plan.statistic_groups) * acc_bytes
+    if launch.stream is not None:
+        st = launch.stream
+        sync = pb.workspace(4 * (1 + 2 * plan.statistic_groups), zeroed=True)
+        pb.launch(launch.steps[0], x=x, y=pb["y"], w=w, b=b, partial=ws, affine=affine, mean_out=mean, rstd_out=rstd,
+                  sync=sync, groups_total=plan.statistic_groups, group_vecs=st.group_vecs,
+                  spatial_vecs=plan.spatial // plan.vec, channels_per_group=plan.channels_per_group,
+                  groups=plan.groups, tile_vecs=st.tile_vecs, row_tiles=st.row_tiles, slab_tiles=st.slab_tiles,
+                  lag_slabs=st.lag, hints=launch.hints, eps=eps)
+        return pb.build()
     if from_running:
         pb.launch(launch.steps[0], running_mean=rm, running_var=rv, affine=affine, mean_out=mean, rstd_out=rstd,
                   channels=plan.channels, eps=eps)
@@ -351,13 +362,27 @@ def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channel
     plan = _plan.make_channel_plan(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group,
                                    per_sample, x_mod, y_mod, out_dtype)
     override = dict(override_items)
-    if override.get("walk", "split") != "split":
-        raise ValueError(f"unknown channel walk override {override['walk']!r}")
-    if not from_running and "walk" not in override and _dispatch.channel_rows_fast(plan):
-        return plan, None
+    walk = override.pop("walk", None)
+    if walk not in (None, "split", "stream", "rows"):
+        raise ValueError(f"unknown channel walk override {walk!r}; expected 'split', 'stream' or 'rows'")
     device = _launch.device_info(device_id)
-    launch = _dispatch.choose_channels(plan, device, from_running=from_running, returns_stats=returns_stats,
-                                       override=override)
+    if walk is None and not from_running:
+        walk = _dispatch.choose_channel_walk(plan, device)
+    if walk == "rows":
+        if from_running or not _dispatch.channel_rows_fast(plan):
+            raise ValueError("the rows walk takes GroupNorm and InstanceNorm without parameters, channels-first")
+        return plan, None
+    if walk == "stream":
+        if from_running or not _dispatch.stream_fits(plan, device):
+            raise ValueError("channel_stream takes GroupNorm and InstanceNorm in training, channels-first x in "
+                             "16-byte vectors, groups of at most a quarter of L2; got "
+                             f"{plan.norm}_norm, {'channels-last' if plan.channels_last else 'channels-first'}, "
+                             f"{plan.vec * plan.dtype.itemsize}-byte vectors, groups of "
+                             f"{plan.channels_per_group * plan.spatial * plan.dtype.itemsize} bytes")
+        launch = _dispatch.choose_channel_stream(plan, device, override)
+    else:
+        launch = _dispatch.choose_channels(plan, device, from_running=from_running, returns_stats=returns_stats,
+                                           override=override)
     for step in launch.steps:
         _launch.check_limits(step, device)
     return plan, launch

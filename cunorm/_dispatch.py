@@ -143,6 +143,37 @@ CHANNEL_PLANE_ROWS_MAX_VECS = 1024
 #: up to 32 threads each, 256 / that many groups a block (a block a group
 #: spent 48 us on BatchNorm's 2048 channels of 32 partials).
 CHANNEL_FINALIZE_ROWS_MAX_MEMBERS = 256
+#: channel_apply's L2 hints (Launch.hints: 1, y stored streaming; 2, x's
+#: re-read as a last use): 1, and 3 for x of L2's size to 8 times it, where
+#: part of the re-read still hits L2. H100, tune_channels.py, hints 0 / 1 /
+#: 3: BatchNorm (64,256,56,56) fp32 44.8 / 45.3 / 50.5%, bf16 35.5 / 38.4 /
+#: 39.6%; problem 33 64.4 / 64.6 / 64.0%; GroupNorm(32) bf16 (8,640,32,32)
+#: 26.9 / 29.0 / 27.0% (docs/performance.md, issue 24).
+CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE = 8
+#: channel_stream (GroupNorm and InstanceNorm with parameters, channels-first:
+#: x read from DRAM once) for x larger than L2 (smaller x's re-read hits L2
+#: in the three launches too, which won there: GroupNorm(32) bf16
+#: (8,320,64,64) 0.036 against 0.041 ms); tiles of STREAM_TILE_BYTES ...
+STREAM_TILE_BYTES = 32 * 1024
+#: ... slabs of whole groups of about this share of L2 ...
+STREAM_SLAB_L2_SHARE = 0.25
+#: ... re-read lag slabs later: the fewest slabs that put at least half the
+#: resident blocks' tickets (STREAM_BLOCKS_PER_SM an SM, a ticket a block)
+#: between a group's last partial tile and its first apply tile, so an
+#: apply tile rarely waits; where that puts more than
+#: STREAM_MAX_REREAD_L2_SHARE of L2 between the two reads, tiles of half the
+#: size. Problem 35 (8 MB groups): 1 group a slab, 32 KB tiles, lag 1 38.7%;
+#: 16 KB tiles, lag 2 68.1% (three launches 65.2%); instance_norm
+#: (4,128,512,512) +w+b: 70.4% (three launches 61.2%).
+STREAM_BLOCKS_PER_SM = 4
+STREAM_MAX_REREAD_L2_SHARE = 1 / 3
+#: channel_stream's hints (as channel_apply's): 3 against 0: problem 35
+#: 38.7 / 34.5%, instance_norm (4,128,512,512) 70.4 / 61.0%.
+STREAM_HINTS = 3
+#: groups of at most this share of L2 (a bigger group is not resident when it
+#: is re-read)
+STREAM_MAX_GROUP_L2_SHARE = 0.25
+STREAM_BLOCK_THREADS = 256
 #: the channel family's statistic: mean and variance (Chan's pairwise update)
 CHANNEL_NORM = "cunorm::LayerNorm"
 STRIDED_BLOCK_THREADS = 256
@@ -163,6 +194,8 @@ class Device:
     compute_capability: int = 90
     #: opt-in shared memory a block may have (227 KB on H100/H200)
     max_shared_per_block: int = 232448
+    #: L2 cache bytes (50 MB on H100 and H200)
+    l2_bytes: int = 50 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -186,6 +219,21 @@ class Launch:
     chunk_vecs: int = 0  # resident: vectors a chunk
     stash_vecs: int = 0  # uncached: vectors of each row kept in shared memory
     workspace_words: int = 0  # accumulation-type words of workspace
+    #: L2 hints of the pass that writes y (split tiers, channel_stream):
+    #: 1, y stored streaming (st.global.cs); 2, x's last read as a last use
+    hints: int = 0
+    stream: "StreamShape | None" = None  # channel_stream's schedule
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """channel_stream's schedule (choose_channel_stream)."""
+
+    group_vecs: int
+    tile_vecs: int
+    row_tiles: int
+    slab_tiles: int
+    lag: int
 
 
 @dataclass(frozen=True)
@@ -444,6 +492,75 @@ def channel_rows_fast(plan: ChannelPlan) -> bool:
     return plan.per_sample and not plan.channels_last and not plan.flags & PARAM_FLAGS
 
 
+def choose_channel_walk(plan: ChannelPlan, device: Device) -> str:
+    """The walk of a channel norm in training mode: "rows" (the row family,
+    for a row norm in disguise: GroupNorm and InstanceNorm without
+    parameters, channels-first; problem 34: 68.0% against channel_stream's
+    65.1%), "stream" (channel_stream: x read from DRAM once, for x larger
+    than L2, stream_fits) or "split" (three launches, x read twice)."""
+    if channel_rows_fast(plan):
+        return "rows"
+    x_bytes = plan.batch * plan.channels * plan.spatial * plan.dtype.itemsize
+    if x_bytes > device.l2_bytes and stream_fits(plan, device):
+        return "stream"
+    return "split"
+
+
+def channel_apply_hints(plan: ChannelPlan, device: Device) -> int:
+    """channel_apply's L2 hints (CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE)."""
+    x_bytes = plan.batch * plan.channels * plan.spatial * plan.dtype.itemsize
+    return 3 if device.l2_bytes < x_bytes <= CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE * device.l2_bytes else 1
+
+
+def stream_fits(plan: ChannelPlan, device: Device) -> bool:
+    """Whether channel_stream can run ``plan``: per-sample groups of a
+    channels-first x in 16-byte vectors, a group under 2**31 vectors and
+    no larger than STREAM_MAX_GROUP_L2_SHARE of L2 (a bigger group is not
+    resident when it is re-read)."""
+    itemsize = plan.dtype.itemsize
+    group_bytes = plan.channels_per_group * plan.spatial * itemsize
+    return (plan.per_sample and not plan.channels_last and plan.vec * itemsize == 16
+            and plan.channels_per_group * plan.spatial // plan.vec < 2**31
+            and group_bytes <= STREAM_MAX_GROUP_L2_SHARE * device.l2_bytes)
+
+
+def choose_channel_stream(plan: ChannelPlan, device: Device, override: dict | None = None) -> Launch:
+    """channel_stream's launch for ``plan`` (stream_fits): tiles of
+    STREAM_TILE_BYTES, slabs of whole groups of STREAM_SLAB_L2_SHARE of L2,
+    a persistent grid. ``override`` may set "tile_vecs", "slab_bytes",
+    "lag" and "hints" (the tuning script)."""
+    override = override or {}
+    t, p = kernel_types(plan)
+    vec_bytes = plan.vec * plan.dtype.itemsize
+    group_vecs = plan.channels_per_group * plan.spatial // plan.vec
+    groups = plan.statistic_groups
+    slab_bytes = override.get("slab_bytes", int(STREAM_SLAB_L2_SHARE * device.l2_bytes))
+    slab_groups = min(max(1, slab_bytes // (group_vecs * vec_bytes)), groups)
+    in_flight = STREAM_BLOCKS_PER_SM * device.sm_count
+    tile_vecs = STREAM_TILE_BYTES // vec_bytes
+    while True:
+        row_tiles = _ceil_div(group_vecs, tile_vecs)
+        slab_tiles = slab_groups * row_tiles
+        lag = max(1, _ceil_div(in_flight // 2 + row_tiles, slab_tiles))
+        if lag * slab_tiles * tile_vecs * vec_bytes <= STREAM_MAX_REREAD_L2_SHARE * device.l2_bytes or tile_vecs <= 256:
+            break
+        tile_vecs //= 2
+    if "tile_vecs" in override or "lag" in override:
+        tile_vecs = override.get("tile_vecs", tile_vecs)
+        row_tiles = _ceil_div(group_vecs, tile_vecs)
+        slab_tiles = slab_groups * row_tiles
+        lag = override.get("lag", lag)
+    if 2 * _ceil_div(groups * row_tiles, slab_tiles) * slab_tiles >= 2**32:
+        raise ValueError(f"{plan.norm}_norm: {groups * row_tiles} tiles is over channel_stream's ticket limit")
+    kernel = K.CHANNEL_STREAM(CHANNEL_NORM, t, p, plan.flags, plan.vec, output_type(plan), persistent=True)
+    acc_words = groups * row_tiles * NORMS["ln"].stat_words + 3 * groups
+    step = Step(kernel, (device.sm_count * 8,), (STREAM_BLOCK_THREADS,))
+    return Launch("channel_stream", (step,), chunks=row_tiles, chunk_vecs=tile_vecs, workspace_words=acc_words,
+                  hints=override.get("hints", STREAM_HINTS),
+                  stream=StreamShape(group_vecs=group_vecs, tile_vecs=tile_vecs, row_tiles=row_tiles,
+                                     slab_tiles=slab_tiles, lag=lag))
+
+
 def plane_rows_block(vecs: int, threads: int) -> tuple[int, int]:
     """The (bx, by) block of the plane-rows layout for planes (or groups of
     partials) of ``vecs`` items: bx threads a plane, enough for 4 items a
@@ -509,14 +626,15 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
                          f"is over the kernels' 2**31 - 1 index limit")
     apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, plan.vec, plan.channels_last, output_type(plan)), grid, block)
+    hints = override.get("hints", channel_apply_hints(plan, device))
     if from_running and not returns_stats:
-        return Launch("channel_eval", (apply,), chunks=chunks, chunk_vecs=chunk_len)
+        return Launch("channel_eval", (apply,), chunks=chunks, chunk_vecs=chunk_len, hints=hints)
     if from_running:
         a = KERNEL_TYPE[accumulation(plan.dtype)]
         stats = Step(K.CHANNEL_FROM_RUNNING(a),
                      (_ceil_div(plan.channels, CHANNEL_BLOCK_THREADS),), (CHANNEL_BLOCK_THREADS,))
         return Launch("channel_running", (stats, apply), chunks=chunks, chunk_vecs=chunk_len,
-                      workspace_words=3 * groups)
+                      workspace_words=3 * groups, hints=hints)
     partial = Step(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, plan.vec, plan.channels_last), grid, block,
                    partial_shared)
     group_partials = (1 if plan.per_sample else plan.batch) * plan.channels_per_group * chunks
@@ -528,4 +646,4 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
                     (min(_ceil_div(groups, groups_a_block), MAX_GRID_X),), finalize_block)
     members = plan.batch * plan.channels * chunks
     return Launch("channel_split", (partial, finalize, apply), chunks=chunks, chunk_vecs=chunk_len,
-                  workspace_words=3 * (members + groups))
+                  workspace_words=3 * (members + groups), hints=hints)

@@ -117,7 +117,11 @@ CHANNEL_FROM_RUNNING = KernelDecl("channels", "channel_from_running", ("A",),
                                         "eps:acc"))
 CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "P", "FLAGS", "VEC", "CHANNELS_LAST", "Y"),
                            _args(f"x y w b affine running_mean running_var:ptr {_CHANNEL_DIMS} per_sample:i32 "
-                                 f"chunks chunk_len:i64 eps:acc"))
+                                 f"chunks chunk_len:i64 eps:acc hints:i32"))
+CHANNEL_STREAM = KernelDecl("channels", "channel_stream", ("NormT", "T", "P", "FLAGS", "VEC", "Y"),
+                            _args("x y w b partial affine mean_out rstd_out sync:ptr groups_total group_vecs "
+                                  "spatial_vecs:i64 channels_per_group groups:i32 tile_vecs row_tiles slab_tiles "
+                                  "lag_slabs:i64 hints:i32 eps:acc"))
 # backward.cu
 ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
                               ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),

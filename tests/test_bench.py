@@ -13,7 +13,17 @@ from conftest import HAS_GPU
 
 def test_suites_cover_the_issue():
     kb = bench.cases(("kernelbench",))
-    assert [c.name.split()[0] for c in kb] == [str(p) for p in range(33, 41)]
+    assert [c.name.split()[0] for c in kb[:8]] == [str(p) for p in range(33, 41)]
+    # the real activations of issue 24: ResNet-50's BatchNorm (fp32, bf16, train and eval), a UNet's
+    # GroupNorm(32) in bf16 both layouts, style-transfer InstanceNorm
+    real = kb[8:]
+    bn = {(c.args[1], c.args[2], "eval" in c.args[5]) for c in real if c.args[0] == "batch_norm"}
+    assert bn == {(s, d, e) for s in bench.RESNET_BN for d in ("float32", "bfloat16") for e in (False, True)}
+    gn = {(c.args[1], c.args[4]) for c in real if c.args[0] == "group_norm"}
+    assert gn == {(s, 1) for s in bench.UNET_GN} | {((s[0], *s[2:], s[1]), -1) for s in bench.UNET_GN}
+    assert all(c.args[3] == 32 and c.args[2] == "bfloat16" for c in real if c.args[0] == "group_norm")
+    assert {c.args[1] for c in real if c.args[0] == "instance_norm"} == set(bench.STYLE_IN)
+    assert {c.args[1] for c in bench.cases(("backward",)) if c.args[0] == "batch"} >= {(64, 256, 56, 56)}
     # problems at their full shapes (ops.md)
     shapes = {c.name.split()[0]: c.args[1] for c in kb}
     assert shapes["35"] == (112, 64, 512, 512) and shapes["33"] == (64, 64, 512, 512)

@@ -398,3 +398,51 @@ def test_norm_names_reach_kernel_names_only_as_cunorms_numbers(name):
         _dispatch.norm_info(name)
     p3 = _dispatch.norm_info(_dispatch.power_norm_name(3.0))
     assert p3.policy == "cunorm::PowerNorm<0x4008000000000000ull>::Policy"
+
+
+def test_channel_walks():
+    """Without parameters channels-first GroupNorm and InstanceNorm are rows;
+    with parameters, channel_stream for x larger than L2 that it takes, the
+    three launches otherwise (channels-last, BatchNorm, x within L2)."""
+    big = dict(batch=112, channels=64, spatial=512 * 512)  # problem 35: 7.5 GB
+    assert _dispatch.choose_channel_walk(channel_plan(cpg=8, **big), H200) == "rows"
+    assert _dispatch.choose_channel_walk(channel_plan(flags=3, cpg=8, **big), H200) == "stream"
+    assert _dispatch.choose_channel_walk(channel_plan(flags=3, cpg=8, last=True, **big), H200) == "split"
+    assert _dispatch.choose_channel_walk(channel_plan("batch", flags=3, cpg=1, **big), H200) == "split"
+    small = channel_plan(flags=3, batch=8, channels=320, spatial=64 * 64, cpg=10)  # 42 MB of fp32: within L2
+    assert _dispatch.choose_channel_walk(small, H200) == "split"
+    odd = channel_plan(flags=3, cpg=8, batch=112, channels=64, spatial=511 * 511)  # no 16-byte vectors
+    assert not _dispatch.stream_fits(odd, H200) and _dispatch.choose_channel_walk(odd, H200) == "split"
+    huge_groups = channel_plan(flags=3, cpg=64, **big)  # 64 MB groups: not resident when re-read
+    assert not _dispatch.stream_fits(huge_groups, H200)
+
+
+def test_channel_stream_schedule():
+    """Problem 35's 8 MB groups: one a slab; 32 KB tiles would need a lag of
+    3 slabs (24 MB between the reads, over a third of L2), so 16 KB tiles
+    and a lag of 2. Instance norm (4,128,512,512): 12 groups of 1 MB a slab,
+    32 KB tiles, lag 1."""
+    p35 = _dispatch.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=112, channels=64, spatial=512 * 512),
+                                          H200)
+    s = p35.stream
+    assert (s.tile_vecs, s.row_tiles, s.slab_tiles, s.lag) == (1024, 512, 512, 2)
+    assert p35.hints == _dispatch.STREAM_HINTS and p35.steps[0].kernel.persistent
+    assert p35.workspace_words == 112 * 8 * 512 * 3 + 3 * 112 * 8
+    inst = _dispatch.choose_channel_stream(channel_plan("instance", flags=3, cpg=1, batch=4, channels=128,
+                                                        spatial=512 * 512), H200)
+    s = inst.stream
+    assert (s.tile_vecs, s.row_tiles, s.slab_tiles, s.lag) == (2048, 32, 12 * 32, 1)
+    forced = _dispatch.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=2, channels=16, spatial=64),
+                                             H200, {"tile_vecs": 3, "slab_bytes": 1, "lag": 5, "hints": 0})
+    s = forced.stream
+    assert (s.tile_vecs, s.row_tiles, s.slab_tiles, s.lag, forced.hints) == (3, 43, 43, 5, 0)
+
+
+def test_channel_apply_hints():
+    """Streaming stores always; last-use re-reads for x of L2's size to 8x."""
+    def hints(batch):
+        p = channel_plan("batch", flags=3, batch=batch, channels=256, spatial=56 * 56, cpg=1)
+        return _dispatch.choose_channels(p, H200).hints
+    assert hints(1) == 1  # 3 MB
+    assert hints(64) == 3  # 205 MB (ResNet-50's (64,256,56,56))
+    assert hints(1024) == 1  # 3.3 GB

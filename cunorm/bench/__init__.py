@@ -90,9 +90,9 @@ def _rows(suite, name, op, shape, dtype, axis, params, residual, *, series=None,
                 series or op, fp)
 
 
-def _channels(suite, name, op, shape, dtype, groups, params, *, series=None, target=None):
-    return Case(suite, name, "channels", (op, shape, dtype, groups, 1, params, target), _nbytes(shape, dtype),
-                series or op, 4.0)
+def _channels(suite, name, op, shape, dtype, groups, params, *, series=None, target=None, channel_axis=1):
+    return Case(suite, name, "channels", (op, shape, dtype, groups, channel_axis, params, target),
+                _nbytes(shape, dtype), series or op, 4.0)
 
 
 def _lp(suite, name, op, shape, axis, *, series=None, target=None):
@@ -114,7 +114,37 @@ def kernelbench_cases(quick: bool) -> list[Case]:
         _lp(s, "39 normalize (L2)", "normalize", (256 if quick else 32768, 65535), 1),
         _rows(s, "40 layer_norm axes 1-3", "layer_norm", (2 if quick else 16, 64, 256, 256), "float32", (1, 2, 3),
               "wb", False),
-    ]
+    ] + activation_cases(quick)
+
+
+#: real activations (issue 24): BatchNorm on ResNet-50's, GroupNorm(32) on a
+#: diffusion UNet's, InstanceNorm on a style-transfer network's
+RESNET_BN = ((64, 256, 56, 56), (64, 512, 28, 28), (64, 2048, 7, 7))
+UNET_GN = ((8, 320, 64, 64), (8, 640, 32, 32), (8, 1280, 16, 16), (8, 512, 128, 128))
+STYLE_IN = ((4, 32, 256, 256), (4, 64, 128, 128), (4, 128, 64, 64))
+
+
+def activation_cases(quick: bool) -> list[Case]:
+    """The channel norms on the activations users run (quick: the first of
+    each, batch cut to 4 / 2)."""
+    s, out = "kernelbench", []
+    cut = (lambda shape, n: (min(shape[0], n),) + shape[1:]) if quick else (lambda shape, n: shape)
+    for shape in RESNET_BN[:1] if quick else RESNET_BN:
+        for dtype in ("float32", "bfloat16"):
+            for mode in ("train", "eval"):
+                params = "wb" if mode == "train" else "wb eval"
+                name = f"batch_norm {mode} {tuple(cut(shape, 4))} {SHORT[dtype]} +w+b"
+                out.append(_channels(s, name, "batch_norm", cut(shape, 4), dtype, None, params))
+    for shape in UNET_GN[:1] if quick else UNET_GN:
+        shape = cut(shape, 2)
+        nhwc = (shape[0], *shape[2:], shape[1])
+        out.append(_channels(s, f"group_norm(32) {shape} bf16 +w+b", "group_norm", shape, "bfloat16", 32, "wb"))
+        out.append(_channels(s, f"group_norm(32) channels-last {nhwc} bf16 +w+b", "group_norm", nhwc, "bfloat16", 32,
+                             "wb", channel_axis=-1))
+    for shape in STYLE_IN[:1] if quick else STYLE_IN:
+        shape = cut(shape, 2)
+        out.append(_channels(s, f"instance_norm {shape} fp32 +w+b", "instance_norm", shape, "float32", None, "wb"))
+    return out
 
 
 LLM_HIDDEN = (1024, 2048, 4096, 8192, 16384, 32768)

@@ -374,6 +374,10 @@ BACKWARD_CASES = [
     ("backward problem 40 layer_norm (16,64,256,256) fp32 +w+b", "ln", (16, 64, 256, 256), "float32", (1, 2, 3), 60),
     ("backward problem 35 group_norm(8) (112,64,512,512) fp32 +w+b", "group", (112, 64, 512, 512), "float32", 8, 60),
     ("backward problem 36 rms_norm axis 1 (112,64,512,512) fp32 +w", "rms", (112, 64, 512, 512), "float32", 1, None),
+    # real activations (issue 24): BatchNorm in training on ResNet-50's
+    ("backward batch_norm (64,256,56,56) fp32 +w+b", "batch", (64, 256, 56, 56), "float32", None, None),
+    ("backward batch_norm (64,256,56,56) bf16 +w+b", "batch", (64, 256, 56, 56), "bfloat16", None, None),
+    ("backward batch_norm (64,2048,7,7) bf16 +w+b", "batch", (64, 2048, 7, 7), "bfloat16", None, None),
 ]
 
 
@@ -386,7 +390,7 @@ def backward_call(op, shape, dtype, axis, rng):
     dt = np.dtype(getattr(_dtypes, dtype))
     x = rng.standard_normal(shape, dtype=np.float32).astype(dt)
     dy = rng.standard_normal(shape, dtype=np.float32).astype(dt)
-    if op == "group":
+    if op in ("group", "batch"):
         pshape = (shape[1],)
     elif isinstance(axis, tuple):
         pshape = tuple(shape[a] for a in axis)
@@ -400,6 +404,9 @@ def backward_call(op, shape, dtype, axis, rng):
     elif op == "ln":
         _, mean, rstd = cunorm.layer_norm(x, w, b, axis=axis, return_stats=True)
         run = lambda: cunorm.layer_norm_backward(dy, x, mean, rstd, w, b, axis=axis)  # noqa: E731
+    elif op == "batch":
+        _, mean, rstd = cunorm.batch_norm(x, w, b, return_stats=True)
+        run = lambda: cunorm.batch_norm_backward(dy, x, mean, rstd, w, b)  # noqa: E731
     else:
         _, mean, rstd = cunorm.group_norm(x, axis, w, b, return_stats=True)
         run = lambda: cunorm.group_norm_backward(dy, x, mean, rstd, axis, w, b)  # noqa: E731
@@ -416,11 +423,12 @@ def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_comp
     ms, lo, hi = time_gpu(run)
     row.update(ms=ms, ms_min=lo, ms_max=hi, gbps=nbytes / (ms * 1e-3) / 1e9)
     row["floor_pct"] = 100 * row["gbps"] / copy_bw
-    row["tier"] = "channels" if op == "group" else _backward_tier(op, x, axis)
+    row["tier"] = "channels" if op in ("group", "batch") else _backward_tier(op, x, axis)
     # dx against float64 on the first two rows / samples (each one's dx
-    # depends on its own statistics and the parameters only)
+    # depends on its own statistics and the parameters only; BatchNorm's on
+    # the whole batch: all of it)
     dx = run()[0]
-    k = 2
+    k = shape[0] if op == "batch" else 2
     host = [None if a is None else cupy.asnumpy(a) for a in (dy[:k], x[:k], w, b)]
     if op == "rms":
         ref = cunorm.reference.rms_norm_backward(host[0], host[1], cupy.asnumpy(rstd[:k]), host[2], axis=axis,
@@ -429,6 +437,9 @@ def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_comp
         ref = cunorm.reference.layer_norm_backward(host[0], host[1], cupy.asnumpy(mean[:k]),
                                                    cupy.asnumpy(rstd[:k]), host[2], host[3], axis=axis,
                                                    exact=True)[0]
+    elif op == "batch":
+        ref = cunorm.reference.batch_norm_backward(host[0], host[1], cupy.asnumpy(mean), cupy.asnumpy(rstd),
+                                                   host[2], host[3], exact=True)[0]
     else:
         ref = cunorm.reference.group_norm_backward(host[0], host[1], cupy.asnumpy(mean[:k]),
                                                    cupy.asnumpy(rstd[:k]), axis, host[2], host[3],
@@ -446,6 +457,8 @@ def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_comp
         def forward(a, c, d):
             if op == "group":
                 return torch.nn.functional.group_norm(a, axis, c, d, 1e-5)
+            if op == "batch":
+                return torch.nn.functional.batch_norm(a, None, None, c, d, training=True, eps=1e-5)
             return torch_norm("rms_norm" if op == "rms" else "layer_norm", a, c, d, axis, 1e-5)
 
         # the timing loop reuses one graph (retain_graph), which a compiled
@@ -496,16 +509,16 @@ CHANNEL_TUNE = {
 }
 
 
-def _channel_call(op, x, groups, w, b, channel_axis, running, out=None):
+def _channel_call(op, x, groups, w, b, channel_axis, running, out=None, training=True):
     kw = {"channel_axis": channel_axis, "out": out}
     if op == "group_norm":
         return cunorm.group_norm(x, groups, w, b, **kw)
     if op == "instance_norm":
         return cunorm.instance_norm(x, w, b, **kw)
-    return cunorm.batch_norm(x, w, b, running_mean=running[0], running_var=running[1], **kw)
+    return cunorm.batch_norm(x, w, b, running_mean=running[0], running_var=running[1], training=training, **kw)
 
 
-def torch_channel_norm(op, x, groups, w, b, channel_axis, running):
+def torch_channel_norm(op, x, groups, w, b, channel_axis, running, training=True):
     """torch's functional form; channels-last input as torch holds it: an
     NCHW-shaped tensor in channels_last memory."""
     if channel_axis != 1:
@@ -515,7 +528,7 @@ def torch_channel_norm(op, x, groups, w, b, channel_axis, running):
         return F.group_norm(x, groups, w, b, eps=1e-5)
     if op == "instance_norm":
         return F.instance_norm(x, weight=w, bias=b, eps=1e-5)
-    return F.batch_norm(x, running[0], running[1], w, b, training=True, momentum=0.1, eps=1e-5)
+    return F.batch_norm(x, running[0], running[1], w, b, training=training, momentum=0.1, eps=1e-5)
 
 
 def make_channel_inputs(op, shape, dtype, channel_axis, params):
@@ -532,11 +545,13 @@ def make_channel_inputs(op, shape, dtype, channel_axis, params):
 
 def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, target, copy_bw, with_compile):
     x, w, b, running, y = make_channel_inputs(op, shape, dtype, channel_axis, params)
+    training = "eval" not in params  # (BatchNorm: normalized by the running statistics)
     nbytes = fewest_bytes(x, w, b, False)
     row = {"case": name, "op": op, "shape": list(shape), "dtype": dtype, "axis": channel_axis, "params": params,
            "residual": False, "bytes": nbytes, "target_floor_pct": target}
-    ms, lo, hi = time_gpu(lambda: _channel_call(op, x, groups, w, b, channel_axis, running, out=y))
-    row.update(tier=_channel_tier(op, x, groups, w, b, channel_axis, running, y), ms=ms, ms_min=lo, ms_max=hi)
+    ms, lo, hi = time_gpu(lambda: _channel_call(op, x, groups, w, b, channel_axis, running, out=y, training=training))
+    row.update(tier=_channel_tier(op, x, groups, w, b, channel_axis, running, y, training), ms=ms, ms_min=lo,
+               ms_max=hi)
     row["gbps"] = nbytes / (ms * 1e-3) / 1e9
     row["floor_pct"] = 100 * row["gbps"] / copy_bw
     # error against float64 on the first two samples (BatchNorm: its channels over them)
@@ -550,6 +565,10 @@ def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, tar
     elif op == "instance_norm":
         ref = cunorm.reference.instance_norm(xs, wn, bn, **ref_kw)
         got = cupy.asnumpy(y[:k])
+    elif not training:
+        ref = cunorm.reference.batch_norm(xs, wn, bn, running_mean=cupy.asnumpy(running[0]),
+                                          running_var=cupy.asnumpy(running[1]), training=False, **ref_kw)
+        got = cupy.asnumpy(y[:k])
     else:
         ref = cunorm.reference.batch_norm(xs, wn, bn, **ref_kw)
         got = cupy.asnumpy(_channel_call(op, x[:k], groups, w, b, channel_axis, (None, None)))
@@ -557,19 +576,21 @@ def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, tar
     if torch is not None:
         xt, wt, bt = (None if a is None else torch.from_dlpack(a) for a in (x, w, b))
         rt = tuple(None if a is None else torch.from_dlpack(a) for a in running)
-        t_ms, _, _ = time_gpu(lambda: torch_channel_norm(op, xt, groups, wt, bt, channel_axis, rt), reps=10)
+        t_ms, _, _ = time_gpu(lambda: torch_channel_norm(op, xt, groups, wt, bt, channel_axis, rt, training), reps=10)
         row["torch_ms"] = t_ms
         row["torch_floor_pct"] = 100 * nbytes / (t_ms * 1e-3) / 1e9 / copy_bw
         if with_compile:
             try:
-                compiled = torch.compile(lambda a, d, e: torch_channel_norm(op, a, groups, d, e, channel_axis, rt))
+                compiled = torch.compile(lambda a, d, e: torch_channel_norm(op, a, groups, d, e, channel_axis, rt,
+                                                                            training))
                 c_ms, _, _ = time_gpu(lambda: compiled(xt, wt, bt), reps=10, warmup=2)
                 row["compile_ms"] = c_ms
                 row["compile_floor_pct"] = 100 * nbytes / (c_ms * 1e-3) / 1e9 / copy_bw
             except Exception as err:  # report, keep going
                 row["compile_error"] = repr(err)[:200]
-        single_columns(row, nbytes, copy_bw, lambda: _channel_call(op, xt, groups, wt, bt, channel_axis, rt),
-                       lambda: torch_channel_norm(op, xt, groups, wt, bt, channel_axis, rt),
+        single_columns(row, nbytes, copy_bw,
+                       lambda: _channel_call(op, xt, groups, wt, bt, channel_axis, rt, training=training),
+                       lambda: torch_channel_norm(op, xt, groups, wt, bt, channel_axis, rt, training),
                        (lambda: compiled(xt, wt, bt)) if "compile_ms" in row else None)
         del xt, wt, bt, rt
     del x, w, b, y, running
@@ -579,23 +600,23 @@ def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, tar
     return row
 
 
-def _channel_prepared(op, x, groups, w, b, channel_axis, running, y):
+def _channel_prepared(op, x, groups, w, b, channel_axis, running, y, training=True):
     from cunorm import _channels
 
     norm = op.split("_")[0]
     kw = {"num_groups": groups} if op == "group_norm" else {}
     if op == "batch_norm":
-        kw.update(running_mean=running[0], running_var=running[1])
+        kw.update(running_mean=running[0], running_var=running[1], training=training)
     call = _channels.ChannelCall(norm, x, weight=w, bias=b, eps=1e-5, channel_axis=channel_axis, out=y, **kw)
     return call, _channels.prepare(call)
 
 
-def _channel_tier(op, x, groups, w, b, channel_axis, running, y):
+def _channel_tier(op, x, groups, w, b, channel_axis, running, y, training=True):
     """The walk the dispatch picks for a channel case (for the table); runs
     the op once more."""
     from cunorm import _channels
 
-    call, prepared = _channel_prepared(op, x, groups, w, b, channel_axis, running, y)
+    call, prepared = _channel_prepared(op, x, groups, w, b, channel_axis, running, y, training)
     return _channels.execute(call, *prepared)[0]
 
 

@@ -27,6 +27,8 @@
 //                     estimates;
 //   channel_apply     y = (x - pivot - center) * scale [* w[c]] [+ b[c]].
 // channel_from_running replaces the first two for BatchNorm in eval mode.
+// channel_apply's hints: 1, y stored with the streaming hint (st.global.cs);
+// 2, x loaded as a last use (ld.global.cs); 16-byte vectors only.
 //
 // Thread layouts. Channels-first: a 256-thread block per (sample, channel,
 // chunk), walking the chunk's contiguous vectors; or, for planes of few
@@ -306,9 +308,14 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
               const typename AccOf<T>::type* __restrict__ running_mean,
               const typename AccOf<T>::type* __restrict__ running_var, long long batch, long long spatial,
               int channels, int channels_per_group, int per_sample, long long chunks, long long chunk_len,
-              typename AccOf<T>::type eps) {
+              typename AccOf<T>::type eps, int hints) {
     using A = typename AccOf<T>::type;
     const int groups = channels / channels_per_group;
+    auto load = [&](const T* p) { return (hints & 2) ? load_vec_last_use<T, VEC>(p) : load_vec<T, VEC>(p); };
+    auto store = [&](Y* p, const Vec<Y, VEC>& o) {
+        if (hints & 1) store_vec_streaming<Y, VEC>(p, o);
+        else store_vec<Y, VEC>(p, o);
+    };
     auto params_of = [&](long long n, int c, Affine<A>& f, A& pivot, A& wc, A& bc) {
         if (running_var != nullptr) {
             pivot = A(0);
@@ -336,14 +343,14 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
             const long long end = min(begin + chunk_len, spatial_vecs);
             for_each_batched<4>(
                 begin + threadIdx.x, end, blockDim.x,
-                [&](long long v) { return load_vec<T, VEC>(x + offset + v * VEC); },
+                [&](long long v) { return load(x + offset + v * VEC); },
                 [&](long long v, const Vec<T, VEC>& in) {
                     Vec<Y, VEC> o;
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
                     }
-                    store_vec<Y, VEC>(y + offset + v * VEC, o);
+                    store(y + offset + v * VEC, o);
                 });
         });
     } else {
@@ -365,7 +372,7 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
                 const long long begin = chunk * chunk_len;
                 const long long end = min(begin + chunk_len, spatial);
                 for_each_batched<4>(
-                    begin + ty, end, by, [&](long long p) { return load_vec<T, VEC>(x + offset + p * channels); },
+                    begin + ty, end, by, [&](long long p) { return load(x + offset + p * channels); },
                     [&](long long p, const Vec<T, VEC>& in) {
                         Vec<Y, VEC> o;
 #pragma unroll
@@ -373,10 +380,166 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
                             narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc[j], bc[j]),
                                    o.v[j]);
                         }
-                        store_vec<Y, VEC>(y + offset + p * channels, o);
+                        store(y + offset + p * channels, o);
                     });
             }
         }
+    }
+}
+
+// Loads a partial written by another block of the same launch: through L2
+// (ld.global.cg), never a stale L1 line.
+template <class A, class Stats>
+__device__ __forceinline__ Stats load_stats_cg(const Stats* p) {
+    static_assert(sizeof(Stats) % sizeof(A) == 0, "Stats holds A words only");
+    Stats s;
+    A* dst = reinterpret_cast<A*>(&s);
+    const A* src = reinterpret_cast<const A*>(p);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(Stats) / sizeof(A)); ++k) dst[k] = __ldcg(src + k);
+    return s;
+}
+
+// channel_stream: GroupNorm and InstanceNorm on channels-first x with x read
+// from DRAM once. Same math as channel_partial + channel_finalize +
+// channel_apply; what differs is the schedule.
+//
+// A statistic group (sample n, group g) is a contiguous row of group_vecs
+// vectors (channels_per_group planes of spatial_vecs). Rows are cut into
+// row_tiles tiles of tile_vecs vectors, and consecutive tiles into slabs of
+// slab_tiles (whole groups). Blocks take tickets from an atomic counter, in
+// order, and the tickets walk
+//     partial tiles of slabs 0 .. lag-1,
+//     then for each later slab s: its partial tiles alternating with the
+//       apply tiles of slab s - lag,
+//     then the apply tiles of the last lag slabs,
+// so a slab is re-read lag slabs after it was first read, while it is still
+// in L2 (the dispatch sizes the slabs so that lag + 1 of them fit). A partial
+// tile stores its statistic; the block that completes a group's last tile
+// (the group's arrival counter) combines the group's tiles in tile order
+// (bitwise reproducible) into (pivot, center, scale) and releases the
+// group's ready flag, on which its apply tiles wait. No deadlock without
+// co-residency: an apply ticket waits only on partial tickets taken earlier
+// by running blocks, which never wait.
+//
+// 256 threads a block, a tile's vectors strided over them, 4 loads in flight
+// per thread; a block takes its next ticket while it works on the current
+// one. hints & 1: y stored with the streaming hint (st.global.cs); hints & 2:
+// the apply tile's x loaded as a last use (ld.global.cs). 16-byte vectors.
+// sync (zeroed before the launch): [0] the ticket counter, [1 + i] the
+// arrivals of group i, [1 + groups_total + i] its ready flag.
+template <template <class> class NormT, class T, class P, int FLAGS, int VEC, class Y>
+__global__ void __launch_bounds__(256)
+channel_stream(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
+               typename AccOf<T>::type* partial, typename AccOf<T>::type* affine,
+               typename AccOf<T>::type* mean_out, typename AccOf<T>::type* rstd_out, unsigned int* sync,
+               long long groups_total, long long group_vecs, long long spatial_vecs, int channels_per_group,
+               int groups, long long tile_vecs, long long row_tiles, long long slab_tiles, long long lag_slabs,
+               int hints, typename AccOf<T>::type eps) {
+    using A = typename AccOf<T>::type;
+    using Norm = NormT<A>;
+    using Stats = typename Norm::Stats;
+    __shared__ Stats scratch[33];
+    __shared__ unsigned int next_ticket;
+    __shared__ int completes_group;
+    Stats* parts = reinterpret_cast<Stats*>(partial);
+    unsigned int* arrivals = sync + 1;
+    unsigned int* ready = sync + 1 + groups_total;
+    const long long tiles = groups_total * row_tiles;
+    const long long slabs = (tiles + slab_tiles - 1) / slab_tiles;
+    const long long lag = min(lag_slabs, slabs);
+    const long long tickets = 2 * slabs * slab_tiles;  // the last slab padded: its missing tiles are skipped
+    const long long middle = (slabs - lag) * 2 * slab_tiles;
+    if (threadIdx.x == 0) next_ticket = atomicAdd(sync, 1u);
+    __syncthreads();
+    long long ticket = next_ticket;
+#pragma unroll 1
+    while (ticket < tickets) {
+        __syncthreads();  // every thread has read next_ticket
+        if (threadIdx.x == 0) next_ticket = atomicAdd(sync, 1u);
+        bool apply;
+        long long tile;
+        if (ticket < lag * slab_tiles) {
+            apply = false;
+            tile = ticket;
+        } else if (ticket - lag * slab_tiles < middle) {
+            const long long k = ticket - lag * slab_tiles;
+            const long long phase = k / (2 * slab_tiles);
+            const long long r = k - phase * 2 * slab_tiles;
+            apply = (r & 1) != 0;
+            tile = (phase + (apply ? 0 : lag)) * slab_tiles + (r >> 1);
+        } else {
+            apply = true;
+            tile = (slabs - lag) * slab_tiles + (ticket - lag * slab_tiles - middle);
+        }
+        if (tile < tiles) {  // uniform across the block
+            const long long group = tile / row_tiles;
+            const long long begin = (tile - group * row_tiles) * tile_vecs;
+            const long long end = min(begin + tile_vecs, group_vecs);
+            const T* row = x + group * group_vecs * VEC;
+            if (!apply) {
+                const A pivot = Norm::kShifted ? static_cast<A>(widen(row[0])) : A(0);
+                Stats s = Norm::init();
+                for_each_batched<4>(
+                    begin + threadIdx.x, end, blockDim.x, [&](long long v) { return load_vec<T, VEC>(row + v * VEC); },
+                    [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
+                s = block_reduce<Norm, 8>(s, scratch);
+                if (threadIdx.x == 0) {
+                    parts[tile] = s;
+                    __threadfence();
+                    completes_group = atomicAdd(arrivals + group, 1u) == static_cast<unsigned int>(row_tiles - 1);
+                }
+                __syncthreads();
+                if (completes_group) {
+                    __threadfence();
+                    Stats t = Norm::init();
+                    for (long long m = threadIdx.x; m < row_tiles; m += blockDim.x) {
+                        t = Norm::combine(t, load_stats_cg<A>(parts + group * row_tiles + m));
+                    }
+                    t = block_reduce<Norm, 8>(t, scratch);
+                    if (threadIdx.x == 0) {
+                        const Affine<A> f = Norm::finalize(t, group_vecs * VEC, eps);
+                        affine[3 * group] = pivot;
+                        affine[3 * group + 1] = f.center;
+                        affine[3 * group + 2] = f.scale;
+                        store_stats(mean_out, rstd_out, group, f, pivot);
+                        __threadfence();
+                        store_release(ready + group, 1u);
+                    }
+                }
+            } else {
+                if (threadIdx.x == 0) {
+                    while (load_acquire(ready + group) == 0u) __nanosleep(64);
+                }
+                __syncthreads();
+                const A pivot = __ldcg(affine + 3 * group);
+                const Affine<A> f{__ldcg(affine + 3 * group + 1), __ldcg(affine + 3 * group + 2)};
+                const int first_channel = static_cast<int>(group % groups) * channels_per_group;
+                Y* out = y + group * group_vecs * VEC;
+                auto load = [&](long long v) {
+                    return (hints & 2) ? load_vec_last_use<T, VEC>(row + v * VEC) : load_vec<T, VEC>(row + v * VEC);
+                };
+                for_each_batched<4>(begin + threadIdx.x, end, blockDim.x, load, [&](long long v, const Vec<T, VEC>& in) {
+                    A wc = A(1), bc = A(0);
+                    if constexpr ((FLAGS & (kWeight | kBias)) != 0) {
+                        // group_vecs < 2**31 (the dispatch): a 32-bit division
+                        const int c = first_channel + static_cast<int>(static_cast<unsigned int>(v) /
+                                                                       static_cast<unsigned int>(spatial_vecs));
+                        if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
+                        if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
+                    }
+                    Vec<Y, VEC> o;
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
+                    }
+                    if (hints & 1) store_vec_streaming<Y, VEC>(out + v * VEC, o);
+                    else store_vec<Y, VEC>(out + v * VEC, o);
+                });
+            }
+        }
+        __syncthreads();  // next_ticket is written
+        ticket = next_ticket;
     }
 }
 

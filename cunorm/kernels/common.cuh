@@ -99,6 +99,43 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
     return v;
 }
 
+// Release store of a flag (the writes before it are visible to an acquire
+// load that sees it).
+__device__ __forceinline__ void store_release(unsigned int* p, unsigned int v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Accesses with L2 hints, for the streamed walks: a last read that may be
+// evicted first, and a store that should not push data still to be re-read
+// out of L2 (ld/st.global.cs, "streaming"). 16-byte vectors take the hint;
+// other widths are plain accesses.
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec_last_use(const T* p) {
+    if constexpr (sizeof(T) * N == 16) {
+        union {
+            int4 raw;
+            Vec<T, N> v;
+        } u;
+        u.raw = __ldcs(reinterpret_cast<const int4*>(p));
+        return u.v;
+    } else {
+        return load_vec<T, N>(p);
+    }
+}
+template <class T, int N>
+__device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T, N>& v) {
+    if constexpr (sizeof(T) * N == 16) {
+        union {
+            int4 raw;
+            Vec<T, N> v;
+        } u;
+        u.v = v;
+        __stcs(reinterpret_cast<int4*>(p), u.raw);
+    } else {
+        store_vec<T, N>(p, v);
+    }
+}
+
 // Elementwise epilogue shared by every family:
 //   y = act((x - center) * scale [* weight] [+ bias])
 // in the accumulation type, rounded once to the storage type. Subtracting

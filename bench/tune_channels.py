@@ -1,0 +1,141 @@
+"""Tuning sweep of the channel walks (GroupNorm, InstanceNorm, BatchNorm),
+floor% against the copy bandwidth of the same run (a 1 GB fill before each
+timed call, as in the benchmark):
+
+- channel_stream against the three launches (split) and the row family
+  (rows) on the benchmark's problems and on real activations, and
+  channel_stream's knobs: its L2 hints (STREAM_HINTS), the slabs' lag, the
+  slab size (STREAM_SLAB_L2_SHARE) and the tile size (STREAM_TILE_BYTES); each stream variant's output is checked against the
+  split walk's and its bytes against a second run;
+- the L2 hints of the three launches' epilogue (channel_apply:
+  CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE), and the time of each launch of
+  problems 33 and 37 (the two-read walks).
+
+PYTHONPATH=. python bench/tune_channels.py [--only TEXT] [--out DIR]"""
+import argparse
+import json
+import os
+import sys
+
+import cupy
+import numpy as np
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
+import cunorm  # noqa: E402
+from cunorm import _channels  # noqa: E402
+from cunorm.bench._cases import copy_bandwidth, fewest_bytes, make_channel_inputs, time_gpu  # noqa: E402
+from tune_backward import launch_times  # noqa: E402
+
+MB = 1 << 20
+#: (name, op, shape, dtype, groups, params)
+CASES = [
+    ("problem 34 instance_norm (112,64,512,512) fp32", "instance_norm", (112, 64, 512, 512), "float32", None, ""),
+    ("problem 35 group_norm(8) (112,64,512,512) fp32 +w+b", "group_norm", (112, 64, 512, 512), "float32", 8, "wb"),
+    ("group_norm(32) (8,512,128,128) bf16 +w+b", "group_norm", (8, 512, 128, 128), "bfloat16", 32, "wb"),
+    ("group_norm(32) (8,320,64,64) bf16 +w+b", "group_norm", (8, 320, 64, 64), "bfloat16", 32, "wb"),
+    ("group_norm(32) (8,640,32,32) bf16 +w+b", "group_norm", (8, 640, 32, 32), "bfloat16", 32, "wb"),
+    ("group_norm(32) (8,1280,16,16) bf16 +w+b", "group_norm", (8, 1280, 16, 16), "bfloat16", 32, "wb"),
+    ("instance_norm (16,64,256,256) fp32 +w+b", "instance_norm", (16, 64, 256, 256), "float32", None, "wb"),
+    ("instance_norm (4,128,512,512) fp32 +w+b", "instance_norm", (4, 128, 512, 512), "float32", None, "wb"),
+    ("problem 33 batch_norm (64,64,512,512) fp32 +w+b", "batch_norm", (64, 64, 512, 512), "float32", None, "wb"),
+    ("batch_norm (64,256,56,56) fp32 +w+b", "batch_norm", (64, 256, 56, 56), "float32", None, "wb"),
+    ("batch_norm (64,256,56,56) bf16 +w+b", "batch_norm", (64, 256, 56, 56), "bfloat16", None, "wb"),
+]
+KB = 1 << 10
+STREAM_VARIANTS = [{}, {"hints": 0}, {"tile_bytes": 16 * KB}, {"tile_bytes": 8 * KB}, {"slab_bytes": 16 * MB},
+                   {"slab_bytes": 16 * MB, "tile_bytes": 16 * KB}, {"slab_bytes": 24 * MB, "tile_bytes": 16 * KB},
+                   {"lag": 2, "tile_bytes": 16 * KB}, {"lag": 2, "slab_bytes": 8 * MB, "tile_bytes": 16 * KB},
+                   {"lag": 3, "slab_bytes": 6 * MB, "tile_bytes": 16 * KB}]
+SPLIT_VARIANTS = [{"hints": 0}, {"hints": 1}, {"hints": 2}, {"hints": 3}]
+
+
+def as_f32(a):
+    """float32 copy of a GPU array (bfloat16 widened by its bits)."""
+    if a.dtype.itemsize == 2 and a.dtype != np.float16:
+        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def prepared(op, x, groups, w, b, y, running=(None, None)):
+    norm = op.split("_")[0]
+    kw = {"num_groups": groups} if op == "group_norm" else {}
+    if op == "batch_norm":
+        kw.update(running_mean=running[0], running_var=running[1])
+    call = _channels.ChannelCall(norm, x, weight=w, bias=b, eps=1e-5, channel_axis=1, out=y, **kw)
+    return call, _channels.prepare(call)
+
+
+def sweep(name, op, shape, dtype, groups, params, copy_bw, rows):
+    x, w, b, running, y = make_channel_inputs(op, shape, dtype, 1, params)
+    nbytes = fewest_bytes(x, w, b, False)
+    call, prep = prepared(op, x, groups, w, b, y, running)
+    print(f"{name}: default walk {_channels.execute(call, *prep)[0]}", flush=True)
+    reference = None
+    walks = ("split",) if op == "batch_norm" else ("split", "rows", "stream")
+    for walk in walks:
+        variants = {"stream": STREAM_VARIANTS, "split": SPLIT_VARIANTS}.get(walk, [{}])
+        for extra in variants:
+            override = {"walk": walk, **extra}
+            if "tile_bytes" in override:
+                override["tile_vecs"] = override.pop("tile_bytes") // 16
+            row = {"case": name, "override": override}
+            try:
+                y.view(np.uint8).fill(0xFF)  # NaN in every float type
+                _channels.execute(call, *prep, override=override)
+                got = y.copy()
+                if reference is None:
+                    reference = as_f32(got)
+                err = float(cupy.max(cupy.abs(as_f32(got) - reference)))
+                _channels.execute(call, *prep, override=override)
+                same = bool(cupy.all(got.view(np.uint8) == y.view(np.uint8)))
+                ms, lo, hi = time_gpu(lambda: _channels.execute(call, *prep, override=override))
+                row.update(ms=ms, floor_pct=100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw, max_abs_diff=err,
+                           nan=bool(cupy.isnan(as_f32(got)).any()), repeatable=same)
+                print(f"  {override}: {ms:.4f} ms ({lo:.4f}-{hi:.4f}) {row['floor_pct']:.1f}%  "
+                      f"diff {err:.2e} nan {row['nan']} repeatable {same}", flush=True)
+            except Exception as err:  # report, keep going
+                row["error"] = repr(err)[:300]
+                print(f"  {override}: {row['error']}", flush=True)
+            rows.append(row)
+    del x, w, b, y, call, prep, reference
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def split_launches(rows):
+    """Each launch of problems 33 and 37 (the two-read walks)."""
+    x, w, b, running, y = make_channel_inputs("batch_norm", (64, 64, 512, 512), "float32", 1, "wb")
+    run = lambda: cunorm.batch_norm(x, w, b, running_mean=running[0], running_var=running[1], out=y)  # noqa: E731
+    times = launch_times(run, verbose=False)
+    print("problem 33 launches:", times, flush=True)
+    rows.append({"case": "problem 33 launches", "launches": times})
+    del x, w, b, running, y
+    x = cupy.random.standard_normal((112, 64, 512, 512), dtype=np.float32)
+    y = cupy.empty_like(x)
+    times = launch_times(lambda: cunorm.frobenius_normalize(x, out=y), verbose=False)
+    print("problem 37 launches:", times, flush=True)
+    rows.append({"case": "problem 37 launches", "launches": times})
+    del x, y
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-launches", action="store_true")
+    args = ap.parse_args()
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    rows = [{"copy_gbps": copy_bw}]
+    for case in CASES:
+        if args.only in case[0]:
+            sweep(*case, copy_bw, rows)
+    if not args.no_launches:
+        split_launches(rows)
+    with open(os.path.join(args.out, "tune_channels.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
