@@ -157,7 +157,7 @@ def test_default_walk_of_the_public_functions(rng):
     call = _channels.ChannelCall("group", x, num_groups=8, weight=w, eps=1e-5, channel_axis=1)
     assert _channels.execute(call, *_channels.prepare(call))[0] == "channel_stream"
     wy = reference.group_norm(x_np, 8, w_np, exact=True)
-    assert_close(cupy.asnumpy(group_norm(x, 8, w)), wy, np.float32, atol=RTOL[np.float32] * output_scale(wy))
+    assert_close(cupy.asnumpy(group_norm(x, 8, w)), wy, np.float32, atol=RTOL[_dtypes.float32] * output_scale(wy))
     call = _channels.ChannelCall("group", x, num_groups=8, eps=1e-5, channel_axis=1)
     assert _channels.execute(call, *_channels.prepare(call))[0].startswith("rows")
 
