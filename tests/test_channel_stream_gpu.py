@@ -158,6 +158,13 @@ def test_default_walk_of_the_public_functions(rng):
     assert _channels.execute(call, *_channels.prepare(call))[0] == "channel_stream"
     wy = reference.group_norm(x_np, 8, w_np, exact=True)
     assert_close(cupy.asnumpy(group_norm(x, 8, w)), wy, np.float32, atol=RTOL[_dtypes.float32] * output_scale(wy))
+    # the second call of the signature replays the launch cache's entry (its
+    # counters zeroed again): new data, a new result
+    x2_np = random(rng, (4, 64, 256, 256), np.float32, offset=2.0)
+    wy2 = reference.group_norm(x2_np, 8, w_np, exact=True)
+    for _ in range(2):
+        assert_close(cupy.asnumpy(group_norm(cupy.asarray(x2_np), 8, w)), wy2, np.float32,
+                     atol=RTOL[_dtypes.float32] * output_scale(wy2))
     call = _channels.ChannelCall("group", x, num_groups=8, eps=1e-5, channel_axis=1)
     assert _channels.execute(call, *_channels.prepare(call))[0].startswith("rows")
 
