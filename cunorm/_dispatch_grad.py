@@ -265,10 +265,12 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> Gr
     # limits by grid stride, as the forward's)
     members = plan.batch * plan.channels
     per_member = (_ceil_div(members, GRAD_BLOCK_THREADS),)
+    # BatchNorm in training: channel_grad_finalize takes a warp a channel
+    finalize_threads = max(members, 32 * plan.channels) if training and not plan.per_sample else members
     steps = (
         Step(K.CHANNEL_GRAD_SUMS(t, plan.vec, plan.channels_last), grid, block, shared),
         Step(K.CHANNEL_GRAD_COMBINE(a), per_member, (GRAD_BLOCK_THREADS,)),
-        Step(K.CHANNEL_GRAD_FINALIZE(a, p, plan.flags, training), per_member,
+        Step(K.CHANNEL_GRAD_FINALIZE(a, p, plan.flags, training), (_ceil_div(finalize_threads, GRAD_BLOCK_THREADS),),
              (GRAD_BLOCK_THREADS,)),
         Step(K.CHANNEL_GRAD_APPLY(t, plan.vec, plan.channels_last), grid, block),
     )
