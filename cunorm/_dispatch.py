@@ -550,7 +550,7 @@ def choose_channel_stream(plan: ChannelPlan, device: Device, override: dict | No
         row_tiles = _ceil_div(group_vecs, tile_vecs)
         slab_tiles = slab_groups * row_tiles
         lag = override.get("lag", lag)
-    if 2 * _ceil_div(groups * row_tiles, slab_tiles) * slab_tiles >= 2**32:
+    if 2 * _ceil_div(groups * row_tiles, slab_tiles) * slab_tiles >= 2**31:
         raise ValueError(f"{plan.norm}_norm: {groups * row_tiles} tiles is over channel_stream's ticket limit")
     kernel = K.CHANNEL_STREAM(CHANNEL_NORM, t, p, plan.flags, plan.vec, output_type(plan), persistent=True)
     acc_words = groups * row_tiles * NORMS["ln"].stat_words + 3 * groups

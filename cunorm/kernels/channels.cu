@@ -433,7 +433,7 @@ __device__ __forceinline__ Stats load_stats_cg(const Stats* p) {
 // sync (zeroed before the launch): [0] the ticket counter, [1 + i] the
 // arrivals of group i, [1 + groups_total + i] its ready flag.
 template <template <class> class NormT, class T, class P, int FLAGS, int VEC, class Y>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 2)
 channel_stream(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
                typename AccOf<T>::type* partial, typename AccOf<T>::type* affine,
                typename AccOf<T>::type* mean_out, typename AccOf<T>::type* rstd_out, unsigned int* sync,
@@ -449,36 +449,42 @@ channel_stream(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__
     Stats* parts = reinterpret_cast<Stats*>(partial);
     unsigned int* arrivals = sync + 1;
     unsigned int* ready = sync + 1 + groups_total;
-    const long long tiles = groups_total * row_tiles;
-    const long long slabs = (tiles + slab_tiles - 1) / slab_tiles;
-    const long long lag = min(lag_slabs, slabs);
-    const long long tickets = 2 * slabs * slab_tiles;  // the last slab padded: its missing tiles are skipped
-    const long long middle = (slabs - lag) * 2 * slab_tiles;
+    // Tickets and tiles are under 2**31 (the dispatch; the counter also
+    // counts each block's last, unused ticket): 32-bit divisions (a 64-bit
+    // one is a call, around which ptxas spills).
+    const unsigned int tiles = static_cast<unsigned int>(groups_total * row_tiles);
+    const unsigned int row_tiles32 = static_cast<unsigned int>(row_tiles);
+    const unsigned int slab = static_cast<unsigned int>(slab_tiles);
+    const unsigned int slabs = (tiles + slab - 1) / slab;
+    const unsigned int lag = static_cast<unsigned int>(min(lag_slabs, static_cast<long long>(slabs)));
+    const unsigned int tickets = 2 * slabs * slab;  // the last slab padded: its missing tiles are skipped
+    const unsigned int middle = (slabs - lag) * 2 * slab;
     if (threadIdx.x == 0) next_ticket = atomicAdd(sync, 1u);
     __syncthreads();
-    long long ticket = next_ticket;
+    unsigned int ticket = next_ticket;
 #pragma unroll 1
     while (ticket < tickets) {
         __syncthreads();  // every thread has read next_ticket
         if (threadIdx.x == 0) next_ticket = atomicAdd(sync, 1u);
         bool apply;
-        long long tile;
-        if (ticket < lag * slab_tiles) {
+        unsigned int tile;
+        if (ticket < lag * slab) {
             apply = false;
             tile = ticket;
-        } else if (ticket - lag * slab_tiles < middle) {
-            const long long k = ticket - lag * slab_tiles;
-            const long long phase = k / (2 * slab_tiles);
-            const long long r = k - phase * 2 * slab_tiles;
-            apply = (r & 1) != 0;
-            tile = (phase + (apply ? 0 : lag)) * slab_tiles + (r >> 1);
+        } else if (ticket - lag * slab < middle) {
+            const unsigned int k = ticket - lag * slab;
+            const unsigned int phase = k / (2 * slab);
+            const unsigned int r = k - phase * 2 * slab;
+            apply = (r & 1u) != 0;
+            tile = (phase + (apply ? 0 : lag)) * slab + (r >> 1);
         } else {
             apply = true;
-            tile = (slabs - lag) * slab_tiles + (ticket - lag * slab_tiles - middle);
+            tile = (slabs - lag) * slab + (ticket - lag * slab - middle);
         }
         if (tile < tiles) {  // uniform across the block
-            const long long group = tile / row_tiles;
-            const long long begin = (tile - group * row_tiles) * tile_vecs;
+            const unsigned int group32 = tile / row_tiles32;
+            const long long group = group32;
+            const long long begin = static_cast<long long>(tile - group32 * row_tiles32) * tile_vecs;
             const long long end = min(begin + tile_vecs, group_vecs);
             const T* row = x + group * group_vecs * VEC;
             if (!apply) {
@@ -518,7 +524,8 @@ channel_stream(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__
                 __syncthreads();
                 const A pivot = __ldcg(affine + 3 * group);
                 const Affine<A> f{__ldcg(affine + 3 * group + 1), __ldcg(affine + 3 * group + 2)};
-                const int first_channel = static_cast<int>(group % groups) * channels_per_group;
+                const int first_channel = static_cast<int>(group32 % static_cast<unsigned int>(groups)) *
+                                          channels_per_group;
                 Y* out = y + group * group_vecs * VEC;
                 auto load = [&](long long v) {
                     return (hints & 2) ? load_vec_last_use<T, VEC>(row + v * VEC) : load_vec<T, VEC>(row + v * VEC);
