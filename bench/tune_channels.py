@@ -24,7 +24,8 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
 import cunorm  # noqa: E402
 from cunorm import _channels  # noqa: E402
-from cunorm.bench._cases import copy_bandwidth, fewest_bytes, make_channel_inputs, time_gpu  # noqa: E402
+from cunorm.bench._cases import (_channel_prepared, copy_bandwidth, fewest_bytes, make_channel_inputs,  # noqa: E402
+                                 time_gpu)
 from tune_backward import launch_times  # noqa: E402
 
 MB = 1 << 20
@@ -57,19 +58,10 @@ def as_f32(a):
     return a.astype(np.float32)
 
 
-def prepared(op, x, groups, w, b, y, running=(None, None)):
-    norm = op.split("_")[0]
-    kw = {"num_groups": groups} if op == "group_norm" else {}
-    if op == "batch_norm":
-        kw.update(running_mean=running[0], running_var=running[1])
-    call = _channels.ChannelCall(norm, x, weight=w, bias=b, eps=1e-5, channel_axis=1, out=y, **kw)
-    return call, _channels.prepare(call)
-
-
 def sweep(name, op, shape, dtype, groups, params, copy_bw, rows):
     x, w, b, running, y = make_channel_inputs(op, shape, dtype, 1, params)
     nbytes = fewest_bytes(x, w, b, False)
-    call, prep = prepared(op, x, groups, w, b, y, running)
+    call, prep = _channel_prepared(op, x, groups, w, b, 1, running, y)
     print(f"{name}: default walk {_channels.execute(call, *prep)[0]}", flush=True)
     reference = None
     walks = ("split",) if op == "batch_norm" else ("split", "rows", "stream")

@@ -336,13 +336,13 @@ def channel_program(plan, launch, from_running: bool, eps: float, momentum: floa
     ws = pb.workspace(launch.workspace_words * acc_bytes)
     affine = ws + (launch.workspace_words - 3 * plan.statistic_groups) * acc_bytes
     if launch.stream is not None:
-        st = launch.stream
         sync = pb.workspace(4 * (1 + 2 * plan.statistic_groups), zeroed=True)
         pb.launch(launch.steps[0], x=x, y=pb["y"], w=w, b=b, partial=ws, affine=affine, mean_out=mean, rstd_out=rstd,
-                  sync=sync, groups_total=plan.statistic_groups, group_vecs=st.group_vecs,
+                  sync=sync, groups_total=plan.statistic_groups,
+                  group_vecs=plan.channels_per_group * plan.spatial // plan.vec,
                   spatial_vecs=plan.spatial // plan.vec, channels_per_group=plan.channels_per_group,
-                  groups=plan.groups, tile_vecs=st.tile_vecs, row_tiles=st.row_tiles, slab_tiles=st.slab_tiles,
-                  lag_slabs=st.lag, hints=launch.hints, eps=eps)
+                  groups=plan.groups, tile_vecs=launch.chunk_vecs, row_tiles=launch.chunks,
+                  slab_tiles=launch.stream.slab_tiles, lag_slabs=launch.stream.lag, hints=launch.hints, eps=eps)
         return pb.build()
     if from_running:
         pb.launch(launch.steps[0], running_mean=rm, running_var=rv, affine=affine, mean_out=mean, rstd_out=rstd,

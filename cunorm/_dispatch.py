@@ -227,11 +227,9 @@ class Launch:
 
 @dataclass(frozen=True)
 class StreamShape:
-    """channel_stream's schedule (choose_channel_stream)."""
+    """channel_stream's slabs (choose_channel_stream; its tiles are the
+    Launch's chunk_vecs vectors, chunks of them a group)."""
 
-    group_vecs: int
-    tile_vecs: int
-    row_tiles: int
     slab_tiles: int
     lag: int
 
@@ -500,16 +498,14 @@ def choose_channel_walk(plan: ChannelPlan, device: Device) -> str:
     than L2, stream_fits) or "split" (three launches, x read twice)."""
     if channel_rows_fast(plan):
         return "rows"
-    x_bytes = plan.batch * plan.channels * plan.spatial * plan.dtype.itemsize
-    if x_bytes > device.l2_bytes and stream_fits(plan, device):
+    if plan.nbytes > device.l2_bytes and stream_fits(plan, device):
         return "stream"
     return "split"
 
 
 def channel_apply_hints(plan: ChannelPlan, device: Device) -> int:
     """channel_apply's L2 hints (CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE)."""
-    x_bytes = plan.batch * plan.channels * plan.spatial * plan.dtype.itemsize
-    return 3 if device.l2_bytes < x_bytes <= CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE * device.l2_bytes else 1
+    return 3 if device.l2_bytes < plan.nbytes <= CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE * device.l2_bytes else 1
 
 
 def stream_fits(plan: ChannelPlan, device: Device) -> bool:
@@ -537,19 +533,21 @@ def choose_channel_stream(plan: ChannelPlan, device: Device, override: dict | No
     slab_bytes = override.get("slab_bytes", int(STREAM_SLAB_L2_SHARE * device.l2_bytes))
     slab_groups = min(max(1, slab_bytes // (group_vecs * vec_bytes)), groups)
     in_flight = STREAM_BLOCKS_PER_SM * device.sm_count
+
+    def schedule(tile_vecs):  # (row_tiles, slab_tiles, lag) of tiles of tile_vecs
+        row_tiles = _ceil_div(group_vecs, tile_vecs)
+        slab_tiles = slab_groups * row_tiles
+        return row_tiles, slab_tiles, max(1, _ceil_div(in_flight // 2 + row_tiles, slab_tiles))
+
     tile_vecs = STREAM_TILE_BYTES // vec_bytes
-    while True:
-        row_tiles = _ceil_div(group_vecs, tile_vecs)
-        slab_tiles = slab_groups * row_tiles
-        lag = max(1, _ceil_div(in_flight // 2 + row_tiles, slab_tiles))
-        if lag * slab_tiles * tile_vecs * vec_bytes <= STREAM_MAX_REREAD_L2_SHARE * device.l2_bytes or tile_vecs <= 256:
-            break
+    row_tiles, slab_tiles, lag = schedule(tile_vecs)
+    while lag * slab_tiles * tile_vecs * vec_bytes > STREAM_MAX_REREAD_L2_SHARE * device.l2_bytes and tile_vecs > 256:
         tile_vecs //= 2
-    if "tile_vecs" in override or "lag" in override:
-        tile_vecs = override.get("tile_vecs", tile_vecs)
-        row_tiles = _ceil_div(group_vecs, tile_vecs)
-        slab_tiles = slab_groups * row_tiles
-        lag = override.get("lag", lag)
+        row_tiles, slab_tiles, lag = schedule(tile_vecs)
+    if "tile_vecs" in override:  # (the lag stays the default tiles' unless forced too)
+        tile_vecs = override["tile_vecs"]
+        row_tiles, slab_tiles, _ = schedule(tile_vecs)
+    lag = override.get("lag", lag)
     if 2 * _ceil_div(groups * row_tiles, slab_tiles) * slab_tiles >= 2**31:
         raise ValueError(f"{plan.norm}_norm: {groups * row_tiles} tiles is over channel_stream's ticket limit")
     kernel = K.CHANNEL_STREAM(CHANNEL_NORM, t, p, plan.flags, plan.vec, output_type(plan), persistent=True)
@@ -557,8 +555,7 @@ def choose_channel_stream(plan: ChannelPlan, device: Device, override: dict | No
     step = Step(kernel, (device.sm_count * 8,), (STREAM_BLOCK_THREADS,))
     return Launch("channel_stream", (step,), chunks=row_tiles, chunk_vecs=tile_vecs, workspace_words=acc_words,
                   hints=override.get("hints", STREAM_HINTS),
-                  stream=StreamShape(group_vecs=group_vecs, tile_vecs=tile_vecs, row_tiles=row_tiles,
-                                     slab_tiles=slab_tiles, lag=lag))
+                  stream=StreamShape(slab_tiles=slab_tiles, lag=lag))
 
 
 def plane_rows_block(vecs: int, threads: int) -> tuple[int, int]:

@@ -302,6 +302,11 @@ class ChannelPlan:
     def statistic_groups(self) -> int:
         return (self.batch if self.per_sample else 1) * self.groups
 
+    @property
+    def nbytes(self) -> int:
+        """x's bytes."""
+        return self.batch * self.channels * self.spatial * self.dtype.itemsize
+
 
 def dense_order(shape, strides, order) -> bool:
     """Whether an array of ``shape`` and ``strides`` (elements) is dense with

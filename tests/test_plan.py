@@ -425,17 +425,17 @@ def test_channel_stream_schedule():
     p35 = _dispatch.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=112, channels=64, spatial=512 * 512),
                                           H200)
     s = p35.stream
-    assert (s.tile_vecs, s.row_tiles, s.slab_tiles, s.lag) == (1024, 512, 512, 2)
+    assert (p35.chunk_vecs, p35.chunks, s.slab_tiles, s.lag) == (1024, 512, 512, 2)
     assert p35.hints == _dispatch.STREAM_HINTS and p35.steps[0].kernel.persistent
     assert p35.workspace_words == 112 * 8 * 512 * 3 + 3 * 112 * 8
     inst = _dispatch.choose_channel_stream(channel_plan("instance", flags=3, cpg=1, batch=4, channels=128,
                                                         spatial=512 * 512), H200)
     s = inst.stream
-    assert (s.tile_vecs, s.row_tiles, s.slab_tiles, s.lag) == (2048, 32, 12 * 32, 1)
+    assert (inst.chunk_vecs, inst.chunks, s.slab_tiles, s.lag) == (2048, 32, 12 * 32, 1)
     forced = _dispatch.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=2, channels=16, spatial=64),
                                              H200, {"tile_vecs": 3, "slab_bytes": 1, "lag": 5, "hints": 0})
     s = forced.stream
-    assert (s.tile_vecs, s.row_tiles, s.slab_tiles, s.lag, forced.hints) == (3, 43, 43, 5, 0)
+    assert (forced.chunk_vecs, forced.chunks, s.slab_tiles, s.lag, forced.hints) == (3, 43, 43, 5, 0)
 
 
 def test_channel_apply_hints():

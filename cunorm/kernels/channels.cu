@@ -315,11 +315,6 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
               typename AccOf<T>::type eps, int hints) {
     using A = typename AccOf<T>::type;
     const int groups = channels / channels_per_group;
-    auto load = [&](const T* p) { return (hints & 2) ? load_vec_last_use<T, VEC>(p) : load_vec<T, VEC>(p); };
-    auto store = [&](Y* p, const Vec<Y, VEC>& o) {
-        if (hints & 1) store_vec_streaming<Y, VEC>(p, o);
-        else store_vec<Y, VEC>(p, o);
-    };
     auto params_of = [&](long long n, int c, Affine<A>& f, A& pivot, A& wc, A& bc) {
         if (running_var != nullptr) {
             pivot = A(0);
@@ -347,14 +342,14 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
             const long long end = min(begin + chunk_len, spatial_vecs);
             for_each_batched<4>(
                 begin + threadIdx.x, end, blockDim.x,
-                [&](long long v) { return load(x + offset + v * VEC); },
+                [&](long long v) { return load_vec_hinted<T, VEC>(x + offset + v * VEC, hints); },
                 [&](long long v, const Vec<T, VEC>& in) {
                     Vec<Y, VEC> o;
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
                     }
-                    store(y + offset + v * VEC, o);
+                    store_vec_hinted<Y, VEC>(y + offset + v * VEC, o, hints);
                 });
         });
     } else {
@@ -376,7 +371,7 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
                 const long long begin = chunk * chunk_len;
                 const long long end = min(begin + chunk_len, spatial);
                 for_each_batched<4>(
-                    begin + ty, end, by, [&](long long p) { return load(x + offset + p * channels); },
+                    begin + ty, end, by, [&](long long p) { return load_vec_hinted<T, VEC>(x + offset + p * channels, hints); },
                     [&](long long p, const Vec<T, VEC>& in) {
                         Vec<Y, VEC> o;
 #pragma unroll
@@ -384,7 +379,7 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
                             narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc[j], bc[j]),
                                    o.v[j]);
                         }
-                        store(y + offset + p * channels, o);
+                        store_vec_hinted<Y, VEC>(y + offset + p * channels, o, hints);
                     });
             }
         }
@@ -527,26 +522,25 @@ channel_stream(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__
                 const int first_channel = static_cast<int>(group32 % static_cast<unsigned int>(groups)) *
                                           channels_per_group;
                 Y* out = y + group * group_vecs * VEC;
-                auto load = [&](long long v) {
-                    return (hints & 2) ? load_vec_last_use<T, VEC>(row + v * VEC) : load_vec<T, VEC>(row + v * VEC);
-                };
-                for_each_batched<4>(begin + threadIdx.x, end, blockDim.x, load, [&](long long v, const Vec<T, VEC>& in) {
-                    A wc = A(1), bc = A(0);
-                    if constexpr ((FLAGS & (kWeight | kBias)) != 0) {
-                        // group_vecs < 2**31 (the dispatch): a 32-bit division
-                        const int c = first_channel + static_cast<int>(static_cast<unsigned int>(v) /
-                                                                       static_cast<unsigned int>(spatial_vecs));
-                        if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
-                        if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
-                    }
-                    Vec<Y, VEC> o;
+                for_each_batched<4>(
+                    begin + threadIdx.x, end, blockDim.x,
+                    [&](long long v) { return load_vec_hinted<T, VEC>(row + v * VEC, hints); },
+                    [&](long long v, const Vec<T, VEC>& in) {
+                        A wc = A(1), bc = A(0);
+                        if constexpr ((FLAGS & (kWeight | kBias)) != 0) {
+                            // group_vecs < 2**31 (the dispatch): a 32-bit division
+                            const int c = first_channel + static_cast<int>(static_cast<unsigned int>(v) /
+                                                                           static_cast<unsigned int>(spatial_vecs));
+                            if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
+                            if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
+                        }
+                        Vec<Y, VEC> o;
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
-                    }
-                    if (hints & 1) store_vec_streaming<Y, VEC>(out + v * VEC, o);
-                    else store_vec<Y, VEC>(out + v * VEC, o);
-                });
+                        for (int j = 0; j < VEC; ++j) {
+                            narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
+                        }
+                        store_vec_hinted<Y, VEC>(out + v * VEC, o, hints);
+                    });
             }
         }
         __syncthreads();  // next_ticket is written

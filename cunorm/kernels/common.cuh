@@ -136,6 +136,18 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T, N>& v) {
     }
 }
 
+// The two above chosen at run time by a walk's hints (1: streaming stores,
+// 2: last-use loads), a value uniform across the launch.
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec_hinted(const T* p, int hints) {
+    return (hints & 2) ? load_vec_last_use<T, N>(p) : load_vec<T, N>(p);
+}
+template <class T, int N>
+__device__ __forceinline__ void store_vec_hinted(T* p, const Vec<T, N>& v, int hints) {
+    if (hints & 1) store_vec_streaming<T, N>(p, v);
+    else store_vec<T, N>(p, v);
+}
+
 // Elementwise epilogue shared by every family:
 //   y = act((x - center) * scale [* weight] [+ bias])
 // in the accumulation type, rounded once to the storage type. Subtracting
