@@ -5,8 +5,9 @@ timed call, as in the benchmark):
 - channel_stream against the three launches (split) and the row family
   (rows) on the benchmark's problems and on real activations, and
   channel_stream's knobs: its L2 hints (STREAM_HINTS), the slabs' lag, the
-  slab size (STREAM_SLAB_L2_SHARE) and the tile size (STREAM_TILE_BYTES); each stream variant's output is checked against the
-  split walk's and its bytes against a second run;
+  slab size (STREAM_SLAB_L2_SHARE) and the tile size (STREAM_TILE_BYTES);
+  each stream variant's output is checked against the split walk's and
+  its bytes against a second run;
 - the L2 hints of the three launches' epilogue (channel_apply:
   CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE), and the time of each launch of
   problems 33 and 37 (the two-read walks).

@@ -371,7 +371,8 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
                 const long long begin = chunk * chunk_len;
                 const long long end = min(begin + chunk_len, spatial);
                 for_each_batched<4>(
-                    begin + ty, end, by, [&](long long p) { return load_vec_hinted<T, VEC>(x + offset + p * channels, hints); },
+                    begin + ty, end, by,
+                    [&](long long p) { return load_vec_hinted<T, VEC>(x + offset + p * channels, hints); },
                     [&](long long p, const Vec<T, VEC>& in) {
                         Vec<Y, VEC> o;
 #pragma unroll
