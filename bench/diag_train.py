@@ -14,10 +14,10 @@ import time
 import torch
 
 import cunorm.torch as ct
-from cunorm import _dispatch, _dispatch_grad
+from cunorm import _dispatch_channels, _dispatch_grad
 
 if "PLANE_ROWS_MAX_VECS" in os.environ:  # the plane-rows threshold to try (before any call plans)
-    _dispatch.CHANNEL_PLANE_ROWS_MAX_VECS = _dispatch_grad.CHANNEL_PLANE_ROWS_MAX_VECS = int(
+    _dispatch_channels.CHANNEL_PLANE_ROWS_MAX_VECS = _dispatch_grad.CHANNEL_PLANE_ROWS_MAX_VECS = int(
         os.environ["PLANE_ROWS_MAX_VECS"])
 
 SHAPES = [(32, 64, 112, 112), (32, 256, 56, 56), (32, 128, 56, 56), (32, 512, 28, 28), (32, 1024, 14, 14),

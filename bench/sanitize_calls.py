@@ -67,6 +67,13 @@ def main() -> int:
                                  return_stats=True)
     _channels.execute(call, *_channels.prepare(call),
                       override={"walk": "stream", "tile_vecs": 3, "slab_bytes": 1, "lag": 2})
+    # channel_onchip (the default for these small groups) and, forced, the three launches; clusters of 4
+    # blocks of 32 threads, three of them empty
+    for override in ({"walk": "split"}, {"walk": "onchip", "threads": 32, "elements": 4, "cluster": 4}):
+        call = _channels.ChannelCall("group", stream_x, num_groups=4, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
+                                     return_stats=True)
+        _channels.execute(call, *_channels.prepare(call), override=override)
+    cunorm.batch_norm(nchw, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32))
     cunorm.batch_norm(nhwc, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32))
     for stats in (False, True):  # eval: one launch, or the running buffers' statistics first
         cunorm.batch_norm(nchw, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32),

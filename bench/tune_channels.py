@@ -38,11 +38,22 @@ CASES = [
     ("group_norm(32) (8,320,64,64) bf16 +w+b", "group_norm", (8, 320, 64, 64), "bfloat16", 32, "wb"),
     ("group_norm(32) (8,640,32,32) bf16 +w+b", "group_norm", (8, 640, 32, 32), "bfloat16", 32, "wb"),
     ("group_norm(32) (8,1280,16,16) bf16 +w+b", "group_norm", (8, 1280, 16, 16), "bfloat16", 32, "wb"),
+    ("group_norm(32) channels-last (8,128,128,512) bf16 +w+b", "group_norm", (8, 128, 128, 512), "bfloat16", 32,
+     "wb", -1),
+    ("group_norm(32) channels-last (8,64,64,320) bf16 +w+b", "group_norm", (8, 64, 64, 320), "bfloat16", 32, "wb",
+     -1),
     ("instance_norm (16,64,256,256) fp32 +w+b", "instance_norm", (16, 64, 256, 256), "float32", None, "wb"),
     ("instance_norm (4,128,512,512) fp32 +w+b", "instance_norm", (4, 128, 512, 512), "float32", None, "wb"),
+    ("instance_norm (4,64,128,128) fp32 +w+b", "instance_norm", (4, 64, 128, 128), "float32", None, "wb"),
+    ("instance_norm (4,128,64,64) fp32 +w+b", "instance_norm", (4, 128, 64, 64), "float32", None, "wb"),
     ("problem 33 batch_norm (64,64,512,512) fp32 +w+b", "batch_norm", (64, 64, 512, 512), "float32", None, "wb"),
     ("batch_norm (64,256,56,56) fp32 +w+b", "batch_norm", (64, 256, 56, 56), "float32", None, "wb"),
     ("batch_norm (64,256,56,56) bf16 +w+b", "batch_norm", (64, 256, 56, 56), "bfloat16", None, "wb"),
+    ("batch_norm (64,512,28,28) fp32 +w+b", "batch_norm", (64, 512, 28, 28), "float32", None, "wb"),
+    ("batch_norm (64,512,28,28) bf16 +w+b", "batch_norm", (64, 512, 28, 28), "bfloat16", None, "wb"),
+    ("batch_norm (64,1024,14,14) fp32 +w+b", "batch_norm", (64, 1024, 14, 14), "float32", None, "wb"),
+    ("batch_norm (64,2048,7,7) fp32 +w+b", "batch_norm", (64, 2048, 7, 7), "float32", None, "wb"),
+    ("batch_norm (64,2048,7,7) bf16 +w+b", "batch_norm", (64, 2048, 7, 7), "bfloat16", None, "wb"),
 ]
 KB = 1 << 10
 STREAM_VARIANTS = [{}, {"hints": 0}, {"tile_bytes": 16 * KB}, {"tile_bytes": 8 * KB}, {"slab_bytes": 16 * MB},
@@ -50,6 +61,10 @@ STREAM_VARIANTS = [{}, {"hints": 0}, {"tile_bytes": 16 * KB}, {"tile_bytes": 8 *
                    {"lag": 2, "tile_bytes": 16 * KB}, {"lag": 2, "slab_bytes": 8 * MB, "tile_bytes": 16 * KB},
                    {"lag": 3, "slab_bytes": 6 * MB, "tile_bytes": 16 * KB}]
 SPLIT_VARIANTS = [{"hints": 0}, {"hints": 1}, {"hints": 2}, {"hints": 3}]
+ONCHIP_VARIANTS = [{}] + [{"threads": t, "elements": e, "cluster": k}
+                          for t, e, k in ((256, 16, 1), (256, 32, 1), (512, 32, 1), (1024, 32, 1), (256, 32, 2),
+                                          (512, 32, 2), (1024, 32, 2), (256, 32, 4), (512, 32, 4), (1024, 32, 4),
+                                          (256, 32, 8), (512, 32, 8), (1024, 32, 8))]
 
 
 def as_f32(a):
@@ -59,17 +74,26 @@ def as_f32(a):
     return a.astype(np.float32)
 
 
-def sweep(name, op, shape, dtype, groups, params, copy_bw, rows):
-    x, w, b, running, y = make_channel_inputs(op, shape, dtype, 1, params)
+def sweep(name, op, shape, dtype, groups, params, channel_axis=1, *, copy_bw, rows, walks):
+    x, w, b, running, y = make_channel_inputs(op, shape, dtype, channel_axis, params)
     nbytes = fewest_bytes(x, w, b, False)
-    call, prep = _channel_prepared(op, x, groups, w, b, 1, running, y)
+    call, prep = _channel_prepared(op, x, groups, w, b, channel_axis, running, y)
     print(f"{name}: default walk {_channels.execute(call, *prep)[0]}", flush=True)
     reference = None
-    walks = ("split",) if op == "batch_norm" else ("split", "rows", "stream")
     for walk in walks:
-        variants = {"stream": STREAM_VARIANTS, "split": SPLIT_VARIANTS}.get(walk, [{}])
+        if walk in ("rows", "stream") and (op == "batch_norm" or channel_axis != 1):
+            continue
+        variants = {"stream": STREAM_VARIANTS, "split": SPLIT_VARIANTS, "onchip": ONCHIP_VARIANTS}.get(walk, [{}])
+        if walk == "split" and "onchip" in walks:
+            variants = [{}]
         for extra in variants:
             override = {"walk": walk, **extra}
+            if walk == "onchip" and extra:  # only shapes the group fills to a quarter or more
+                channels = shape[channel_axis]
+                spatial = int(np.prod(shape)) // (shape[0] * channels)
+                group = {"batch_norm": shape[0], "group_norm": channels // (groups or 1)}.get(op, 1) * spatial
+                if extra["threads"] * extra["elements"] * extra["cluster"] > 4 * group:
+                    continue
             if "tile_bytes" in override:
                 override["tile_vecs"] = override.pop("tile_bytes") // 16
             row = {"case": name, "override": override}
@@ -117,13 +141,14 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-launches", action="store_true")
+    ap.add_argument("--walks", default="split,rows,stream", help="comma-separated: split, rows, stream, onchip")
     args = ap.parse_args()
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     rows = [{"copy_gbps": copy_bw}]
     for case in CASES:
-        if args.only in case[0]:
-            sweep(*case, copy_bw, rows)
+        if any(part in case[0] for part in args.only.split("|")):
+            sweep(*case, copy_bw=copy_bw, rows=rows, walks=args.walks.split(","))
     if not args.no_launches:
         split_launches(rows)
     with open(os.path.join(args.out, "tune_channels.json"), "w") as f:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from . import _dtypes
 from . import _kernels as K
-from ._dispatch import (CACHE_BYTES_STRIDED, CHANNEL_NORM, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
+from ._dispatch import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
                         cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
 from ._dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_CACHED_TARGET_THREADS, GRAD_NORMS, _vpt_choices,
                              column_sum_width, grad_cached_bounds, grad_policy)
+from ._dispatch_channels import CHANNEL_NORM, ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items
 from ._kernels import Kernel
 
 def _vector_widths(dtype) -> list[int]:
@@ -83,6 +84,25 @@ def channel_kernels() -> list[Kernel]:
         for p, flags in affine:  # channel_stream: channels-first, 16-byte vectors
             for y in [t] + (["float"] if dtype.itemsize == 2 else []):
                 out.append(K.CHANNEL_STREAM(CHANNEL_NORM, t, p, flags, 16 // dtype.itemsize, y, persistent=True))
+        out += onchip_kernels(dtype, t, affine)
+    return out
+
+
+def onchip_kernels(dtype, t, affine) -> list[Kernel]:
+    """channel_onchip's instantiations for one data type (onchip_shape's
+    shapes; 16-bit data only those of groups up to
+    ONCHIP_MAX_GROUP_BYTES_16BIT); clustered ones for sm_90 and later."""
+    out = []
+    for threads, elements, cluster in ONCHIP_SHAPES:
+        if dtype.itemsize == 2 and threads * elements * cluster * 2 > ONCHIP_MAX_GROUP_BYTES_16BIT:
+            continue  # (the shapes are in increasing capacity: smaller ones hold every group it takes)
+        for vec in _vector_widths(dtype):
+            items = onchip_items(dtype.itemsize, vec, threads, elements, cluster)
+            for last in (False, True):
+                for p, flags in affine:
+                    for y in [t] + (["float"] if dtype.itemsize == 2 else []):
+                        out.append(K.CHANNEL_ONCHIP(t, p, flags, vec, last, y, threads, items, cluster,
+                                                    min_arch=90 if cluster > 1 else 0))
     return out
 
 

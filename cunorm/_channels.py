@@ -4,7 +4,7 @@ A call is canonicalized to a ChannelPlan (x dense channels-first or
 channels-last in memory, whichever its strides already are; anything else is
 copied once) and run by the channel family (cunorm/kernels/channels.cu), or
 by the row family when it is a row norm in disguise
-(_dispatch.channel_rows_fast). y has x's memory layout.
+(_dispatch_channels.channel_rows_fast). y has x's memory layout.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numbers
 
 import numpy as np
 
-from . import _dispatch, _dtypes, _fast, _interop, _launch, _ops, _plan
+from . import _dispatch_channels, _dtypes, _fast, _interop, _launch, _ops, _plan
 
 NORMS = ("group", "instance", "batch")
 
@@ -267,10 +267,10 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     the walk it took, for the benchmark's table, and the Program that ran,
     None where a parameter or running buffer had to be converted first.
     ``override`` (tests and the tuning script): {"walk": "split", "stream"
-    or "rows"} forces a walk (_dispatch.choose_channel_walk); {"chunks": n}
+    or "rows"} forces a walk (_dispatch_channels.choose_channel_walk); {"chunks": n}
     cuts the three launches as told, {"hints": h} sets their L2 hints
-    (_dispatch.choose_channels); "tile_vecs", "slab_bytes", "lag" and
-    "hints" set channel_stream's schedule (_dispatch.choose_channel_stream)."""
+    (_dispatch_channels.choose_channels); "tile_vecs", "slab_bytes", "lag" and
+    "hints" set channel_stream's schedule (_dispatch_channels.choose_channel_stream)."""
     import cupy
 
     shape = x.shape
@@ -330,6 +330,21 @@ def channel_program(plan, launch, from_running: bool, eps: float, momentum: floa
             "channels_per_group": plan.channels_per_group, "per_sample": int(plan.per_sample)}
     apply = {"x": x, "y": pb["y"], "w": w, "b": b, **dims, "chunks": launch.chunks, "chunk_len": launch.chunk_vecs,
              "eps": eps, "hints": launch.hints}
+    if launch.tier == "channel_onchip":
+        vecs = plan.spatial // plan.vec
+        if plan.channels_last:
+            rows, row_vecs, row_stride = plan.spatial, plan.channels_per_group // plan.vec, plan.channels // plan.vec
+            sample_stride, group_stride = plan.spatial * plan.channels // plan.vec, plan.channels_per_group // plan.vec
+        elif plan.per_sample:
+            rows, row_vecs, row_stride = 1, plan.channels_per_group * vecs, 0
+            sample_stride, group_stride = plan.channels * vecs, plan.channels_per_group * vecs
+        else:
+            rows, row_vecs, row_stride, sample_stride, group_stride = plan.batch, vecs, plan.channels * vecs, 0, vecs
+        pb.launch(launch.steps[0], x=x, y=pb["y"], w=w, b=b, mean_out=mean, rstd_out=rstd, running_mean=rm,
+                  running_var=rv, rows=rows, row_vecs=row_vecs, row_stride=row_stride, sample_stride=sample_stride,
+                  group_stride=group_stride, spatial_vecs=vecs, channels_per_group=plan.channels_per_group,
+                  groups=plan.groups, eps=eps, momentum=momentum)
+        return pb.build()
     if not launch.workspace_words:  # eval mode in one launch: the epilogue reads the running buffers
         pb.launch(launch.steps[0], affine=None, running_mean=rm, running_var=rv, **apply)
         return pb.build()
@@ -363,25 +378,34 @@ def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channel
                                    per_sample, x_mod, y_mod, out_dtype)
     override = dict(override_items)
     walk = override.pop("walk", None)
-    if walk not in (None, "split", "stream", "rows"):
+    if walk not in (None, "split", "stream", "rows", "onchip"):
         raise ValueError(f"unknown channel walk override {walk!r}; expected 'split', 'stream' or 'rows'")
     device = _launch.device_info(device_id)
     if walk is None and not from_running:
-        walk = _dispatch.choose_channel_walk(plan, device)
+        walk = _dispatch_channels.choose_channel_walk(plan, device)
     if walk == "rows":
-        if from_running or not _dispatch.channel_rows_fast(plan):
+        if from_running or not _dispatch_channels.channel_rows_fast(plan):
             raise ValueError("the rows walk takes GroupNorm and InstanceNorm without parameters, channels-first")
         return plan, None
-    if walk == "stream":
-        if from_running or not _dispatch.stream_fits(plan, device):
+    if walk == "onchip":
+        if from_running or _dispatch_channels.onchip_shape(plan, device, override) is None:
+            raise ValueError("channel_onchip takes training-mode calls whose statistic group fits its shape (at most "
+                             "1024 threads x 32 elements x a cluster of 8; clusters from sm_90), channels-last only "
+                             f"GroupNorm/InstanceNorm groups of whole vectors; got {plan.norm}_norm, groups of "
+                             f"{_dispatch_channels.onchip_group_vecs(plan) * plan.vec} elements, "
+                             f"{'channels-last' if plan.channels_last else 'channels-first'}, vectors of {plan.vec}, "
+                             f"shape override {override or None}")
+        launch = _dispatch_channels.choose_channel_onchip(plan, device, override)
+    elif walk == "stream":
+        if from_running or not _dispatch_channels.stream_fits(plan, device):
             raise ValueError("channel_stream takes GroupNorm and InstanceNorm in training, channels-first x in "
                              "16-byte vectors, groups of at most a quarter of L2; got "
                              f"{plan.norm}_norm, {'channels-last' if plan.channels_last else 'channels-first'}, "
                              f"{plan.vec * plan.dtype.itemsize}-byte vectors, groups of "
                              f"{plan.channels_per_group * plan.spatial * plan.dtype.itemsize} bytes")
-        launch = _dispatch.choose_channel_stream(plan, device, override)
+        launch = _dispatch_channels.choose_channel_stream(plan, device, override)
     else:
-        launch = _dispatch.choose_channels(plan, device, from_running=from_running, returns_stats=returns_stats,
+        launch = _dispatch_channels.choose_channels(plan, device, from_running=from_running, returns_stats=returns_stats,
                                            override=override)
     for step in launch.steps:
         _launch.check_limits(step, device)

@@ -35,12 +35,7 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
      each row's load, barrier and write run one after another; not picked
      (docs/performance.md, "Problem 40", has what was tried since).
 
-Channel norms (GroupNorm, InstanceNorm, BatchNorm; a ChannelPlan): groups
-of whole channels without parameters on channels-first memory are rows and
-go to the rows tiers as LayerNorm (channel_rows_fast); the rest run the
-channel family's three launches (choose_channels), chunked so each pass has at least
-CHANNEL_BLOCKS_PER_SM blocks an SM (channels-first, chunks of at most
-CHANNEL_MAX_CHUNK_BYTES) or CHANNEL_LAST_BLOCKS_PER_SM (channels-last).
+Channel norms (GroupNorm, InstanceNorm, BatchNorm): cunorm/_dispatch_channels.py.
 
 Strided axis (inner > 1): strided_norm with threadIdx.x along inner (up to
 32 vectors: a warp reads 512 contiguous bytes of one channel) and
@@ -55,7 +50,7 @@ from dataclasses import dataclass
 
 from . import _kernels as K
 from ._kernels import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
-from ._plan import PARAM_FLAGS, ChannelPlan, Plan, kernel_types, output_type
+from ._plan import Plan, kernel_types, output_type
 
 # --- thresholds --------------------------------------------------------------
 #: vector loads per thread in rows_cached. 4 beat 8 and 2: fp32 65536x1024,
@@ -116,66 +111,6 @@ UNCACHED_SHARED_RESERVE = 1024
 RESIDENT_BLOCK_THREADS = 512
 RESIDENT_SHARED_RESERVE = 1024
 GROUP_BLOCK_THREADS = 256  # mirrors kGroupBlockThreads in rows.cu
-#: channel family (GroupNorm, InstanceNorm, BatchNorm through three
-#: launches): blocks a pass aims for, per SM, as in the split tier ...
-CHANNEL_BLOCKS_PER_SM = 8
-#: ... but channels-first chunks of at most this many bytes: 1 MB channels
-#: cut in 4 (many more blocks than fit at once: the last wave is a small
-#: part of the pass): problem 33 61.2% -> 61.8%, problem 35 62.2% -> 62.8%;
-#: in 8, the same; in 2, 61.7% / 62.6% ...
-CHANNEL_MAX_CHUNK_BYTES = 256 * 1024
-#: ... and channels-last blocks of a whole tile of channels aim for 2 an SM:
-#: group_norm(32) bf16 (8,128,128,512), 33 chunks a sample 41.4%, 66 38.9%,
-#: 132 (8 an SM) 37.3%, 16 31.5% (not profiled; a block re-reads its
-#: tile's parameters and pivots and combines its partials once per chunk).
-CHANNEL_LAST_BLOCKS_PER_SM = 2
-CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
-#: channels-first planes (a channel's positions of one sample) of at most
-#: this many vectors run as "plane rows": a row of up to 32 threads a plane,
-#: 256 / that many planes a block, where a 256-thread block a plane would
-#: leave most of its threads idle (up to 4 vectors a thread: for_each_batched's
-#: batch). BatchNorm2d on ResNet-50's (32,2048,7,7) fp32, one training step:
-#: 776 us of GPU time before, 107 us after (with the finalize rows below);
-#: at most 1024 rather than 256 vectors: (32,256,56,56) bf16 273 -> 240 us
-#: (docs/performance.md, issue 22).
-CHANNEL_PLANE_ROWS_MAX_VECS = 1024
-#: statistic groups of at most this many partials are finalized by a row of
-#: up to 32 threads each, 256 / that many groups a block (a block a group
-#: spent 48 us on BatchNorm's 2048 channels of 32 partials).
-CHANNEL_FINALIZE_ROWS_MAX_MEMBERS = 256
-#: channel_apply's L2 hints (Launch.hints: 1, y stored streaming; 2, x's
-#: re-read as a last use): 1, and 3 for x of L2's size to 8 times it, where
-#: part of the re-read still hits L2. H100, tune_channels.py, hints 0 / 1 /
-#: 3: BatchNorm (64,256,56,56) fp32 44.8 / 45.3 / 50.5%, bf16 35.5 / 38.4 /
-#: 39.6%; problem 33 64.4 / 64.6 / 64.0%; GroupNorm(32) bf16 (8,640,32,32)
-#: 26.9 / 29.0 / 27.0% (docs/performance.md, issue 24).
-CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE = 8
-#: channel_stream (GroupNorm and InstanceNorm with parameters, channels-first:
-#: x read from DRAM once) for x larger than L2 (smaller x's re-read hits L2
-#: in the three launches too, which won there: GroupNorm(32) bf16
-#: (8,320,64,64) 0.036 against 0.041 ms); tiles of STREAM_TILE_BYTES ...
-STREAM_TILE_BYTES = 32 * 1024
-#: ... slabs of whole groups of about this share of L2 ...
-STREAM_SLAB_L2_SHARE = 0.25
-#: ... re-read lag slabs later: the fewest slabs that put at least half the
-#: resident blocks' tickets (STREAM_BLOCKS_PER_SM an SM, a ticket a block)
-#: between a group's last partial tile and its first apply tile, so an
-#: apply tile rarely waits; where that puts more than
-#: STREAM_MAX_REREAD_L2_SHARE of L2 between the two reads, tiles of half the
-#: size. Problem 35 (8 MB groups): 1 group a slab, 32 KB tiles, lag 1 38.7%;
-#: 16 KB tiles, lag 2 68.1% (three launches 65.2%); instance_norm
-#: (4,128,512,512) +w+b: 70.4% (three launches 61.2%).
-STREAM_BLOCKS_PER_SM = 4
-STREAM_MAX_REREAD_L2_SHARE = 1 / 3
-#: channel_stream's hints (as channel_apply's): 3 against 0: problem 35
-#: 38.7 / 34.5%, instance_norm (4,128,512,512) 70.4 / 61.0%.
-STREAM_HINTS = 3
-#: groups of at most this share of L2 (a bigger group is not resident when it
-#: is re-read)
-STREAM_MAX_GROUP_L2_SHARE = 0.25
-STREAM_BLOCK_THREADS = 256
-#: the channel family's statistic: mean and variance (Chan's pairwise update)
-CHANNEL_NORM = "cunorm::LayerNorm"
 STRIDED_BLOCK_THREADS = 256
 
 MAX_GRID_X = 2**31 - 1
@@ -482,82 +417,6 @@ def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
 # --- the channel family ---------------------------------------------------------
 
 
-def channel_rows_fast(plan: ChannelPlan) -> bool:
-    """Whether a channel norm is a row norm in disguise: per-sample groups of
-    a channels-first x are contiguous rows of channels_per_group * spatial
-    elements, and without per-channel parameters the row family's tiers
-    (one read for groups that fit on chip) normalize them as LayerNorm."""
-    return plan.per_sample and not plan.channels_last and not plan.flags & PARAM_FLAGS
-
-
-def choose_channel_walk(plan: ChannelPlan, device: Device) -> str:
-    """The walk of a channel norm in training mode: "rows" (the row family,
-    for a row norm in disguise: GroupNorm and InstanceNorm without
-    parameters, channels-first; problem 34: 68.0% against channel_stream's
-    65.1%), "stream" (channel_stream: x read from DRAM once, for x larger
-    than L2, stream_fits) or "split" (three launches, x read twice)."""
-    if channel_rows_fast(plan):
-        return "rows"
-    if plan.nbytes > device.l2_bytes and stream_fits(plan, device):
-        return "stream"
-    return "split"
-
-
-def channel_apply_hints(plan: ChannelPlan, device: Device) -> int:
-    """channel_apply's L2 hints (CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE)."""
-    return 3 if device.l2_bytes < plan.nbytes <= CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE * device.l2_bytes else 1
-
-
-def stream_fits(plan: ChannelPlan, device: Device) -> bool:
-    """Whether channel_stream can run ``plan``: per-sample groups of a
-    channels-first x in 16-byte vectors, a group under 2**31 vectors and
-    no larger than STREAM_MAX_GROUP_L2_SHARE of L2 (a bigger group is not
-    resident when it is re-read)."""
-    itemsize = plan.dtype.itemsize
-    group_bytes = plan.channels_per_group * plan.spatial * itemsize
-    return (plan.per_sample and not plan.channels_last and plan.vec * itemsize == 16
-            and plan.channels_per_group * plan.spatial // plan.vec < 2**31
-            and group_bytes <= STREAM_MAX_GROUP_L2_SHARE * device.l2_bytes)
-
-
-def choose_channel_stream(plan: ChannelPlan, device: Device, override: dict | None = None) -> Launch:
-    """channel_stream's launch for ``plan`` (stream_fits): tiles of
-    STREAM_TILE_BYTES, slabs of whole groups of STREAM_SLAB_L2_SHARE of L2,
-    a persistent grid. ``override`` may set "tile_vecs", "slab_bytes",
-    "lag" and "hints" (the tuning script)."""
-    override = override or {}
-    t, p = kernel_types(plan)
-    vec_bytes = plan.vec * plan.dtype.itemsize
-    group_vecs = plan.channels_per_group * plan.spatial // plan.vec
-    groups = plan.statistic_groups
-    slab_bytes = override.get("slab_bytes", int(STREAM_SLAB_L2_SHARE * device.l2_bytes))
-    slab_groups = min(max(1, slab_bytes // (group_vecs * vec_bytes)), groups)
-    in_flight = STREAM_BLOCKS_PER_SM * device.sm_count
-
-    def schedule(tile_vecs):  # (row_tiles, slab_tiles, lag) of tiles of tile_vecs
-        row_tiles = _ceil_div(group_vecs, tile_vecs)
-        slab_tiles = slab_groups * row_tiles
-        return row_tiles, slab_tiles, max(1, _ceil_div(in_flight // 2 + row_tiles, slab_tiles))
-
-    tile_vecs = STREAM_TILE_BYTES // vec_bytes
-    row_tiles, slab_tiles, lag = schedule(tile_vecs)
-    while lag * slab_tiles * tile_vecs * vec_bytes > STREAM_MAX_REREAD_L2_SHARE * device.l2_bytes and tile_vecs > 256:
-        tile_vecs //= 2
-        row_tiles, slab_tiles, lag = schedule(tile_vecs)
-    if "tile_vecs" in override:  # (the lag stays the default tiles' unless forced too)
-        tile_vecs = override["tile_vecs"]
-        row_tiles, slab_tiles, _ = schedule(tile_vecs)
-    lag = override.get("lag", lag)
-    if 2 * _ceil_div(groups * row_tiles, slab_tiles) * slab_tiles >= 2**31:
-        raise ValueError(f"{plan.norm}_norm: {groups * row_tiles} tiles is over channel_stream's ticket limit")
-    kernel = K.CHANNEL_STREAM(CHANNEL_NORM, t, p, plan.flags, plan.vec, output_type(plan), persistent=True)
-    acc_words = groups * row_tiles * NORMS["ln"].stat_words + 3 * groups
-    step = Step(kernel, (device.sm_count * 8,), (STREAM_BLOCK_THREADS,))
-    return Launch("channel_stream", (step,), chunks=row_tiles, chunk_vecs=tile_vecs, workspace_words=acc_words,
-                  hints=override.get("hints", STREAM_HINTS),
-                  stream=StreamShape(slab_tiles=slab_tiles, lag=lag))
-
-
 def plane_rows_block(vecs: int, threads: int) -> tuple[int, int]:
     """The (bx, by) block of the plane-rows layout for planes (or groups of
     partials) of ``vecs`` items: bx threads a plane, enough for 4 items a
@@ -565,82 +424,3 @@ def plane_rows_block(vecs: int, threads: int) -> tuple[int, int]:
     by = threads / bx planes."""
     bx = min(32, next_pow2(_ceil_div(max(vecs, 1), 4)))
     return bx, threads // bx
-
-
-def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = False, returns_stats: bool = True,
-                    override: dict | None = None) -> Launch:
-    """The three-launch walk of cunorm/kernels/channels.cu for ``plan``:
-    partial statistics over chunks of the positions, a block per statistic
-    group to combine them, then the elementwise epilogue (x read twice).
-    BatchNorm in eval mode (from_running) needs only the epilogue: one
-    launch that reads the running buffers itself, or, where the call
-    returns its statistics, channel_from_running first (it writes them).
-    ``override`` {"chunks": n} forces the chunks a channel's positions are
-    cut into (the tuning script)."""
-    from ._dtypes import KERNEL_TYPE, accumulation
-
-    override = override or {}
-    t, p = kernel_types(plan)
-    if plan.channels_last:
-        vecs = plan.channels // plan.vec
-        # A row of threads covers a position's channels (up to 256 vectors),
-        # so a block reads whole positions, contiguous: group_norm(32) bf16
-        # (8,128,128,512) channels-last, 64-vector rows: bx 32 (half a
-        # position a row) ran the two passes at 16.9% of copy bandwidth.
-        bx = min(CHANNEL_BLOCK_THREADS, next_pow2(vecs))
-        by = CHANNEL_BLOCK_THREADS // bx
-        block = (bx, by)
-        tiles = _ceil_div(vecs, bx)
-        want_chunks = max(1, _ceil_div(CHANNEL_LAST_BLOCKS_PER_SM * device.sm_count, plan.batch * tiles))
-        # at least 4 positions a thread row per chunk (for_each_batched's batch)
-        chunk_len = max(4 * by, _ceil_div(plan.spatial, want_chunks))
-        if "chunks" in override:
-            chunk_len = _ceil_div(plan.spatial, override["chunks"])
-        chunks = _ceil_div(plan.spatial, chunk_len)
-        grid = (min(chunks, MAX_GRID_X), min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
-        acc_bytes = accumulation(plan.dtype).itemsize
-        partial_shared = by * bx * plan.vec * NORMS["ln"].stat_words * acc_bytes
-    elif plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS:
-        vecs = plan.spatial // plan.vec
-        block = plane_rows_block(vecs, CHANNEL_BLOCK_THREADS)
-        chunks, chunk_len = 1, vecs
-        grid = (1, min(_ceil_div(plan.channels, block[1]), MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
-        partial_shared = 0
-    else:
-        vecs = plan.spatial // plan.vec
-        block = (CHANNEL_BLOCK_THREADS,)
-        rows = plan.batch * plan.channels
-        want_chunks = max(1, _ceil_div(CHANNEL_BLOCKS_PER_SM * device.sm_count, rows))
-        chunk_len = max(4 * CHANNEL_BLOCK_THREADS,
-                        min(_ceil_div(vecs, want_chunks), CHANNEL_MAX_CHUNK_BYTES // (plan.vec * plan.dtype.itemsize)))
-        if "chunks" in override:
-            chunk_len = _ceil_div(vecs, override["chunks"])
-        chunks = _ceil_div(vecs, chunk_len)
-        grid = (min(chunks, MAX_GRID_X), min(plan.channels, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
-        partial_shared = 0
-    groups = plan.statistic_groups
-    if groups >= 2**31 or plan.channels_per_group * chunks >= 2**31 or plan.channels >= 2**31:
-        raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
-                         f"is over the kernels' 2**31 - 1 index limit")
-    apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, plan.vec, plan.channels_last, output_type(plan)), grid, block)
-    hints = override.get("hints", channel_apply_hints(plan, device))
-    if from_running and not returns_stats:
-        return Launch("channel_eval", (apply,), chunks=chunks, chunk_vecs=chunk_len, hints=hints)
-    if from_running:
-        a = KERNEL_TYPE[accumulation(plan.dtype)]
-        stats = Step(K.CHANNEL_FROM_RUNNING(a),
-                     (_ceil_div(plan.channels, CHANNEL_BLOCK_THREADS),), (CHANNEL_BLOCK_THREADS,))
-        return Launch("channel_running", (stats, apply), chunks=chunks, chunk_vecs=chunk_len,
-                      workspace_words=3 * groups, hints=hints)
-    partial = Step(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, plan.vec, plan.channels_last), grid, block,
-                   partial_shared)
-    group_partials = (1 if plan.per_sample else plan.batch) * plan.channels_per_group * chunks
-    finalize_block, groups_a_block = (CHANNEL_BLOCK_THREADS,), 1
-    if group_partials <= CHANNEL_FINALIZE_ROWS_MAX_MEMBERS:
-        finalize_block = plane_rows_block(group_partials, CHANNEL_BLOCK_THREADS)
-        groups_a_block = finalize_block[1]
-    finalize = Step(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, plan.channels_last),
-                    (min(_ceil_div(groups, groups_a_block), MAX_GRID_X),), finalize_block)
-    members = plan.batch * plan.channels * chunks
-    return Launch("channel_split", (partial, finalize, apply), chunks=chunks, chunk_vecs=chunk_len,
-                  workspace_words=3 * (members + groups), hints=hints)

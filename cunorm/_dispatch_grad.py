@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import _kernels as K
-from ._dispatch import (CHANNEL_PLANE_ROWS_MAX_VECS, MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step,
-                        _ceil_div, next_pow2, norm_info, plane_rows_block)
+from ._dispatch import (MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step, _ceil_div, next_pow2,
+                        norm_info, plane_rows_block)
+from ._dispatch_channels import CHANNEL_PLANE_ROWS_MAX_VECS
 from ._plan import ChannelPlan
 
 #: elements a rows_grad_cached thread holds in registers (x, dy and its

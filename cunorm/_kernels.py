@@ -31,6 +31,8 @@ class Kernel:
     #: caps it at the blocks that fit on the GPU at once, so no block starts
     #: its share late
     persistent: bool = False
+    #: the oldest compute capability it compiles for (thread-block clusters: 90)
+    min_arch: int = 0
     #: (name, kind) of each argument in order, kinds resolved (acc -> f32 / f64)
     signature: tuple = ()
     #: the declaration's name and the template arguments it was made from
@@ -51,13 +53,14 @@ class KernelDecl:
             raise TypeError(f"{self.name} takes {len(self.template)} template arguments, got {len(targs)}")
         return f"cunorm::{self.name}<{', '.join(_format(a) for a in targs)}>"
 
-    def __call__(self, *targs, cooperative: bool = False, persistent: bool = False) -> Kernel:
+    def __call__(self, *targs, cooperative: bool = False, persistent: bool = False, min_arch: int = 0) -> Kernel:
         """The instantiation for these template arguments."""
         params = dict(zip(self.template, targs))
         data = params.get("T", params.get("A"))
         acc = "f64" if data == "double" else "f32"
         signature = tuple((n, acc if k == "acc" else k) for n, k in self.args)
-        return Kernel(self.family, self.expression(*targs), cooperative, persistent, signature, self.name, tuple(targs))
+        return Kernel(self.family, self.expression(*targs), cooperative, persistent, min_arch, signature, self.name,
+                      tuple(targs))
 
 
 def _format(value) -> str:
@@ -122,6 +125,12 @@ CHANNEL_STREAM = KernelDecl("channels", "channel_stream", ("NormT", "T", "P", "F
                             _args("x y w b partial affine mean_out rstd_out sync:ptr groups_total group_vecs "
                                   "spatial_vecs:i64 channels_per_group groups:i32 tile_vecs row_tiles slab_tiles "
                                   "lag_slabs:i64 hints:i32 eps:acc"))
+# onchip.cu
+CHANNEL_ONCHIP = KernelDecl("onchip", "channel_onchip",
+                            ("T", "P", "FLAGS", "VEC", "CHANNELS_LAST", "Y", "THREADS", "ITEMS", "CLUSTER"),
+                            _args("x y w b mean_out rstd_out running_mean running_var:ptr rows row_vecs:i32 "
+                                  "row_stride sample_stride group_stride:i64 spatial_vecs channels_per_group "
+                                  "groups:i32 eps momentum:acc"))
 # backward.cu
 ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
                               ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),

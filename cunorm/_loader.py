@@ -112,7 +112,10 @@ def precompile(verbose: bool = False, jobs: int | None = None) -> dict:
     if gpu_name() is None:
         raise RuntimeError("cunorm.precompile: no CUDA GPU found; precompile builds the kernels for the current "
                            "GPU. Without one, `python -m cunorm check` compiles them with NVRTC for sm_80 and sm_90.")
-    kernels = all_kernels()
+    import cupy
+
+    arch = int(cupy.cuda.Device().compute_capability)
+    kernels = [k for k in all_kernels() if k.min_arch <= arch]
     start = time.perf_counter()
     jobs = jobs or os.cpu_count() or 1
     if jobs > 1:

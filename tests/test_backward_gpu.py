@@ -305,7 +305,7 @@ def check_channels(op, x_np, *, groups=None, weight=None, bias=None, channel_axi
 
 # (2, 4, 128, 130): channels of 16640 positions, several chunks each (the
 # last one partial) in channels-first memory; the small planes run as plane
-# rows (_dispatch.CHANNEL_PLANE_ROWS_MAX_VECS), (4, 37, 7, 7) with a block's
+# rows (_dispatch_channels.CHANNEL_PLANE_ROWS_MAX_VECS), (4, 37, 7, 7) with a block's
 # last rows past the last channel, (2, 300, 14, 14) over 38 blocks of them
 CHANNEL_CASES = [
     ("group", (3, 8, 5, 7), 4), ("group", (2, 6, 33), 1), ("group", (2, 6, 33), 6), ("group", (4, 64, 9, 9), 8),

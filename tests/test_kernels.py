@@ -64,10 +64,13 @@ def parse_kernels(source: str) -> dict[str, tuple[tuple[str, ...], tuple[tuple[s
         template, _ = _balanced(source, source.index("<", head), "<", ">")
         tparams = tuple(re.findall(r"(\w+)\s*$", p)[0] for p in _split_top(template))
         # the kernel's name: the identifier before the first '(' after the
-        # launch bounds' balanced parentheses
+        # launch bounds' balanced parentheses (and the cluster size's)
         rest = match.end()
         bounds = source.index("__launch_bounds__", rest)
         _, after_bounds = _balanced(source, source.index("(", bounds), "(", ")")
+        cluster = re.compile(r"\s*CUNORM_CLUSTER_DIMS\s*\(").match(source, after_bounds)
+        if cluster:  # the cluster-size attribute of a clustered kernel
+            _, after_bounds = _balanced(source, cluster.end() - 1, "(", ")")
         name_match = re.compile(r"\s*(\w+)\s*\(").match(source, after_bounds)
         name = name_match.group(1)
         params, _ = _balanced(source, name_match.end() - 1, "(", ")")

@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from cunorm import _catalogue, _dispatch, _dispatch_grad, _dtypes, _launch
+from cunorm import _catalogue, _dispatch, _dispatch_channels, _dispatch_grad, _dtypes, _launch
 from cunorm._plan import canonical_view, collapse, make_plan, normalize_axes, vector_width
 
 H200 = _dispatch.Device(sm_count=132)
+A100 = _dispatch.Device(sm_count=108, compute_capability=80, l2_bytes=40 * 1024 * 1024)
 
 
 def c_strides(shape):
@@ -268,7 +269,7 @@ def test_channel_launches_cover_and_fit(last, batch, channels, spatial):
             p = channel_plan(norm, flags=flags, last=last, batch=batch, channels=channels, spatial=spatial, cpg=cpg)
             for from_running, stats in (((False, True), (True, True), (True, False)) if norm == "batch"
                                         else ((False, True),)):
-                launch = _dispatch.choose_channels(p, H200, from_running=from_running, returns_stats=stats)
+                launch = _dispatch_channels.choose_channels(p, H200, from_running=from_running, returns_stats=stats)
                 extent = (p.channels if last else p.spatial) // p.vec
                 assert launch.chunks * launch.chunk_vecs >= (p.spatial if last else extent)
                 for step in launch.steps:
@@ -291,7 +292,7 @@ def test_group_norm_float32_output_of_16_bit_x(last):
                     p = make_channel_plan("group", dtype, None if not flags else f32, flags, last, 8, channels,
                                           spatial, channels // 8 if channels % 8 == 0 else 1, True, 0, y_ptr, f32)
                     assert p.out_dtype == f32 and y_ptr % (p.vec * 4) == 0
-                    launch = _dispatch.choose_channels(p, H200)
+                    launch = _dispatch_channels.choose_channels(p, H200)
                     apply = launch.steps[-1].kernel.expression
                     assert "channel_apply" in apply and apply.endswith(", float>"), apply
                     for step in launch.steps:
@@ -305,20 +306,20 @@ def test_batch_norm_eval_is_one_launch_without_statistics():
     reading the running buffers (no workspace); returning them, the
     statistics kernel first."""
     p = channel_plan("batch", flags=3, batch=8, channels=64, spatial=56 * 56, cpg=1)
-    fused = _dispatch.choose_channels(p, H200, from_running=True, returns_stats=False)
+    fused = _dispatch_channels.choose_channels(p, H200, from_running=True, returns_stats=False)
     assert fused.tier == "channel_eval" and fused.workspace_words == 0
     names = lambda launch: [s.kernel.expression.split("<")[0] for s in launch.steps]  # noqa: E731
     assert names(fused) == ["cunorm::channel_apply"]
-    two = _dispatch.choose_channels(p, H200, from_running=True, returns_stats=True)
+    two = _dispatch_channels.choose_channels(p, H200, from_running=True, returns_stats=True)
     assert names(two) == ["cunorm::channel_from_running", "cunorm::channel_apply"]
     assert two.steps[-1] == fused.steps[0]  # the same epilogue launch
 
 
 def test_channel_rows_fast_path():
-    assert _dispatch.channel_rows_fast(channel_plan())
-    assert not _dispatch.channel_rows_fast(channel_plan(flags=1))
-    assert not _dispatch.channel_rows_fast(channel_plan(last=True))
-    assert not _dispatch.channel_rows_fast(channel_plan("batch", cpg=1))
+    assert _dispatch_channels.channel_rows_fast(channel_plan())
+    assert not _dispatch_channels.channel_rows_fast(channel_plan(flags=1))
+    assert not _dispatch_channels.channel_rows_fast(channel_plan(last=True))
+    assert not _dispatch_channels.channel_rows_fast(channel_plan("batch", cpg=1))
 
 
 def test_small_channels_first_planes_run_as_plane_rows():
@@ -332,7 +333,7 @@ def test_small_channels_first_planes_run_as_plane_rows():
              (72 * 72, (256,)))
     for spatial, block in cases:
         p = channel_plan("batch", flags=3, batch=32, channels=2048, spatial=spatial, cpg=1)
-        fwd = _dispatch.choose_channels(p, H200)
+        fwd = _dispatch_channels.choose_channels(p, H200)
         bwd = _dispatch_grad.choose_channel_grad(p, True, H200)
         for step in (fwd.steps[0], fwd.steps[2], bwd.steps[0], bwd.steps[-1]):
             assert step.block == block, (spatial, step)
@@ -401,20 +402,58 @@ def test_norm_names_reach_kernel_names_only_as_cunorms_numbers(name):
 
 
 def test_channel_walks():
-    """Without parameters channels-first GroupNorm and InstanceNorm are rows;
-    with parameters, channel_stream for x larger than L2 that it takes, the
-    three launches otherwise (channels-last, BatchNorm, x within L2)."""
+    """Groups channel_onchip holds go on chip (16-bit data only up to
+    ONCHIP_MAX_GROUP_BYTES_16BIT), except row norms in disguise (GroupNorm
+    and InstanceNorm without parameters, channels-first) of groups the row
+    family keeps on chip; bigger row norms are rows; with parameters,
+    channel_stream for x larger than L2 that it takes, the three launches
+    otherwise (channels-last, BatchNorm, x within L2)."""
     big = dict(batch=112, channels=64, spatial=512 * 512)  # problem 35: 7.5 GB
-    assert _dispatch.choose_channel_walk(channel_plan(cpg=8, **big), H200) == "rows"
-    assert _dispatch.choose_channel_walk(channel_plan(flags=3, cpg=8, **big), H200) == "stream"
-    assert _dispatch.choose_channel_walk(channel_plan(flags=3, cpg=8, last=True, **big), H200) == "split"
-    assert _dispatch.choose_channel_walk(channel_plan("batch", flags=3, cpg=1, **big), H200) == "split"
-    small = channel_plan(flags=3, batch=8, channels=320, spatial=64 * 64, cpg=10)  # 42 MB of fp32: within L2
-    assert _dispatch.choose_channel_walk(small, H200) == "split"
+    walk = _dispatch_channels.choose_channel_walk
+    assert walk(channel_plan(cpg=8, **big), H200) == "rows"
+    assert walk(channel_plan(flags=3, cpg=8, **big), H200) == "stream"
+    assert walk(channel_plan(flags=3, cpg=8, last=True, **big), H200) == "split"
+    assert walk(channel_plan("batch", flags=3, cpg=1, **big), H200) == "split"
+    assert walk(channel_plan("instance", cpg=1, **big), H200) == "onchip"  # problem 34: 1 MB groups
+    assert walk(channel_plan("instance", cpg=1, **big), A100) == "rows"  # (no clusters before sm_90)
+    assert walk(channel_plan("instance", cpg=1, batch=4, channels=64, spatial=128 * 128), H200) == "rows"  # 64 KB
+    assert walk(channel_plan("instance", flags=3, cpg=1, batch=4, channels=64, spatial=128 * 128), H200) == "onchip"
+    assert walk(channel_plan("batch", flags=3, cpg=1, batch=64, channels=2048, spatial=49), H200) == "onchip"
+    assert walk(channel_plan("batch", flags=3, cpg=1, batch=64, channels=256, spatial=56 * 56), H200) == "split"
+    small = dict(flags=3, batch=8, channels=320, spatial=64 * 64, cpg=10)  # 160 KB fp32 groups, 42 MB
+    assert walk(channel_plan(**small), H200) == "onchip"
+    assert walk(channel_plan(dtype=_dtypes.bfloat16, **small), H200) == "split"  # 80 KB of 16-bit data
+    assert walk(channel_plan(dtype=_dtypes.bfloat16, **dict(small, channels=640, spatial=32 * 32)), H200) == "onchip"
     odd = channel_plan(flags=3, cpg=8, batch=112, channels=64, spatial=511 * 511)  # no 16-byte vectors
-    assert not _dispatch.stream_fits(odd, H200) and _dispatch.choose_channel_walk(odd, H200) == "split"
+    assert not _dispatch_channels.stream_fits(odd, H200) and walk(odd, H200) == "split"
     huge_groups = channel_plan(flags=3, cpg=64, **big)  # 64 MB groups: not resident when re-read
-    assert not _dispatch.stream_fits(huge_groups, H200)
+    assert not _dispatch_channels.stream_fits(huge_groups, H200)
+
+
+def test_channel_onchip_shapes():
+    """The first of ONCHIP_SHAPES that holds a group; clusters only from
+    sm_90; float64 at half the elements a thread; channels-last only for
+    per-sample groups of whole vectors; the overrides checked against the
+    group."""
+    shape = _dispatch_channels.onchip_shape
+    bn = dict(flags=3, cpg=1, batch=64)
+    assert shape(channel_plan("batch", channels=2048, spatial=49, **bn), H200) == (256, 16, 1)  # 3136 scalars
+    assert shape(channel_plan("batch", channels=512, spatial=28 * 28, **bn), H200) == (256, 8, 8)  # 50176: vec 4
+    assert shape(channel_plan("batch", channels=256, spatial=56 * 56, **bn), H200) == (1024, 8, 8)
+    assert shape(channel_plan("batch", channels=256, spatial=56 * 56, **bn), A100) is None
+    assert shape(channel_plan("batch", channels=64, spatial=512 * 512, **bn), H200) is None  # problem 33
+    assert shape(channel_plan("batch", dtype=_dtypes.float64, channels=2048, spatial=49, **bn), H200) == (512, 16, 1)
+    assert shape(channel_plan("instance", cpg=1, batch=2, channels=4, spatial=512 * 512), H200) == (1024, 8, 8)
+    assert shape(channel_plan(last=True, cpg=16, batch=8, channels=512, spatial=64 * 64), H200) == (256, 8, 8)
+    assert shape(channel_plan(last=True, cpg=2, batch=8, channels=512, spatial=64 * 64), H200) is None  # vec 4
+    assert shape(channel_plan("batch", last=True, cpg=1, batch=8, channels=512, spatial=64), H200) is None
+    plan = channel_plan(batch=2, channels=8, spatial=64, cpg=2)  # 128 floats a group
+    assert shape(plan, H200, {"threads": 32, "elements": 4, "cluster": 1}) == (32, 1, 1)
+    assert shape(plan, H200, {"threads": 16, "elements": 4, "cluster": 1}) is None  # 64 < 128
+    assert shape(plan, H200, {"threads": 32, "elements": 2, "cluster": 1}) == (32, 1, 1)  # (a vector at least)
+    assert shape(plan, H200, {"threads": 32, "elements": 4, "cluster": 2}) == (32, 1, 2)
+    launch = _dispatch_channels.choose_channel_onchip(plan, H200)
+    assert launch.tier == "channel_onchip" and launch.steps[0].grid == (8,) and launch.steps[0].block == (256,)
 
 
 def test_channel_stream_schedule():
@@ -422,17 +461,17 @@ def test_channel_stream_schedule():
     3 slabs (24 MB between the reads, over a third of L2), so 16 KB tiles
     and a lag of 2. Instance norm (4,128,512,512): 12 groups of 1 MB a slab,
     32 KB tiles, lag 1."""
-    p35 = _dispatch.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=112, channels=64, spatial=512 * 512),
+    p35 = _dispatch_channels.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=112, channels=64, spatial=512 * 512),
                                           H200)
     s = p35.stream
     assert (p35.chunk_vecs, p35.chunks, s.slab_tiles, s.lag) == (1024, 512, 512, 2)
-    assert p35.hints == _dispatch.STREAM_HINTS and p35.steps[0].kernel.persistent
+    assert p35.hints == _dispatch_channels.STREAM_HINTS and p35.steps[0].kernel.persistent
     assert p35.workspace_words == 112 * 8 * 512 * 3 + 3 * 112 * 8
-    inst = _dispatch.choose_channel_stream(channel_plan("instance", flags=3, cpg=1, batch=4, channels=128,
+    inst = _dispatch_channels.choose_channel_stream(channel_plan("instance", flags=3, cpg=1, batch=4, channels=128,
                                                         spatial=512 * 512), H200)
     s = inst.stream
     assert (inst.chunk_vecs, inst.chunks, s.slab_tiles, s.lag) == (2048, 32, 12 * 32, 1)
-    forced = _dispatch.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=2, channels=16, spatial=64),
+    forced = _dispatch_channels.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=2, channels=16, spatial=64),
                                              H200, {"tile_vecs": 3, "slab_bytes": 1, "lag": 5, "hints": 0})
     s = forced.stream
     assert (forced.chunk_vecs, forced.chunks, s.slab_tiles, s.lag, forced.hints) == (3, 43, 43, 5, 0)
@@ -442,7 +481,7 @@ def test_channel_apply_hints():
     """Streaming stores always; last-use re-reads for x of L2's size to 8x."""
     def hints(batch):
         p = channel_plan("batch", flags=3, batch=batch, channels=256, spatial=56 * 56, cpg=1)
-        return _dispatch.choose_channels(p, H200).hints
+        return _dispatch_channels.choose_channels(p, H200).hints
     assert hints(1) == 1  # 3 MB
     assert hints(64) == 3  # 205 MB (ResNet-50's (64,256,56,56))
     assert hints(1024) == 1  # 3.3 GB

@@ -69,8 +69,11 @@ def test_check_without_gpu_compiles_the_representative_set(monkeypatch, capsys, 
 
     monkeypatch.setattr(_loader, "compile_offline", compile_offline)
     assert cli.main(["check", "--jobs", "3"] + (["--all"] if everything else [])) == 0
-    n = len(_catalogue.all_kernels() if everything else _catalogue.representative_kernels())
-    assert asked == [("sm_80", n, 3), ("sm_90", n, 3)]
+    kernels = _catalogue.all_kernels()
+    sm80 = [k for k in kernels if k.min_arch <= 80]  # (no thread-block clusters)
+    assert len(sm80) < len(kernels)
+    n80, n90 = (len(ks if everything else _catalogue.representative_kernels(ks)) for ks in (sm80, kernels))
+    assert asked == [("sm_80", n80, 3), ("sm_90", n90, 3)]
     out = capsys.readouterr().out
-    assert "No CUDA GPU found" in out and f"sm_90: {n} kernels" in out
+    assert "No CUDA GPU found" in out and f"sm_90: {n90} kernels" in out
     assert ("check --all" in out) != everything

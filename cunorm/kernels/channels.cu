@@ -27,6 +27,9 @@
 //                     estimates;
 //   channel_apply     y = (x - pivot - center) * scale [* w[c]] [+ b[c]].
 // channel_from_running replaces the first two for BatchNorm in eval mode.
+// Groups that fit on chip take channel_onchip instead (onchip.cu: one read),
+// and GroupNorm/InstanceNorm with parameters on x larger than L2
+// channel_stream (below: one read from DRAM).
 // channel_apply's hints: 1, y stored with the streaming hint (st.global.cs);
 // 2, x loaded as a last use (ld.global.cs); 16-byte vectors only.
 //
