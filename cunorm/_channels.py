@@ -389,9 +389,11 @@ def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channel
         return plan, None
     if walk == "onchip":
         if from_running or _dispatch_channels.onchip_shape(plan, device, override) is None:
+            threads, elements, cluster = _dispatch_channels.ONCHIP_SHAPES[-1]
             raise ValueError("channel_onchip takes training-mode calls whose statistic group fits its shape (at most "
-                             "1024 threads x 32 elements x a cluster of 8; clusters from sm_90), channels-last only "
-                             f"GroupNorm/InstanceNorm groups of whole vectors; got {plan.norm}_norm, groups of "
+                             f"{threads} threads x {elements} elements x a cluster of {cluster}; clusters from sm_90), "
+                             "channels-last only GroupNorm/InstanceNorm groups of whole vectors; got "
+                             f"{plan.norm}_norm, groups of "
                              f"{_dispatch_channels.onchip_group_vecs(plan) * plan.vec} elements, "
                              f"{'channels-last' if plan.channels_last else 'channels-first'}, vectors of {plan.vec}, "
                              f"shape override {override or None}")

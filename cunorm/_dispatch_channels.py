@@ -87,7 +87,8 @@ STREAM_BLOCK_THREADS = 256
 #: (8,640,32,32) bf16 (1024, 32, 1) 0.0177 against (256, 32, 4) 0.0260 and
 #: split 0.0258; 65536: InstanceNorm (16,64,256,256) fp32 (256, 32, 8) 82.9%
 #: of copy against (512, 32, 4) 77.9%, (1024, 32, 2) 71.8% and split 58.4%;
-#: 262144: problem 34 (1024, 32, 8) 77.7% against the rows walk's 64.4%.
+#: 262144: problem 34 (1024, 32, 8) 77.7% against the three launches' 64.4%
+#: (the rows walk: 68.0%, first pass).
 #: Blocks of a cluster share an SM's registers with other clusters' blocks
 #: only when small: 1024-thread blocks take a whole SM (docs/performance.md).
 ONCHIP_SHAPES = ((256, 16, 1), (512, 32, 1), (1024, 32, 1), (256, 32, 8), (1024, 32, 8))

@@ -49,17 +49,18 @@ def run(x, op, *, groups=None, weight=None, bias=None, running=(None, None), axi
     return [cupy.asnumpy(a) for a in (y, *stats)]
 
 
-def check(x_np, op, *, groups=None, weight=None, bias=None, axis=1, override=None, out_dtype=None):
+def check(x_np, op, *, groups=None, weight=None, bias=None, axis=1, override=None, out_dtype=None, rng=None):
     import cupy
+
+    rng = rng or np.random.default_rng()
 
     x = cupy.asarray(x_np)
     w = None if weight is None else cupy.asarray(weight)
     b = None if bias is None else cupy.asarray(bias)
     acc = _dtypes.accumulation(x_np.dtype)
     c = x_np.shape[axis]
-    running = (cupy.asarray(random(np.random.default_rng(), (c,), acc)),
-               cupy.asarray(np.abs(random(np.random.default_rng(), (c,), acc)) + 0.5)) if op == "batch" else (None,
-                                                                                                          None)
+    running = ((cupy.asarray(random(rng, (c,), acc)), cupy.asarray(np.abs(random(rng, (c,), acc)) + 0.5))
+               if op == "batch" else (None, None))
     running_before = [None if r is None else cupy.asnumpy(r) for r in running]
     before = [a.copy() for a in (x, w, b) if a is not None]
     y, mean, rstd = run(x, op, groups=groups, weight=w, bias=b, running=running, axis=axis, override=override,
@@ -136,8 +137,8 @@ def test_batch_norm_rows_of_samples(rng, dtype, k):
         vec = 1 if shape[2] == 7 else vec_of(dtype)
         items = -(-group // (vec * 32 * k))
         check(x, "batch", weight=random(rng, (c,), dtype), bias=random(rng, (c,), dtype),
-              override={"threads": 32, "elements": items * vec, "cluster": k})
-        check(x, "batch", override={})
+              override={"threads": 32, "elements": items * vec, "cluster": k}, rng=rng)
+        check(x, "batch", override={}, rng=rng)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -171,7 +172,7 @@ def test_float32_output_of_16_bit_x(rng, dtype):
 def test_mean_1e4_keeps_precision(rng):
     x = random(rng, (2, 8, 64, 64), np.float32, scale=1.0, offset=1e4)
     check(x, "group", groups=4)
-    check(x, "batch", override={"threads": 256, "elements": 32, "cluster": 8 if clusters_supported() else 1})
+    check(x, "batch", override={"threads": 256, "elements": 32, "cluster": 8 if clusters_supported() else 1}, rng=rng)
 
 
 def test_nan_stays_in_its_group(rng):

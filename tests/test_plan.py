@@ -456,6 +456,34 @@ def test_channel_onchip_shapes():
     assert launch.tier == "channel_onchip" and launch.steps[0].grid == (8,) and launch.steps[0].block == (256,)
 
 
+def test_channel_onchip_picks_are_catalogued():
+    """Every channel_onchip instantiation the walk takes, over dtypes,
+    parameter and output dtypes, layouts and group sizes, is in
+    all_kernels(); on sm_80 none is clustered."""
+    compiled = {k.expression: k for k in _catalogue.all_kernels()}
+    f32 = np.dtype(np.float32)
+    taken = 0
+    for dtype in (_dtypes.float16, _dtypes.bfloat16, _dtypes.float32, _dtypes.float64):
+        mixed = ((1, f32, None), (3, f32, f32)) if np.dtype(dtype).itemsize == 2 else ()  # (autocast's)
+        for flags, pdtype, out in ((0, None, None), (3, dtype, None), (1, dtype, None)) + mixed:
+            for norm, last, batch, channels, spatial, cpg in (
+                    ("batch", False, 64, 2048, 49, 1), ("batch", False, 64, 512, 28 * 28, 1),
+                    ("batch", False, 64, 64, 1024, 1),
+                    ("group", False, 8, 1280, 16 * 16, 40), ("group", False, 8, 320, 64 * 64, 10),
+                    ("group", True, 8, 1280, 16 * 16, 40), ("group", True, 4, 512, 64 * 64, 16),
+                    ("instance", False, 2, 8, 512 * 512, 1), ("instance", False, 4, 8, 33 * 33, 1)):
+                p = make_channel_plan(norm, np.dtype(dtype), pdtype, flags, last, batch, channels, spatial, cpg,
+                                      norm != "batch", 0, 0, out)
+                for device in (H200, A100):
+                    if _dispatch_channels.choose_channel_walk(p, device) != "onchip":
+                        continue
+                    kernel = _dispatch_channels.choose_channel_onchip(p, device).steps[0].kernel
+                    assert kernel.expression in compiled, kernel.expression
+                    assert compiled[kernel.expression].min_arch <= device.compute_capability
+                    taken += 1
+    assert taken > 100
+
+
 def test_channel_stream_schedule():
     """Problem 35's 8 MB groups: one a slab; 32 KB tiles would need a lag of
     3 slabs (24 MB between the reads, over a third of L2), so 16 KB tiles
