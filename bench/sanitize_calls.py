@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 
 import cunorm
-from cunorm import _channels, _dtypes, _kernels, _loader, _ops
+from cunorm import _channels, _dtypes, _grad, _kernels, _loader, _ops
 
 reached: set[str] = set()
 _load = _loader.get_function
@@ -93,6 +93,12 @@ def main() -> int:
         getattr(cunorm, f"{norm}_norm_backward")(arr(2, 8, 5, 7), layout, m, s, *extra, c8, c8)
     cunorm.batch_norm_backward(arr(2, 8, 5, 7), nchw, cupy.zeros(8, np.float32), cupy.ones(8, np.float32), c8, c8,
                                training=False)
+    # BatchNorm's backward on channels-first x: channel_grad_onchip (the default for these small channels) forced
+    # to clusters of 4 blocks of 32 threads (the last empty), and the four launches forced
+    _, m, s = cunorm.batch_norm(nchw, c8, c8, return_stats=True)
+    for override in ({"walk": "split"}, {"walk": "onchip", "threads": 32, "elements": 1, "cluster": 4}):
+        g = _grad.ChannelGradCall("batch", arr(2, 8, 5, 7), nchw, m, s, weight=c8, bias=c8, channel_axis=1)
+        _grad.run_channels(g, None, override=override)
     cupy.cuda.Device().synchronize()
 
     missing = sorted({d.name for d in _kernels.DECLARATIONS} - reached)

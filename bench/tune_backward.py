@@ -12,7 +12,9 @@ bandwidth of the same run, plus the time of each launch of one call (a
   .. 4096x32768): the column-tile blocks an SM it aims at before it cuts
   the rows into parts (GRAD_APPLY_BLOCKS_PER_SM);
 - the channel backward (problem 35): the most bytes of x a channels-first
-  chunk holds (GRAD_CHANNEL_MAX_CHUNK_BYTES), and its launches.
+  chunk holds (GRAD_CHANNEL_MAX_CHUNK_BYTES), and its launches;
+- BatchNorm's backward on ResNet-50's activations (onchip): the four
+  launches against channel_grad_onchip's shapes.
 
 PYTHONPATH=. python bench/tune_backward.py [--only TEXT]"""
 import argparse
@@ -23,7 +25,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, ".")
-from cunorm import _dispatch_grad, _grad, _launch  # noqa: E402
+from cunorm import _dispatch_grad, _dtypes, _grad, _launch  # noqa: E402
 from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu  # noqa: E402
 
 
@@ -138,7 +140,54 @@ def main():
                 report(f"problem 35 group_norm(8), chunks of at most {cap} bytes", run, nbytes, bw,
                        steps=cap == default)
         del run
+    if "onchip" in args.only or not args.only:
+        onchip_sweep(bw)
     cupy.get_default_memory_pool().free_all_blocks()
+
+
+#: channel_grad_onchip's shapes tried beside the dispatch's and the four launches
+ONCHIP_VARIANTS = ({"threads": 256, "elements": 16, "cluster": 1}, {"threads": 512, "elements": 16, "cluster": 1},
+                   {"threads": 1024, "elements": 16, "cluster": 1}, {"threads": 256, "elements": 16, "cluster": 8},
+                   {"threads": 512, "elements": 16, "cluster": 4}, {"threads": 1024, "elements": 16, "cluster": 8},
+                   {"threads": 256, "elements": 32, "cluster": 8}, {"threads": 256, "elements": 32, "cluster": 1},
+                   {"threads": 128, "elements": 32, "cluster": 1})
+
+
+def onchip_sweep(bw):
+    """BatchNorm's backward on ResNet-50's activations: the four launches,
+    the dispatch's choice and channel_grad_onchip's shapes that hold a
+    channel (grad_onchip_shapes, grad_onchip_max_elements)."""
+    import cunorm
+
+    rng = cupy.random.default_rng()
+    for shape in ((64, 2048, 7, 7), (128, 2048, 7, 7), (64, 1024, 14, 14), (64, 512, 28, 28), (32, 512, 28, 28),
+                  (32, 256, 56, 56)):
+        for dtype in ("float32", "bfloat16"):
+            npdtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(_dtypes.bfloat16)
+            x = rng.standard_normal(shape, dtype=np.float32).astype(npdtype)
+            dy = rng.standard_normal(shape, dtype=np.float32).astype(npdtype)
+            w = (rng.random(shape[1], dtype=np.float32) * 1.5 + 0.5).astype(npdtype)
+            _, mean, rstd = cunorm.batch_norm(x, w, w, return_stats=True)
+            nbytes = 3 * x.nbytes
+            group = shape[0] * shape[2] * shape[3]
+            vec = max(v for v in (1, 2, 4, 8) if v * npdtype.itemsize <= 16 and (shape[2] * shape[3]) % v == 0)
+            for override in ({"walk": "split"}, None) + ONCHIP_VARIANTS:
+                if override and "threads" in override:
+                    items = max(1, override["elements"] // vec)
+                    if override["threads"] * items * override["cluster"] * vec < group:
+                        continue
+                    override = {"walk": "onchip", **override}
+
+                def run(override=override):
+                    g = _grad.ChannelGradCall("batch", dy, x, mean, rstd, weight=w, bias=w, channel_axis=1)
+                    return _grad.run_channels(g, None, override=override)
+
+                try:
+                    label = f"batch_norm {dtype} {shape} {override or 'the dispatch'}"
+                    report(label, run, nbytes, bw, steps=override is None)
+                except Exception as err:  # noqa: BLE001 (a shape over a limit: reported, the sweep goes on)
+                    print(f"{label}: {type(err).__name__}: {err}", flush=True)
+            del x, dy
 
 
 if __name__ == "__main__":

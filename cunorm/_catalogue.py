@@ -8,7 +8,8 @@ from . import _kernels as K
 from ._dispatch import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
                         cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
 from ._dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_CACHED_TARGET_THREADS, GRAD_NORMS, _vpt_choices,
-                             column_sum_width, grad_cached_bounds, grad_policy)
+                             column_sum_width, grad_cached_bounds, grad_onchip_items, grad_onchip_max_elements,
+                             grad_onchip_shapes, grad_policy)
 from ._dispatch_channels import CHANNEL_NORM, ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items
 from ._kernels import Kernel
 
@@ -136,6 +137,15 @@ def backward_kernels() -> list[Kernel]:
         for p, flags in [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]:
             for training in (False, True):
                 out.append(K.CHANNEL_GRAD_FINALIZE(a, p, flags, training))
+                for vec in _vector_widths(dtype):
+                    held = 0  # the most elements the shapes before hold: a shape past the limit is never taken
+                    for threads, elements, cluster in grad_onchip_shapes(dtype.itemsize):
+                        if held >= grad_onchip_max_elements(dtype.itemsize):
+                            break
+                        items = grad_onchip_items(dtype.itemsize, vec, threads, elements)
+                        out.append(K.CHANNEL_GRAD_ONCHIP(t, p, flags, vec, training, threads, items, cluster,
+                                                         min_arch=90 if cluster > 1 else 0))
+                        held = max(held, threads * items * cluster * vec)
         for vec in _vector_widths(dtype):
             for last in (False, True):
                 out.append(K.CHANNEL_GRAD_SUMS(t, vec, last))

@@ -80,6 +80,33 @@ GRAD_CHANNEL_MAX_CHUNK_BYTES = 16 << 10
 GRAD_FINALIZE_THREADS = 1024  # mirrors kGradFinalizeThreads
 #: a pass-1 chunk is at least this many vectors a thread (for_each_batched's batch)
 GRAD_MIN_CHUNK_PER_THREAD = 4
+#: channel_grad_onchip's shapes (BatchNorm, channels-first: a channel held
+#: on chip, x and dy read once), (threads, elements of x and as many of dy
+#: a thread, cluster), in the order tried: the first whose capacity holds
+#: a channel (grad_onchip_items: fewer for float64 and for narrow vectors
+#: in 1024-thread blocks). H100, 2026-11-24, bench/tune_backward.py --only
+#: onchip, GPU time (ms) against the four launches' (last), fp32:
+#: (64,2048,7,7) (256, 16, 1) 0.044, (128, 32, 1) 0.047, (256, 32, 1) 0.056,
+#: (512, 16, 1) 0.068, 0.084; (128,2048,7,7) (256, 32, 1) 0.087, (512, 16,
+#: 1) 0.101, 0.151; (64,1024,14,14) (1024, 16, 1) 0.065, 0.108;
+#: (32,512,28,28) (256, 16, 8) 0.082, (512, 16, 4) 0.104, 0.103;
+#: (64,512,28,28) (256, 32, 8) 0.145, (1024, 16, 8) 0.266, 0.189;
+#: (32,256,56,56) (1024, 16, 8) 0.167, 0.194. A 1024-thread cluster takes
+#: an SM alone: past (1024, 16, 1), 256-thread blocks first.
+GRAD_ONCHIP_SHAPES = ((256, 16, 1), (256, 32, 1), (1024, 16, 1), (256, 16, 8), (256, 32, 8), (1024, 16, 8))
+#: ... and for 16-bit data, where 2-byte scalars want more a thread: bf16
+#: (64,2048,7,7) (256, 32, 1) 0.053, (128, 32, 1) 0.052, (256, 16, 1)
+#: 0.063, 0.078 (torch eager 0.054); (128,2048,7,7) (256, 32, 1) 0.098,
+#: (1024, 16, 1) 0.125, 0.147; (64,1024,14,14) (1024, 16, 1) 0.057, 0.072.
+GRAD_ONCHIP_SHAPES_16BIT = ((256, 32, 1), (1024, 16, 1), (256, 16, 8))
+#: BatchNorm's backward goes on chip for channels of at most this many
+#: elements (0: never): 32-bit and 64-bit data (the ladder's largest holds
+#: (32,256,56,56) fp32's 100352) ...
+GRAD_ONCHIP_MAX_ELEMENTS = 131072
+#: ... and 16-bit data: bf16 (64,1024,14,14) (12544 elements) 0.058 ms
+#: against the four launches' 0.072, but (32,512,28,28) (25088) 0.073
+#: against 0.062 and (64,512,28,28) 0.136 against 0.110.
+GRAD_ONCHIP_MAX_ELEMENTS_16BIT = 16384
 
 
 def grad_policy(norm: str, acc: str) -> str:
@@ -139,7 +166,7 @@ class GradLaunch:
     strided (sums, finalize, apply); their parameter partials are then
     added by column_sum, except for streamed rows of one part."""
 
-    tier: str  # "cached", "streamed" or "strided"
+    tier: str  # "cached", "streamed" or "strided"; the channel norms' "channels" or "channel_onchip"
     steps: tuple[Step, ...]
     chunks: int = 0  # pass-1 chunks a group
     chunk_len: int = 0  # vectors (streamed) or reduced indices (strided) a chunk
@@ -226,14 +253,72 @@ def column_sum_width(a: str, n: int) -> int:
     return columns if n % columns == 0 else 1
 
 
-def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device) -> GradLaunch:
-    """The backward launch of a channel norm: sums, combine, finalize, apply."""
+def grad_onchip_items(itemsize: int, vec: int, threads: int, elements: int) -> int:
+    """Vectors of x (and as many of dy) a channel_grad_onchip thread holds
+    for a shape of GRAD_ONCHIP_SHAPES: its elements (at least one vector),
+    halved for float64 and for vectors of under 8 bytes in 1024-thread
+    blocks (64 registers a thread: ptxas spilled both at the full count, in
+    the compile check)."""
+    if itemsize == 8 or (vec * itemsize < 8 and threads == 1024):
+        elements //= 2
+    return max(1, elements // vec)
+
+
+def grad_onchip_shapes(itemsize: int) -> tuple:
+    """GRAD_ONCHIP_SHAPES, or GRAD_ONCHIP_SHAPES_16BIT for 16-bit data."""
+    return GRAD_ONCHIP_SHAPES_16BIT if itemsize == 2 else GRAD_ONCHIP_SHAPES
+
+
+def grad_onchip_max_elements(itemsize: int) -> int:
+    """The largest channel BatchNorm's backward takes on chip."""
+    return GRAD_ONCHIP_MAX_ELEMENTS_16BIT if itemsize == 2 else GRAD_ONCHIP_MAX_ELEMENTS
+
+
+def grad_onchip_shape(plan: ChannelPlan, device: Device, override: dict | None = None) -> tuple[int, int, int] | None:
+    """(threads, vectors of x a thread, cluster) of channel_grad_onchip for
+    ``plan``: BatchNorm on channels-first x whose channels have at most
+    grad_onchip_max_elements, the first of grad_onchip_shapes that
+    holds a channel (clusters on sm_90 and later only); else None.
+    ``override``: as for choose_channel_grad."""
+    override = override or {}
+    if plan.per_sample or plan.channels_last or override.get("walk") == "split":
+        return None
+    vecs = plan.batch * plan.spatial // plan.vec
+    if vecs >= 2**31 or (vecs * plan.vec > grad_onchip_max_elements(plan.dtype.itemsize)
+                         and override.get("walk") != "onchip"):
+        return None
+    shapes = [(t, grad_onchip_items(plan.dtype.itemsize, plan.vec, t, e), k)
+              for t, e, k in grad_onchip_shapes(plan.dtype.itemsize)]
+    if "threads" in override:
+        shapes = [(override["threads"], max(1, override.get("elements", 16) // plan.vec), override.get("cluster", 1))]
+    for threads, items, cluster in shapes:
+        if cluster > 1 and device.compute_capability < 90:
+            continue
+        if vecs <= threads * items * cluster:
+            return threads, items, cluster
+    return None
+
+
+def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, override: dict | None = None) -> GradLaunch:
+    """The backward launch of a channel norm: channel_grad_onchip where
+    grad_onchip_shape has a shape (one launch), else sums, combine,
+    finalize, apply. ``override`` (tests and tuning) may set "walk"
+    ("onchip" or "split") and channel_grad_onchip's "threads", "elements"
+    (of x a thread) and "cluster"."""
     from ._dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     acc = accumulation(plan.dtype)
     a, t = KERNEL_TYPE[acc], KERNEL_TYPE[plan.dtype]
     p = NO_PARAMS if not plan.flags else KERNEL_TYPE[plan.param_dtype]
     sm = device.sm_count
+    shape = grad_onchip_shape(plan, device, override)
+    if override and override.get("walk") == "onchip" and shape is None:
+        raise ValueError(f"channel_grad_onchip does not take {plan.norm}_norm's backward of this layout and size")
+    if shape is not None:
+        threads, items, cluster = shape
+        kernel = K.CHANNEL_GRAD_ONCHIP(t, p, plan.flags, plan.vec, training, threads, items, cluster,
+                                       min_arch=90 if cluster > 1 else 0)
+        return GradLaunch("channel_onchip", (Step(kernel, (plan.channels * cluster,), (threads,)),))
     if plan.channels_last:
         vecs = plan.channels // plan.vec
         bx = min(GRAD_BLOCK_THREADS, next_pow2(vecs))

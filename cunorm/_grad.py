@@ -278,19 +278,20 @@ def _check_running(call, buf, name, shape):
     return ba
 
 
-def run_channels(g: ChannelGradCall, reference, key=None):
+def run_channels(g: ChannelGradCall, reference, key=None, override=None):
     """(dx, dweight, dbias) as the caller's array type. ``key``: as for
-    run_rows."""
+    run_rows; ``override``: as for choose_channel_grad (tests and tuning;
+    not memoized)."""
     call = g.call
     if not call.on_gpu:
         if not call.x.size:
             return _empty_grads(call, 2)
         return reference(g)
     with call.adapter.scope(call.x.data.device_id):
-        (dx, dw, db), program, last = _channels_gpu(g)
+        (dx, dw, db), program, last = _channels_gpu(g, override)
         wrap = call.adapter.from_cupy
         results = wrap(dx), None if dw is None else wrap(dw), None if db is None else wrap(db)
-    if key is not None and program is not None:
+    if key is not None and program is not None and override is None:
         _fast.CHANNELS_GRAD.put(key, _channel_grad_entry(g, program, last))
     return results
 
@@ -313,7 +314,7 @@ def _channel_grad_entry(g: ChannelGradCall, program, last: bool) -> _fast.Entry:
                        arrays={"x": x, "w": call.weight, "b": call.bias})
 
 
-def _channels_gpu(g: ChannelGradCall):
+def _channels_gpu(g: ChannelGradCall, override=None):
     import cupy
 
     call = g.call
@@ -345,7 +346,8 @@ def _channels_gpu(g: ChannelGradCall):
         spatial = x.size // (batch * channels)
         plan = _plan.make_channel_plan(call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial,
                                        channels // call.groups, per_sample, x.data.ptr % 32, dx.data.ptr % 32)
-        launch = _channel_launch(plan, g.training, x.data.device_id)
+        launch = _channel_launch(plan, g.training, x.data.device_id,
+                                 None if override is None else tuple(sorted(override.items())))
         program = channel_grad_program(plan, launch, x.data.device_id)
         program.run(tuple(_launch.ptr(a) for a in (dy, x, dx, mean, rstd, w, dw, db)), _launch.cupy_stream(),
                     _launch.cupy_alloc)
@@ -355,9 +357,9 @@ def _channels_gpu(g: ChannelGradCall):
 
 
 @functools.lru_cache(maxsize=1024)
-def _channel_launch(plan, training, device_id):
+def _channel_launch(plan, training, device_id, override=None):
     device = _launch.device_info(device_id)
-    launch = _dispatch_grad.choose_channel_grad(plan, training, device)
+    launch = _dispatch_grad.choose_channel_grad(plan, training, device, None if override is None else dict(override))
     for step in launch.steps:
         _launch.check_limits(step, device)
     return launch
@@ -369,14 +371,19 @@ CHANNEL_GRAD_SLOTS = ("dy", "x", "dx", "mean", "rstd", "w", "dw", "db")
 
 @functools.lru_cache(maxsize=1024)
 def channel_grad_program(plan, launch, device) -> _launch.Program:
-    """The Program of a channel norm's backward (CHANNEL_GRAD_SLOTS): sums,
-    combine, finalize, apply over one workspace (the partial sums, the
-    combined sums, the coefficients); absent parameters passed as x."""
+    """The Program of a channel norm's backward (CHANNEL_GRAD_SLOTS):
+    channel_grad_onchip, or sums, combine, finalize, apply over one
+    workspace (the partial sums, the combined sums, the coefficients);
+    absent parameters passed as x."""
     pb = _launch.ProgramBuilder(CHANNEL_GRAD_SLOTS, device)
     dy, x, mean = pb["dy"], pb["x"], pb["mean"]
     w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
     dw = pb["dw"] if plan.flags & _plan.FLAG_WEIGHT else x
     db = pb["db"] if plan.flags & _plan.FLAG_BIAS else x
+    if launch.tier == "channel_onchip":
+        pb.launch(launch.steps[0], dy=dy, x=x, dx=pb["dx"], mean=mean, rstd=pb["rstd"], w=w, dw=dw, db=db,
+                  batch=plan.batch, plane_vecs=plan.spatial // plan.vec, channels=plan.channels)
+        return pb.build()
     acc_bytes = _dtypes.accumulation(plan.dtype).itemsize
     members = plan.batch * plan.channels
     ws = pb.workspace((members * launch.chunks * 2 + members * 2 + members * 3) * acc_bytes)

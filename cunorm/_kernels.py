@@ -131,6 +131,9 @@ CHANNEL_ONCHIP = KernelDecl("onchip", "channel_onchip",
                             _args("x y w b mean_out rstd_out running_mean running_var:ptr rows row_vecs:i32 "
                                   "row_stride sample_stride group_stride:i64 spatial_vecs channels_per_group "
                                   "groups:i32 eps momentum:acc"))
+CHANNEL_GRAD_ONCHIP = KernelDecl("onchip", "channel_grad_onchip",
+                                 ("T", "P", "FLAGS", "VEC", "TRAINING", "THREADS", "ITEMS", "CLUSTER"),
+                                 _args("dy x dx mean rstd w dw db:ptr batch plane_vecs channels:i32"))
 # backward.cu
 ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
                               ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),

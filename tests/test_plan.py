@@ -334,7 +334,7 @@ def test_small_channels_first_planes_run_as_plane_rows():
     for spatial, block in cases:
         p = channel_plan("batch", flags=3, batch=32, channels=2048, spatial=spatial, cpg=1)
         fwd = _dispatch_channels.choose_channels(p, H200)
-        bwd = _dispatch_grad.choose_channel_grad(p, True, H200)
+        bwd = _dispatch_grad.choose_channel_grad(p, True, H200, {"walk": "split"})
         for step in (fwd.steps[0], fwd.steps[2], bwd.steps[0], bwd.steps[-1]):
             assert step.block == block, (spatial, step)
             if len(block) == 2:
@@ -373,14 +373,15 @@ def test_channel_backward_grids_stay_within_the_launch_limits():
     """A channel backward over more than 65535 samples or channels (or
     channel tiles) caps its grid's y and z at 65535, as the forward does
     (the kernels walk the rest by grid stride), every layout and tier;
-    the grid is the same for both passes."""
+    the grid is the same for both passes (the four launches forced where
+    channel_grad_onchip would take the call)."""
     cases = [dict(batch=70000, channels=4, spatial=3), dict(batch=3, channels=70000, spatial=3),
              dict(batch=70000, channels=4, spatial=3, last=True), dict(batch=2, channels=70000 * 8, spatial=3,
                                                                         last=True),
              dict(batch=70000, channels=2, spatial=64 * 64 * 4), dict(batch=2, channels=70000, spatial=64 * 64 * 4)]
     for case in cases:
         plan = channel_plan("batch", flags=3, cpg=1, **case)
-        launch = _dispatch_grad.choose_channel_grad(plan, True, H200)
+        launch = _dispatch_grad.choose_channel_grad(plan, True, H200, {"walk": "split"})
         sums, apply = launch.steps[0], launch.steps[-1]
         assert sums.grid == apply.grid, case
         for step in launch.steps:
@@ -482,6 +483,53 @@ def test_channel_onchip_picks_are_catalogued():
                     assert compiled[kernel.expression].min_arch <= device.compute_capability
                     taken += 1
     assert taken > 100
+
+
+def test_channel_grad_onchip_walk():
+    """BatchNorm's backward on channels-first x goes on chip for channels of
+    up to grad_onchip_max_elements, the first shape of grad_onchip_shapes
+    that holds a channel (clusters on sm_90 only, one launch, a cluster a
+    channel); GroupNorm, InstanceNorm, channels-last and larger channels
+    keep the four launches; every instantiation taken is catalogued."""
+    compiled = {k.expression: k for k in _catalogue.all_kernels()}
+    f32 = np.dtype(np.float32)
+    cases = {  # (batch, spatial) -> (threads, vectors a thread, cluster) on H200 for float32
+        (64, 49): (256, 16, 1), (128, 49): (256, 32, 1), (64, 196): (1024, 4, 1), (32, 784): (256, 4, 8),
+        (64, 784): (256, 8, 8), (32, 56 * 56): (1024, 4, 8), (64, 56 * 56): None}
+    want_16bit = {(64, 49): (256, 32, 1), (128, 49): (256, 32, 1), (64, 196): (1024, 4, 1)}  # bf16: to 16384
+    taken = 0
+    for (batch, spatial), want in cases.items():
+        for dtype in (_dtypes.bfloat16, _dtypes.float32, _dtypes.float64):
+            for flags, pdtype in ((0, None), (3, dtype), (1, f32 if dtype != np.float64 else dtype)):
+                p = make_channel_plan("batch", np.dtype(dtype), pdtype, flags, False, batch, 64, spatial, 1, False, 0,
+                                      0)
+                for device in (H200, A100):
+                    for training in (True, False):
+                        launch = _dispatch_grad.choose_channel_grad(p, training, device)
+                        shape = _dispatch_grad.grad_onchip_shape(p, device)
+                        if dtype == np.float32 and device is H200:
+                            assert shape == want, (batch, spatial)
+                        if dtype == _dtypes.bfloat16 and device is H200:
+                            assert shape == want_16bit.get((batch, spatial)), (batch, spatial)
+                        if shape is None:
+                            assert launch.tier == "channels" and len(launch.steps) == 4
+                            continue
+                        threads, items, cluster = shape
+                        assert device.compute_capability >= 90 or cluster == 1
+                        assert threads * items * cluster * p.vec >= batch * spatial
+                        (step,) = launch.steps
+                        assert launch.tier == "channel_onchip"
+                        assert step.grid == (64 * cluster,) and step.block == (threads,)
+                        assert step.kernel.expression in compiled, step.kernel.expression
+                        assert compiled[step.kernel.expression].min_arch <= device.compute_capability
+                        taken += 1
+    assert taken > 50
+    for plan in (channel_plan("group", flags=3, cpg=2, batch=2, channels=8, spatial=49),
+                 channel_plan("instance", flags=3, cpg=1, batch=2, channels=8, spatial=49),
+                 channel_plan("batch", flags=3, cpg=1, batch=2, channels=8, spatial=49, last=True)):
+        assert _dispatch_grad.choose_channel_grad(plan, True, H200).tier == "channels"
+        with pytest.raises(ValueError, match="channel_grad_onchip does not take"):
+            _dispatch_grad.choose_channel_grad(plan, True, H200, {"walk": "onchip"})
 
 
 def test_channel_stream_schedule():
