@@ -378,6 +378,12 @@ BACKWARD_CASES = [
     ("backward batch_norm (64,256,56,56) fp32 +w+b", "batch", (64, 256, 56, 56), "float32", None, None),
     ("backward batch_norm (64,256,56,56) bf16 +w+b", "batch", (64, 256, 56, 56), "bfloat16", None, None),
     ("backward batch_norm (64,2048,7,7) bf16 +w+b", "batch", (64, 2048, 7, 7), "bfloat16", None, None),
+    # ... and the channels channel_grad_onchip holds
+    ("backward batch_norm (64,2048,7,7) fp32 +w+b", "batch", (64, 2048, 7, 7), "float32", None, None),
+    ("backward batch_norm (64,1024,14,14) fp32 +w+b", "batch", (64, 1024, 14, 14), "float32", None, None),
+    ("backward batch_norm (64,1024,14,14) bf16 +w+b", "batch", (64, 1024, 14, 14), "bfloat16", None, None),
+    ("backward batch_norm (64,512,28,28) fp32 +w+b", "batch", (64, 512, 28, 28), "float32", None, None),
+    ("backward batch_norm (32,256,56,56) fp32 +w+b", "batch", (32, 256, 56, 56), "float32", None, None),
 ]
 
 
