@@ -187,7 +187,6 @@ def onchip_sweep(bw):
                     report(label, run, nbytes, bw, steps=override is None)
                 except Exception as err:  # noqa: BLE001 (a shape over a limit: reported, the sweep goes on)
                     print(f"{label}: {type(err).__name__}: {err}", flush=True)
-            del x, dy
 
 
 if __name__ == "__main__":

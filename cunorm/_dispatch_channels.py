@@ -220,13 +220,20 @@ def onchip_shape(plan: ChannelPlan, device: Device, override: dict | None = None
     if plan.channels_last and (not plan.per_sample or plan.channels_per_group % plan.vec):
         return None
     shapes = [(t, onchip_items(plan.dtype.itemsize, plan.vec, t, e, k), k) for t, e, k in ONCHIP_SHAPES]
+    return first_holding(shapes, onchip_group_vecs(plan), plan.vec, device, override, 32)
+
+
+def first_holding(shapes, vecs: int, vec: int, device: Device, override: dict, elements: int):
+    """The first (threads, items, cluster) of ``shapes`` that holds ``vecs``
+    vectors (clusters on sm_90 and later only), or None; ``override``'s
+    "threads", "elements" (default ``elements``) and "cluster", where set,
+    are the only shape tried."""
     if "threads" in override:
-        shapes = [(override["threads"], max(1, override.get("elements", 32) // plan.vec), override.get("cluster", 1))]
-    group_vecs = onchip_group_vecs(plan)
+        shapes = [(override["threads"], max(1, override.get("elements", elements) // vec), override.get("cluster", 1))]
     for threads, items, cluster in shapes:
         if cluster > 1 and device.compute_capability < 90:
             continue
-        if group_vecs <= threads * items * cluster:
+        if vecs <= threads * items * cluster:
             return threads, items, cluster
     return None
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from . import _kernels as K
 from ._dispatch import (MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step, _ceil_div, next_pow2,
                         norm_info, plane_rows_block)
-from ._dispatch_channels import CHANNEL_PLANE_ROWS_MAX_VECS
+from ._dispatch_channels import CHANNEL_PLANE_ROWS_MAX_VECS, first_holding
 from ._plan import ChannelPlan
 
 #: elements a rows_grad_cached thread holds in registers (x, dy and its
@@ -289,14 +289,7 @@ def grad_onchip_shape(plan: ChannelPlan, device: Device, override: dict | None =
         return None
     shapes = [(t, grad_onchip_items(plan.dtype.itemsize, plan.vec, t, e), k)
               for t, e, k in grad_onchip_shapes(plan.dtype.itemsize)]
-    if "threads" in override:
-        shapes = [(override["threads"], max(1, override.get("elements", 16) // plan.vec), override.get("cluster", 1))]
-    for threads, items, cluster in shapes:
-        if cluster > 1 and device.compute_capability < 90:
-            continue
-        if vecs <= threads * items * cluster:
-            return threads, items, cluster
-    return None
+    return first_holding(shapes, vecs, plan.vec, device, override, 16)
 
 
 def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, override: dict | None = None) -> GradLaunch:

@@ -293,14 +293,21 @@ def check_channels(op, x_np, *, groups=None, weight=None, bias=None, channel_axi
     if memory == "swapped":  # dx keeps x's memory layout
         assert dx.strides == x.strides
     _close(cupy.asnumpy(dx), ref[0], dtype, f"{op} dx")
-    rows = x_np.size // c
-    for got, want, param, name in ((dw, ref[1], weight, "dweight"), (db, ref[2], bias, "dbias")):
+    check_param_grads((dw, db), ref[1:], (weight, bias), dtype, x_np.size // c, op)
+
+
+def check_param_grads(grads, refs, params, dtype, rows, what):
+    """dweight and dbias (None where their parameter is) against the
+    reference's, in the parameter's dtype, judged for ``rows`` terms."""
+    import cupy
+
+    for got, want, param, name in zip(grads, refs, params, ("dweight", "dbias")):
         if param is None:
             assert got is None
             continue
         assert got.dtype == param.dtype
         prec = _computed_in(param.dtype, dtype)
-        _close(cupy.asnumpy(got), want, prec, f"{op} {name}", factor=_param_factor(prec, rows))
+        _close(cupy.asnumpy(got), want, prec, f"{what} {name}", factor=_param_factor(prec, rows))
 
 
 # (2, 4, 128, 130): channels of 16640 positions, several chunks each (the

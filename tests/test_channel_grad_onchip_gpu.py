@@ -15,7 +15,7 @@ import pytest
 import cunorm
 from cunorm import _dtypes, _grad, reference
 from helpers import DTYPE_IDS, DTYPES, random
-from test_backward_gpu import _close, _computed_in, _param_factor, _unchanged
+from test_backward_gpu import _close, _param_factor, _unchanged, check_param_grads
 from test_channel_onchip_gpu import need_cluster
 
 pytestmark = pytest.mark.gpu
@@ -56,14 +56,7 @@ def check(x_np, *, weight=None, bias=None, training=True, override, rng):
     assert dx.dtype == dtype
     what = f"{x_np.shape} {dtype} {override} training={training}"
     _close(cupy.asnumpy(dx), ref[0], dtype, f"dx {what}")
-    rows = x_np.size // c
-    for got, want, param, name in ((dw, ref[1], weight, "dweight"), (db, ref[2], bias, "dbias")):
-        if param is None:
-            assert got is None
-            continue
-        assert got.dtype == param.dtype
-        prec = _computed_in(param.dtype, dtype)
-        _close(cupy.asnumpy(got), want, prec, f"{name} {what}", factor=_param_factor(prec, rows))
+    check_param_grads((dw, db), ref[1:], (weight, bias), dtype, x_np.size // c, what)
     return dx, dw, db
 
 
