@@ -102,8 +102,7 @@ def onchip_kernels(dtype, t, affine) -> list[Kernel]:
             for last in (False, True):
                 for p, flags in affine:
                     for y in [t] + (["float"] if dtype.itemsize == 2 else []):
-                        out.append(K.CHANNEL_ONCHIP(t, p, flags, vec, last, y, threads, items, cluster,
-                                                    min_arch=90 if cluster > 1 else 0))
+                        out.append(K.CHANNEL_ONCHIP(t, p, flags, vec, last, y, threads, items, cluster))
     return out
 
 
@@ -143,8 +142,7 @@ def backward_kernels() -> list[Kernel]:
                         if held >= grad_onchip_max_elements(dtype.itemsize):
                             break
                         items = grad_onchip_items(dtype.itemsize, vec, threads, elements)
-                        out.append(K.CHANNEL_GRAD_ONCHIP(t, p, flags, vec, training, threads, items, cluster,
-                                                         min_arch=90 if cluster > 1 else 0))
+                        out.append(K.CHANNEL_GRAD_ONCHIP(t, p, flags, vec, training, threads, items, cluster))
                         held = max(held, threads * items * cluster * vec)
         for vec in _vector_widths(dtype):
             for last in (False, True):

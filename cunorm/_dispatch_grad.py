@@ -309,8 +309,7 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, overr
         raise ValueError(f"channel_grad_onchip does not take {plan.norm}_norm's backward of this layout and size")
     if shape is not None:
         threads, items, cluster = shape
-        kernel = K.CHANNEL_GRAD_ONCHIP(t, p, plan.flags, plan.vec, training, threads, items, cluster,
-                                       min_arch=90 if cluster > 1 else 0)
+        kernel = K.CHANNEL_GRAD_ONCHIP(t, p, plan.flags, plan.vec, training, threads, items, cluster)
         return GradLaunch("channel_onchip", (Step(kernel, (plan.channels * cluster,), (threads,)),))
     if plan.channels_last:
         vecs = plan.channels // plan.vec

@@ -53,9 +53,11 @@ class KernelDecl:
             raise TypeError(f"{self.name} takes {len(self.template)} template arguments, got {len(targs)}")
         return f"cunorm::{self.name}<{', '.join(_format(a) for a in targs)}>"
 
-    def __call__(self, *targs, cooperative: bool = False, persistent: bool = False, min_arch: int = 0) -> Kernel:
-        """The instantiation for these template arguments."""
+    def __call__(self, *targs, cooperative: bool = False, persistent: bool = False) -> Kernel:
+        """The instantiation for these template arguments (a CLUSTER over 1,
+        thread-block clusters, needs sm_90: min_arch)."""
         params = dict(zip(self.template, targs))
+        min_arch = 90 if params.get("CLUSTER", 1) > 1 else 0
         data = params.get("T", params.get("A"))
         acc = "f64" if data == "double" else "f32"
         signature = tuple((n, acc if k == "acc" else k) for n, k in self.args)
