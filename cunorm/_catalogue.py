@@ -10,7 +10,8 @@ from ._dispatch import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, blo
 from ._dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_CACHED_TARGET_THREADS, GRAD_NORMS, _vpt_choices,
                              column_sum_width, grad_cached_bounds, grad_onchip_items, grad_onchip_max_elements,
                              grad_onchip_shapes, grad_policy)
-from ._dispatch_channels import CHANNEL_NORM, ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items
+from ._dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
+                                 ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from ._kernels import Kernel
 
 def _vector_widths(dtype) -> list[int]:
@@ -75,13 +76,13 @@ def channel_kernels() -> list[Kernel]:
         t = _dtypes.KERNEL_TYPE[dtype]
         params = sorted({t, _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
         affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]
-        for last in (False, True):
-            out.append(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, last))
+        for layout in (CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED):
+            out.append(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, layout))
             for vec in _vector_widths(dtype):
-                out.append(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, vec, last))
+                out.append(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, vec, layout))
                 for p, flags in affine:
                     for y in [t] + (["float"] if dtype.itemsize == 2 else []):  # (float32 y: autocast's GroupNorm)
-                        out.append(K.CHANNEL_APPLY(t, p, flags, vec, last, y))
+                        out.append(K.CHANNEL_APPLY(t, p, flags, vec, layout, y))
         for p, flags in affine:  # channel_stream: channels-first, 16-byte vectors
             for y in [t] + (["float"] if dtype.itemsize == 2 else []):
                 out.append(K.CHANNEL_STREAM(CHANNEL_NORM, t, p, flags, 16 // dtype.itemsize, y, persistent=True))

@@ -30,9 +30,18 @@ CHANNEL_MAX_CHUNK_BYTES = 256 * 1024
 #: ... and channels-last blocks of a whole tile of channels aim for 2 an SM:
 #: group_norm(32) bf16 (8,128,128,512), 33 chunks a sample 41.4%, 66 38.9%,
 #: 132 (8 an SM) 37.3%, 16 31.5% (not profiled; a block re-reads its
-#: tile's parameters and pivots and combines its partials once per chunk).
+#: tile's parameters and pivots and combines its partials once per chunk);
+#: grouped (issue 24, fourth pass): 33 0.180 ms, 66 0.187, 132 0.184, 16 0.247.
 CHANNEL_LAST_BLOCKS_PER_SM = 2
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
+#: the three launches' LAYOUT template argument (channels.cu's header)
+CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED = 0, 1, 2
+#: channels-last x goes grouped (channels_last_walk) with vectors of at
+#: least this many bytes. H100, GroupNorm(32) bf16 +w+b, grouped against a
+#: statistic per channel: (8,128,128,512) 16-byte vectors 0.180 / 0.190 ms;
+#: (8,32,32,640) 8-byte 0.026 / 0.035; (8,64,64,320) 4-byte 0.055 / 0.053
+#: (docs/performance.md, issue 24).
+GROUPED_MIN_VEC_BYTES = 8
 #: channels-first planes (a channel's positions of one sample) of at most
 #: this many vectors run as "plane rows": a row of up to 32 threads a plane,
 #: 256 / that many planes a block, where a 256-thread block a plane would
@@ -261,6 +270,30 @@ def choose_channel_onchip(plan: ChannelPlan, device: Device, override: dict | No
     return Launch("channel_onchip", (Step(kernel, (plan.statistic_groups * cluster,), (threads,)),))
 
 
+def channels_last_walk(plan: ChannelPlan, override: dict) -> tuple[int, int, int, int]:
+    """(vec, layout, tile_vecs, tiles) of the three launches on channels-last
+    x: a row of up to 256 threads along a position's vectors (tile_vecs of
+    them), tiles of them across the channels. Grouped (CHANNELS_LAST_GROUPED,
+    a thread keeps one statistic) where the statistics are per sample, a
+    vector of at least GROUPED_MIN_VEC_BYTES divides the groups (the widest
+    such, up to the plan's) and each group's vectors lie in one tile; else a
+    statistic per channel, vectors of the plan's width. ``override``
+    {"grouped": False} forces the latter (the tuning script)."""
+    def tiling(vec):
+        vecs = plan.channels // vec
+        bx = min(CHANNEL_BLOCK_THREADS, next_pow2(vecs))
+        return bx, _ceil_div(vecs, bx)
+
+    vec = plan.vec
+    while plan.channels_per_group % vec:
+        vec //= 2
+    if plan.per_sample and override.get("grouped", True) and vec * plan.dtype.itemsize >= GROUPED_MIN_VEC_BYTES:
+        bx, tiles = tiling(vec)
+        if tiles == 1 or bx % (plan.channels_per_group // vec) == 0:
+            return vec, CHANNELS_LAST_GROUPED, bx, tiles
+    return (plan.vec, CHANNELS_LAST) + tiling(plan.vec)
+
+
 def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = False, returns_stats: bool = True,
                     override: dict | None = None) -> Launch:
     """The three-launch walk of cunorm/kernels/channels.cu for ``plan``:
@@ -276,15 +309,13 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     override = override or {}
     t, p = kernel_types(plan)
     if plan.channels_last:
-        vecs = plan.channels // plan.vec
         # A row of threads covers a position's channels (up to 256 vectors),
         # so a block reads whole positions, contiguous: group_norm(32) bf16
         # (8,128,128,512) channels-last, 64-vector rows: bx 32 (half a
         # position a row) ran the two passes at 16.9% of copy bandwidth.
-        bx = min(CHANNEL_BLOCK_THREADS, next_pow2(vecs))
+        vec, layout, bx, tiles = channels_last_walk(plan, override)
         by = CHANNEL_BLOCK_THREADS // bx
         block = (bx, by)
-        tiles = _ceil_div(vecs, bx)
         want_chunks = max(1, _ceil_div(CHANNEL_LAST_BLOCKS_PER_SM * device.sm_count, plan.batch * tiles))
         # at least 4 positions a thread row per chunk (for_each_batched's batch)
         chunk_len = max(4 * by, _ceil_div(plan.spatial, want_chunks))
@@ -293,14 +324,17 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         chunks = _ceil_div(plan.spatial, chunk_len)
         grid = (min(chunks, MAX_GRID_X), min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         acc_bytes = accumulation(plan.dtype).itemsize
-        partial_shared = by * bx * plan.vec * NORMS["ln"].stat_words * acc_bytes
+        kept = 1 if layout == CHANNELS_LAST_GROUPED else vec  # statistics a thread keeps
+        partial_shared = by * bx * kept * NORMS["ln"].stat_words * acc_bytes
     elif plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS:
+        vec, layout = plan.vec, CHANNELS_FIRST
         vecs = plan.spatial // plan.vec
         block = plane_rows_block(vecs, CHANNEL_BLOCK_THREADS)
         chunks, chunk_len = 1, vecs
         grid = (1, min(_ceil_div(plan.channels, block[1]), MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         partial_shared = 0
     else:
+        vec, layout = plan.vec, CHANNELS_FIRST
         vecs = plan.spatial // plan.vec
         block = (CHANNEL_BLOCK_THREADS,)
         rows = plan.batch * plan.channels
@@ -316,7 +350,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     if groups >= 2**31 or plan.channels_per_group * chunks >= 2**31 or plan.channels >= 2**31:
         raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
                          f"is over the kernels' 2**31 - 1 index limit")
-    apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, plan.vec, plan.channels_last, output_type(plan)), grid, block)
+    apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, vec, layout, output_type(plan)), grid, block)
     hints = override.get("hints", channel_apply_hints(plan, device))
     if from_running and not returns_stats:
         return Launch("channel_eval", (apply,), chunks=chunks, chunk_vecs=chunk_len, hints=hints)
@@ -326,14 +360,16 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
                      (_ceil_div(plan.channels, CHANNEL_BLOCK_THREADS),), (CHANNEL_BLOCK_THREADS,))
         return Launch("channel_running", (stats, apply), chunks=chunks, chunk_vecs=chunk_len,
                       workspace_words=3 * groups, hints=hints)
-    partial = Step(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, plan.vec, plan.channels_last), grid, block,
+    partial = Step(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, vec, layout), grid, block,
                    partial_shared)
-    group_partials = (1 if plan.per_sample else plan.batch) * plan.channels_per_group * chunks
+    group_partials = (1 if plan.per_sample else plan.batch) * chunks
+    if layout != CHANNELS_LAST_GROUPED:
+        group_partials *= plan.channels_per_group
     finalize_block, groups_a_block = (CHANNEL_BLOCK_THREADS,), 1
     if group_partials <= CHANNEL_FINALIZE_ROWS_MAX_MEMBERS:
         finalize_block = plane_rows_block(group_partials, CHANNEL_BLOCK_THREADS)
         groups_a_block = finalize_block[1]
-    finalize = Step(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, plan.channels_last),
+    finalize = Step(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, layout),
                     (min(_ceil_div(groups, groups_a_block), MAX_GRID_X),), finalize_block)
     members = plan.batch * plan.channels * chunks
     return Launch("channel_split", (partial, finalize, apply), chunks=chunks, chunk_vecs=chunk_len,

@@ -112,15 +112,15 @@ STRIDED_NORM = KernelDecl("strided", "strided_norm", ("NormT", "T", "P", "FLAGS"
                                 "x_reduced_stride:i64 eps:acc"))
 RESIDUAL_ADD = KernelDecl("strided", "residual_add", ("T", "VEC"), _args("x r h:ptr n_vec:i64"))
 # channels.cu
-CHANNEL_PARTIAL = KernelDecl("channels", "channel_partial", ("NormT", "T", "VEC", "CHANNELS_LAST"),
+CHANNEL_PARTIAL = KernelDecl("channels", "channel_partial", ("NormT", "T", "VEC", "LAYOUT"),
                              _args(f"x partial:ptr {_CHANNEL_DIMS} per_sample:i32 chunks chunk_len:i64"))
-CHANNEL_FINALIZE = KernelDecl("channels", "channel_finalize", ("NormT", "T", "CHANNELS_LAST"),
+CHANNEL_FINALIZE = KernelDecl("channels", "channel_finalize", ("NormT", "T", "LAYOUT"),
                               _args(f"x partial affine mean_out rstd_out running_mean running_var:ptr "
                                     f"{_CHANNEL_DIMS} per_sample:i32 chunks:i64 eps momentum:acc"))
 CHANNEL_FROM_RUNNING = KernelDecl("channels", "channel_from_running", ("A",),
                                   _args("running_mean running_var affine mean_out rstd_out:ptr channels:i32 "
                                         "eps:acc"))
-CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "P", "FLAGS", "VEC", "CHANNELS_LAST", "Y"),
+CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "P", "FLAGS", "VEC", "LAYOUT", "Y"),
                            _args(f"x y w b affine running_mean running_var:ptr {_CHANNEL_DIMS} per_sample:i32 "
                                  f"chunks chunk_len:i64 eps:acc hints:i32"))
 CHANNEL_STREAM = KernelDecl("channels", "channel_stream", ("NormT", "T", "P", "FLAGS", "VEC", "Y"),

@@ -278,6 +278,43 @@ def test_channel_launches_cover_and_fit(last, batch, channels, spatial):
                     assert np.prod(step.block) <= 1024 and step.shared_bytes <= 48 * 1024
 
 
+def test_channels_last_grouped_walk():
+    """Channels-last GroupNorm and InstanceNorm take the three launches
+    grouped (a statistic a thread: channel_partial's, channel_finalize's and
+    channel_apply's LAYOUT 2) where a vector of at least
+    GROUPED_MIN_VEC_BYTES divides the groups and a group's vectors lie in one
+    tile, with the widest such vector; else a statistic per channel (LAYOUT
+    1) at the plan's vector. BatchNorm, channels-first x and the override
+    {"grouped": False} never group. The cases are tests/test_channel_split_gpu.py's."""
+    compiled = {k.expression for k in _catalogue.all_kernels()}
+    bf16, f32, f64 = (np.dtype(d) for d in (_dtypes.bfloat16, np.float32, np.float64))
+    cases = {  # (channels, groups) -> (vec, layout) for bf16, float32, float64
+        (64, 4): ((8, 2), (4, 2), (2, 2)), (40, 2): ((4, 2), (4, 2), (2, 2)),
+        (4096, 16): ((8, 2), (4, 2), (2, 2)), (24, 8): ((8, 1), (4, 1), (1, 2)),
+        (6144, 2): ((8, 1), (4, 1), (2, 1)), (32, 32): ((8, 1), (4, 1), (1, 2)), (320, 32): ((8, 1), (2, 2), (2, 2))}
+    for (channels, groups), wants in cases.items():
+        for dtype, (vec, layout) in zip((bf16, f32, f64), wants):
+            p = make_channel_plan("group", dtype, dtype, 3, True, 2, channels, 35, channels // groups, True, 0, 0)
+            got = _dispatch_channels.channels_last_walk(p, {})
+            assert got[:2] == (vec, layout), (channels, groups, dtype, got)
+            vecs = channels // vec
+            assert got[2] == min(256, _dispatch.next_pow2(vecs)) and got[3] == -(-vecs // got[2])
+            launch = _dispatch_channels.choose_channels(p, H200)
+            layouts = [s.kernel.template_args[-2 if "apply" in s.kernel.name else -1] for s in launch.steps]
+            assert layouts == [layout] * 3
+            assert all(s.kernel.expression in compiled for s in launch.steps)
+            partial = launch.steps[0]
+            kept = 1 if layout == 2 else vec
+            assert partial.kernel.template_args[2] == vec
+            assert partial.shared_bytes == np.prod(partial.block) * kept * 3 * _dtypes.accumulation(dtype).itemsize
+            forced = _dispatch_channels.choose_channels(p, H200, override={"grouped": False})
+            assert forced.steps[0].kernel.template_args[2:] == (p.vec, 1)
+    batch = make_channel_plan("batch", f64, None, 0, True, 4, 16, 35, 1, False, 0, 0)
+    assert _dispatch_channels.channels_last_walk(batch, {})[:2] == (2, 1)
+    first = _dispatch_channels.choose_channels(channel_plan(flags=3), H200)
+    assert {s.kernel.template_args[-2 if "apply" in s.kernel.name else -1] for s in first.steps} == {0}
+
+
 @pytest.mark.parametrize("last", [False, True])
 def test_group_norm_float32_output_of_16_bit_x(last):
     """GroupNorm of 16-bit x with a float32 y (autocast's result): the apply

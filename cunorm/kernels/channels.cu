@@ -6,10 +6,10 @@
 // x is dense in one of two physical layouts, of `batch` samples, `channels`
 // channels and `spatial` positions (the product of the spatial axes, 1 for
 // none):
-//   CHANNELS_LAST = false  (batch, channels, spatial), NCHW: a channel's
-//                          positions are contiguous;
-//   CHANNELS_LAST = true   (batch, spatial, channels), NHWC: a position's
-//                          channels are contiguous.
+//   channels-first  (batch, channels, spatial), NCHW: a channel's positions
+//                   are contiguous;
+//   channels-last   (batch, spatial, channels), NHWC: a position's channels
+//                   are contiguous.
 // Statistic group g holds channels [g * channels_per_group, (g + 1) *
 // channels_per_group), of one sample (per_sample != 0: GroupNorm,
 // InstanceNorm) or of every sample (BatchNorm); its index is
@@ -33,6 +33,16 @@
 // channel_apply's hints: 1, y stored with the streaming hint (st.global.cs);
 // 2, x loaded as a last use (ld.global.cs); 16-byte vectors only.
 //
+// Layouts (the LAYOUT template argument of the three launches):
+//   kChannelsFirst        NCHW;
+//   kChannelsLast         NHWC, a statistic per channel of a thread's vector;
+//   kChannelsLastGrouped  NHWC, per-sample statistics (GroupNorm,
+//                         InstanceNorm) where a vector's channels lie in one
+//                         group (channels_per_group a multiple of VEC, a
+//                         group's vectors within one tile of the block): a
+//                         thread keeps one statistic, and the partials are
+//                         per (sample, chunk, group).
+//
 // Thread layouts. Channels-first: a 256-thread block per (sample, channel,
 // chunk), walking the chunk's contiguous vectors; or, for planes of few
 // vectors (a channel's positions of one sample), "plane rows": a 2-D block
@@ -41,7 +51,8 @@
 // of 256, threadIdx.x along the channels in vectors of VEC (up to 256
 // vectors: a row of threads reads a position's channels, contiguous, and the
 // block several consecutive positions), threadIdx.y over the chunk's
-// positions; per-channel partials combined across y through shared memory.
+// positions; the partials combined across y (then, grouped, across a group's
+// vectors) through shared memory.
 // Grids are 3-D (x: chunk, y: channel or channel tile, z: sample) walked with
 // strided loops, so no 64-bit division is needed.
 #include "reduce.cuh"
@@ -49,6 +60,10 @@
 namespace cunorm {
 
 constexpr int kChannelBlockThreads = 256;  // mirrors CHANNEL_BLOCK_THREADS in cunorm/_dispatch.py
+// mirror CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED in cunorm/_dispatch_channels.py
+constexpr int kChannelsFirst = 0;
+constexpr int kChannelsLast = 1;
+constexpr int kChannelsLastGrouped = 2;
 
 struct ChannelShape {
     long long batch;
@@ -96,10 +111,11 @@ __device__ __forceinline__ ChannelShape channel_shape(long long batch, long long
 }
 
 // Partial statistics. Channels-first: partial[(n * channels + c) * chunks +
-// chunk]; channels-last: partial[(n * chunks + chunk) * channels + c]. A
-// chunk is chunk_len positions (vectors of VEC positions when channels-first).
-// Dynamic shared memory (channels-last): blockDim.y * VEC * blockDim.x Stats.
-template <template <class> class NormT, class T, int VEC, bool CHANNELS_LAST>
+// chunk]; channels-last: partial[(n * chunks + chunk) * channels + c];
+// grouped: partial[(n * chunks + chunk) * groups + g]. A chunk is chunk_len
+// positions (vectors of VEC positions when channels-first). Dynamic shared
+// memory (channels-last): blockDim.y * blockDim.x * (grouped ? 1 : VEC) Stats.
+template <template <class> class NormT, class T, int VEC, int LAYOUT>
 __global__ void __launch_bounds__(256, 2)
 channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ partial, long long batch,
                 long long spatial, int channels, int channels_per_group, int per_sample, long long chunks,
@@ -109,7 +125,7 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
     using Stats = typename Norm::Stats;
     const ChannelShape cs = channel_shape(batch, spatial, channels, channels_per_group, per_sample);
     Stats* out = reinterpret_cast<Stats*>(partial);
-    if constexpr (!CHANNELS_LAST) {
+    if constexpr (LAYOUT == kChannelsFirst) {
         __shared__ Stats scratch[33];
         const long long spatial_vecs = spatial / VEC;
         const int rows = blockDim.y;  // planes a block: 1, or 256 / blockDim.x (plane rows, blockDim.x <= 32)
@@ -132,10 +148,13 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
             if (active && threadIdx.x == 0) out[(n * channels + c) * chunks + chunk] = s;
         });
     } else {
+        constexpr bool kGrouped = LAYOUT == kChannelsLastGrouped;
+        constexpr int kKept = kGrouped ? 1 : VEC;  // statistics a thread keeps
         extern __shared__ __align__(16) unsigned char shared_raw[];
         Stats* partials = reinterpret_cast<Stats*>(shared_raw);
         const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
         const int channel_vecs = channels / VEC;
+        const int group_vecs = channels_per_group / VEC;  // (grouped)
 #pragma unroll 1
         for (long long n = blockIdx.z; n < batch; n += gridDim.z)
 #pragma unroll 1
@@ -144,20 +163,28 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
         for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
             const int cv = tile * bx + tx;
             const bool active = cv < channel_vecs;
-            Stats s[VEC];
-            A pivot[VEC];
+            Stats s[kKept];
+            A pivot[kKept];
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
+            for (int j = 0; j < kKept; ++j) {
                 s[j] = Norm::init();
                 pivot[j] = active ? group_pivot<Norm, A, T, true>(x, cs, n, cv * VEC + j) : A(0);
             }
             const long long begin = chunk * chunk_len;
             const long long end = min(begin + chunk_len, spatial);
-            if (active) {
+            const T* base = x + n * spatial * channels + cv * VEC;
+            if constexpr (kGrouped) {
+                // Four positions in flight, each vector folded into the
+                // thread's one statistic.
+                if (active) {
+                    for_each_batched<4>(
+                        begin + ty, end, by, [&](long long p) { return load_vec<T, VEC>(base + p * channels); },
+                        [&](long long, const Vec<T, VEC>& in) { s[0] = fold<Norm, A, T, VEC>(s[0], in, pivot[0]); });
+                }
+            } else if (active) {
                 // Four positions in flight; each channel's four values are
                 // folded together (one combine per four values: the combine
                 // is what bounds a 16-bit channels-last pass otherwise).
-                const T* base = x + n * spatial * channels + cv * VEC;
 #pragma unroll 1
                 for (long long p0 = begin + ty; p0 < end; p0 += 4 * by) {
                     Vec<T, VEC> in[4];
@@ -187,18 +214,29 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
                     }
                 }
             }
-            // Combine the by partials of each channel in y order (layout
+            // Combine the by partials of each statistic in y order (layout
             // [y][j][x]: a warp's accesses on distinct banks).
             __syncthreads();
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) partials[(ty * VEC + j) * bx + tx] = s[j];
+            for (int j = 0; j < kKept; ++j) partials[(ty * kKept + j) * bx + tx] = s[j];
             __syncthreads();
             if (ty == 0 && active) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
+                for (int j = 0; j < kKept; ++j) {
                     Stats total = partials[j * bx + tx];
-                    for (int yy = 1; yy < by; ++yy) total = Norm::combine(total, partials[(yy * VEC + j) * bx + tx]);
-                    out[(n * chunks + chunk) * channels + cv * VEC + j] = total;
+                    for (int yy = 1; yy < by; ++yy) total = Norm::combine(total, partials[(yy * kKept + j) * bx + tx]);
+                    if constexpr (kGrouped) partials[tx] = total;  // the column's total (each thread its own)
+                    else out[(n * chunks + chunk) * channels + cv * VEC + j] = total;
+                }
+            }
+            if constexpr (kGrouped) {
+                // then a group's columns in order, by the thread of its first
+                // vector (the dispatch keeps a group's vectors in one tile)
+                __syncthreads();
+                if (ty == 0 && active && cv % group_vecs == 0) {
+                    Stats total = partials[tx];
+                    for (int k = 1; k < group_vecs; ++k) total = Norm::combine(total, partials[tx + k]);
+                    out[(n * chunks + chunk) * cs.groups + cv / group_vecs] = total;
                 }
             }
         }
@@ -213,7 +251,7 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
 //   running_mean[g], running_var[g] (when not null; BatchNorm, a group per
 //     channel): running = (1 - momentum) * running + momentum * statistic,
 //     the variance unbiased (count / (count - 1)).
-template <template <class> class NormT, class T, bool CHANNELS_LAST>
+template <template <class> class NormT, class T, int LAYOUT>
 __global__ void __launch_bounds__(256, 2)
 channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restrict__ partial,
                  typename AccOf<T>::type* __restrict__ affine, typename AccOf<T>::type* mean_out,
@@ -231,8 +269,10 @@ channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restr
     // partials of one sample under 2**31.
     const int group_count = static_cast<int>((per_sample ? batch : 1) * cs.groups);
     const long long samples_in_group = per_sample ? 1 : batch;
-    // A sample's partials of one group: channels_per_group * chunks of them.
-    const int per_sample_members = static_cast<int>(channels_per_group * chunks);
+    // A sample's partials of one group: channels_per_group * chunks of them
+    // (grouped: chunks).
+    const int per_sample_members =
+        static_cast<int>(LAYOUT == kChannelsLastGrouped ? chunks : channels_per_group * chunks);
     const int rows = blockDim.y;  // groups a block: 1, or 256 / blockDim.x (blockDim.x <= 32)
 #pragma unroll 1
     for (int group0 = blockIdx.x * rows; group0 < group_count; group0 += gridDim.x * rows) {
@@ -253,9 +293,11 @@ channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restr
             const long long k = i / per_sample_members;
             const int m = static_cast<int>(i - k * per_sample_members);
             const long long n = n0 + k;
-            if constexpr (!CHANNELS_LAST) {
+            if constexpr (LAYOUT == kChannelsFirst) {
                 // contiguous: (n, c0 .. c0 + cpg, every chunk)
                 s = Norm::combine(s, parts[(n * channels + c0) * chunks + m]);
+            } else if constexpr (LAYOUT == kChannelsLastGrouped) {
+                s = Norm::combine(s, parts[(n * chunks + m) * cs.groups + g]);
             } else {
                 // chunk by chunk, the group's channels contiguous in each
                 const int chunk = m / channels_per_group;
@@ -267,7 +309,7 @@ channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restr
         if (active && threadIdx.x == 0) {
             const long long count = samples_in_group * channels_per_group * spatial;
             const Affine<A> f = Norm::finalize(s, count, eps);
-            const A pivot = group_pivot<Norm, A, T, CHANNELS_LAST>(x, cs, n0, c0);
+            const A pivot = group_pivot<Norm, A, T, LAYOUT != kChannelsFirst>(x, cs, n0, c0);
             affine[3 * group] = pivot;
             affine[3 * group + 1] = f.center;
             affine[3 * group + 2] = f.scale;
@@ -308,7 +350,7 @@ channel_from_running(const A* __restrict__ running_mean, const A* __restrict__ r
 // returned: one launch, no workspace), a channel's (0, center, scale) is
 // (0, running_mean[c], rsqrt(running_var[c] + eps)), as
 // channel_from_running writes it, and affine is not read.
-template <class T, class P, int FLAGS, int VEC, bool CHANNELS_LAST, class Y>
+template <class T, class P, int FLAGS, int VEC, int LAYOUT, class Y>
 __global__ void __launch_bounds__(256, 2)
 channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
               const typename AccOf<T>::type* __restrict__ affine,
@@ -332,7 +374,7 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
         if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
         if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
     };
-    if constexpr (!CHANNELS_LAST) {
+    if constexpr (LAYOUT == kChannelsFirst) {
         const long long spatial_vecs = spatial / VEC;
         for_each_channel_chunk(batch, channels, chunks, blockDim.y, [&](long long n, int c0, long long chunk) {
             const int c = c0 + static_cast<int>(threadIdx.y);
@@ -364,26 +406,40 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
         for (int tile = blockIdx.y; tile * bx < channel_vecs; tile += gridDim.y) {
             const int cv = tile * bx + tx;
             if (cv >= channel_vecs) continue;  // no barrier below
-            Affine<A> f[VEC];
-            A pivot[VEC], wc[VEC], bc[VEC];
+            // grouped (per-sample statistics, no running buffers): one
+            // group's (pivot, center, scale) for the vector's channels
+            constexpr bool kGrouped = LAYOUT == kChannelsLastGrouped;
+            constexpr int kGroupParams = kGrouped ? 1 : VEC;
+            Affine<A> f[kGroupParams];
+            A pivot[kGroupParams], wc[VEC], bc[VEC];
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) params_of(n, cv * VEC + j, f[j], pivot[j], wc[j], bc[j]);
+            for (int j = 0; j < VEC; ++j) {
+                Affine<A> fj;
+                A pj;
+                params_of(n, cv * VEC + j, fj, pj, wc[j], bc[j]);
+                if (j < kGroupParams) {
+                    f[j] = fj;
+                    pivot[j] = pj;
+                }
+            }
             const long long offset = n * spatial * channels + cv * VEC;
+            const T* xs = x + offset;
+            Y* ys = y + offset;
 #pragma unroll 1
             for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
                 const long long begin = chunk * chunk_len;
                 const long long end = min(begin + chunk_len, spatial);
                 for_each_batched<4>(
-                    begin + ty, end, by,
-                    [&](long long p) { return load_vec_hinted<T, VEC>(x + offset + p * channels, hints); },
+                    begin + ty, end, by, [&](long long p) { return load_vec_hinted<T, VEC>(xs + p * channels, hints); },
                     [&](long long p, const Vec<T, VEC>& in) {
                         Vec<Y, VEC> o;
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
-                            narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc[j], bc[j]),
-                                   o.v[j]);
+                            const int k = kGrouped ? 0 : j;
+                            const A shifted = static_cast<A>(widen(in.v[j])) - pivot[k];
+                            narrow(apply_affine<FLAGS, T>(shifted, f[k], wc[j], bc[j]), o.v[j]);
                         }
-                        store_vec_hinted<Y, VEC>(y + offset + p * channels, o, hints);
+                        store_vec_hinted<Y, VEC>(ys + p * channels, o, hints);
                     });
             }
         }

@@ -1,0 +1,94 @@
+"""The three launches (channel_partial, channel_finalize, channel_apply) on
+channels-last x, forced, against the float64 reference: grouped (a thread
+keeps one statistic: each vector's channels in one group; vectors narrower
+than the plan's where a group is not whole vectors of its width; a group
+across a whole tile of 256 vectors) and a statistic per channel (groups of
+odd channel counts; a group across tiles; forced). Positions cut in several
+chunks with short tails; every dtype; parameters of x's and of float32
+dtype; float32 y of 16-bit x; NaN confinement; bitwise reproducibility.
+Every allocation is poisoned (NaN) first; inputs are checked unchanged.
+"""
+import numpy as np
+import pytest
+
+from channel_checks import check, run
+from cunorm import _dtypes
+from helpers import DTYPE_IDS, DTYPES, random
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _poison(poisoned):
+    yield
+
+
+# (NHWC shape, groups, what): the layout each dtype takes is in
+# tests/test_plan.py::test_channels_last_grouped_walk.
+SHAPES = [
+    ((3, 7, 5, 64), 4, "cpg16"),  # grouped, 16-bit: two vectors a group
+    ((2, 9, 5, 40), 2, "cpg20"),  # grouped, 16-bit: vectors of 4
+    ((2, 3, 5, 4096), 16, "cpg256 tiles"),  # grouped across 2-8 tiles
+    ((2, 7, 5, 24), 8, "cpg3"),  # a statistic per channel (float64: grouped, vectors of 1)
+    ((1, 3, 5, 6144), 2, "cpg3072"),  # a group's vectors across tiles: a statistic per channel
+    ((4, 1, 1, 32), 32, "cpg1"),  # InstanceNorm-like, one position
+]
+CHUNKS = [{}, {"chunks": 3}, {"chunks": 7, "grouped": False}]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape,groups,what", SHAPES, ids=[w for *_, w in SHAPES])
+@pytest.mark.parametrize("override", CHUNKS, ids=["default", "3 chunks", "7 chunks per channel"])
+def test_group_norm(rng, dtype, shape, groups, what, override):
+    x = random(rng, shape, dtype, scale=2.0, offset=0.5)
+    c = shape[-1]
+    check(x, "group", groups=groups, weight=random(rng, (c,), dtype), bias=random(rng, (c,), dtype), axis=-1,
+          override=override, walk="split", rng=rng)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("params", ["none", "w", "b", "w b float32"])
+def test_parameters(rng, dtype, params):
+    x = random(rng, (2, 11, 3, 48), dtype, offset=-1.0)  # 33 positions: chunk tails
+    pdtype = np.float32 if "float32" in params and dtype != np.float64 else dtype
+    w = random(rng, (48,), pdtype) if "w" in params else None
+    b = random(rng, (48,), pdtype) if "b" in params else None
+    check(x, "group", groups=3, weight=w, bias=b, axis=-1, override={"chunks": 4}, walk="split", rng=rng)
+    check(x, "instance", weight=w, bias=b, axis=-1, override={"chunks": 4}, walk="split", rng=rng)
+
+
+@pytest.mark.parametrize("dtype", [_dtypes.float16, _dtypes.bfloat16], ids=["f16", "bf16"])
+def test_float32_output_of_16_bit_x(rng, dtype):
+    x = random(rng, (2, 6, 5, 64), dtype)
+    check(x, "group", groups=8, weight=random(rng, (64,), np.float32), bias=random(rng, (64,), np.float32), axis=-1,
+          out_dtype=np.dtype(np.float32), walk="split", rng=rng)
+
+
+def test_mean_1e4_keeps_precision(rng):
+    x = random(rng, (2, 64, 64, 64), np.float32, scale=1.0, offset=1e4)
+    check(x, "group", groups=4, axis=-1, override={"chunks": 5}, walk="split", rng=rng)
+
+
+@pytest.mark.parametrize("override", [{}, {"grouped": False}], ids=["grouped", "per channel"])
+def test_nan_stays_in_its_group(rng, override):
+    import cupy
+
+    x = random(rng, (3, 5, 8, 32), np.float32)
+    x[1, 2, 3, 13] = np.nan  # sample 1, group 1 (channels 8 to 15)
+    y, mean, rstd = run(cupy.asarray(x), "group", groups=4, axis=-1, override={"chunks": 3, **override},
+                        walk="split")
+    bad = np.zeros(y.shape, bool)
+    bad[1, ..., 8:16] = True
+    assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
+    assert np.isnan(mean[1, 1]) and np.isfinite(np.delete(mean.ravel(), 1 * 4 + 1)).all()
+
+
+@pytest.mark.parametrize("override", [{}, {"chunks": 9}, {"grouped": False}])
+def test_bitwise_reproducible(rng, override):
+    import cupy
+
+    x = cupy.asarray(random(rng, (4, 32, 32, 64), np.float32))
+    first = run(x, "group", groups=8, axis=-1, override=override, walk="split")
+    again = run(x, "group", groups=8, axis=-1, override=override, walk="split")
+    for a, b in zip(first, again):
+        assert a.tobytes() == b.tobytes()
