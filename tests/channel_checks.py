@@ -1,5 +1,5 @@
 """A channel walk forced (tests/test_channel_onchip_gpu.py,
-tests/test_channel_split_gpu.py) and checked against the float64 reference:
+tests/test_channel_split_gpu.py, tests/test_channel_stream_gpu.py) and checked against the float64 reference:
 y, the returned statistics and BatchNorm's running estimates."""
 import numpy as np
 
@@ -60,3 +60,8 @@ def check(x_np, op, *, groups=None, weight=None, bias=None, axis=1, override=Non
                          what="running")
     for a, a0 in zip([a for a in (x, w, b) if a is not None], before):
         assert cupy.array_equal(a, a0, equal_nan=True), "an input was written to"
+
+
+def vec_of(dtype):
+    """Elements of a 16-byte vector of ``dtype``."""
+    return 16 // np.dtype(dtype).itemsize

@@ -11,7 +11,7 @@ poisoned (NaN) first; inputs are checked unchanged.
 import numpy as np
 import pytest
 
-from channel_checks import check, run
+from channel_checks import check, run, vec_of
 from cunorm import _channels, _dtypes, reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
@@ -32,10 +32,6 @@ def clusters_supported() -> bool:
 def need_cluster(k):
     if k > 1 and not clusters_supported():
         pytest.skip("thread-block clusters need sm_90")
-
-
-def vec_of(dtype):
-    return 16 // np.dtype(dtype).itemsize
 
 
 def small(k, items=1):

@@ -6,63 +6,23 @@ hint. Every dtype, parameters of x's and of float32 dtype, float32 y of
 16-bit x, statistics returned, NaN confinement, bitwise reproducibility.
 Every allocation is poisoned (NaN) first; inputs are checked unchanged.
 """
+import functools
+
 import numpy as np
 import pytest
 
+from channel_checks import check as check_walk, run as run_walk, vec_of
 from cunorm import _channels, _dtypes, reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
 pytestmark = pytest.mark.gpu
+run = functools.partial(run_walk, walk="stream")
+check = functools.partial(check_walk, walk="stream")
 
 
 @pytest.fixture(autouse=True)
 def _poison(poisoned):
     yield
-
-
-def run(x, op, *, groups=None, weight=None, bias=None, override=None, out_dtype=None, return_stats=True):
-    """(y, mean, rstd) of the stream walk with ``override``, as NumPy."""
-    import cupy
-
-    kw = {"num_groups": groups} if op == "group" else {}
-    call = _channels.ChannelCall(op, x, weight=weight, bias=bias, eps=1e-5, channel_axis=1,
-                                 return_stats=return_stats, out_dtype=out_dtype, **kw)
-    prepared = _channels.prepare(call)
-    walk, _ = _channels.execute(call, *prepared, override={"walk": "stream", **(override or {})})
-    assert walk == "channel_stream"
-    y, stats = prepared[1], prepared[3]
-    return [cupy.asnumpy(a) for a in (y, *stats)]
-
-
-def want(x_np, op, groups, weight, bias):
-    fn = getattr(reference, f"{op}_norm")
-    args = (x_np, groups) if op == "group" else (x_np,)
-    return fn(*args, weight, bias, exact=True, return_stats=True)
-
-
-def check(x_np, op, *, groups=None, weight=None, bias=None, override=None, out_dtype=None):
-    import cupy
-
-    x = cupy.asarray(x_np)
-    w = None if weight is None else cupy.asarray(weight)
-    b = None if bias is None else cupy.asarray(bias)
-    before = [a.copy() for a in (x, w, b) if a is not None]
-    y, mean, rstd = run(x, op, groups=groups, weight=w, bias=b, override=override, out_dtype=out_dtype)
-    wy, wmean, wrstd = want(x_np, op, groups, weight, bias)
-    assert y.dtype == (out_dtype or x_np.dtype)
-    tol = RTOL[x_np.dtype]
-    assert_close(y, wy, x_np.dtype, rtol=tol, atol=tol * output_scale(wy), what=f"{op} {x_np.shape} {override}")
-    acc = _dtypes.accumulation(x_np.dtype)
-    st = 1e-12 if acc == np.float64 else 2e-5
-    assert_close(rstd, wrstd, acc, rtol=st, what="rstd")
-    spread = np.abs(wmean) + 1.0 / wrstd
-    assert (np.abs(mean - wmean) <= st * spread).all(), "mean"
-    for a, a0 in zip([a for a in (x, w, b) if a is not None], before):
-        assert cupy.array_equal(a, a0, equal_nan=True), "an input was written to"
-
-
-def vec_of(dtype):
-    return 16 // np.dtype(dtype).itemsize
 
 
 # (override, what it exercises)
