@@ -2,11 +2,12 @@
 # One call on the GPU machine: the GPU test suite, then the benchmark.
 # Usage (device tool, from the repo root):  bash bench/device_run.sh [--tune] [--no-compile]
 # STAGES picks among "tests", "sanitize" (compute-sanitizer's four tools over
-# every kernel, bench/sanitize.sh) and "bench" (default: all three; each
+# every kernel, bench/sanitize.sh), "bench" and "jax" (cunorm.jax inside
+# jax.jit against XLA's fusions, bench/jax_jit.py) (default: all four; each
 # stage fits one 10-minute call: give the calls the same CUPY_CACHE_DIR so
 # the later reuse the kernels).
 # Writes under $OUT: gpu.txt, precompile.txt, check.txt, pytest-huge.log, pytest.log (pytest-serial.log),
-# sanitize-*.log, bench.json, bench.md, bench.log.
+# sanitize-*.log, bench.json, bench.md, bench.log, jax.md.
 set -u -o pipefail
 OUT=${OUT:-/tmp/cunorm-out}
 mkdir -p "$OUT"
@@ -14,8 +15,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$(mktemp -d)}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import cupy, torch, jax, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'jax', jax.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/gpu.txt"
-STAGES=${STAGES:-tests sanitize bench}
-tests_rc=0 sanitize_rc=0 bench_rc=0
+STAGES=${STAGES:-tests sanitize bench jax}
+tests_rc=0 sanitize_rc=0 bench_rc=0 jax_rc=0
 if [[ $STAGES == *tests* ]]; then
   # ahead-of-time compile of every kernel (into a fresh cache: an honest time), then the main job
   python3 -m cunorm precompile 2>&1 | tail -2 | tee "$OUT/precompile.txt"
@@ -51,5 +52,9 @@ if [[ $STAGES == *bench* ]]; then
   python3 bench/bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
   bench_rc=${PIPESTATUS[0]}
 fi
-echo "pytest rc=$tests_rc sanitize rc=$sanitize_rc bench rc=$bench_rc"
-exit $(( tests_rc || sanitize_rc || bench_rc ))
+if [[ $STAGES == *jax* ]]; then
+  python3 bench/jax_jit.py 2>&1 | tee "$OUT/jax.md"
+  jax_rc=${PIPESTATUS[0]}
+fi
+echo "pytest rc=$tests_rc sanitize rc=$sanitize_rc bench rc=$bench_rc jax rc=$jax_rc"
+exit $(( tests_rc || sanitize_rc || bench_rc || jax_rc ))

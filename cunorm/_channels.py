@@ -319,7 +319,15 @@ def channel_program(plan, launch, from_running: bool, eps: float, momentum: floa
                     has_running: tuple[bool, bool], device: int) -> _launch.Program:
     """The Program of the channel family's walk (CHANNEL_SLOTS): absent
     parameters passed as x, absent statistics and running buffers as null."""
-    pb = _launch.ProgramBuilder(CHANNEL_SLOTS, device)
+    return build_channels(_launch.ProgramBuilder(CHANNEL_SLOTS, device), plan, launch, from_running, eps, momentum,
+                          has_stats, has_running).build()
+
+
+def build_channels(pb, plan, launch, from_running: bool, eps: float, momentum: float, has_stats: bool,
+                   has_running: tuple[bool, bool]):
+    """channel_program's launches into ``pb`` (a ProgramBuilder or a
+    LaunchRecorder); returns pb. Each workspace is its own slot (the jit
+    path's custom calls take no pointer into the middle of a buffer)."""
     x = pb["x"]
     w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
     b = pb["b"] if plan.flags & _plan.FLAG_BIAS else x
@@ -344,12 +352,14 @@ def channel_program(plan, launch, from_running: bool, eps: float, momentum: floa
                   running_var=rv, rows=rows, row_vecs=row_vecs, row_stride=row_stride, sample_stride=sample_stride,
                   group_stride=group_stride, spatial_vecs=vecs, channels_per_group=plan.channels_per_group,
                   groups=plan.groups, eps=eps, momentum=momentum)
-        return pb.build()
+        return pb
     if not launch.workspace_words:  # eval mode in one launch: the epilogue reads the running buffers
         pb.launch(launch.steps[0], affine=None, running_mean=rm, running_var=rv, **apply)
-        return pb.build()
-    ws = pb.workspace(launch.workspace_words * acc_bytes)
-    affine = ws + (launch.workspace_words - 3 * plan.statistic_groups) * acc_bytes
+        return pb
+    # the partials, then the (pivot, center, scale) of each statistic group
+    affine_words = 3 * plan.statistic_groups
+    ws = pb.workspace((launch.workspace_words - affine_words) * acc_bytes)
+    affine = pb.workspace(affine_words * acc_bytes)
     if launch.stream is not None:
         sync = pb.workspace(4 * (1 + 2 * plan.statistic_groups), zeroed=True)
         pb.launch(launch.steps[0], x=x, y=pb["y"], w=w, b=b, partial=ws, affine=affine, mean_out=mean, rstd_out=rstd,
@@ -358,7 +368,7 @@ def channel_program(plan, launch, from_running: bool, eps: float, momentum: floa
                   spatial_vecs=plan.spatial // plan.vec, channels_per_group=plan.channels_per_group,
                   groups=plan.groups, tile_vecs=launch.chunk_vecs, row_tiles=launch.chunks,
                   slab_tiles=launch.stream.slab_tiles, lag_slabs=launch.stream.lag, hints=launch.hints, eps=eps)
-        return pb.build()
+        return pb
     if from_running:
         pb.launch(launch.steps[0], running_mean=rm, running_var=rv, affine=affine, mean_out=mean, rstd_out=rstd,
                   channels=plan.channels, eps=eps)
@@ -367,7 +377,7 @@ def channel_program(plan, launch, from_running: bool, eps: float, momentum: floa
         pb.launch(launch.steps[1], x=x, partial=ws, affine=affine, mean_out=mean, rstd_out=rstd, running_mean=rm,
                   running_var=rv, **dims, chunks=launch.chunks, eps=eps, momentum=momentum)
     pb.launch(launch.steps[-1], affine=affine, running_mean=None, running_var=None, **apply)
-    return pb.build()
+    return pb
 
 
 @functools.lru_cache(maxsize=1024)

@@ -178,9 +178,11 @@ class GradLaunch:
 
 
 def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: int, inner: int, vec: int,
-                     device: Device) -> GradLaunch:
+                     device: Device, cooperative: bool = True) -> GradLaunch:
     """The backward launch of a row norm over C-contiguous (outer, reduced,
-    inner) arrays, vec elements a vector along the contiguous axis."""
+    inner) arrays, vec elements a vector along the contiguous axis.
+    ``cooperative`` False (the jit path, whose launches cannot be): the
+    cached tier leaves dweight and dbias to a column_sum launch."""
     from ._dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     a = KERNEL_TYPE[accumulation(dtype)]
@@ -196,7 +198,7 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
         if shape is not None and shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
             threads, vpt = shape
             step = Step(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *grad_cached_bounds(threads, vpt),
-                               cooperative=flags != 0, persistent=True),
+                               cooperative=flags != 0 and cooperative, persistent=True),
                         (min(outer, MAX_GRID_X),), (threads,), shared)
             return GradLaunch("cached", (step,), prefetch_next=GRAD_CACHED_PREFETCH_NEXT)
         # pass 1: chunks of each row, about GRAD_CHUNK_BLOCKS_PER_SM blocks an

@@ -194,7 +194,14 @@ def rows_grad_program(launch, dtype, pdtype, outer, reduced, inner, eps, present
     dtype dweight/dbias are written in. A weight
     absent is passed as x; dh, the statistics, and for the cached tier
     dweight/dbias, as null (for the others as x)."""
-    pb = _launch.ProgramBuilder(ROW_GRAD_SLOTS, device)
+    return build_rows_grad(_launch.ProgramBuilder(ROW_GRAD_SLOTS, device), launch, dtype, pdtype, outer, reduced,
+                           inner, eps, present).build()
+
+
+def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, present):
+    """rows_grad_program's launches into ``pb`` (a ProgramBuilder or a
+    LaunchRecorder); returns pb. A cached step that is not cooperative
+    leaves its partials to column_sum (the jit path's launches)."""
     has = dict(zip(("dh", "w", "center", "scale", "dw", "db"), present))
     dy, x, dx = pb["dy"], pb["x"], pb["dx"]
     dh, center, scale = (pb[n] if has[n] else None for n in ("dh", "center", "scale"))
@@ -205,14 +212,17 @@ def rows_grad_program(launch, dtype, pdtype, outer, reduced, inner, eps, present
         # the partials' rows are the grid's blocks (capped at the resident
         # ones when the step is prepared); the grid adds them into dw/db itself
         (step,) = launch.steps
-        grid = _launch.persistent_grid(step, device)
+        grid = pb.persistent_grid(step)
         partial = pb.workspace(2 * grid[0] * reduced * acc_bytes if wants else acc_bytes)
-        arrived = pb.workspace(4, zeroed=True) if wants else None
-        dw, db = (pb[n] if has[n] else None for n in ("dw", "db"))
+        grid_sums = wants and step.kernel.cooperative
+        arrived = pb.workspace(4, zeroed=True) if grid_sums else None
+        dw, db = (pb[n] if has[n] and grid_sums else None for n in ("dw", "db"))
         pb.launch(dataclasses.replace(step, grid=grid), dy=dy, x=x, dh=dh, dx=dx, w=w, center=center, scale=scale,
                   partial=partial, rows=outer, n=reduced, eps=eps, prefetch_next=int(launch.prefetch_next), dw=dw,
                   db=db, arrived=arrived)
-        return pb.build()
+        if wants and not grid_sums:
+            _column_sum(pb, dtype, pdtype, has, partial, grid[0], reduced)
+        return pb
     groups = outer * inner
     parts = launch.parts
     ws = pb.workspace(groups * launch.chunks * launch.stat_words * acc_bytes)
@@ -235,12 +245,17 @@ def rows_grad_program(launch, dtype, pdtype, outer, reduced, inner, eps, present
     pb.launch(launch.steps[2], dy=dy, x=x, dh=dh, dx=dx, w=w, coeffs=coeffs, partial=partial, dw=dw, db=db,
               outer=outer, reduced=reduced, inner=inner, chunks=launch.apply_chunks, chunk_len=launch.apply_chunk_len)
     if wants and not direct:
-        a = _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]
-        step = _dispatch_grad.column_sum_step(a, _dtypes.KERNEL_TYPE[pdtype], parts, reduced, 1 if not has["db"] else 2)
-        _launch.check_limits(step)
-        pb.launch(step, partial=partial, out_w=pb["dw"] if has["dw"] else None, out_b=pb["db"] if has["db"] else None,
-                  parts=parts, n=reduced)
-    return pb.build()
+        _column_sum(pb, dtype, pdtype, has, partial, parts, reduced)
+    return pb
+
+
+def _column_sum(pb, dtype, pdtype, has, partial, parts, reduced):
+    """dweight and dbias: column_sum over ``parts`` partial rows of each."""
+    a = _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]
+    step = _dispatch_grad.column_sum_step(a, _dtypes.KERNEL_TYPE[pdtype], parts, reduced, 1 if not has["db"] else 2)
+    _launch.check_limits(step)
+    pb.launch(step, partial=partial, out_w=pb["dw"] if has["dw"] else None, out_b=pb["db"] if has["db"] else None,
+              parts=parts, n=reduced)
 
 
 # --- the channel norms -----------------------------------------------------------
@@ -375,7 +390,12 @@ def channel_grad_program(plan, launch, device) -> _launch.Program:
     channel_grad_onchip, or sums, combine, finalize, apply over one
     workspace (the partial sums, the combined sums, the coefficients);
     absent parameters passed as x."""
-    pb = _launch.ProgramBuilder(CHANNEL_GRAD_SLOTS, device)
+    return build_channel_grad(_launch.ProgramBuilder(CHANNEL_GRAD_SLOTS, device), plan, launch).build()
+
+
+def build_channel_grad(pb, plan, launch):
+    """channel_grad_program's launches into ``pb`` (a ProgramBuilder or a
+    LaunchRecorder); returns pb."""
     dy, x, mean = pb["dy"], pb["x"], pb["mean"]
     w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
     dw = pb["dw"] if plan.flags & _plan.FLAG_WEIGHT else x
@@ -383,12 +403,12 @@ def channel_grad_program(plan, launch, device) -> _launch.Program:
     if launch.tier == "channel_onchip":
         pb.launch(launch.steps[0], dy=dy, x=x, dx=pb["dx"], mean=mean, rstd=pb["rstd"], w=w, dw=dw, db=db,
                   batch=plan.batch, plane_vecs=plan.spatial // plan.vec, channels=plan.channels)
-        return pb.build()
+        return pb
     acc_bytes = _dtypes.accumulation(plan.dtype).itemsize
     members = plan.batch * plan.channels
-    ws = pb.workspace((members * launch.chunks * 2 + members * 2 + members * 3) * acc_bytes)
-    sums = ws + members * launch.chunks * 2 * acc_bytes
-    coeffs = ws + members * (launch.chunks * 2 + 2) * acc_bytes
+    ws = pb.workspace(members * launch.chunks * 2 * acc_bytes)  # the partial sums
+    sums = pb.workspace(members * 2 * acc_bytes)  # combined
+    coeffs = pb.workspace(members * 3 * acc_bytes)
     dims = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
             "channels_per_group": plan.channels_per_group, "stat_batch": _stat_batch(plan)}
     chunking = {"chunks": launch.chunks, "chunk_len": launch.chunk_len}
@@ -396,7 +416,7 @@ def channel_grad_program(plan, launch, device) -> _launch.Program:
     pb.launch(launch.steps[1], partial=ws, sums=sums, members=members, chunks=launch.chunks)
     pb.launch(launch.steps[2], sums=sums, mean=mean, rstd=pb["rstd"], w=w, coeffs=coeffs, dw=dw, db=db, **dims)
     pb.launch(launch.steps[3], dy=dy, x=x, dx=pb["dx"], mean=mean, coeffs=coeffs, **dims, **chunking)
-    return pb.build()
+    return pb
 
 
 def _stat_batch(plan) -> int:

@@ -9,15 +9,29 @@ cunorm/_launch.py). tests/test_kernels.py parses the ``.cu`` signatures and
 checks them against these declarations, so a kernel whose C++ signature
 changes without its declaration fails on a CPU.
 
-Argument kinds: ``ptr`` (any pointer, 8 bytes), ``i32`` (int), ``i64``
-(long long) and ``acc`` (the accumulation type: float, or double where the
-data ``T`` or the accumulation ``A`` template argument is double).
+Argument kinds: pointers (8 bytes) by what the kernel does with the memory,
+``in`` (reads it: a ``const`` pointer), ``out`` (writes it; what it reads
+there it wrote itself, or the launcher zeroed) and ``io`` (reads what the caller had there and
+updates it in place: BatchNorm's running statistics); ``i32`` (int),
+``i64`` (long long) and ``acc`` (the accumulation type: float, or double
+where the data ``T`` or the accumulation ``A`` template argument is double).
+
+Every kernel lists its ``in`` and ``io`` pointers before its ``out``
+pointers: XLA's custom call (cunorm/jax_jit.py) binds a kernel's pointer
+arguments to the call's operands and then its results, in order.
+tests/test_kernels.py checks both the order and that ``in`` is what the
+``.cu`` declares ``const``.
+
+A kernel with a ``block_x`` argument has a 2-D thread layout over its 1-D
+block (common.cuh's BlockLayout): the launcher passes the step's block x
+extent there and launches the block's threads 1-D.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("ptr", "i32", "i64", "acc")
+POINTER_KINDS = ("in", "out", "io")
+KINDS = POINTER_KINDS + ("i32", "i64", "acc")
 
 
 @dataclass(frozen=True)
@@ -77,7 +91,7 @@ def _format(value) -> str:
 
 
 def _args(spec: str) -> tuple[tuple[str, str], ...]:
-    """'x r y:ptr rows:i64 ...': names, each group ended by its kind."""
+    """'x r:in y:out rows:i64 ...': names, each group ended by its kind."""
     out, names = [], []
     for word in spec.split():
         name, _, kind = word.partition(":")
@@ -90,75 +104,80 @@ def _args(spec: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-_ROW_OUT = "x r y h w b center_out scale_out:ptr"
+_ROW_ARGS = "x r w b:in y h center_out scale_out:out"
 _NORM_ROWS = ("NormT", "T", "P", "FLAGS", "RESIDUAL", "VEC")
 _CHANNEL_DIMS = "batch spatial:i64 channels channels_per_group"
 
 # rows.cu
 ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD", "BLOCK_PER_ROW", "Y"),
-                         _args(f"{_ROW_OUT} rows:i64 n:i32 x_row_stride:i64 eps:acc threads_per_row:i32"))
+                         _args(f"{_ROW_ARGS} rows:i64 n:i32 x_row_stride:i64 eps:acc threads_per_row:i32"))
 ROWS_UNCACHED = KernelDecl("rows", "rows_uncached", _NORM_ROWS,
-                           _args(f"{_ROW_OUT} rows n x_row_stride:i64 eps:acc stash_vecs:i64"))
+                           _args(f"{_ROW_ARGS} rows n x_row_stride:i64 eps:acc stash_vecs:i64"))
 ROWS_SPLIT_PARTIAL = KernelDecl("rows", "rows_split_partial", ("NormT", "T", "RESIDUAL", "VEC"),
-                                _args("x r h partial:ptr rows n x_row_stride chunks:i64"))
+                                _args("x r:in h partial:out rows n x_row_stride chunks:i64"))
 ROWS_SPLIT_APPLY = KernelDecl("rows", "rows_split_apply", _NORM_ROWS,
-                              _args("x h y w b center_out scale_out partial:ptr rows n x_row_stride chunks:i64 "
+                              _args("x h w b partial:in y center_out scale_out:out rows n x_row_stride chunks:i64 "
                                     "eps:acc"))
 ROWS_RESIDENT = KernelDecl("rows", "rows_resident", _NORM_ROWS,
-                           _args(f"{_ROW_OUT} partial arrived:ptr rows n x_row_stride chunk_vecs:i64 eps:acc"))
+                           _args(f"{_ROW_ARGS} partial arrived:out rows n x_row_stride chunk_vecs:i64 eps:acc"))
 # strided.cu
 STRIDED_NORM = KernelDecl("strided", "strided_norm", ("NormT", "T", "P", "FLAGS", "VEC", "CHANNELS_PER_THREAD"),
-                          _args("x y w b center_out scale_out:ptr outer:i64 reduced:i32 inner x_outer_stride "
-                                "x_reduced_stride:i64 eps:acc"))
-RESIDUAL_ADD = KernelDecl("strided", "residual_add", ("T", "VEC"), _args("x r h:ptr n_vec:i64"))
+                          _args("x w b:in y center_out scale_out:out outer:i64 reduced:i32 inner x_outer_stride "
+                                "x_reduced_stride:i64 eps:acc block_x:i32"))
+RESIDUAL_ADD = KernelDecl("strided", "residual_add", ("T", "VEC"), _args("x r:in h:out n_vec:i64"))
 # channels.cu
 CHANNEL_PARTIAL = KernelDecl("channels", "channel_partial", ("NormT", "T", "VEC", "LAYOUT"),
-                             _args(f"x partial:ptr {_CHANNEL_DIMS} per_sample:i32 chunks chunk_len:i64"))
+                             _args(f"x:in partial:out {_CHANNEL_DIMS} per_sample:i32 chunks chunk_len:i64 "
+                                   f"block_x:i32"))
 CHANNEL_FINALIZE = KernelDecl("channels", "channel_finalize", ("NormT", "T", "LAYOUT"),
-                              _args(f"x partial affine mean_out rstd_out running_mean running_var:ptr "
-                                    f"{_CHANNEL_DIMS} per_sample:i32 chunks:i64 eps momentum:acc"))
+                              _args(f"x partial:in running_mean running_var:io affine mean_out rstd_out:out "
+                                    f"{_CHANNEL_DIMS} per_sample:i32 chunks:i64 eps momentum:acc block_x:i32"))
 CHANNEL_FROM_RUNNING = KernelDecl("channels", "channel_from_running", ("A",),
-                                  _args("running_mean running_var affine mean_out rstd_out:ptr channels:i32 "
+                                  _args("running_mean running_var:in affine mean_out rstd_out:out channels:i32 "
                                         "eps:acc"))
 CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "P", "FLAGS", "VEC", "LAYOUT", "Y"),
-                           _args(f"x y w b affine running_mean running_var:ptr {_CHANNEL_DIMS} per_sample:i32 "
-                                 f"chunks chunk_len:i64 eps:acc hints:i32"))
+                           _args(f"x w b affine running_mean running_var:in y:out {_CHANNEL_DIMS} per_sample:i32 "
+                                 f"chunks chunk_len:i64 eps:acc hints block_x:i32"))
 CHANNEL_STREAM = KernelDecl("channels", "channel_stream", ("NormT", "T", "P", "FLAGS", "VEC", "Y"),
-                            _args("x y w b partial affine mean_out rstd_out sync:ptr groups_total group_vecs "
+                            _args("x w b:in y partial affine mean_out rstd_out sync:out groups_total group_vecs "
                                   "spatial_vecs:i64 channels_per_group groups:i32 tile_vecs row_tiles slab_tiles "
                                   "lag_slabs:i64 hints:i32 eps:acc"))
 # onchip.cu
 CHANNEL_ONCHIP = KernelDecl("onchip", "channel_onchip",
                             ("T", "P", "FLAGS", "VEC", "CHANNELS_LAST", "Y", "THREADS", "ITEMS", "CLUSTER"),
-                            _args("x y w b mean_out rstd_out running_mean running_var:ptr rows row_vecs:i32 "
+                            _args("x w b:in running_mean running_var:io y mean_out rstd_out:out rows row_vecs:i32 "
                                   "row_stride sample_stride group_stride:i64 spatial_vecs channels_per_group "
                                   "groups:i32 eps momentum:acc"))
 CHANNEL_GRAD_ONCHIP = KernelDecl("onchip", "channel_grad_onchip",
                                  ("T", "P", "FLAGS", "VEC", "TRAINING", "THREADS", "ITEMS", "CLUSTER"),
-                                 _args("dy x dx mean rstd w dw db:ptr batch plane_vecs channels:i32"))
+                                 _args("dy x mean rstd w:in dx dw db:out batch plane_vecs channels:i32"))
 # backward.cu
 ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
                               ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),
-                              _args("dy x dh dx w center scale partial:ptr rows:i64 n:i32 eps:acc "
-                                    "prefetch_next:i32 dw db arrived:ptr"))
-COLUMN_SUM = KernelDecl("backward", "column_sum", ("A", "P", "C"), _args("partial out_w out_b:ptr parts:i32 n:i64"))
+                              _args("dy x dh w center scale:in dx partial:out rows:i64 n:i32 eps:acc "
+                                    "prefetch_next:i32 dw db arrived:out"))
+COLUMN_SUM = KernelDecl("backward", "column_sum", ("A", "P", "C"),
+                        _args("partial:in out_w out_b:out parts:i32 n:i64 block_x:i32"))
 ROWS_GRAD_CHUNKS = KernelDecl("backward", "rows_grad_chunks", ("Grad", "T", "P", "FLAGS", "VEC"),
-                              _args("dy x w center scale stat_partial:ptr rows n chunks chunk_len:i64"))
+                              _args("dy x w center scale:in stat_partial:out rows n chunks chunk_len:i64"))
 ROWS_GRAD_SUMS = KernelDecl("backward", "rows_grad_sums", ("Grad", "T", "P", "FLAGS", "VEC"),
-                            _args("dy x w center scale partial:ptr outer reduced inner chunks chunk_len:i64"))
+                            _args("dy x w center scale:in partial:out outer reduced inner chunks chunk_len:i64"))
 ROWS_GRAD_FINALIZE = KernelDecl("backward", "rows_grad_finalize", ("Grad", "A"),
-                                _args("partial center scale coeffs:ptr groups chunks n:i64 eps:acc"))
+                                _args("partial center scale:in coeffs:out groups chunks n:i64 eps:acc"))
 ROWS_GRAD_FINALIZE_WIDE = KernelDecl("backward", "rows_grad_finalize_wide", ("Grad", "A"),
-                                     _args("partial center scale coeffs:ptr chunks n:i64 eps:acc"))
+                                     _args("partial center scale:in coeffs:out chunks n:i64 eps:acc"))
 ROWS_GRAD_APPLY = KernelDecl("backward", "rows_grad_apply", ("Grad", "T", "P", "FLAGS", "VEC", "STRIDED"),
-                             _args("dy x dh dx w coeffs partial dw db:ptr outer reduced inner chunks chunk_len:i64"))
+                             _args("dy x dh w coeffs:in dx partial dw db:out outer reduced inner chunks "
+                                   "chunk_len:i64"))
 CHANNEL_GRAD_SUMS = KernelDecl("backward", "channel_grad_sums", ("T", "VEC", "LAST"),
-                               _args(f"dy x mean partial:ptr {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64"))
+                               _args(f"dy x mean:in partial:out {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64 "
+                                     f"block_x:i32"))
 CHANNEL_GRAD_COMBINE = KernelDecl("backward", "channel_grad_combine", ("A",),
-                                  _args("partial sums:ptr members chunks:i64"))
+                                  _args("partial:in sums:out members chunks:i64"))
 CHANNEL_GRAD_FINALIZE = KernelDecl("backward", "channel_grad_finalize", ("A", "P", "FLAGS", "TRAINING"),
-                                   _args(f"sums mean rstd w coeffs dw db:ptr {_CHANNEL_DIMS} stat_batch:i32"))
+                                   _args(f"sums mean rstd w:in coeffs dw db:out {_CHANNEL_DIMS} stat_batch:i32"))
 CHANNEL_GRAD_APPLY = KernelDecl("backward", "channel_grad_apply", ("T", "VEC", "LAST"),
-                                _args(f"dy x dx mean coeffs:ptr {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64"))
+                                _args(f"dy x mean coeffs:in dx:out {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64 "
+                                      f"block_x:i32"))
 
 DECLARATIONS = tuple(v for v in dict(globals()).values() if isinstance(v, KernelDecl))

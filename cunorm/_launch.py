@@ -25,6 +25,7 @@ import numpy as np
 from cupy_backends.cuda.api import driver, runtime
 
 from . import _dispatch
+from ._kernels import POINTER_KINDS
 
 #: called as hook(step, launch) around each launch when set (the tuning
 #: scripts time each step through it); None on the normal path
@@ -158,6 +159,9 @@ class ProgramBuilder:
         self.workspaces.append((max(int(nbytes), 1), zeroed))
         return Slot(len(self.slots) + len(self.workspaces) - 1)
 
+    def persistent_grid(self, step: _dispatch.Step) -> tuple[int, ...]:
+        return persistent_grid(step, self.device)
+
     def launch(self, step: _dispatch.Step, **args) -> None:
         kernel = step.kernel
         fn = step_function(step, self.device)
@@ -169,24 +173,20 @@ class ProgramBuilder:
                                    f"({resident} fit on the GPU)")
         elif kernel.persistent:
             grid = persistent_grid(step, self.device)
-        if not kernel.signature:
-            raise RuntimeError(f"{kernel.expression} has no declared signature")
-        names = [n for n, _ in kernel.signature]
-        if set(args) != set(names):
-            raise TypeError(f"{kernel.expression}: arguments {sorted(args)} do not match its declaration {names}")
+        names, args = launch_arguments(step, args)
         s = PreparedStep()
         s.step = step
         s.device = self.device
         s.fn = fn.kernel.ptr
         s.grid = tuple(grid) + (1,) * (3 - len(grid))
-        s.block = tuple(step.block) + (1,) * (3 - len(step.block))
+        s.block = (math.prod(step.block), 1, 1)
         s.shared = step.shared_bytes
         s.cooperative = kernel.cooperative
         s.buf = np.zeros(len(names), dtype=np.uint64)
         fills = []
         for i, (name, kind) in enumerate(kernel.signature):
             value = args[name]
-            if kind == "ptr":
+            if kind in POINTER_KINDS:
                 if isinstance(value, Slot):
                     fills.append((i, value.index, value.offset))
                 elif value is not None:
@@ -210,6 +210,64 @@ class ProgramBuilder:
 
     def build(self) -> Program:
         return Program(self.steps, self.workspaces, self.slots)
+
+
+def launch_arguments(step: _dispatch.Step, args: dict) -> tuple[list[str], dict]:
+    """The kernel's argument names and the call's arguments checked against
+    them, block_x added where the kernel takes it."""
+    kernel = step.kernel
+    if not kernel.signature:
+        raise RuntimeError(f"{kernel.expression} has no declared signature")
+    names = [n for n, _ in kernel.signature]
+    if "block_x" in names:  # a 2-D layout over the 1-D block (cunorm/_kernels.py)
+        args = {**args, "block_x": step.block[0]}
+    elif any(extent != 1 for extent in step.block[1:]):
+        raise RuntimeError(f"{kernel.expression} has a 1-D layout, its step a block of {step.block}")
+    if set(args) != set(names):
+        raise TypeError(f"{kernel.expression}: arguments {sorted(args)} do not match its declaration {names}")
+    return names, args
+
+
+class RecordedLaunch:
+    """A launch as LaunchRecorder keeps it: the 1-D block's threads, the
+    grid (a persistent one capped), the arguments by name."""
+
+    __slots__ = ("kernel", "grid", "threads", "shared", "args")
+
+    def __init__(self, kernel, grid, threads, shared, args):
+        self.kernel, self.grid, self.threads, self.shared, self.args = kernel, grid, threads, shared, args
+
+
+class LaunchRecorder:
+    """ProgramBuilder's interface, recording the launches instead of
+    preparing them (what cunorm/_jax_jit.py lowers into XLA custom calls).
+    ``persistent_grid(step)`` caps a persistent grid; by default the
+    device's occupancy, asked through CuPy."""
+
+    def __init__(self, slots: tuple[str, ...], device: int, persistent_grid=None):
+        self.slots = tuple(slots)
+        self.device = device
+        self.launches: list[RecordedLaunch] = []
+        self.workspaces: list[tuple[int, bool]] = []
+        self._persistent = persistent_grid or (lambda step: _persistent_grid(step, device))
+
+    __getitem__ = ProgramBuilder.__getitem__
+    workspace = ProgramBuilder.workspace
+
+    def persistent_grid(self, step: _dispatch.Step) -> tuple[int, ...]:
+        return self._persistent(step)
+
+    def launch(self, step: _dispatch.Step, **args) -> None:
+        if step.kernel.cooperative:
+            raise RuntimeError(f"{step.kernel.expression} is launched cooperatively, which the recorded launches "
+                               f"cannot be")
+        grid = self.persistent_grid(step) if step.kernel.persistent else step.grid
+        _, args = launch_arguments(step, args)
+        self.launches.append(RecordedLaunch(step.kernel, tuple(grid) + (1,) * (3 - len(grid)), math.prod(step.block),
+                                            step.shared_bytes, args))
+
+    def build(self) -> "LaunchRecorder":
+        return self
 
 
 # --- kernels on a device ---------------------------------------------------------
@@ -304,3 +362,6 @@ def cupy_stream() -> int:
 def ptr(a) -> int:
     """A CuPy array's pointer, 0 for None."""
     return 0 if a is None else a.data.ptr
+
+
+_persistent_grid = persistent_grid  # (LaunchRecorder's default, beside its method of the same name)

@@ -453,7 +453,12 @@ def rows_program(plan, launch, eps: float, has_center: bool, has_scale: bool, de
     """The Program of a row norm's launch (ROW_SLOTS): arrays a kernel never
     touches (no residual, no weight) are passed as x, absent statistics as
     null."""
-    pb = _launch.ProgramBuilder(ROW_SLOTS, device)
+    return build_rows(_launch.ProgramBuilder(ROW_SLOTS, device), plan, launch, eps, has_center, has_scale).build()
+
+
+def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool):
+    """rows_program's launches into ``pb`` (a ProgramBuilder, or the jit
+    path's LaunchRecorder); returns pb."""
     x, y = pb["x"], pb["y"]
     r, h = (pb["r"], pb["h"]) if plan.residual else (x, x)
     w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
@@ -479,4 +484,4 @@ def rows_program(plan, launch, eps: float, has_center: bool, has_scale: bool, de
     else:  # strided
         pb.launch(launch.steps[0], x=x, **outputs, outer=plan.outer, reduced=plan.reduced, inner=plan.inner,
                   x_outer_stride=plan.outer_stride, x_reduced_stride=plan.reduced_stride, eps=eps)
-    return pb.build()
+    return pb

@@ -1,48 +1,303 @@
-"""cunorm for JAX: the ops on eager JAX GPU arrays.
+"""cunorm for JAX: the ops on JAX GPU arrays, eager and inside ``jax.jit``.
 
 Each function is the array-level op of the same name (``cunorm.rms_norm``
-etc.; the same arguments without ``out=``) for JAX arrays: x and the
-parameters go in zero-copy through DLPack, the results come back as JAX
-arrays over the kernels' output buffers (zero-copy too), and no JAX buffer
-is ever written (BatchNorm's running buffers, which are updated in place,
-must be CuPy or torch arrays).
+etc.; the same arguments without ``out=``).
 
-Eager arrays only. Inside ``jax.jit`` (or ``vmap``, ``grad``) the values are
-tracers with no buffer behind them, and cunorm's kernels are not XLA
-operations: a traced value raises a TypeError saying so. Call cunorm between
-jitted functions, on their concrete results.
+- On concrete arrays, outside any transformation, x and the parameters go
+  in zero-copy through DLPack and the results come back as JAX arrays over
+  the kernels' output buffers, as before.
+- Traced (inside ``jax.jit``, ``jax.grad``, ``jax.vmap``), each call is a
+  JAX primitive lowered to XLA custom calls that launch the same kernels on
+  XLA's stream over XLA's buffers (cunorm/_jax_jit.py): no build step, no
+  host round trip. ``jax.grad`` runs cunorm's backward kernels
+  (``jax.custom_vjp``); ``jax.vmap`` folds the mapped axis into the rows
+  (row norms) or the samples (GroupNorm, InstanceNorm), and otherwise runs
+  the call once per mapped index. Statistics returned with
+  ``return_stats=True`` are not differentiated through (their cotangents
+  are dropped, as torch treats them).
+- BatchNorm with JAX running buffers in training returns the updated
+  buffers, ``(y, [mean, rstd,] running_mean, running_var)``, in their
+  dtypes: JAX arrays are never written.
+
+Inside jit, the epilogue options (``weight_offset``, ``rounding``,
+``activation``) are not available yet, and x is contiguous as XLA lays it
+out; a channel axis other than 1 or the last is moved there first.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from . import norms
+from . import _channels, _ops, norms
+from ._ops import DEFAULT_EPS, LP_EPS
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
            "instance_norm", "batch_norm"]
 
 
-def _eager(op):
-    @functools.wraps(op)
-    def run(x, *args, **kwargs):
-        if "out" in kwargs:
-            raise TypeError(f"cunorm.jax.{op.__name__} has no out=: JAX arrays are immutable (use the result)")
-        if not isinstance(x, jax.Array):
-            raise TypeError(f"cunorm.jax.{op.__name__}: x must be a JAX array, got "
-                            f"{type(x).__module__}.{type(x).__qualname__} (cunorm.{op.__name__} takes any array)")
-        return op(x, *args, **kwargs)
-
-    run.__doc__ = f"``cunorm.{op.__name__}`` on eager JAX arrays (no ``out=``).\n\n" + (op.__doc__ or "")
-    return run
+try:
+    from jax.core import Tracer as _Tracer
+except ImportError:  # (jax versions that keep it private)
+    from jax._src.core import Tracer as _Tracer
 
 
-rms_norm = _eager(norms.rms_norm)
-layer_norm = _eager(norms.layer_norm)
-normalize = _eager(norms.normalize)
-mean_abs_normalize = _eager(norms.mean_abs_normalize)
-frobenius_normalize = _eager(norms.frobenius_normalize)
-group_norm = _eager(norms.group_norm)
-instance_norm = _eager(norms.instance_norm)
-batch_norm = _eager(norms.batch_norm)
+def _traced(*arrays) -> bool:
+    return any(isinstance(a, _Tracer) for a in arrays if a is not None)
+
+
+def _check_kind(fn: str, x) -> None:
+    if not isinstance(x, jax.Array):
+        raise TypeError(f"cunorm.jax.{fn}: x must be a JAX array, got {type(x).__module__}.{type(x).__qualname__} "
+                        f"(cunorm.{fn} takes any array)")
+
+
+def _stand_in(a):
+    """A NumPy view of a's shape and dtype over no memory: what the eager
+    argument checks read (the same errors on every path)."""
+    return None if a is None else np.broadcast_to(np.zeros((), np.dtype(a.dtype)), a.shape)
+
+
+def _no_epilogue(fn, weight_offset=0, rounding="output", activation=None):
+    if weight_offset != 0 or rounding != "output" or activation is not None:
+        raise NotImplementedError(f"cunorm.jax.{fn} inside jax.jit/grad/vmap: weight_offset, rounding and "
+                                  f"activation are not available there yet (call it on concrete arrays)")
+
+
+def _jit():
+    from . import _jax_jit
+
+    _jax_jit.check_jax_version()
+    return _jax_jit
+
+
+def _no_out(fn, kwargs):
+    if "out" in kwargs:
+        raise TypeError(f"cunorm.jax.{fn} has no out=: JAX arrays are immutable (use the result)")
+
+
+# --- row norms ------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _row_vjp(spec, x, r, w, b):
+    jj = _jit()
+    return tuple(jj.rows_p.bind(*[a for a in (x, r, w, b) if a is not None], spec=spec))
+
+
+def _rows_fwd(spec, x, r, w, b):
+    jj = _jit()
+    full = dataclasses.replace(spec, stats=True)
+    named = dict(zip(jj._rows_outputs(full), jj.rows_p.bind(*[a for a in (x, r, w, b) if a is not None],
+                                                            spec=full)))
+    public = tuple(named[n] for n in jj._rows_outputs(spec))
+    return public, (named.get("h", x), w, b, named.get("center"), named.get("scale"), r is not None)
+
+
+def _rows_bwd(spec, saved, cotangents):
+    jj = _jit()
+    x, w, b, center, scale, has_r = saved
+    ct = dict(zip(jj._rows_outputs(spec), cotangents))
+    grad_spec = jj.RowGradSpec(dataclasses.replace(spec, residual=False, stats=True), dh=has_r)
+    args = [ct["y"], x] + ([ct["h"]] if has_r else []) + ([w] if w is not None else []) + [
+        s for s in (center, scale) if s is not None]
+    grads = dict(zip(grad_spec.outputs(), jj.rows_grad_p.bind(*args, spec=grad_spec)))
+    dw = None if w is None else grads["dw"].astype(w.dtype)
+    db = None if b is None else grads["db"].astype(b.dtype)
+    return grads["dx"], grads["dx"] if has_r else None, dw, db
+
+
+_row_vjp.defvjp(_rows_fwd, _rows_bwd)
+
+
+def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats):
+    if not isinstance(x, _Tracer):
+        _check_kind(fn, x)
+    call = _ops.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
+                     residual=_stand_in(residual), return_stats=return_stats)
+    _, pdtype = _ops.kernel_params(call.x.dtype, call.weight, call.bias)
+    w = None if weight is None else weight.astype(pdtype)
+    b = None if bias is None else bias.astype(pdtype)
+    x = jnp.asarray(x)
+    h = None
+    if residual is not None and call.last != x.ndim - 1:  # a strided axis: h formed first, unfused
+        h = x = (x + residual).astype(x.dtype)
+        residual = None
+    spec = _jit().RowSpec(norm, tuple(x.shape), np.dtype(x.dtype), call.first, call.last, call.eps,
+                          residual=residual is not None, weight=w is not None, bias=b is not None,
+                          pdtype=None if pdtype is None else np.dtype(pdtype), stats=call.return_stats)
+    if not x.size:
+        raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
+    outs = list(_row_vjp(spec, x, residual, w, b))
+    if h is not None:
+        outs.insert(1, h)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
+             rounding="output", activation=None, **kwargs):
+    _no_out("rms_norm", kwargs)
+    if _traced(x, weight, residual):
+        _no_epilogue("rms_norm", weight_offset, rounding, activation)
+        return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats)
+    _check_kind("rms_norm", x)
+    return norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
+                          weight_offset=weight_offset, rounding=rounding, activation=activation, **kwargs)
+
+
+def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
+               **kwargs):
+    _no_out("layer_norm", kwargs)
+    if _traced(x, weight, bias, residual):
+        _no_epilogue("layer_norm", **kwargs)
+        return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats)
+    _check_kind("layer_norm", x)
+    return norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
+                            **kwargs)
+
+
+def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, **kwargs):
+    _no_out("normalize", kwargs)
+    if _traced(x):
+        return _row_traced("normalize", _ops.lp_norm_name(p), x, None, None, None, axis, eps, False)
+    _check_kind("normalize", x)
+    return norms.normalize(x, p, axis=axis, eps=eps, **kwargs)
+
+
+def mean_abs_normalize(x, *, axis=-1, eps=LP_EPS, **kwargs):
+    _no_out("mean_abs_normalize", kwargs)
+    if _traced(x):
+        return _row_traced("mean_abs_normalize", "mean_abs", x, None, None, None, axis, eps, False)
+    _check_kind("mean_abs_normalize", x)
+    return norms.mean_abs_normalize(x, axis=axis, eps=eps, **kwargs)
+
+
+def frobenius_normalize(x, *, axis=None, eps=LP_EPS, **kwargs):
+    _no_out("frobenius_normalize", kwargs)
+    if _traced(x):
+        return _row_traced("frobenius_normalize", "l2", x, None, None, None, axis, eps, False)
+    _check_kind("frobenius_normalize", x)
+    return norms.frobenius_normalize(x, axis=axis, eps=eps, **kwargs)
+
+
+# --- channel norms ----------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _channel_vjp(spec, x, w, b, rm, rv):
+    jj = _jit()
+    return tuple(jj.channels_p.bind(*[a for a in (x, w, b, rm, rv) if a is not None], spec=spec))
+
+
+def _channels_fwd(spec, x, w, b, rm, rv):
+    jj = _jit()
+    from_running = spec.norm == "batch" and not spec.training
+    full = spec if from_running else dataclasses.replace(spec, stats=True)
+    outs = jj.channels_p.bind(*[a for a in (x, w, b, rm, rv) if a is not None], spec=full)
+    named = dict(zip(full.outputs(), outs))
+    if from_running:
+        mean, rstd = rm, jax.lax.rsqrt(rv + jnp.asarray(spec.eps, rv.dtype))
+    else:
+        mean, rstd = named["mean"], named["rstd"]
+    return tuple(named[n] for n in spec.outputs()), (x, w, b, mean, rstd)
+
+
+def _channels_bwd(spec, saved, cotangents):
+    jj = _jit()
+    x, w, b, mean, rstd = saved
+    ct = dict(zip(spec.outputs(), cotangents))
+    grad_spec = jj.ChannelGradSpec(spec)
+    args = [ct["y"], x, mean, rstd] + ([w] if w is not None else [])
+    grads = dict(zip(grad_spec.outputs(), jj.channels_grad_p.bind(*args, spec=grad_spec)))
+    dw = None if w is None else grads["dw"].astype(w.dtype)
+    db = None if b is None else grads["db"].astype(b.dtype)
+    return grads["dx"], dw, db, None, None  # (the running buffers: not differentiated)
+
+
+_channel_vjp.defvjp(_channels_fwd, _channels_bwd)
+
+
+def _channel_jax(fn, norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,
+                 channel_axis, return_stats):
+    call = _channels.ChannelCall(norm, _stand_in(x), num_groups=num_groups, weight=_stand_in(weight),
+                                 bias=_stand_in(bias), eps=eps, channel_axis=channel_axis,
+                                 return_stats=return_stats, running_mean=_stand_in(running_mean),
+                                 running_var=_stand_in(running_var), training=training, momentum=momentum)
+    if not call.x.size:
+        raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
+    _, pdtype = _ops.kernel_params(call.x.dtype, call.weight, call.bias)
+    w = None if weight is None else weight.astype(pdtype)
+    b = None if bias is None else bias.astype(pdtype)
+    x = jnp.asarray(x)
+    ndim, axis = x.ndim, call.channel_axis
+    moved = axis not in (1, ndim - 1)
+    if moved:  # the kernels take channels first or last
+        x = jnp.moveaxis(x, axis, -1)
+    last = ndim > 2 and (moved or axis == ndim - 1)
+    acc = np.dtype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
+    running = running_mean is not None
+    rm = None if not running else running_mean.astype(acc)
+    rv = None if not running else running_var.astype(acc)
+    jj = _jit()
+    spec = jj.ChannelSpec(norm, tuple(x.shape), np.dtype(x.dtype), last, call.groups, call.eps,
+                          momentum=call.momentum, training=call.training, weight=w is not None, bias=b is not None,
+                          pdtype=None if pdtype is None else np.dtype(pdtype), running=running,
+                          stats=call.return_stats)
+    named = dict(zip(spec.outputs(), _channel_vjp(spec, x, w, b, rm, rv)))
+    y = jnp.moveaxis(named["y"], -1, axis) if moved else named["y"]
+    outs = [y]
+    if call.return_stats:
+        outs += [named["mean"], named["rstd"]]
+    if running and call.training:
+        outs += [named["running_mean"].astype(running_mean.dtype), named["running_var"].astype(running_var.dtype)]
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False,
+               activation=None, **kwargs):
+    _no_out("group_norm", kwargs)
+    if _traced(x, weight, bias):
+        _no_epilogue("group_norm", activation=activation)
+        return _channel_jax("group_norm", "group", x, num_groups, weight, bias, None, None, True, 0.1, eps,
+                            channel_axis, return_stats)
+    _check_kind("group_norm", x)
+    return norms.group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
+                            return_stats=return_stats, activation=activation, **kwargs)
+
+
+def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False,
+                  activation=None, **kwargs):
+    _no_out("instance_norm", kwargs)
+    if _traced(x, weight, bias):
+        _no_epilogue("instance_norm", activation=activation)
+        return _channel_jax("instance_norm", "instance", x, None, weight, bias, None, None, True, 0.1, eps,
+                            channel_axis, return_stats)
+    _check_kind("instance_norm", x)
+    return norms.instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis, return_stats=return_stats,
+                               activation=activation, **kwargs)
+
+
+def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
+               eps=DEFAULT_EPS, channel_axis=1, return_stats=False, activation=None, **kwargs):
+    _no_out("batch_norm", kwargs)
+    jax_running = isinstance(running_mean, jax.Array) or isinstance(running_var, jax.Array)
+    if _traced(x, weight, bias, running_mean, running_var) or jax_running:
+        if not _traced(x):
+            _check_kind("batch_norm", x)
+        _no_epilogue("batch_norm", activation=activation)
+        return _channel_jax("batch_norm", "batch", x, None, weight, bias, running_mean, running_var, training,
+                            momentum, eps, channel_axis, return_stats)
+    _check_kind("batch_norm", x)
+    return norms.batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var, training=training,
+                            momentum=momentum, eps=eps, channel_axis=channel_axis, return_stats=return_stats,
+                            activation=activation, **kwargs)
+
+
+for _name in __all__:
+    _f = globals()[_name]
+    _f.__doc__ = (f"``cunorm.{_name}`` on JAX arrays, eager or traced (no ``out=``; see the module).\n\n"
+                  + (getattr(norms, _name).__doc__ or ""))
+del _name, _f

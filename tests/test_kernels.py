@@ -43,9 +43,13 @@ def _balanced(text: str, start: int, open_ch: str, close_ch: str) -> tuple[str, 
 
 
 def _kind(ctype: str) -> str:
-    ctype = " ".join(ctype.replace("__restrict__", "").replace("const", "").split())
-    if "*" in ctype:
-        return "ptr"
+    """An argument's kind as the C++ writes it: a pointer is "in" where it
+    points to const, "out" (or "io": the declaration says which) where not."""
+    words = ctype.replace("__restrict__", " ").replace("*", " * ").split()
+    if "*" in words:
+        pointee_const = "const" in words and words.index("const") < words.index("*")
+        return "in" if pointee_const else "out"
+    ctype = " ".join(w for w in words if w != "const")
     if ctype == "long long":
         return "i64"
     if ctype == "int":
@@ -104,7 +108,17 @@ def test_declaration_matches_the_source(decl):
     family, template, args = SOURCES[decl.name]
     assert decl.family == family
     assert decl.template == template
-    assert decl.args == args
+    # "io" (updated in place) is a non-const pointer the declaration names so
+    assert tuple((n, "out" if k == "io" else k) for n, k in decl.args) == args
+
+
+@pytest.mark.parametrize("decl", _kernels.DECLARATIONS, ids=lambda d: d.name)
+def test_pointers_read_come_before_pointers_written(decl):
+    """XLA's custom call binds the pointer arguments to its operands, then to
+    its results, in order (cunorm/jax_jit.py)."""
+    kinds = [k for _, k in decl.args if k in _kernels.POINTER_KINDS]
+    first_out = kinds.index("out") if "out" in kinds else len(kinds)
+    assert all(k == "out" for k in kinds[first_out:]), decl.args
 
 
 def test_the_parser_sees_a_changed_signature():
@@ -113,6 +127,7 @@ def test_the_parser_sees_a_changed_signature():
     (tparams, args), = parse_kernels(src).values()
     assert tparams == ("T", "VEC")
     assert args[-1] == ("n_vec", "i32") != _kernels.RESIDUAL_ADD.args[-1]
+    assert args[:3] == (("x", "in"), ("r", "in"), ("h", "out")) == _kernels.RESIDUAL_ADD.args[:3]
 
 
 def test_instantiation_resolves_the_accumulation_kind():

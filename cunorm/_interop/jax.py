@@ -2,9 +2,9 @@
 
 cunorm never writes into a JAX buffer (JAX assumes its arrays are
 immutable): JAX arrays are refused as ``out`` and as BatchNorm's running
-buffers. Inside ``jax.jit`` a value is a tracer with no buffer behind it, and
-the kernels are not XLA operations: a traced value is refused with an error
-that says so.
+buffers. Inside ``jax.jit`` a value is a tracer with no buffer behind it:
+the array-level ops (``cunorm.rms_norm``...) refuse it with an error that
+points to ``cunorm.jax``, whose functions lower to XLA custom calls there.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
         devices = x.devices()
     except Exception:  # a tracer: no concrete buffer to hand to a kernel
         raise TypeError(
-            f"{arg} is a traced JAX value (inside jax.jit, vmap or grad): cunorm takes eager JAX arrays only; "
-            f"call it outside the transformed function"
+            f"{arg} is a traced JAX value (inside jax.jit, vmap or grad): the array-level cunorm ops take eager "
+            f"JAX arrays only; inside a transformation call cunorm.jax's function of the same name"
         ) from None
     if len(devices) != 1:
         raise TypeError(f"{arg} is a JAX array sharded over {len(devices)} devices; cunorm takes arrays on one GPU")

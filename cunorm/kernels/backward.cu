@@ -174,7 +174,7 @@ template <int C, int BATCH, class A, class P, class Index>
 __device__ __forceinline__ void sum_partial_columns(const A* __restrict__ src, P* __restrict__ out_w,
                                                     P* __restrict__ out_b, int output, int parts, Index n, Index col,
                                                     int x, int y, int quads, int slices, A* tile) {
-    const int threads = blockDim.x * blockDim.y;  // quads x slices
+    const int threads = blockDim.x;  // quads x slices (a 1-D block)
     Vec<A, C> s;
 #pragma unroll
     for (int i = 0; i < C; ++i) s.v[i] = A(0);
@@ -188,7 +188,7 @@ __device__ __forceinline__ void sum_partial_columns(const A* __restrict__ src, P
             });
     }
 #pragma unroll
-    for (int i = 0; i < C; ++i) tile[i * threads + threadIdx.y * blockDim.x + threadIdx.x] = s.v[i];
+    for (int i = 0; i < C; ++i) tile[i * threads + threadIdx.x] = s.v[i];
     __syncthreads();
     if (y == 0 && col < n) {
         P* const out = output == 0 ? out_w : out_b;
@@ -241,10 +241,10 @@ __device__ __forceinline__ void grid_column_sum(const A* __restrict__ partial, P
 template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
     rows_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
-                     T* __restrict__ dx, const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
-                     const typename AccOf<T>::type* __restrict__ scale, typename AccOf<T>::type* __restrict__ partial,
-                     long long rows, int n, typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw,
-                     P* __restrict__ db, unsigned int* __restrict__ arrived) {
+                     const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
+                     const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
+                     typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
+                     int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
     using Sums = ColumnSums<A, VEC>;
@@ -380,6 +380,9 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                 }
             }
         }
+        // Without `arrived` (a launch that cannot be cooperative: the jit
+        // path's), column_sum adds the partials up after this launch.
+        if (arrived == nullptr) return;
         // Every block's partials written (the grid is co-resident: a
         // cooperative launch), then the grid adds them up.
         __syncthreads();
@@ -409,9 +412,9 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
 // rows [gy * parts, (gy + 1) * parts): out[c] = sum over p < parts of
 // partial[(gy * parts + p) * n + c], rounded once to P. Block (bx, by), bx
 // * by = 256, by the power of two nearest above parts (at most 32):
-// threadIdx.x takes C consecutive columns of the block's bx * C (one
-// 16-byte load where n allows: C = 16 / sizeof(A), else 1), threadIdx.y
-// parts y, y + by, ... (sum_partial_columns, bx x by threads), eight loads
+// tx takes C consecutive columns of the block's bx * C (one 16-byte load
+// where n allows: C = 16 / sizeof(A), else 1), ty parts y, y + by, ...
+// (sum_partial_columns, bx x by threads), eight loads
 // in flight a thread (LayerNorm bf16 32768x4096's 396 partial
 // rows, dweight and dbias: 9 us, 10 us one load at a time). A column a
 // thread made 2 partial rows of 2M columns 71 us, one short block for
@@ -420,14 +423,14 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
 // 16.8% of copy bandwidth.)
 template <class A, class P, int C>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
-    column_sum(const A* __restrict__ partial, P* __restrict__ out_w, P* __restrict__ out_b, int parts,
-               long long n) {
+    column_sum(const A* __restrict__ partial, P* __restrict__ out_w, P* __restrict__ out_b, int parts, long long n,
+               int block_x) {
+    const BlockLayout bl = block_layout(block_x);
     __shared__ A tile[kGradBlockThreads * C];
     if ((blockIdx.y == 0 ? out_w : out_b) == nullptr) return;
-    const long long col = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) * C;
+    const long long col = (static_cast<long long>(blockIdx.x) * bl.bx + bl.tx) * C;
     sum_partial_columns<C, 8>(partial + static_cast<long long>(blockIdx.y) * parts * n, out_w, out_b,
-                              static_cast<int>(blockIdx.y), parts, n, col, threadIdx.x, threadIdx.y, blockDim.x,
-                              blockDim.y, tile);
+                              static_cast<int>(blockIdx.y), parts, n, col, bl.tx, bl.ty, bl.bx, bl.by, tile);
 }
 
 // --- the streamed rows: pass 1, finalize, pass 2 ---------------------------------
@@ -617,8 +620,8 @@ constexpr int kApplyMinBlocks = sizeof(T) == 4 ? 3 : 1;
 
 template <class Grad, class T, class P, int FLAGS, int VEC, bool STRIDED>
 __global__ void __launch_bounds__(kGradBlockThreads, kApplyMinBlocks<T>)
-    rows_grad_apply(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh, T* __restrict__ dx,
-                    const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ coeffs,
+    rows_grad_apply(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
+                    const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ coeffs, T* __restrict__ dx,
                     typename AccOf<T>::type* __restrict__ partial, P* __restrict__ dw, P* __restrict__ db,
                     long long outer, long long reduced, long long inner, long long chunks, long long chunk_len) {
     using A = typename AccOf<T>::type;
@@ -733,10 +736,10 @@ __device__ __forceinline__ long long stat_index(long long n, int c, int channels
 }
 
 // The channel tiles of the channel backward's grid y: channel vectors of
-// blockDim.x (channels-last) or channels of blockDim.y (plane rows).
+// bx (channels-last) or channels of by (plane rows).
 template <int VEC, bool LAST>
-__device__ __forceinline__ int channel_tiles(int channels) {
-    return LAST ? (channels / VEC + blockDim.x - 1) / blockDim.x : (channels + blockDim.y - 1) / blockDim.y;
+__device__ __forceinline__ int channel_tiles(int channels, const BlockLayout& bl) {
+    return LAST ? (channels / VEC + bl.bx - 1) / bl.bx : (channels + bl.by - 1) / bl.by;
 }
 
 // Pass 1: (A, B) = (sum dy, sum dy * (x - mean)) of each (n, c, chunk) into
@@ -752,18 +755,19 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
     channel_grad_sums(const T* __restrict__ dy, const T* __restrict__ x,
                       const typename AccOf<T>::type* __restrict__ mean, typename AccOf<T>::type* __restrict__ partial,
                       long long batch, long long spatial, int channels, int channels_per_group, int stat_batch,
-                      long long chunks, long long chunk_len) {
+                      long long chunks, long long chunk_len, int block_x) {
+    const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
     using Sums = PairSum<A>;
     const long long chunk = blockIdx.x;
     // samples and channel tiles beyond the grid's y and z limits (65535)
     // are walked by grid stride; each step ends in a barrier (shared reuse)
-    const int tiles = channel_tiles<VEC, LAST>(channels);
+    const int tiles = channel_tiles<VEC, LAST>(channels, bl);
     for (long long n = blockIdx.z; n < batch; n += gridDim.z)
     for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
     if constexpr (!LAST) {
         __shared__ typename Sums::Stats scratch[33];
-        const int c = tile * blockDim.y + threadIdx.y;  // (plane rows: blockDim.y channels a block)
+        const int c = tile * bl.by + bl.ty;  // (plane rows: bl.by channels a block)
         const bool active = c < channels;
         typename Sums::Stats s = Sums::init();
         if (active) {
@@ -771,7 +775,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
             const long long base = (n * channels + c) * spatial;
             const long long end = min(spatial / VEC, (chunk + 1) * chunk_len);
             for_each_batched<4>(
-                chunk * chunk_len + threadIdx.x, end, blockDim.x,
+                chunk * chunk_len + bl.tx, end, bl.bx,
                 [&](long long v) {
                     return load_pair<T, VEC>(x, dy, base + v * VEC);
                 },
@@ -784,12 +788,12 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                     }
                 });
         }
-        s = blockDim.y == 1 ? block_reduce<Sums>(s, scratch) : group_reduce<Sums>(s, blockDim.x);
-        if (active && threadIdx.x == 0) Sums::store(partial + ((n * channels + c) * chunks + chunk) * 2, s);
+        s = bl.by == 1 ? block_reduce<Sums>(s, scratch) : group_reduce<Sums>(s, bl.bx);
+        if (active && bl.tx == 0) Sums::store(partial + ((n * channels + c) * chunks + chunk) * 2, s);
     } else {
         extern __shared__ unsigned char shared_raw[];
         auto* shared = reinterpret_cast<typename Sums::Stats*>(shared_raw);  // [by][bx * VEC]
-        const int cv = tile * blockDim.x + threadIdx.x;
+        const int cv = tile * bl.bx + bl.tx;
         const bool active = cv < channels / VEC;
         A m[VEC];
         typename Sums::Stats s[VEC];
@@ -802,7 +806,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
             const long long end = min(spatial, (chunk + 1) * chunk_len);
             const long long base = n * spatial * channels + static_cast<long long>(cv) * VEC;
             for_each_batched<4>(
-                chunk * chunk_len + threadIdx.y, end, blockDim.y,
+                chunk * chunk_len + bl.ty, end, bl.by,
                 [&](long long p) {
                     return load_pair<T, VEC>(x, dy, base + p * channels);
                 },
@@ -816,14 +820,14 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                 });
         }
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) shared[(threadIdx.y * blockDim.x + threadIdx.x) * VEC + j] = s[j];
+        for (int j = 0; j < VEC; ++j) shared[(bl.ty * bl.bx + bl.tx) * VEC + j] = s[j];
         __syncthreads();
-        if (threadIdx.y == 0 && active) {
+        if (bl.ty == 0 && active) {
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                typename Sums::Stats t = shared[threadIdx.x * VEC + j];
-                for (int y = 1; y < static_cast<int>(blockDim.y); ++y) {
-                    t = Sums::combine(t, shared[(y * blockDim.x + threadIdx.x) * VEC + j]);
+                typename Sums::Stats t = shared[bl.tx * VEC + j];
+                for (int y = 1; y < bl.by; ++y) {
+                    t = Sums::combine(t, shared[(y * bl.bx + bl.tx) * VEC + j]);
                 }
                 Sums::store(partial + ((n * channels + cv * VEC + j) * chunks + chunk) * 2, t);
             }
@@ -951,18 +955,20 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
 // first blocks re-read what pass 1 read last, the likeliest still in L2.
 template <class T, int VEC, bool LAST>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
-    channel_grad_apply(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
+    channel_grad_apply(const T* __restrict__ dy, const T* __restrict__ x,
                        const typename AccOf<T>::type* __restrict__ mean,
-                       const typename AccOf<T>::type* __restrict__ coeffs, long long batch, long long spatial,
-                       int channels, int channels_per_group, int stat_batch, long long chunks, long long chunk_len) {
+                       const typename AccOf<T>::type* __restrict__ coeffs, T* __restrict__ dx, long long batch,
+                       long long spatial, int channels, int channels_per_group, int stat_batch, long long chunks,
+                       long long chunk_len, int block_x) {
+    const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
     const long long chunk = gridDim.x - 1 - blockIdx.x;
-    const int tiles = channel_tiles<VEC, LAST>(channels);
+    const int tiles = channel_tiles<VEC, LAST>(channels, bl);
     // (grid stride over samples and tiles past the y and z limits, in reverse)
     for (long long n = batch - 1 - static_cast<long long>(blockIdx.z); n >= 0; n -= gridDim.z)
     for (int tile_y = tiles - 1 - static_cast<int>(blockIdx.y); tile_y >= 0; tile_y -= static_cast<int>(gridDim.y)) {
     if constexpr (!LAST) {
-        const int c = tile_y * blockDim.y + threadIdx.y;  // (plane rows: blockDim.y channels a block)
+        const int c = tile_y * bl.by + bl.ty;  // (plane rows: bl.by channels a block)
         if (c >= channels) continue;
         const long long m = n * channels + c;
         const A alpha = coeffs[m * 3], beta = coeffs[m * 3 + 1], gamma = coeffs[m * 3 + 2];
@@ -970,7 +976,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
         const long long base = m * spatial;
         const long long end = min(spatial / VEC, (chunk + 1) * chunk_len);
         for_each_batched<4>(
-            chunk * chunk_len + threadIdx.x, end, blockDim.x,
+            chunk * chunk_len + bl.tx, end, bl.bx,
             [&](long long v) {
                 return load_pair<T, VEC>(x, dy, base + v * VEC);
             },
@@ -985,7 +991,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                 store_vec<T, VEC>(dx + base + v * VEC, out);
             });
     } else {
-        const int cv = tile_y * blockDim.x + threadIdx.x;
+        const int cv = tile_y * bl.bx + bl.tx;
         if (cv >= channels / VEC) continue;
         A alpha[VEC], beta[VEC], gamma[VEC], mu[VEC];
 #pragma unroll
@@ -999,7 +1005,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
         const long long end = min(spatial, (chunk + 1) * chunk_len);
         const long long base = n * spatial * channels + static_cast<long long>(cv) * VEC;
         for_each_batched<4>(
-            chunk * chunk_len + threadIdx.y, end, blockDim.y,
+            chunk * chunk_len + bl.ty, end, bl.by,
             [&](long long p) {
                 return load_pair<T, VEC>(x, dy, base + p * channels);
             },

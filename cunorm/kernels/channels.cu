@@ -45,13 +45,13 @@
 //
 // Thread layouts. Channels-first: a 256-thread block per (sample, channel,
 // chunk), walking the chunk's contiguous vectors; or, for planes of few
-// vectors (a channel's positions of one sample), "plane rows": a 2-D block
-// of (bx <= 32, 256 / bx), a row of bx threads per channel, whole planes
-// (one chunk), reduced within the row by shuffles. Channels-last: a 2-D block
-// of 256, threadIdx.x along the channels in vectors of VEC (up to 256
-// vectors: a row of threads reads a position's channels, contiguous, and the
-// block several consecutive positions), threadIdx.y over the chunk's
-// positions; the partials combined across y (then, grouped, across a group's
+// vectors (a channel's positions of one sample), "plane rows": a 2-D layout
+// (common.cuh's BlockLayout) of (bx <= 32, 256 / bx), a row of bx threads
+// per channel, whole planes (one chunk), reduced within the row by
+// shuffles. Channels-last: a 2-D layout of 256, tx along the channels in
+// vectors of VEC (up to 256 vectors: a row of threads reads a position's
+// channels, contiguous, and the block several consecutive positions), ty
+// over the chunk's positions; the partials combined across y (then, grouped, across a group's
 // vectors) through shared memory.
 // Grids are 3-D (x: chunk, y: channel or channel tile, z: sample) walked with
 // strided loops, so no 64-bit division is needed.
@@ -114,12 +114,13 @@ __device__ __forceinline__ ChannelShape channel_shape(long long batch, long long
 // chunk]; channels-last: partial[(n * chunks + chunk) * channels + c];
 // grouped: partial[(n * chunks + chunk) * groups + g]. A chunk is chunk_len
 // positions (vectors of VEC positions when channels-first). Dynamic shared
-// memory (channels-last): blockDim.y * blockDim.x * (grouped ? 1 : VEC) Stats.
+// memory (channels-last): by * bx * (grouped ? 1 : VEC) Stats.
 template <template <class> class NormT, class T, int VEC, int LAYOUT>
 __global__ void __launch_bounds__(256, 2)
 channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ partial, long long batch,
                 long long spatial, int channels, int channels_per_group, int per_sample, long long chunks,
-                long long chunk_len) {
+                long long chunk_len, int block_x) {
+    const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -128,9 +129,9 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
     if constexpr (LAYOUT == kChannelsFirst) {
         __shared__ Stats scratch[33];
         const long long spatial_vecs = spatial / VEC;
-        const int rows = blockDim.y;  // planes a block: 1, or 256 / blockDim.x (plane rows, blockDim.x <= 32)
+        const int rows = bl.by;  // planes a block: 1, or 256 / bl.bx (plane rows, bl.bx <= 32)
         for_each_channel_chunk(batch, channels, chunks, rows, [&](long long n, int c0, long long chunk) {
-            const int c = c0 + static_cast<int>(threadIdx.y);
+            const int c = c0 + bl.ty;
             const bool active = c < channels;
             Stats s = Norm::init();
             if (active) {
@@ -139,20 +140,20 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
                 const long long begin = chunk * chunk_len;
                 const long long end = min(begin + chunk_len, spatial_vecs);
                 for_each_batched<4>(
-                    begin + threadIdx.x, end, blockDim.x,
+                    begin + bl.tx, end, bl.bx,
                     [&](long long v) { return load_vec<T, VEC>(row + v * VEC); },
                     [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
             }
             // every lane reaches the reduction: the bounds are uniform across the block
-            s = rows == 1 ? block_reduce<Norm>(s, scratch) : group_reduce<Norm>(s, blockDim.x);
-            if (active && threadIdx.x == 0) out[(n * channels + c) * chunks + chunk] = s;
+            s = rows == 1 ? block_reduce<Norm>(s, scratch) : group_reduce<Norm>(s, bl.bx);
+            if (active && bl.tx == 0) out[(n * channels + c) * chunks + chunk] = s;
         });
     } else {
         constexpr bool kGrouped = LAYOUT == kChannelsLastGrouped;
         constexpr int kKept = kGrouped ? 1 : VEC;  // statistics a thread keeps
         extern __shared__ __align__(16) unsigned char shared_raw[];
         Stats* partials = reinterpret_cast<Stats*>(shared_raw);
-        const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
+        const int tx = bl.tx, ty = bl.ty, bx = bl.bx, by = bl.by;
         const int channel_vecs = channels / VEC;
         const int group_vecs = channels_per_group / VEC;  // (grouped)
 #pragma unroll 1
@@ -243,7 +244,7 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
     }
 }
 
-// A block, or a row of blockDim.x <= 32 threads of a 2-D block (groups of
+// A block, or a row of bx <= 32 threads of a 2-D layout (groups of
 // few partials), per statistic group: combine its partials (for each
 // sample of the group, its channels and chunks) in a fixed order, then
 //   affine[3 g .. 3 g + 2] = (pivot, center, scale) for channel_apply,
@@ -254,11 +255,12 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
 template <template <class> class NormT, class T, int LAYOUT>
 __global__ void __launch_bounds__(256, 2)
 channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restrict__ partial,
+                 typename AccOf<T>::type* running_mean, typename AccOf<T>::type* running_var,
                  typename AccOf<T>::type* __restrict__ affine, typename AccOf<T>::type* mean_out,
-                 typename AccOf<T>::type* rstd_out, typename AccOf<T>::type* running_mean,
-                 typename AccOf<T>::type* running_var, long long batch, long long spatial, int channels,
+                 typename AccOf<T>::type* rstd_out, long long batch, long long spatial, int channels,
                  int channels_per_group, int per_sample, long long chunks, typename AccOf<T>::type eps,
-                 typename AccOf<T>::type momentum) {
+                 typename AccOf<T>::type momentum, int block_x) {
+    const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -273,12 +275,12 @@ channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restr
     // (grouped: chunks).
     const int per_sample_members =
         static_cast<int>(LAYOUT == kChannelsLastGrouped ? chunks : channels_per_group * chunks);
-    const int rows = blockDim.y;  // groups a block: 1, or 256 / blockDim.x (blockDim.x <= 32)
+    const int rows = bl.by;  // groups a block: 1, or 256 / bl.bx (bl.bx <= 32)
 #pragma unroll 1
     for (int group0 = blockIdx.x * rows; group0 < group_count; group0 += gridDim.x * rows) {
         // the bounds are uniform across the block (the reduction's barriers)
-        const int group = min(group0 + static_cast<int>(threadIdx.y), group_count - 1);
-        const bool active = group0 + static_cast<int>(threadIdx.y) < group_count;
+        const int group = min(group0 + bl.ty, group_count - 1);
+        const bool active = group0 + bl.ty < group_count;
         const int n0 = per_sample ? group / cs.groups : 0;
         const int g = group - n0 * cs.groups;
         const int c0 = g * channels_per_group;
@@ -289,7 +291,7 @@ channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restr
         Stats s = Norm::init();
         const long long members = samples_in_group * per_sample_members;
 #pragma unroll 1
-        for (long long i = threadIdx.x; i < members; i += blockDim.x) {
+        for (long long i = bl.tx; i < members; i += bl.bx) {
             const long long k = i / per_sample_members;
             const int m = static_cast<int>(i - k * per_sample_members);
             const long long n = n0 + k;
@@ -305,8 +307,8 @@ channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restr
                 s = Norm::combine(s, parts[(n * chunks + chunk) * channels + c0 + c]);
             }
         }
-        s = rows == 1 ? block_reduce<Norm>(s, scratch) : group_reduce<Norm>(s, blockDim.x);
-        if (active && threadIdx.x == 0) {
+        s = rows == 1 ? block_reduce<Norm>(s, scratch) : group_reduce<Norm>(s, bl.bx);
+        if (active && bl.tx == 0) {
             const long long count = samples_in_group * channels_per_group * spatial;
             const Affine<A> f = Norm::finalize(s, count, eps);
             const A pivot = group_pivot<Norm, A, T, LAYOUT != kChannelsFirst>(x, cs, n0, c0);
@@ -352,12 +354,13 @@ channel_from_running(const A* __restrict__ running_mean, const A* __restrict__ r
 // channel_from_running writes it, and affine is not read.
 template <class T, class P, int FLAGS, int VEC, int LAYOUT, class Y>
 __global__ void __launch_bounds__(256, 2)
-channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
+channel_apply(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b,
               const typename AccOf<T>::type* __restrict__ affine,
               const typename AccOf<T>::type* __restrict__ running_mean,
-              const typename AccOf<T>::type* __restrict__ running_var, long long batch, long long spatial,
-              int channels, int channels_per_group, int per_sample, long long chunks, long long chunk_len,
-              typename AccOf<T>::type eps, int hints) {
+              const typename AccOf<T>::type* __restrict__ running_var, Y* __restrict__ y, long long batch,
+              long long spatial, int channels, int channels_per_group, int per_sample, long long chunks,
+              long long chunk_len, typename AccOf<T>::type eps, int hints, int block_x) {
+    const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
     const int groups = channels / channels_per_group;
     auto params_of = [&](long long n, int c, Affine<A>& f, A& pivot, A& wc, A& bc) {
@@ -376,8 +379,8 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
     };
     if constexpr (LAYOUT == kChannelsFirst) {
         const long long spatial_vecs = spatial / VEC;
-        for_each_channel_chunk(batch, channels, chunks, blockDim.y, [&](long long n, int c0, long long chunk) {
-            const int c = c0 + static_cast<int>(threadIdx.y);
+        for_each_channel_chunk(batch, channels, chunks, bl.by, [&](long long n, int c0, long long chunk) {
+            const int c = c0 + bl.ty;
             if (c >= channels) return;  // no barrier below
             Affine<A> f;
             A pivot, wc, bc;
@@ -386,7 +389,7 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
             const long long begin = chunk * chunk_len;
             const long long end = min(begin + chunk_len, spatial_vecs);
             for_each_batched<4>(
-                begin + threadIdx.x, end, blockDim.x,
+                begin + bl.tx, end, bl.bx,
                 [&](long long v) { return load_vec_hinted<T, VEC>(x + offset + v * VEC, hints); },
                 [&](long long v, const Vec<T, VEC>& in) {
                     Vec<Y, VEC> o;
@@ -398,7 +401,7 @@ channel_apply(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ 
                 });
         });
     } else {
-        const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
+        const int tx = bl.tx, ty = bl.ty, bx = bl.bx, by = bl.by;
         const int channel_vecs = channels / VEC;
 #pragma unroll 1
         for (long long n = blockIdx.z; n < batch; n += gridDim.z)
@@ -489,12 +492,11 @@ __device__ __forceinline__ Stats load_stats_cg(const Stats* p) {
 // arrivals of group i, [1 + groups_total + i] its ready flag.
 template <template <class> class NormT, class T, class P, int FLAGS, int VEC, class Y>
 __global__ void __launch_bounds__(256, 2)
-channel_stream(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
-               typename AccOf<T>::type* partial, typename AccOf<T>::type* affine,
-               typename AccOf<T>::type* mean_out, typename AccOf<T>::type* rstd_out, unsigned int* sync,
-               long long groups_total, long long group_vecs, long long spatial_vecs, int channels_per_group,
-               int groups, long long tile_vecs, long long row_tiles, long long slab_tiles, long long lag_slabs,
-               int hints, typename AccOf<T>::type eps) {
+channel_stream(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b, Y* __restrict__ y,
+               typename AccOf<T>::type* partial, typename AccOf<T>::type* affine, typename AccOf<T>::type* mean_out,
+               typename AccOf<T>::type* rstd_out, unsigned int* sync, long long groups_total, long long group_vecs,
+               long long spatial_vecs, int channels_per_group, int groups, long long tile_vecs, long long row_tiles,
+               long long slab_tiles, long long lag_slabs, int hints, typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;

@@ -23,6 +23,20 @@ template <> struct AccOf<double> { using type = double; };
 template <class A, class B> struct same_type { static constexpr bool value = false; };
 template <class A> struct same_type<A, A> { static constexpr bool value = true; };
 
+// A 2-D thread layout over a 1-D block: thread (tx, ty) of bx x by is the
+// one of linear index ty * bx + tx, as in a 2-D launch, so warps are made
+// of the same threads. Every launch is 1-D (XLA's custom call, which
+// cunorm/jax_jit.py launches through, takes no other), and a kernel with a
+// 2-D layout is told its bx (the block_x argument).
+struct BlockLayout {
+    int tx, ty, bx, by;
+};
+__device__ __forceinline__ BlockLayout block_layout(int block_x) {
+    const int t = static_cast<int>(threadIdx.x);
+    const int ty = t / block_x;
+    return BlockLayout{t - ty * block_x, ty, block_x, static_cast<int>(blockDim.x) / block_x};
+}
+
 // widen: storage -> accumulation type. Exact for every storage type.
 __device__ __forceinline__ float widen(half_t h) {
     float f;

@@ -101,9 +101,9 @@ __device__ __forceinline__ int onchip_first(unsigned int rank) {
 // dispatch), every load of a thread in flight at once, nothing read twice.
 template <class T, class P, int FLAGS, int VEC, bool CHANNELS_LAST, class Y, int THREADS, int ITEMS, int CLUSTER>
 __global__ void __launch_bounds__(THREADS) CUNORM_CLUSTER_DIMS(CLUSTER)
-channel_onchip(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
-               typename AccOf<T>::type* mean_out, typename AccOf<T>::type* rstd_out,
-               typename AccOf<T>::type* running_mean, typename AccOf<T>::type* running_var, int rows, int row_vecs,
+channel_onchip(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b,
+               typename AccOf<T>::type* running_mean, typename AccOf<T>::type* running_var, Y* __restrict__ y,
+               typename AccOf<T>::type* mean_out, typename AccOf<T>::type* rstd_out, int rows, int row_vecs,
                long long row_stride, long long sample_stride, long long group_stride, int spatial_vecs,
                int channels_per_group, int groups, typename AccOf<T>::type eps, typename AccOf<T>::type momentum) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -210,11 +210,9 @@ channel_onchip(const T* __restrict__ x, Y* __restrict__ y, const P* __restrict__
 // registers and spilled (as backward.cu's kernels).
 template <class T, class P, int FLAGS, int VEC, bool TRAINING, int THREADS, int ITEMS, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1) CUNORM_CLUSTER_DIMS(CLUSTER)
-channel_grad_onchip(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
-                    const typename AccOf<T>::type* __restrict__ mean,
-                    const typename AccOf<T>::type* __restrict__ rstd,
-                    const P* __restrict__ w, P* __restrict__ dw, P* __restrict__ db, int batch, int plane_vecs,
-                    int channels) {
+channel_grad_onchip(const T* __restrict__ dy, const T* __restrict__ x, const typename AccOf<T>::type* __restrict__ mean,
+                    const typename AccOf<T>::type* __restrict__ rstd, const P* __restrict__ w, T* __restrict__ dx,
+                    P* __restrict__ dw, P* __restrict__ db, int batch, int plane_vecs, int channels) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     static_assert(CLUSTER == 1, "thread-block clusters need sm_90");
 #endif

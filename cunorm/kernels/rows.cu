@@ -213,8 +213,8 @@ __global__ void __launch_bounds__(
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
                                      VECS_PER_THREAD, RESIDUAL>::kBlockMinBlocks
                   : 2)
-rows_cached(const T* __restrict__ x, const T* __restrict__ r, Y* __restrict__ y, T* __restrict__ h,
-            const P* __restrict__ w, const P* __restrict__ b, typename AccOf<T>::type* center_out,
+rows_cached(const T* __restrict__ x, const T* __restrict__ r, const P* __restrict__ w, const P* __restrict__ b,
+            Y* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
             typename AccOf<T>::type* scale_out, long long rows, int n, long long x_row_stride,
             typename AccOf<T>::type eps, int threads_per_row) {
     using A = typename AccOf<T>::type;
@@ -334,8 +334,8 @@ __host__ __device__ constexpr int uncached_held_vectors() {
 // and bias vectors of 8 need more than 64.
 template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
 __global__ void __launch_bounds__(512, 1)
-rows_uncached(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, T* __restrict__ h,
-              const P* __restrict__ w, const P* __restrict__ b, typename AccOf<T>::type* center_out,
+rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const P* __restrict__ w, const P* __restrict__ b,
+              T* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
               typename AccOf<T>::type* scale_out, long long rows, long long n, long long x_row_stride,
               typename AccOf<T>::type eps, long long stash_vecs) {
     using A = typename AccOf<T>::type;
@@ -514,9 +514,9 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
 // re-read are the last pass 1 read, still in L2.
 template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
 __global__ void __launch_bounds__(256, 2)
-rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict__ y, const P* __restrict__ w,
-                 const P* __restrict__ b, typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out,
-                 const typename AccOf<T>::type* __restrict__ partial, long long rows, long long n,
+rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, const P* __restrict__ w, const P* __restrict__ b,
+                 const typename AccOf<T>::type* __restrict__ partial, T* __restrict__ y,
+                 typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out, long long rows, long long n,
                  long long x_row_stride, long long chunks, typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
@@ -569,11 +569,10 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, T* __restrict
 // zeroed by the caller. Dynamic shared memory: chunk_vecs * VEC * sizeof(T).
 template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
 __global__ void __launch_bounds__(512, 1)
-rows_resident(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, T* __restrict__ h,
-              const P* __restrict__ w, const P* __restrict__ b, typename AccOf<T>::type* center_out,
+rows_resident(const T* __restrict__ x, const T* __restrict__ r, const P* __restrict__ w, const P* __restrict__ b,
+              T* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
               typename AccOf<T>::type* scale_out, typename AccOf<T>::type* partial, unsigned int* arrived,
-              long long rows, long long n, long long x_row_stride, long long chunk_vecs,
-              typename AccOf<T>::type eps) {
+              long long rows, long long n, long long x_row_stride, long long chunk_vecs, typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;

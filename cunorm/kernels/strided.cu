@@ -3,12 +3,12 @@
 // its own normalization group, reduced across a stride of x_reduced_stride
 // elements (axis 1 of NCHW: the channel axis, stride H*W).
 //
-// Thread layout: a 2-D block. threadIdx.x walks inner in vectors of VEC
-// consecutive positions, so a warp reads 32 * VEC contiguous elements of one
-// channel (coalesced, 16-byte accesses); threadIdx.y splits the reduced axis
-// (thread y takes channels y, y + blockDim.y, ...). Each thread keeps VEC
-// independent statistics; the blockDim.y partials of a position are combined
-// through shared memory in y order (bitwise reproducible). When blockDim.x
+// Thread layout: bx x by (a BlockLayout over the 1-D block). tx walks inner
+// in vectors of VEC consecutive positions, so a warp reads 32 * VEC
+// contiguous elements of one channel (coalesced, 16-byte accesses); ty
+// splits the reduced axis (thread y takes channels y, y + by, ...). Each
+// thread keeps VEC independent statistics; the by partials of a position are
+// combined through shared memory in y order (bitwise reproducible). When bx
 // covers all of inner, consecutive y read consecutive channels, which are
 // adjacent in memory, so small inner extents stay coalesced too.
 //
@@ -23,7 +23,7 @@
 // when those are not null. No residual here: cunorm forms h first for a
 // strided axis (cunorm/_ops.py).
 //
-// Dynamic shared memory: blockDim.y * VEC * blockDim.x Stats.
+// Dynamic shared memory: by * VEC * bx Stats.
 #include "reduce.cuh"
 
 namespace cunorm {
@@ -34,18 +34,18 @@ constexpr int kStridedRun = 256;
 
 template <template <class> class NormT, class T, class P, int FLAGS, int VEC, int CHANNELS_PER_THREAD>
 __global__ void __launch_bounds__(256, 2)
-strided_norm(const T* __restrict__ x, T* __restrict__ y, const P* __restrict__ w, const P* __restrict__ b,
-             typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out, long long outer,
-             int reduced, long long inner, long long x_outer_stride, long long x_reduced_stride,
-             typename AccOf<T>::type eps) {
+strided_norm(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b, T* __restrict__ y,
+             typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out, long long outer, int reduced,
+             long long inner, long long x_outer_stride, long long x_reduced_stride, typename AccOf<T>::type eps,
+             int block_x) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
     extern __shared__ __align__(16) unsigned char shared_raw[];
     Stats* partials = reinterpret_cast<Stats*>(shared_raw);
 
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    const int bx = blockDim.x, by = blockDim.y;
+    const BlockLayout bl = block_layout(block_x);
+    const int tx = bl.tx, ty = bl.ty, bx = bl.bx, by = bl.by;
     const long long inner_vecs = inner / VEC;
     const long long tiles = (inner_vecs + bx - 1) >> (__ffs(bx) - 1);  // bx is a power of two
     const long long y_outer_stride = static_cast<long long>(reduced) * inner;

@@ -1,0 +1,572 @@
+"""cunorm's kernels inside ``jax.jit``: the ops as JAX primitives lowered to
+XLA custom calls, with no build step.
+
+Each launch of a call's Program (the same dispatch, the same builders:
+_ops.build_rows, _channels.build_channels, _grad.build_rows_grad,
+_grad.build_channel_grad, recorded by _launch.LaunchRecorder) becomes one
+custom call of jaxlib's "triton_kernel_call" target: the kernel as PTX from
+NVRTC, its grid, its 1-D block and shared memory, its scalar arguments
+baked in, its pointer arguments bound to the call's operands and then its
+results, in order (why every kernel lists the pointers it reads before those
+it writes: cunorm/_kernels.py). XLA allocates every buffer, workspaces
+included (a zeroed workspace is zeroed by the call), and launches the
+kernels on its own stream; the compiled program holds them like any other
+op. Launches that wait on other blocks are not used here (the cooperative
+backward's grid sums give way to column_sum; the channel stream walk to
+the three launches), since XLA's launches cannot be cooperative.
+
+Private API used, and so the supported versions (SUPPORTED_JAX):
+``jax._src.lib.gpu_triton`` (the TritonKernel/TritonKernelCall wrappers and
+their proto) and ``jax._src.interpreters.mlir.custom_call``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import zlib
+
+import numpy as np
+
+import jax
+from jax._src import dispatch
+from jax._src.interpreters import mlir
+from jax._src.interpreters import batching
+from jax._src.lib.mlir import ir
+
+try:
+    from jax.extend.core import Primitive
+except ImportError:  # (older jax)
+    from jax.core import Primitive
+try:
+    from jax.core import ShapedArray
+except ImportError:  # (jax versions that keep it private)
+    from jax._src.core import ShapedArray
+
+from . import _channels, _dispatch_grad, _dtypes, _grad, _launch, _loader, _ops, _plan
+from ._kernels import POINTER_KINDS
+
+#: the jax versions this lowering is tested with: [first, past the last)
+SUPPORTED_JAX = ((0, 10), (0, 12))
+#: the alignment XLA gives every buffer it hands a custom call, at least
+#: (checked by jaxlib at each launch)
+BUFFER_ALIGN = 16
+_SCALAR_KIND = {"i32": "i32", "i64": "i64", "f32": "fp32", "f64": "fp64"}
+
+
+def check_jax_version(version: str = jax.__version__) -> None:
+    parts = tuple(int(p) for p in version.split(".")[:2])
+    low, high = SUPPORTED_JAX
+    if not low <= parts < high:
+        raise RuntimeError(f"cunorm inside jax.jit needs jax {low[0]}.{low[1]} to {high[0]}.{high[1] - 1}.x (its "
+                           f"custom-call lowering uses jaxlib internals), got jax {version}; call cunorm.jax on "
+                           f"concrete arrays outside jit instead")
+
+
+def _gpu_triton():
+    try:
+        from jax._src.lib import gpu_triton
+    except ImportError as err:  # pragma: no cover (a jaxlib without its GPU kernels)
+        raise RuntimeError("cunorm inside jax.jit needs jaxlib's GPU custom-call target triton_kernel_call "
+                           "(jax[cuda12] or jax[cuda13])") from err
+    return gpu_triton
+
+
+# --- the target GPU -----------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def target():
+    """(device id, _dispatch.Device, compute capability) the lowering plans
+    for: the process's first GPU (a jit program runs on GPUs of one model)."""
+    device = _launch.device_info(0)
+    return 0, device, device.compute_capability
+
+
+@functools.lru_cache(maxsize=512)
+def kernel_ptx(family: str, expression: str, arch: int) -> tuple[str, str]:
+    """(PTX, lowered name) of one instantiation, from NVRTC for compute_<arch>."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(_loader.source(family), f"{family}.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, expression)
+        try:
+            nvrtc.compileProgram(prog, [f"--gpu-architecture=compute_{arch}", *_loader.OPTIONS, "-ftz=true"])
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(f"NVRTC failed on {family}.cu:\n{nvrtc.getProgramLog(prog)}") from err
+        ptx = nvrtc.getPTX(prog)
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        return ptx.rstrip("\x00"), nvrtc.getLoweredName(prog, expression)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+# --- recorded launches as custom calls ---------------------------------------------
+
+
+@dataclasses.dataclass
+class CustomCall:
+    """One launch as a custom call: ``params`` each ("array", bytes_to_zero)
+    or ("scalar", value, kind); operands and results by slot name; results'
+    (shape, dtype); ``aliases`` {operand index: result index} (io pointers)."""
+
+    launch: _launch.RecordedLaunch
+    params: list
+    operands: list
+    results: list
+    result_types: list
+    aliases: dict
+
+
+def plan_calls(recorder: _launch.LaunchRecorder, inputs, outputs: dict) -> list[CustomCall]:
+    """The custom calls of a recorded Program. ``inputs``: the slot names the
+    caller supplies; ``outputs``: {slot: (shape, dtype)} of what it wants
+    back. An ``out`` pointer bound to an input slot is one the kernel never
+    writes (the builders pass x for absent arrays): passed null. Pure
+    Python (tested on the CPU)."""
+    names = recorder.slots + tuple(f"workspace{i}" for i in range(len(recorder.workspaces)))
+    written = set(inputs)
+    calls = []
+    for launch in recorder.launches:
+        params, operands, results, types, aliased = [], [], [], [], []
+        for name, kind in launch.kernel.signature:
+            value = launch.args[name]
+            if kind not in POINTER_KINDS:
+                params.append(("scalar", value, _SCALAR_KIND[kind]))
+                continue
+            if value is None:
+                params.append(("scalar", 0, "i64"))
+                continue
+            if value.offset:
+                raise RuntimeError(f"{launch.kernel.expression}: {name} points {value.offset} bytes into a buffer, "
+                                   f"which a custom call cannot pass")
+            slot = names[value.index]
+            if kind in ("in", "io"):
+                if slot not in written:
+                    raise RuntimeError(f"{launch.kernel.expression} reads {slot} before anything wrote it")
+                operands.append(slot)
+                params.append(("array", 0))
+                if kind == "io":
+                    aliased.append((len(operands) - 1, slot))
+                continue
+            if slot in inputs:  # never written (see above)
+                params.append(("scalar", 0, "i64"))
+                continue
+            if slot in written:
+                raise RuntimeError(f"{launch.kernel.expression} writes {slot}, which an earlier launch wrote")
+            zero = 0
+            if slot in outputs:
+                types.append(outputs[slot])
+            else:
+                nbytes, zeroed = recorder.workspaces[names.index(slot) - len(recorder.slots)]
+                types.append(((nbytes,), np.dtype(np.uint8)))
+                zero = nbytes if zeroed else 0
+            results.append(slot)
+            params.append(("array", zero))
+            written.add(slot)
+        # io results last: the pointers bind to the operands, then to the
+        # results in order, so the aliases must follow every written result
+        aliases = {}
+        for operand, slot in aliased:
+            aliases[operand] = len(results)
+            results.append(slot)
+            types.append(inputs[slot] if isinstance(inputs, dict) else outputs[slot])
+        calls.append(CustomCall(launch, params, operands, results, types, aliases))
+    missing = set(outputs) - written
+    if missing:
+        raise RuntimeError(f"no launch writes {sorted(missing)}")
+    return calls
+
+
+def backend_config(call: CustomCall, arch: int) -> bytes:
+    """The zlib-compressed TritonAnyKernelCall proto of one call."""
+    tl = _gpu_triton()
+    launch = call.launch
+    ptx, lowered = kernel_ptx(launch.kernel.family, launch.kernel.expression, arch)
+    kernel = tl.TritonKernel(lowered, launch.threads // 32, 1, launch.shared, ptx, "", arch)
+    params = [tl.create_array_parameter(p[1], BUFFER_ALIGN) if p[0] == "array" else
+              tl.create_scalar_parameter(p[1], p[2]) for p in call.params]
+    kcall = tl.TritonKernelCall(kernel, *launch.grid, params)
+    return zlib.compress(kcall.to_proto(launch.kernel.name, b""))
+
+
+def _ir_type(shape, dtype):
+    return ir.RankedTensorType.get(shape, mlir.dtype_to_ir_type(np.dtype(dtype)))
+
+
+def emit(recorder, values: dict, outputs: dict, arch: int) -> dict:
+    """Lower a recorded Program: ``values`` {slot: ir.Value} of the inputs
+    (with their (shape, dtype) in ``values_types``), ``outputs`` {slot:
+    (shape, dtype)}; returns {slot: ir.Value} of every output."""
+    env = dict(values)
+    inputs = {slot: (tuple(ir.RankedTensorType(v.type).shape), None) for slot, v in values.items()}
+    for call in plan_calls(recorder, inputs, outputs):
+        operands = [env[s] for s in call.operands]
+        types = [_ir_type(shape, dtype) if dtype is not None else env[slot].type
+                 for slot, (shape, dtype) in zip(call.results, call.result_types)]
+        layouts = lambda ts: [list(reversed(range(len(ir.RankedTensorType(t).shape)))) for t in ts]  # noqa: E731
+        op = mlir.custom_call("triton_kernel_call", result_types=types, operands=operands,
+                              backend_config=backend_config(call, arch), api_version=2,
+                              operand_layouts=layouts([v.type for v in operands]), result_layouts=layouts(types),
+                              operand_output_aliases=call.aliases or None, has_side_effect=False)
+        for slot, value in zip(call.results, op.results):
+            env[slot] = value
+    return {slot: env[slot] for slot in outputs}
+
+
+# --- the primitives -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    """A row norm's static description: x (shape, dtype) normalized over
+    axes first..last; which of residual, weight, bias it has, the parameters'
+    kernel dtype; whether it returns the statistics."""
+
+    norm: str
+    shape: tuple
+    dtype: np.dtype
+    first: int
+    last: int
+    eps: float
+    residual: bool = False
+    weight: bool = False
+    bias: bool = False
+    pdtype: np.dtype | None = None
+    stats: bool = False
+
+    @property
+    def flags(self) -> int:
+        return (_plan.FLAG_WEIGHT if self.weight else 0) | (_plan.FLAG_BIAS if self.bias else 0)
+
+    @property
+    def stats_shape(self) -> tuple:
+        return _ops.stats_shape(self.shape, self.first, self.last)
+
+    def stat_names(self) -> tuple:
+        """The statistics the kernels write: LayerNorm's mean (center) and
+        rstd (scale), RMSNorm's rstd; none for the Lp norms."""
+        if not self.stats:
+            return ()
+        return ("center", "scale") if self.norm == "ln" else ("scale",) if self.norm == "rms" else ()
+
+
+def _abstract(*shape_dtypes):
+    return tuple(ShapedArray(s, d) for s, d in shape_dtypes)
+
+
+def _rows_outputs(spec: RowSpec) -> dict:
+    acc = _dtypes.accumulation(spec.dtype)
+    out = {"y": (spec.shape, spec.dtype)}
+    if spec.residual:
+        out["h"] = (spec.shape, spec.dtype)
+    for name in spec.stat_names():
+        out[name] = (spec.stats_shape, acc)
+    return out
+
+
+def _rows_inputs(spec: RowSpec) -> tuple:
+    return ("x",) + (("r",) if spec.residual else ()) + (("w",) if spec.weight else ()) + (("b",) if spec.bias else ())
+
+
+rows_p = Primitive("cunorm_rows")
+rows_p.multiple_results = True
+rows_p.def_impl(functools.partial(dispatch.apply_primitive, rows_p))
+rows_p.def_abstract_eval(lambda *args, spec: _abstract(*_rows_outputs(spec).values()))
+
+
+def _row_key(spec: RowSpec, device_id: int) -> tuple:
+    ndim = len(spec.shape)
+    strides = tuple(math.prod(spec.shape[i + 1:]) for i in range(ndim))
+    return (spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.residual, spec.shape, strides,
+            spec.first, spec.last, 0, 0, 0, 0, 0, 0, None, device_id)
+
+
+def _record_rows(spec: RowSpec, values: dict, arch: int) -> dict:
+    device_id, _, _ = target()
+    plan, launch = _ops._plan_and_choose(_row_key(spec, device_id), None)
+    if plan is None or launch is None:
+        raise RuntimeError(f"cunorm inside jit: no launch for {spec}")  # (the wrappers send no such call)
+    names = spec.stat_names()
+    recorder = _launch.LaunchRecorder(_ops.ROW_SLOTS, device_id)
+    _ops.build_rows(recorder, plan, launch, spec.eps, "center" in names, "scale" in names)
+    return emit(recorder, values, _rows_outputs(spec), arch)
+
+
+def _rows_lowering(ctx, *args, spec: RowSpec):
+    _, _, arch = target()
+    out = _record_rows(spec, dict(zip(_rows_inputs(spec), args)), arch)
+    return [out[name] for name in _rows_outputs(spec)]
+
+
+mlir.register_lowering(rows_p, _rows_lowering, platform="cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGradSpec:
+    """A row norm backward's static description (RowSpec's forward)."""
+
+    forward: RowSpec
+    dh: bool = False
+
+    def inputs(self) -> tuple:
+        f = self.forward
+        return ("dy", "x") + (("dh",) if self.dh else ()) + (("w",) if f.weight else ()) + tuple(
+            {"center": "center", "scale": "scale"}[n] for n in f.stat_names())
+
+    def outputs(self) -> dict:
+        f = self.forward
+        out = {"dx": (f.shape, f.dtype)}
+        norm_shape = f.shape[f.first:f.last + 1]
+        if f.weight:
+            out["dw"] = (norm_shape, f.pdtype)
+        if f.bias:
+            out["db"] = (norm_shape, f.pdtype)
+        return out
+
+
+rows_grad_p = Primitive("cunorm_rows_grad")
+rows_grad_p.multiple_results = True
+rows_grad_p.def_impl(functools.partial(dispatch.apply_primitive, rows_grad_p))
+rows_grad_p.def_abstract_eval(lambda *args, spec: _abstract(*spec.outputs().values()))
+
+
+def _rows_grad_lowering(ctx, *args, spec: RowGradSpec):
+    device_id, device, arch = target()
+    f = spec.forward
+    outer = math.prod(f.shape[:f.first])
+    reduced = math.prod(f.shape[f.first:f.last + 1])
+    inner = math.prod(f.shape[f.last + 1:])
+    itemsize = np.dtype(f.dtype).itemsize
+    vec = _plan.vector_width(itemsize, reduced if inner == 1 else inner, [], [])
+    launch = _dispatch_grad.choose_rows_grad(f.norm, np.dtype(f.dtype), f.pdtype, f.flags, outer, reduced, inner,
+                                             vec, device, cooperative=False)
+    for step in launch.steps:
+        _launch.check_limits(step, device)
+    names = set(spec.inputs())
+    present = ("dh" in names, f.weight, "center" in names, "scale" in names, f.weight, f.bias)
+    recorder = _launch.LaunchRecorder(_grad.ROW_GRAD_SLOTS, device_id)
+    _grad.build_rows_grad(recorder, launch, np.dtype(f.dtype), f.pdtype, outer, reduced, inner, f.eps, present)
+    out = emit(recorder, dict(zip(spec.inputs(), args)), spec.outputs(), arch)
+    return [out[name] for name in spec.outputs()]
+
+
+mlir.register_lowering(rows_grad_p, _rows_grad_lowering, platform="cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelSpec:
+    """A channel norm's static description: x dense (N, C, ...) or, channels
+    last, (N, ..., C); groups; which parameters and running buffers it has;
+    training; whether it returns the statistics."""
+
+    norm: str
+    shape: tuple
+    dtype: np.dtype
+    channels_last: bool
+    groups: int
+    eps: float
+    momentum: float = 0.1
+    training: bool = True
+    weight: bool = False
+    bias: bool = False
+    pdtype: np.dtype | None = None
+    running: bool = False
+    stats: bool = False
+
+    @property
+    def flags(self) -> int:
+        return (_plan.FLAG_WEIGHT if self.weight else 0) | (_plan.FLAG_BIAS if self.bias else 0)
+
+    @property
+    def channels(self) -> int:
+        return self.shape[-1 if self.channels_last else 1]
+
+    @property
+    def stats_shape(self) -> tuple:
+        return _channels.stats_shape(self.norm, self.shape, len(self.shape) - 1 if self.channels_last else 1,
+                                     self.groups)
+
+    def inputs(self) -> tuple:
+        return ("x",) + (("w",) if self.weight else ()) + (("b",) if self.bias else ()) + (
+            ("running_mean", "running_var") if self.running else ())
+
+    def outputs(self) -> dict:
+        acc = _dtypes.accumulation(self.dtype)
+        out = {"y": (self.shape, self.dtype)}
+        if self.stats:
+            out.update(mean=(self.stats_shape, acc), rstd=(self.stats_shape, acc))
+        if self.running and self.training:
+            out.update(running_mean=((self.channels,), acc), running_var=((self.channels,), acc))
+        return out
+
+
+channels_p = Primitive("cunorm_channels")
+channels_p.multiple_results = True
+channels_p.def_impl(functools.partial(dispatch.apply_primitive, channels_p))
+channels_p.def_abstract_eval(lambda *args, spec: _abstract(*spec.outputs().values()))
+
+
+def _channels_lowering(ctx, *args, spec: ChannelSpec):
+    device_id, _, arch = target()
+    batch, channels = spec.shape[0], spec.channels
+    spatial = math.prod(spec.shape) // (batch * channels)
+    from_running = spec.norm == "batch" and not spec.training
+    # the stream walk waits on other blocks: the jit path takes the three launches
+    walk = {} if from_running else {"walk": "split"} if _walk(spec, device_id) == "stream" else {}
+    plan, launch = _channels._planned(spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.channels_last,
+                                      batch, channels, spatial, channels // spec.groups, spec.norm != "batch", 0, 0,
+                                      from_running, spec.stats, device_id, tuple(walk.items()))
+    values = dict(zip(spec.inputs(), args))
+    outputs = spec.outputs()
+    if launch is None:  # a LayerNorm over each group's contiguous row (no parameters)
+        rows = plan.statistic_groups
+        row_spec = RowSpec("ln", (rows, math.prod(spec.shape) // rows), spec.dtype, 1, 1, spec.eps,
+                           stats=spec.stats)
+        out = _record_rows(row_spec, {"x": values["x"]}, arch)
+        renamed = {"y": out["y"]}
+        if spec.stats:
+            renamed.update(mean=out["center"], rstd=out["scale"])
+        return [renamed[name] for name in outputs]
+    recorder = _launch.LaunchRecorder(_channels.CHANNEL_SLOTS, device_id)
+    _channels.build_channels(recorder, plan, launch, from_running, spec.eps, spec.momentum, spec.stats,
+                             (spec.running, spec.running))
+    out = emit(recorder, values, outputs, arch)
+    return [out[name] for name in outputs]
+
+
+def _walk(spec: ChannelSpec, device_id: int) -> str | None:
+    plan = _plan.make_channel_plan(spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.channels_last,
+                                   spec.shape[0], spec.channels,
+                                   math.prod(spec.shape) // (spec.shape[0] * spec.channels),
+                                   spec.channels // spec.groups, spec.norm != "batch", 0, 0)
+    from . import _dispatch_channels
+
+    return _dispatch_channels.choose_channel_walk(plan, _launch.device_info(device_id))
+
+
+mlir.register_lowering(channels_p, _channels_lowering, platform="cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelGradSpec:
+    forward: ChannelSpec
+
+    def inputs(self) -> tuple:
+        return ("dy", "x", "mean", "rstd") + (("w",) if self.forward.weight else ())
+
+    def outputs(self) -> dict:
+        f = self.forward
+        out = {"dx": (f.shape, f.dtype)}
+        if f.weight:
+            out["dw"] = ((f.channels,), f.pdtype)
+        if f.bias:
+            out["db"] = ((f.channels,), f.pdtype)
+        return out
+
+
+channels_grad_p = Primitive("cunorm_channels_grad")
+channels_grad_p.multiple_results = True
+channels_grad_p.def_impl(functools.partial(dispatch.apply_primitive, channels_grad_p))
+channels_grad_p.def_abstract_eval(lambda *args, spec: _abstract(*spec.outputs().values()))
+
+
+def _channels_grad_lowering(ctx, *args, spec: ChannelGradSpec):
+    device_id, device, arch = target()
+    f = spec.forward
+    batch, channels = f.shape[0], f.channels
+    spatial = math.prod(f.shape) // (batch * channels)
+    plan = _plan.make_channel_plan(f.norm, np.dtype(f.dtype), f.pdtype, f.flags, f.channels_last, batch, channels,
+                                   spatial, channels // f.groups, f.norm != "batch", 0, 0)
+    launch = _grad._channel_launch(plan, f.training, device_id)
+    recorder = _launch.LaunchRecorder(_grad.CHANNEL_GRAD_SLOTS, device_id)
+    _grad.build_channel_grad(recorder, plan, launch)
+    out = emit(recorder, dict(zip(spec.inputs(), args)), spec.outputs(), arch)
+    return [out[name] for name in spec.outputs()]
+
+
+mlir.register_lowering(channels_grad_p, _channels_grad_lowering, platform="cuda")
+
+
+# --- vmap: the mapped axis folded into the rows or the samples ----------------------
+
+
+_UNMAPPED = None  # a batching rule's dimension of an operand vmap does not map
+
+
+def _moved(args, dims):
+    return [a if d is _UNMAPPED else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+
+
+def _unrolled(prim, args, dims, **params):
+    """The fallback batching: one call per mapped index, stacked."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _UNMAPPED)
+    moved = _moved(args, dims)
+    outs = [prim.bind(*[a if d is _UNMAPPED else a[i] for a, d in zip(moved, dims)], **params)
+            for i in range(size)]
+    return [jax.numpy.stack(o) for o in zip(*outs)], [0] * len(outs[0])
+
+
+def _fold(spec, shape):
+    return dataclasses.replace(spec, shape=shape)
+
+
+def _rows_batch(args, dims, *, spec: RowSpec):
+    names = _rows_inputs(spec)
+    mapped = {n for n, d in zip(names, dims) if d is not _UNMAPPED}
+    if mapped - {"x", "r"}:
+        return _unrolled(rows_p, args, dims, spec=spec)
+    moved = _moved(args, dims)
+    size = next(a.shape[0] for a, d in zip(moved, dims) if d is not _UNMAPPED)
+    moved = [jax.numpy.broadcast_to(a, (size,) + a.shape) if n in ("x", "r") and d is _UNMAPPED else a
+             for a, n, d in zip(moved, names, dims)]
+    folded = dataclasses.replace(spec, shape=(size,) + spec.shape, first=spec.first + 1, last=spec.last + 1)
+    return rows_p.bind(*moved, spec=folded), [0] * len(_rows_outputs(spec))
+
+
+def _rows_grad_batch(args, dims, *, spec: RowGradSpec):
+    f = spec.forward
+    if f.weight or f.bias:  # dweight / dbias of each mapped index: its own sums
+        return _unrolled(rows_grad_p, args, dims, spec=spec)
+    moved = _moved(args, dims)
+    size = next(a.shape[0] for a, d in zip(moved, dims) if d is not _UNMAPPED)
+    moved = [jax.numpy.broadcast_to(a, (size,) + a.shape) if d is _UNMAPPED else a
+             for a, d in zip(moved, dims)]
+    folded = RowGradSpec(dataclasses.replace(f, shape=(size,) + f.shape, first=f.first + 1, last=f.last + 1),
+                         spec.dh)
+    return list(rows_grad_p.bind(*moved, spec=folded)), [0]
+
+
+def _channels_batch(args, dims, *, spec: ChannelSpec):
+    names = spec.inputs()
+    mapped = {n for n, d in zip(names, dims) if d is not _UNMAPPED}
+    if spec.norm == "batch" or mapped != {"x"}:
+        return _unrolled(channels_p, args, dims, spec=spec)
+    x = jax.numpy.moveaxis(args[0], dims[0], 0)
+    size = x.shape[0]
+    folded = _fold(spec, (size * spec.shape[0],) + spec.shape[1:])
+    outs = channels_p.bind(x.reshape(folded.shape), *args[1:], spec=folded)
+    shapes = [(size,) + s for s, _ in spec.outputs().values()]
+    return [o.reshape(s) for o, s in zip(outs, shapes)], [0] * len(outs)
+
+
+def _channels_grad_batch(args, dims, *, spec: ChannelGradSpec):
+    f = spec.forward
+    names = spec.inputs()
+    mapped = {n for n, d in zip(names, dims) if d is not _UNMAPPED}
+    if f.norm == "batch" or f.weight or "w" in mapped:
+        return _unrolled(channels_grad_p, args, dims, spec=spec)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _UNMAPPED)
+    moved = [jax.numpy.broadcast_to(a, (size,) + a.shape) if d is _UNMAPPED else a
+             for a, d in zip(_moved(args, dims), dims)]
+    folded = ChannelGradSpec(_fold(f, (size * f.shape[0],) + f.shape[1:]))
+    flat = [a.reshape((size * a.shape[1],) + a.shape[2:]) for a in moved]
+    outs = channels_grad_p.bind(*flat, spec=folded)
+    return [outs[0].reshape((size,) + f.shape)], [0]
+
+
+batching.primitive_batchers[rows_p] = _rows_batch
+batching.primitive_batchers[rows_grad_p] = _rows_grad_batch
+batching.primitive_batchers[channels_p] = _channels_batch
+batching.primitive_batchers[channels_grad_p] = _channels_grad_batch
