@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmark.
 # Usage (device tool, from the repo root):  bash bench/device_run.sh [--tune] [--no-compile]
-# STAGES picks among "tests", "sanitize" (compute-sanitizer's four tools over
-# every kernel, bench/sanitize.sh), "bench" and "jax" (cunorm.jax inside
-# jax.jit against XLA's fusions, bench/jax_jit.py) (default: all four; each
-# stage fits one 10-minute call: give the calls the same CUPY_CACHE_DIR so
-# the later reuse the kernels).
+# STAGES picks among "precompile" (every kernel, ahead of time, into a fresh
+# cache: an honest time), "tests", "sanitize" (compute-sanitizer's four tools
+# over every kernel, bench/sanitize.sh), "bench" and "jax" (`python -m cunorm
+# bench --suite jax`: cunorm.jax inside jax.jit against XLA's fusions)
+# (default: all five; each stage fits one 10-minute call: give the calls the
+# same CUPY_CACHE_DIR so the later reuse the kernels).
 # Writes under $OUT: gpu.txt, precompile.txt, check.txt, pytest-huge.log, pytest.log (pytest-serial.log),
 # sanitize-*.log, bench.json, bench.md, bench.log, jax.md.
 set -u -o pipefail
@@ -15,12 +16,15 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$(mktemp -d)}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import cupy, torch, jax, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'jax', jax.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/gpu.txt"
-STAGES=${STAGES:-tests sanitize bench jax}
+STAGES=${STAGES:-precompile tests sanitize bench jax}
 tests_rc=0 sanitize_rc=0 bench_rc=0 jax_rc=0
-if [[ $STAGES == *tests* ]]; then
-  # ahead-of-time compile of every kernel (into a fresh cache: an honest time), then the main job
+if [[ $STAGES == *precompile* ]]; then
   python3 -m cunorm precompile 2>&1 | tail -2 | tee "$OUT/precompile.txt"
+fi
+if [[ $STAGES == *tests* ]]; then
   python3 -m cunorm check 2>&1 | tee "$OUT/check.txt"
+  # XLA's default allocator keeps what a jax test took; the workers share the GPU
+  export XLA_PYTHON_CLIENT_ALLOCATOR=platform
   # The GPU tests plus the CPU tests that need no NVRTC offline compile.
   # The tests marked huge (tens of GB each) run alone first; the rest in
   # parallel, workers by GPU memory (a test process held up to 43 GB, and
@@ -43,6 +47,7 @@ if [[ $STAGES == *tests* ]]; then
     fi
   fi
   tests_rc=$(( tests_rc || huge_rc ))
+  unset XLA_PYTHON_CLIENT_ALLOCATOR
 fi
 if [[ $STAGES == *sanitize* ]]; then
   bash bench/sanitize.sh
@@ -53,7 +58,7 @@ if [[ $STAGES == *bench* ]]; then
   bench_rc=${PIPESTATUS[0]}
 fi
 if [[ $STAGES == *jax* ]]; then
-  python3 bench/jax_jit.py 2>&1 | tee "$OUT/jax.md"
+  python3 -m cunorm bench --suite jax --no-progress --out "$(mktemp -d)/jax" 2>&1 | tee "$OUT/jax.md"
   jax_rc=${PIPESTATUS[0]}
 fi
 echo "pytest rc=$tests_rc sanitize rc=$sanitize_rc bench rc=$bench_rc jax rc=$jax_rc"

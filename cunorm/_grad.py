@@ -230,7 +230,8 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
     # streamed rows write dweight/dbias themselves when they are one part
     direct = launch.tier == "streamed" and parts == 1
     partial = pb.workspace(2 * parts * reduced * acc_bytes if wants and not direct else acc_bytes)
-    dw, db = (pb[n] if has[n] else x for n in ("dw", "db"))
+    # the apply step writes dweight/dbias only when direct (null otherwise)
+    dw, db = (pb[n] if has[n] and direct else None for n in ("dw", "db"))
     sums = {"dy": dy, "x": x, "w": w, "center": center, "scale": scale}
     if launch.tier == "streamed":
         pb.launch(launch.steps[0], **sums, stat_partial=ws, rows=outer, n=reduced, chunks=launch.chunks,

@@ -40,7 +40,7 @@ def test_suites_cover_the_issue():
 
 
 def test_quick_shapes_are_smaller():
-    for suite in set(bench.SUITES) - {"host", "models"}:  # (suites without per-case shapes)
+    for suite in set(bench.SUITES) - {"host", "models", "jax"}:  # (suites without per-case shapes)
         full = sum(c.x_bytes for c in bench.cases((suite,)))
         quick = sum(c.x_bytes for c in bench.cases((suite,), quick=True))
         assert quick < full / 10, suite
@@ -100,6 +100,24 @@ def test_plot_from_saved_run(tmp_path, capsys):
     saved.write_text(json.dumps(_fake_result()))
     assert cli_main(["bench", "--plot", str(saved), "--out", str(tmp_path / "plots")]) == 0
     assert (tmp_path / "plots" / "sweep.png").exists()
+
+
+def test_the_jax_suite_has_the_issue_cases_and_its_table():
+    from cunorm.bench import _jax
+
+    full = {(op, shape) for op, shape, _, _ in _jax.cases()}
+    assert full == {("rms_norm", (32768, 4096)), ("rms_norm", (4096, 32768)), ("layer_norm", (32768, 4096)),
+                    ("layer_norm", (4096, 32768)), ("group_norm(32) NHWC", (8, 64, 64, 320))}
+    quick = [math.prod(shape) for _, shape, _, _ in _jax.cases(quick=True)]
+    assert len(quick) == len(full) and sum(quick) < sum(math.prod(s) for _, s in full) / 4
+    result = _fake_result()
+    result["jax"] = [{"op": "rms_norm", "shape": "(8, 8)", "cunorm_fwd_ms": 0.2, "xla_fwd_ms": 0.3, "fwd_speedup": 1.5,
+                      "fwd_floor_pct": 70.0, "cunorm_train_ms": 0.5, "xla_train_ms": 0.5, "train_speedup": 1.0,
+                      "agreement": 3e-3},
+                     {"op": "layer_norm", "shape": "(8, 8)", "skipped": "ImportError: no jax"}]
+    for markdown in (False, True):
+        table = bench.format_table(result, markdown=markdown)
+        assert "XLA fwd ms" in table and "1.50" in table and "skipped: ImportError: no jax" in table
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")

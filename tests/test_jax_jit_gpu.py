@@ -93,7 +93,8 @@ GRAD_REL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("shape", [(7, 768), (3, 5, 1000), (4, 4096)])
+@pytest.mark.parametrize("shape", [(7, 768), (3, 5, 1000), (4, 4096), (300, 32768)],
+                         ids=["short", "3-d", "cached", "streamed"])
 @pytest.mark.parametrize("norm", ["rms", "ln"])
 def test_row_grads_match_jax_numpy(rng, jx, norm, shape, dtype):
     jax, jnp, cj = jx
@@ -116,6 +117,27 @@ def test_row_grads_match_jax_numpy(rng, jx, norm, shape, dtype):
         if norm == "rms" and what == "db":
             continue
         _grad_close(g, h, f"{norm} {what}", GRAD_REL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_strided_axis_grads_match_jax_numpy(rng, jx, dtype):
+    """LayerNorm over a middle axis (the strided backward, its dweight and
+    dbias left to column_sum)."""
+    jax, jnp, cj = jx
+    x = _put(jnp, random(rng, (8, 64, 33), np.dtype(jnp.dtype(dtype))))
+    w, b = (_put(jnp, random(rng, (64,), np.float32)) for _ in range(2))
+    dy = _put(jnp, random(rng, (8, 64, 33), np.float32))
+
+    def theirs(x, w, b):
+        moved = jnp.moveaxis(x, 1, -1)
+        return jnp.moveaxis(_ref_ln(jnp, moved, w, b, 1e-5), -1, 1)
+
+    loss = lambda f: jax.jit(jax.grad(lambda x, w, b: jnp.sum(f(x, w, b).astype(jnp.float32) * dy),  # noqa: E731
+                                      argnums=(0, 1, 2)))
+    got = loss(lambda x, w, b: cj.layer_norm(x, w, b, axis=1, eps=1e-5))(x, w, b)
+    want = loss(theirs)(x.astype(jnp.float32), w, b)
+    for g, h, what in zip(got, want, ("dx", "dw", "db")):
+        _grad_close(g, h, f"strided {what}", GRAD_REL[dtype])
 
 
 def test_residual_grads_and_outputs(rng, jx):

@@ -19,6 +19,12 @@ host
     bf16, small images), cunorm against torch's own op or layer: the
     functions on CuPy arrays and torch tensors, the layers in eval, under
     autocast, and a training step through autograd.
+models
+    Whole timm and Hugging Face models before and after
+    ``cunorm.torch.replace_norms`` (cunorm/bench/_models.py).
+jax
+    cunorm.jax inside ``jax.jit`` against XLA's fusion of the same op in
+    ``jax.numpy``, forward and forward+backward (cunorm/bench/_jax.py).
 
 Every run first measures the device-to-device copy bandwidth, then reports
 per case: the median ms of the GPU work and its spread (min to max over the
@@ -56,9 +62,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUITES = ("kernelbench", "llm", "sweep", "backward", "host", "models")
-#: what runs without --suite (the models suite takes minutes: ask for it)
-DEFAULT_SUITES = SUITES[:-1]
+SUITES = ("kernelbench", "llm", "sweep", "backward", "host", "models", "jax")
+#: what runs without --suite (the models suite takes minutes, the jax suite
+#: needs jax with its CUDA plugin: ask for them)
+DEFAULT_SUITES = SUITES[:-2]
 #: exit status without a GPU (as ``python -m cunorm precompile``)
 NO_GPU_EXIT = 2
 
@@ -216,7 +223,8 @@ def backward_cases(quick: bool) -> list[Case]:
 
 
 SUITE_CASES = {"kernelbench": kernelbench_cases, "llm": llm_cases, "sweep": sweep_cases, "backward": backward_cases,
-               "host": lambda quick: [], "models": lambda quick: []}  # (not per-case: host_rows, _models.rows)
+               # (not per-case: host_rows, _models.rows, _jax.rows)
+               "host": lambda quick: [], "models": lambda quick: [], "jax": lambda quick: []}
 
 
 def cases(suites=DEFAULT_SUITES, quick=False) -> list[Case]:
@@ -366,6 +374,10 @@ def run(suites=DEFAULT_SUITES, *, quick=False, with_compile=None, only="", progr
         from . import _models
 
         result["models"] = _models.rows(quick, with_compile, only)
+    if "jax" in suites:
+        from . import _jax
+
+        result["jax"] = _jax.rows(quick, only, meta["copy_gbps"])
     return result
 
 
@@ -406,18 +418,21 @@ def format_table(result: dict, markdown: bool = False) -> str:
     from ._models import format_rows
 
     models = format_rows(result.get("models", []))
+    from . import _jax
+
+    jax_rows = _jax.format_rows(result.get("jax", []))
     if markdown:
         lines = [head, ""]
         if body:
             lines += ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
             lines += ["| " + " | ".join(row) + " |" for row in body]
-        for names, table in ((host_titles, host), (model_titles, models)):
+        for names, table in ((host_titles, host), (model_titles, models), (_jax.TITLES, jax_rows)):
             if table:
                 lines += ["", "| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
                 lines += ["| " + " | ".join(row) + " |" for row in table]
         return "\n".join(lines)
     out = [head]
-    for names, table in ((titles, body), (host_titles, host), (model_titles, models)):
+    for names, table in ((titles, body), (host_titles, host), (model_titles, models), (_jax.TITLES, jax_rows)):
         if not table:
             continue
         widths = [max(len(t), *(len(row[i]) for row in table)) for i, t in enumerate(names)]
@@ -448,7 +463,7 @@ def write_results(result: dict, out_dir) -> list[Path]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cunorm bench", description=__doc__.splitlines()[0])
     parser.add_argument("--suite", action="append", choices=SUITES,
-                        help="a suite to run (repeatable; default: all but models)")
+                        help="a suite to run (repeatable; default: all but models and jax)")
     parser.add_argument("--quick", action="store_true", help="scaled-down shapes, no torch.compile (under a minute)")
     parser.add_argument("--out", default="cunorm-bench", help="directory for results.json/.csv/.md and the plots")
     parser.add_argument("--only", default="",

@@ -1,0 +1,184 @@
+"""cunorm.jax's jit lowering built without a GPU: jax.export for the cuda
+platform runs the abstract evaluation, the dispatch and the builders, and
+emits the MLIR of every custom call (cunorm/_jax_jit.py) for a fake H100.
+The proto each call carries needs jaxlib's GPU plugin and is stubbed here;
+the PTX it names is compiled by NVRTC, as on the GPU."""
+import functools
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+jax_export = pytest.importorskip("jax.export")
+
+from cunorm import _dispatch, _kernels, _launch  # noqa: E402
+
+H100 = _dispatch.Device(sm_count=132, compute_capability=90, max_shared_per_block=227 * 1024,
+                        l2_bytes=50 * 1024 * 1024)
+BF16 = jnp.bfloat16
+
+
+def _clear_caches():
+    """Every lru_cache of cunorm's modules: what the fake device planned
+    must not reach a GPU test in the same process."""
+    for name, module in list(sys.modules.items()):
+        if name == "cunorm" or name.startswith("cunorm."):
+            for value in vars(module).values():
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+
+
+@pytest.fixture
+def lowering(monkeypatch):
+    """The jit module with the target GPU faked and the proto stubbed:
+    (jit module, lower(f, *shape_dtypes) -> the custom calls' configs)."""
+    jj = pytest.importorskip("cunorm._jax_jit")
+    _clear_caches()
+    monkeypatch.setattr(_launch, "device_info", lambda device_id: H100)
+    monkeypatch.setattr(_launch, "_persistent_grid", lambda step, device: (2 * H100.sm_count,))
+    monkeypatch.setattr(jj, "target", lambda: (0, H100, 90))
+
+    def stub(call, arch):
+        launch = call.launch
+        return json.dumps({"kernel": launch.kernel.expression, "grid": list(launch.grid), "threads": launch.threads,
+                           "shared": launch.shared, "params": [list(p) for p in call.params]}).encode()
+
+    monkeypatch.setattr(jj, "backend_config", stub)
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)  # float64 x, as cunorm takes it
+
+    def lower(f, *shape_dtypes):
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in shape_dtypes]
+        exported = jax_export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax_export.DisabledSafetyCheck.custom_call("triton_kernel_call")])(*args)
+        text = exported.mlir_module()
+        configs = [json.loads(_mlir_string(s)) for s in re.findall(r'backend_config = "((?:[^"\\]|\\.)*)"', text)]
+        assert text.count("triton_kernel_call") == len(configs) > 0
+        return exported, configs
+
+    yield jj, lower
+    jax.config.update("jax_enable_x64", x64)
+    _clear_caches()
+
+
+def _mlir_string(s):
+    """An MLIR string attribute's text: \\XX hex escapes."""
+    return re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), s)
+
+
+def _grad(f, argnums):
+    return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums)
+
+
+ROW_CASES = {
+    # name: (f(cj, x, w, b), x shape, dtype, parameter shape)
+    "rms cached": (lambda cj, x, w, b: cj.rms_norm(x, w), (1024, 4096), BF16, (4096,)),
+    "rms streamed": (lambda cj, x, w, b: cj.rms_norm(x, w), (4096, 32768), BF16, (32768,)),
+    "rms streamed, one part": (lambda cj, x, w, b: cj.rms_norm(x, w), (2, 1 << 20), jnp.float32, (1 << 20,)),
+    "layer_norm cached": (lambda cj, x, w, b: cj.layer_norm(x, w, b), (4096, 1024), jnp.float16, (1024,)),
+    "layer_norm streamed": (lambda cj, x, w, b: cj.layer_norm(x, w, b), (4096, 32768), BF16, (32768,)),
+    "layer_norm strided": (lambda cj, x, w, b: cj.layer_norm(x, w, b, axis=1), (8, 64, 33), jnp.float32, (64,)),
+    "rms residual": (lambda cj, x, w, b: cj.rms_norm(x, w, residual=x * 2)[0], (300, 4097), jnp.float32, (4097,)),
+    "normalize": (lambda cj, x, w, b: cj.normalize(x, 3.0), (300, 65535), jnp.float32, (1,)),
+    "frobenius": (lambda cj, x, w, b: cj.frobenius_normalize(x, axis=None), (16, 64, 33), BF16, (1,)),
+}
+
+CHANNEL_CASES = {
+    "group_norm NCHW": (lambda cj, x, w, b: cj.group_norm(x, 32, w, b), (8, 320, 16, 16), BF16, (320,)),
+    "group_norm NHWC": (lambda cj, x, w, b: cj.group_norm(x, 32, w, b, channel_axis=-1), (8, 64, 64, 320), BF16,
+                        (320,)),
+    "instance_norm": (lambda cj, x, w, b: cj.instance_norm(x, w, b), (4, 24, 9, 11), jnp.float32, (24,)),
+    "batch_norm": (lambda cj, x, w, b: cj.batch_norm(x, w, b), (32, 256, 56, 56), BF16, (256,)),
+    "batch_norm small": (lambda cj, x, w, b: cj.batch_norm(x, w, b), (3, 8, 5, 7), jnp.float64, (8,)),
+}
+
+
+def _cases():
+    return [pytest.param(case, id=name) for name, case in {**ROW_CASES, **CHANNEL_CASES}.items()]
+
+
+@pytest.mark.parametrize("case", _cases())
+def test_forward_and_gradients_lower_to_custom_calls(lowering, case):
+    jj, lower = lowering
+    import cunorm.jax as cj
+
+    f, shape, dtype, pshape = case
+    f = functools.partial(f, cj)
+    specs = ((shape, dtype), (pshape, jnp.float32), (pshape, jnp.float32))
+    exported, forward = lower(f, *specs)
+    assert exported.out_avals[0].shape == shape and exported.out_avals[0].dtype == dtype
+    _, backward = lower(_grad(f, (0, 1, 2)), *specs)
+    assert len(backward) > len(forward)
+    for config in forward + backward:
+        name = re.match(r"cunorm::(\w+)<", config["kernel"]).group(1)
+        decl = next(d for d in _kernels.DECLARATIONS if d.name == name)
+        assert len(config["params"]) == len(decl.args), config["kernel"]
+        assert 0 < config["threads"] <= 1024 and config["threads"] % 32 == 0
+        assert all(0 < g < 2 ** 31 for g in config["grid"])
+    assert not any("cooperative" in c["kernel"] for c in forward + backward)
+
+
+def test_batch_norm_running_buffers_and_vmap_lower(lowering):
+    jj, lower = lowering
+    import cunorm.jax as cj
+
+    def train(x, w, b, rm, rv):
+        y, rm, rv = cj.batch_norm(x, w, b, running_mean=rm, running_var=rv, momentum=0.2)
+        return y, rm, rv
+
+    c = (16,)
+    exported, _ = lower(train, ((4, 16, 7, 9), jnp.float32), (c, jnp.float32), (c, jnp.float32), (c, jnp.float32),
+                        (c, jnp.float32))
+    assert [a.shape for a in exported.out_avals] == [(4, 16, 7, 9), c, c]
+    exported, _ = lower(jax.vmap(lambda x, w: cj.rms_norm(x, w), (0, None)), ((5, 33, 760), BF16), ((760,), BF16))
+    assert exported.out_avals[0].shape == (5, 33, 760)
+
+
+def test_plan_calls_binds_operands_results_and_aliases(lowering):
+    """A recorded Program as custom calls: reads are operands, an input slot
+    in an out pointer is null, zeroed workspaces are zeroed by the call, a
+    slot is written once."""
+    jj, _ = lowering
+    from cunorm import _grad, _dispatch_grad
+
+    launch = _dispatch_grad.choose_rows_grad("rms", np.dtype("float32"), np.dtype("float32"), 1, 4096, 1 << 20, 1, 4,
+                                             H100, cooperative=False)
+    recorder = _launch.LaunchRecorder(_grad.ROW_GRAD_SLOTS, 0)
+    _grad.build_rows_grad(recorder, launch, np.dtype("float32"), np.dtype("float32"), 4096, 1 << 20, 1, 1e-6,
+                          (False, True, False, True, True, False))
+    outputs = {"dx": ((4096, 1 << 20), np.float32), "dw": (((1 << 20),), np.float32)}
+    calls = jj.plan_calls(recorder, {"dy": None, "x": None, "w": None, "scale": None}, outputs)
+    assert [c.launch.kernel.name for c in calls] == [ln.kernel.name for ln in recorder.launches]
+    written = [slot for c in calls for slot in c.results]
+    assert len(written) == len(set(written)) and {"dx", "dw"} <= set(written)
+    for c in calls:
+        assert len(c.operands) == sum(1 for _, kind in c.launch.kernel.signature if kind in ("in", "io")
+                                      and c.launch.args[_] is not None)
+    with pytest.raises(RuntimeError, match="reads dy before anything wrote it"):
+        jj.plan_calls(recorder, {"x": None, "w": None, "scale": None}, outputs)
+
+
+def test_the_ptx_names_the_kernel_with_its_parameters(lowering):
+    """NVRTC's PTX for compute_90 (what the proto carries): one entry, the
+    lowered name, one .param for each declared argument."""
+    jj, _ = lowering
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    kernel = _kernels.COLUMN_SUM("float", "float", 4)
+    ptx, lowered = jj.kernel_ptx(kernel.family, kernel.expression, 90)
+    entry = re.search(r"\.entry\s+(\S+)\s*\(([^)]*)\)", ptx)
+    assert entry and entry.group(1) == lowered
+    assert entry.group(2).count(".param") == len(kernel.signature)
+
+
+def test_versions_outside_the_tested_range_are_refused(lowering):
+    jj, _ = lowering
+    low, high = jj.SUPPORTED_JAX
+    jj.check_jax_version(f"{low[0]}.{low[1]}.0")
+    with pytest.raises(RuntimeError, match="needs jax"):
+        jj.check_jax_version(f"{high[0]}.{high[1]}.0")
+    with pytest.raises(RuntimeError, match="needs jax"):
+        jj.check_jax_version("0.4.30")
