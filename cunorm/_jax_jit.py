@@ -256,6 +256,26 @@ def _abstract(*shape_dtypes):
     return tuple(ShapedArray(s, d) for s, d in shape_dtypes)
 
 
+def _primitive(name: str, outputs) -> Primitive:
+    """A primitive of several results, ``outputs(spec)`` {slot: (shape,
+    dtype)}; eager binds run it jitted."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    prim.def_abstract_eval(lambda *args, spec: _abstract(*outputs(spec).values()))
+    return prim
+
+
+def _grad_outputs(forward, param_shape) -> dict:
+    """dx, and dweight/dbias of ``param_shape`` where the forward has them."""
+    out = {"dx": (forward.shape, forward.dtype)}
+    if forward.weight:
+        out["dw"] = (param_shape, forward.pdtype)
+    if forward.bias:
+        out["db"] = (param_shape, forward.pdtype)
+    return out
+
+
 def _rows_outputs(spec: RowSpec) -> dict:
     acc = _dtypes.accumulation(spec.dtype)
     out = {"y": (spec.shape, spec.dtype)}
@@ -270,10 +290,7 @@ def _rows_inputs(spec: RowSpec) -> tuple:
     return ("x",) + (("r",) if spec.residual else ()) + (("w",) if spec.weight else ()) + (("b",) if spec.bias else ())
 
 
-rows_p = Primitive("cunorm_rows")
-rows_p.multiple_results = True
-rows_p.def_impl(functools.partial(dispatch.apply_primitive, rows_p))
-rows_p.def_abstract_eval(lambda *args, spec: _abstract(*_rows_outputs(spec).values()))
+rows_p = _primitive("cunorm_rows", _rows_outputs)
 
 
 def _row_key(spec: RowSpec, device_id: int) -> tuple:
@@ -317,19 +334,10 @@ class RowGradSpec:
 
     def outputs(self) -> dict:
         f = self.forward
-        out = {"dx": (f.shape, f.dtype)}
-        norm_shape = f.shape[f.first:f.last + 1]
-        if f.weight:
-            out["dw"] = (norm_shape, f.pdtype)
-        if f.bias:
-            out["db"] = (norm_shape, f.pdtype)
-        return out
+        return _grad_outputs(f, f.shape[f.first:f.last + 1])
 
 
-rows_grad_p = Primitive("cunorm_rows_grad")
-rows_grad_p.multiple_results = True
-rows_grad_p.def_impl(functools.partial(dispatch.apply_primitive, rows_grad_p))
-rows_grad_p.def_abstract_eval(lambda *args, spec: _abstract(*spec.outputs().values()))
+rows_grad_p = _primitive("cunorm_rows_grad", lambda spec: spec.outputs())
 
 
 def _rows_grad_lowering(ctx, *args, spec: RowGradSpec):
@@ -402,10 +410,7 @@ class ChannelSpec:
         return out
 
 
-channels_p = Primitive("cunorm_channels")
-channels_p.multiple_results = True
-channels_p.def_impl(functools.partial(dispatch.apply_primitive, channels_p))
-channels_p.def_abstract_eval(lambda *args, spec: _abstract(*spec.outputs().values()))
+channels_p = _primitive("cunorm_channels", lambda spec: spec.outputs())
 
 
 def _channels_lowering(ctx, *args, spec: ChannelSpec):
@@ -457,19 +462,10 @@ class ChannelGradSpec:
         return ("dy", "x", "mean", "rstd") + (("w",) if self.forward.weight else ())
 
     def outputs(self) -> dict:
-        f = self.forward
-        out = {"dx": (f.shape, f.dtype)}
-        if f.weight:
-            out["dw"] = ((f.channels,), f.pdtype)
-        if f.bias:
-            out["db"] = ((f.channels,), f.pdtype)
-        return out
+        return _grad_outputs(self.forward, (self.forward.channels,))
 
 
-channels_grad_p = Primitive("cunorm_channels_grad")
-channels_grad_p.multiple_results = True
-channels_grad_p.def_impl(functools.partial(dispatch.apply_primitive, channels_grad_p))
-channels_grad_p.def_abstract_eval(lambda *args, spec: _abstract(*spec.outputs().values()))
+channels_grad_p = _primitive("cunorm_channels_grad", lambda spec: spec.outputs())
 
 
 def _channels_grad_lowering(ctx, *args, spec: ChannelGradSpec):
