@@ -91,11 +91,11 @@ def rows(quick: bool = False, only: str = "", copy_gbps: float | None = None) ->
             continue
         row = {"op": op, "shape": str(shape)}
         try:
-            kx, kd, kw = jax.random.split(jax.random.fold_in(key, i), 3)
+            kx, kd, kw, kb = jax.random.split(jax.random.fold_in(key, i), 4)
             x = jax.random.normal(kx, shape, jnp.bfloat16)
             dy = jax.random.normal(kd, shape, jnp.bfloat16)
             w = 1 + 0.1 * jax.random.normal(kw, shape[-1:], jnp.float32)
-            b = 0.1 * jax.random.normal(kd, shape[-1:], jnp.float32)
+            b = 0.1 * jax.random.normal(kb, shape[-1:], jnp.float32)
             fs = {"cunorm": ours(cj), "xla": theirs(jax, jnp)}
             for name, f in fs.items():
                 row[f"{name}_fwd_ms"] = _per_call_ms(jax, jax.jit(f), (x, w, b), calls)
