@@ -88,6 +88,13 @@ def main() -> int:
     cunorm.layer_norm_backward(arr(64, 1024), h, mean, rstd, w, b)
     _, long_rstd = cunorm.rms_norm(long_rows, arr(1 << 17), return_stats=True)
     cunorm.rms_norm_backward(arr(2, 1 << 17), long_rows, long_rstd, arr(1 << 17))
+    # rows a block cannot hold, on clusters of two blocks (sm_90): more rows than resident clusters, so a
+    # cluster walks two rows (both statistic slots); the last block's slice short
+    if int(cupy.cuda.Device().compute_capability) >= 90:
+        wide = arr(140, 20000, dtype=bf16)
+        _, w_mean, w_rstd = cunorm.layer_norm(wide, arr(20000, dtype=bf16), arr(20000, dtype=bf16), return_stats=True)
+        cunorm.layer_norm_backward(arr(140, 20000, dtype=bf16), wide, w_mean, w_rstd, arr(20000, dtype=bf16),
+                                   arr(20000, dtype=bf16))
     strided = arr(4, 64, 48)
     _, s_mean, s_rstd = cunorm.layer_norm(strided, arr(64), arr(64), axis=1, return_stats=True)
     cunorm.layer_norm_backward(arr(4, 64, 48), strided, s_mean, s_rstd, arr(64), arr(64), axis=1)

@@ -6,6 +6,9 @@ bandwidth of the same run, plus the time of each launch of one call (a
   block (GRAD_CACHED_TARGET_THREADS) and the blocks an SM its launch bounds
   ask for (GRAD_CACHED_TARGET_MIN_BLOCKS) x the next row fetched into L2
   ahead or not (GRAD_CACHED_PREFETCH_NEXT);
+- rows_grad_cached on clusters (rows a block cannot hold) against the
+  streamed rows: the most threads a cluster's block has
+  (GRAD_CACHED_CLUSTER_THREADS) x the next row fetched ahead or not;
 - the streamed rows (problem 40, LayerNorm bf16 4096x32768): the blocks an
   SM of pass 1 (GRAD_CHUNK_BLOCKS_PER_SM), and their launches;
 - the streamed rows' pass 2 on few long rows to many (LayerNorm bf16 16x2M
@@ -25,7 +28,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, ".")
-from cunorm import _dispatch_grad, _dtypes, _grad, _launch  # noqa: E402
+from cunorm import _dispatch_grad, _dtypes, _fast, _grad, _launch  # noqa: E402
 from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu  # noqa: E402
 
 
@@ -75,7 +78,7 @@ def report(label, run, nbytes, bw, steps=False):
 @contextlib.contextmanager
 def overridden(**values):
     """The named _dispatch_grad constants set to values inside the block, the
-    launch caches cleared on the way in and out."""
+    launch caches (the call path's included) cleared on the way in and out."""
     saved = {name: getattr(_dispatch_grad, name) for name in values}
 
     def apply(settings):
@@ -85,6 +88,7 @@ def overridden(**values):
         _grad._channel_launch.cache_clear()
         _grad.rows_grad_program.cache_clear()
         _grad.channel_grad_program.cache_clear()
+        _fast.clear()  # (the signature-keyed launches, which would replay the first setting's)
 
     apply(values)
     try:
@@ -109,6 +113,22 @@ def main():
                         report(f"{op} bf16 32768x4096 threads {target} min blocks {min_blocks} prefetch {ahead:d}",
                                run, nbytes, bw)
             report(f"{op} bf16 32768x4096 (the dispatch's choice)", run, nbytes, bw, steps=True)
+            del run
+    if "clusters" in args.only or not args.only:
+        for label, op, shape, dtype in (("rms bf16 4096x32768", "rms", (4096, 32768), "bfloat16"),
+                                        ("ln bf16 4096x32768", "ln", (4096, 32768), "bfloat16"),
+                                        ("rms bf16 2048x65536", "rms", (2048, 65536), "bfloat16"),
+                                        ("ln f32 4096x16384", "ln", (4096, 16384), "float32"),
+                                        ("rms bf16 1024x24576", "rms", (1024, 24576), "bfloat16")):
+            run, nbytes = case(op, shape, dtype, -1)
+            with overridden(GRAD_CACHED_MAX_CLUSTER=1):
+                report(f"{label}, streamed", run, nbytes, bw, steps=True)
+            for threads in (128, 256, 512):
+                with overridden(GRAD_CACHED_CLUSTER_THREADS=threads):
+                    for ahead in (True, False):
+                        with overridden(GRAD_CACHED_PREFETCH_NEXT=ahead):
+                            report(f"{label}, clusters of <= {threads} threads, prefetch {ahead:d}", run, nbytes, bw,
+                                   steps=ahead)
             del run
     if "apply" in args.only or not args.only:
         for label, shape, dtype in (("ln bf16 16x2M", (16, 2 << 20), "bfloat16"), ("ln bf16 8x1M", (8, 1 << 20), "bfloat16"),

@@ -8,8 +8,8 @@ from . import _kernels as K
 from ._dispatch import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
                         cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
 from ._dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_CACHED_TARGET_THREADS, GRAD_NORMS, _vpt_choices,
-                             column_sum_width, grad_cached_bounds, grad_onchip_items, grad_onchip_max_elements,
-                             grad_onchip_shapes, grad_policy)
+                             column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes, grad_onchip_items,
+                             grad_onchip_max_elements, grad_onchip_shapes, grad_policy)
 from ._dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
                                  ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from ._kernels import Kernel
@@ -128,7 +128,13 @@ def backward_kernels() -> list[Kernel]:
                     for vpt in _vpt_choices(vec, dtype.itemsize):
                         for threads in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
                             out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *grad_cached_bounds(threads, vpt),
-                                                          cooperative=flags != 0, persistent=True))
+                                                          1, cooperative=flags != 0, persistent=True))
+
+                    for bounds in sorted({(vpt, cluster, *grad_cached_bounds(threads, vpt))
+                                          for vpt, cluster, threads in grad_cached_cluster_shapes(vec, dtype.itemsize)}):
+                        vpt, cluster, most, fewest = bounds
+                        out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, most, fewest, cluster,
+                                                      persistent=True))
                     out.append(K.ROWS_GRAD_CHUNKS(grad, t, p, flags, vec))
                     out.append(K.ROWS_GRAD_SUMS(grad, t, p, flags, vec))
                     for strided in (False, True):

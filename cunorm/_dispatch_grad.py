@@ -10,7 +10,10 @@ GRAD_CACHED_TARGET_THREADS, else within 512; as many blocks as are
 resident, walking rows, their column sums in shared memory (so rows the
 shared memory cannot hold stream), launched cooperatively where it has
 parameters: the grid adds its blocks' partials itself behind a grid
-barrier. Longer contiguous rows (and the whole
+barrier. On sm_90, rows up to GRAD_CACHED_MAX_CLUSTER blocks of
+GRAD_CACHED_CLUSTER_THREADS hold run it on thread-block clusters, a
+cluster a row (their partials added by column_sum), where there are rows
+enough to fill the SMs. Longer contiguous rows (and the whole
 array) run rows_grad_chunks + rows_grad_finalize_wide + rows_grad_apply, a
 strided axis rows_grad_sums + rows_grad_finalize + rows_grad_apply, each
 pass chunked to about GRAD_BLOCKS_PER_SM blocks an SM (the contiguous
@@ -47,6 +50,16 @@ GRAD_CACHED_TARGET_MIN_BLOCKS = 3
 #: rows ahead read less, 61-68%)
 GRAD_CACHED_PREFETCH_NEXT = True
 GRAD_CACHED_MAX_THREADS = 512
+#: rows longer than a block holds run rows_grad_cached on a thread-block
+#: cluster (sm_90) of at most GRAD_CACHED_MAX_CLUSTER blocks of at most
+#: GRAD_CACHED_CLUSTER_THREADS threads (the fewest blocks that hold the
+#: row), when its clusters fill the GPU's SMs (rows x cluster >= SMs;
+#: fewer rows, and longer ones, stream). Two blocks of 512 ran RMSNorm bf16
+#: 4096x32768 at 80.9% against 63% for 4 x 256 and 8 x 128 and 55% streamed;
+#: 4 x 512 lost to streaming (docs/performance.md, "One-read backward of
+#: long rows", H100, 2026-11-25).
+GRAD_CACHED_CLUSTER_THREADS = 512
+GRAD_CACHED_MAX_CLUSTER = 2
 GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads
 GRAD_COEFF_WORDS = 5  # mirrors kCoeffWords (grads.cuh)
 GRAD_BLOCKS_PER_SM = 8
@@ -141,15 +154,35 @@ def _vpt_choices(vec: int, itemsize: int) -> list[int]:
             if v * vec <= GRAD_CACHED_MAX_ELEMS and v * vec * itemsize <= GRAD_CACHED_MAX_BYTES]
 
 
-def grad_cached_shape(n_vec: int, vec: int, itemsize: int) -> tuple[int, int] | None:
-    """(threads, vectors a thread) of rows_grad_cached for rows of n_vec
-    vectors, or None when the row is longer than its register cache."""
+def grad_cached_shape(n_vec: int, vec: int, itemsize: int, max_cluster: int = 1) -> tuple[int, int, int] | None:
+    """(threads, vectors a thread, cluster) of rows_grad_cached for rows of
+    n_vec vectors: one block where it holds the row, else (clusters of at
+    most ``max_cluster`` blocks) the fewest blocks of at most
+    GRAD_CACHED_CLUSTER_THREADS that hold it; None when none does."""
     for cap in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
         for vpt in _vpt_choices(vec, itemsize):
             threads = _ceil_div(_ceil_div(n_vec, vpt), 32) * 32
             if threads <= cap:
-                return threads, vpt
+                return threads, vpt, 1
+    cluster = 2
+    while cluster <= min(max_cluster, GRAD_CACHED_MAX_CLUSTER):
+        for vpt in _vpt_choices(vec, itemsize):
+            threads = _ceil_div(_ceil_div(n_vec, cluster * vpt), 32) * 32
+            if threads <= GRAD_CACHED_CLUSTER_THREADS:
+                return threads, vpt, cluster
+        cluster *= 2
     return None
+
+
+def grad_cached_cluster_shapes(vec: int, itemsize: int) -> set[tuple[int, int, int]]:
+    """The (vectors a thread, cluster, threads) grad_cached_shape can pick
+    for a cluster, over every row length (what the catalogue compiles). A
+    shape it picks for some row it picks for the longest row it holds, so
+    those lengths are the ones tried."""
+    lengths = {cluster * vpt * threads for cluster in (2, 4, 8, 16) if cluster <= GRAD_CACHED_MAX_CLUSTER
+               for vpt in _vpt_choices(vec, itemsize) for threads in range(32, GRAD_CACHED_CLUSTER_THREADS + 1, 32)}
+    shapes = (grad_cached_shape(n_vec, vec, itemsize, GRAD_CACHED_MAX_CLUSTER) for n_vec in lengths)
+    return {(vpt, cluster, threads) for threads, vpt, cluster in filter(None, shapes) if cluster > 1}
 
 
 def grad_cached_shared_bytes(flags: int, vec: int, threads: int, vpt: int, acc_itemsize: int) -> int:
@@ -193,13 +226,17 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
     stat_words = 3 if norm == "linf" else 2
     if inner == 1:
         n_vec = reduced // vec
-        shape = grad_cached_shape(n_vec, vec, dtype.itemsize)
-        shared = 0 if shape is None else grad_cached_shared_bytes(flags, vec, *shape, accumulation(dtype).itemsize)
-        if shape is not None and shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
-            threads, vpt = shape
-            step = Step(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *grad_cached_bounds(threads, vpt),
-                               cooperative=flags != 0 and cooperative, persistent=True),
-                        (min(outer, MAX_GRID_X),), (threads,), shared)
+        # clusters on sm_90 and later, where they fill the SMs
+        max_cluster = GRAD_CACHED_MAX_CLUSTER if device.compute_capability >= 90 else 1
+        shape = grad_cached_shape(n_vec, vec, dtype.itemsize, max_cluster)
+        shared = 0 if shape is None else grad_cached_shared_bytes(flags, vec, *shape[:2], accumulation(dtype).itemsize)
+        if shape is not None and (shape[2] == 1 or outer * shape[2] >= sm) and \
+                shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
+            threads, vpt, cluster = shape
+            # (a cluster's partials go to column_sum: no cooperative launch)
+            kernel = K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *grad_cached_bounds(threads, vpt), cluster,
+                                        cooperative=flags != 0 and cooperative and cluster == 1, persistent=True)
+            step = Step(kernel, (min(outer, MAX_GRID_X // cluster) * cluster,), (threads,), shared)
             return GradLaunch("cached", (step,), prefetch_next=GRAD_CACHED_PREFETCH_NEXT)
         # pass 1: chunks of each row, about GRAD_CHUNK_BLOCKS_PER_SM blocks an
         # SM; pass 2: column tiles down row chunks, GRAD_APPLY_BLOCKS_PER_SM

@@ -209,11 +209,13 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
     acc_bytes = _dtypes.accumulation(dtype).itemsize
     wants = has["dw"] or has["db"]
     if launch.tier == "cached":
-        # the partials' rows are the grid's blocks (capped at the resident
-        # ones when the step is prepared); the grid adds them into dw/db itself
+        # the partials' rows are the grid's blocks or clusters (capped at the
+        # resident ones when the step is prepared); a cooperative grid adds
+        # them into dw/db itself
         (step,) = launch.steps
         grid = pb.persistent_grid(step)
-        partial = pb.workspace(2 * grid[0] * reduced * acc_bytes if wants else acc_bytes)
+        parts = grid[0] // step.kernel.cluster  # a partial row a block, or a cluster
+        partial = pb.workspace(2 * parts * reduced * acc_bytes if wants else acc_bytes)
         grid_sums = wants and step.kernel.cooperative
         arrived = pb.workspace(4, zeroed=True) if grid_sums else None
         dw, db = (pb[n] if has[n] and grid_sums else None for n in ("dw", "db"))
@@ -221,7 +223,7 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
                   partial=partial, rows=outer, n=reduced, eps=eps, prefetch_next=int(launch.prefetch_next), dw=dw,
                   db=db, arrived=arrived)
         if wants and not grid_sums:
-            _column_sum(pb, dtype, pdtype, has, partial, grid[0], reduced)
+            _column_sum(pb, dtype, pdtype, has, partial, parts, reduced)
         return pb
     groups = outer * inner
     parts = launch.parts

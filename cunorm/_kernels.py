@@ -53,6 +53,8 @@ class Kernel:
     #: (what the catalogue's representative set groups by)
     name: str = field(default="", compare=False, repr=False)
     template_args: tuple = field(default=(), compare=False, repr=False)
+    #: blocks a thread-block cluster (the kernel's CLUSTER; a grid is a multiple)
+    cluster: int = 1
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,13 @@ class KernelDecl:
         """The instantiation for these template arguments (a CLUSTER over 1,
         thread-block clusters, needs sm_90: min_arch)."""
         params = dict(zip(self.template, targs))
-        min_arch = 90 if params.get("CLUSTER", 1) > 1 else 0
+        cluster = params.get("CLUSTER", 1)
+        min_arch = 90 if cluster > 1 else 0
         data = params.get("T", params.get("A"))
         acc = "f64" if data == "double" else "f32"
         signature = tuple((n, acc if k == "acc" else k) for n, k in self.args)
         return Kernel(self.family, self.expression(*targs), cooperative, persistent, min_arch, signature, self.name,
-                      tuple(targs))
+                      tuple(targs), cluster)
 
 
 def _format(value) -> str:
@@ -153,7 +156,7 @@ CHANNEL_GRAD_ONCHIP = KernelDecl("onchip", "channel_grad_onchip",
                                  _args("dy x mean rstd w:in dx dw db:out batch plane_vecs channels:i32"))
 # backward.cu
 ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
-                              ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),
+                              ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "CLUSTER"),
                               _args("dy x dh w center scale:in dx partial:out rows:i64 n:i32 eps:acc "
                                     "prefetch_next:i32 dw db arrived:out"))
 COLUMN_SUM = KernelDecl("backward", "column_sum", ("A", "P", "C"),

@@ -316,9 +316,11 @@ def step_function(step, device: int):
 
 def persistent_grid(step, device: int) -> tuple[int, ...]:
     """A persistent step's grid, its x extent capped at the blocks resident
-    at once (so no block starts its share late)."""
+    at once (so no block starts its share late), whole clusters of a
+    kernel with clusters."""
     fn = step_function(step, device)
-    resident = resident_blocks(fn, math.prod(step.block), step.shared_bytes, device)
+    cluster = step.kernel.cluster
+    resident = resident_blocks(fn, math.prod(step.block), step.shared_bytes, device) // cluster * cluster
     if resident < 1:
         raise RuntimeError(f"{step.kernel.expression}: no block of {math.prod(step.block)} threads and "
                            f"{step.shared_bytes} B of shared memory fits an SM")

@@ -133,10 +133,13 @@ def check_rows(op, x_np, *, axis=-1, weight=None, bias=None, residual=False, rng
 # 600x4096: more rows than resident blocks, so a cached block sums several
 # rows into its column partials; 3x16384: the cached path's longest 16-bit rows;
 # 40x40000: streamed rows whose pass 2 cuts the rows into parts (column_sum
-# adds their partials, 16 bytes of columns a thread)
+# adds their partials, 16 bytes of columns a thread); 150x20000 and
+# 140x32768: rows a block cannot hold, on clusters on sm_90 (16-bit and
+# float32; float64 streams), the last cluster block's slice short at 20000
 ROW_SHAPES = [(1, 1), (3, 3), (37, 760), (5, 4097), (600, 4096), (2, 8192), (3, 16384), (3, 65535), (40, 40000),
-              (2, 3, 96)]
-ROW_IDS = ["1x1", "3x3", "37x760", "5x4097", "600x4096", "2x8192", "3x16384", "3x65535", "40x40000", "2x3x96"]
+              (150, 20000), (140, 32768), (2, 3, 96)]
+ROW_IDS = ["1x1", "3x3", "37x760", "5x4097", "600x4096", "2x8192", "3x16384", "3x65535", "40x40000", "150x20000",
+           "140x32768", "2x3x96"]
 
 
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_IDS)
@@ -178,6 +181,27 @@ def test_streamed_backward_one_part(dtype, rng):
     assert launch.tier == "streamed" and launch.parts == 1
     check_rows("ln", x, weight=random(rng, (n,), dtype, offset=1.0), bias=random(rng, (n,), dtype), rng=rng)
     check_rows("rms", x, weight=random(rng, (n,), dtype, offset=1.0), rng=rng)
+
+
+@pytest.mark.parametrize("op", ["rms", "ln"])
+def test_cluster_backward(op, rng):
+    """Rows a block cannot hold run rows_grad_cached on clusters (sm_90):
+    more rows than resident clusters (several rows a cluster); dh; no
+    parameters; float32 parameters of bf16 x; a weight alone."""
+    from cunorm import _grad
+
+    if _launch.device_info(0).compute_capability < 90:
+        pytest.skip("thread-block clusters need sm_90")
+    bf16 = _dtypes.bfloat16
+    shape = (1000, 24576)
+    launch = _grad._rows_launch(op, np.dtype(bf16), np.dtype(np.float32), 1, *shape, 1, 8, 0)
+    assert launch.tier == "cached" and launch.steps[0].kernel.cluster > 1
+    n = shape[-1]
+    x = random(rng, shape, bf16)
+    check_rows(op, x, weight=random(rng, (n,), np.float32, offset=1.0), residual=True, rng=rng)
+    check_rows(op, x, rng=rng)
+    if op == "ln":
+        check_rows(op, x, weight=random(rng, (n,), bf16, offset=1.0), bias=random(rng, (n,), bf16), rng=rng)
 
 
 def test_cached_backward_grid_fills_the_gpu():
@@ -358,7 +382,7 @@ def test_backward_of_empty_rows_gives_zero_parameter_gradients():
     assert dx.shape == (0, 760) and float(cupy.abs(dw).sum()) == 0 and float(cupy.abs(db).sum()) == 0
 
 
-@pytest.mark.parametrize("case", ["cached", "streamed", "strided", "channels", "channels_last"])
+@pytest.mark.parametrize("case", ["cached", "clusters", "streamed", "strided", "channels", "channels_last"])
 def test_gradients_are_bitwise_reproducible(case, rng):
     """Two runs on the same inputs give the same bytes (no float atomics:
     partials are added in a fixed order)."""
@@ -374,7 +398,7 @@ def test_gradients_are_bitwise_reproducible(case, rng):
         _, mean, rstd = cunorm.group_norm(x, 8, w, w, return_stats=True)
         run = lambda: cunorm.group_norm_backward(dy, x, mean, rstd, 8, w, w)  # noqa: E731
     else:
-        shape, axis = {"cached": ((4096, 1024), -1), "streamed": ((64, 100000), -1),
+        shape, axis = {"cached": ((4096, 1024), -1), "clusters": ((300, 16384), -1), "streamed": ((64, 100000), -1),
                        "strided": ((16, 64, 32, 32), 1)}[case]
         x = cupy.asarray(random(rng, shape, np.float32))
         dy = cupy.asarray(random(rng, shape, np.float32))

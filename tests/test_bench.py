@@ -113,11 +113,12 @@ def test_the_jax_suite_has_the_issue_cases_and_its_table():
     result = _fake_result()
     result["jax"] = [{"op": "rms_norm", "shape": "(8, 8)", "cunorm_fwd_ms": 0.2, "xla_fwd_ms": 0.3, "fwd_speedup": 1.5,
                       "fwd_floor_pct": 70.0, "cunorm_train_ms": 0.5, "xla_train_ms": 0.5, "train_speedup": 1.0,
-                      "agreement": 3e-3},
+                      "cunorm_read_ms": 0.6, "xla_read_ms": 0.75, "read_speedup": 1.25, "agreement": 3e-3},
                      {"op": "layer_norm", "shape": "(8, 8)", "skipped": "ImportError: no jax"}]
     for markdown in (False, True):
         table = bench.format_table(result, markdown=markdown)
         assert "XLA fwd ms" in table and "1.50" in table and "skipped: ImportError: no jax" in table
+        assert "y read: cunorm ms" in table and "1.25" in table
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")

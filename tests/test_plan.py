@@ -598,3 +598,51 @@ def test_channel_apply_hints():
     assert hints(1) == 1  # 3 MB
     assert hints(64) == 3  # 205 MB (ResNet-50's (64,256,56,56))
     assert hints(1024) == 1  # 3.3 GB
+
+
+def test_long_rows_backward_on_clusters():
+    """Rows longer than a block holds take rows_grad_cached on clusters on
+    sm_90 (the fewest blocks of GRAD_CACHED_CLUSTER_THREADS that hold a
+    row, a cluster a row, never cooperative: column_sum adds the partials)
+    when their clusters fill the SMs; on sm_80, or with few rows, they
+    stream. Rows a block holds keep one block, cooperative."""
+    bf16, f32 = np.dtype(_dtypes.bfloat16), np.dtype(np.float32)
+    threads = _dispatch_grad.GRAD_CACHED_CLUSTER_THREADS
+    for dtype, n, vec in ((bf16, 32768, 8), (f32, 16384, 4), (bf16, 20000, 8)):
+        launch = _dispatch_grad.choose_rows_grad("rms", dtype, dtype, 1, 4096, n, 1, vec, H200)
+        (step,) = launch.steps
+        kernel = step.kernel
+        assert launch.tier == "cached" and kernel.cluster > 1 and not kernel.cooperative and kernel.min_arch == 90
+        assert step.block[0] <= threads and step.grid == (4096 * kernel.cluster,)
+        vpt = kernel.template_args[5]
+        assert kernel.cluster * step.block[0] * vpt * vec >= n  # the cluster holds the row ...
+        assert (kernel.cluster // 2) * threads * vpt * vec < n  # ... and half of it would not
+        assert _dispatch_grad.choose_rows_grad("rms", dtype, dtype, 1, 4096, n, 1, vec, A100).tier == "streamed"
+        few = 132 // kernel.cluster - 1
+        assert _dispatch_grad.choose_rows_grad("rms", dtype, dtype, 1, few, n, 1, vec, H200).tier == "streamed"
+    launch = _dispatch_grad.choose_rows_grad("ln", bf16, bf16, 3, 4096, 4096, 1, 8, H200)
+    assert launch.steps[0].kernel.cluster == 1 and launch.steps[0].kernel.cooperative
+    assert _dispatch_grad.choose_rows_grad("ln", bf16, bf16, 3, 4096, 1 << 20, 1, 8, H200).tier == "streamed"
+
+
+def test_every_backward_choice_is_compiled():
+    """Whatever the row backward's dispatch picks over a sweep of norms,
+    dtypes, parameters, vector widths and row lengths (clusters included)
+    is in all_kernels()."""
+    compiled = {k.expression for k in _catalogue.all_kernels()}
+    clustered = 0
+    for norm in _dispatch_grad.GRAD_NORMS:
+        for dtype in _dtypes.SUPPORTED:
+            dtype = np.dtype(dtype)
+            for flags in _dispatch.norm_info(norm).flags:
+                pdtype = dtype if flags else None
+                for vec in (1, 2, 16 // dtype.itemsize):
+                    for n in (vec * 8, 4096, 8192 + vec, 16384, 32768, 40000 * vec, 65536):
+                        n -= n % vec
+                        for device in (H200, A100):
+                            launch = _dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, 4096, n, 1, vec,
+                                                                     device)
+                            for step in launch.steps:
+                                assert step.kernel.expression in compiled, step.kernel.expression
+                                clustered += step.kernel.cluster > 1
+    assert clustered > 50

@@ -2,8 +2,11 @@
 the same op written in ``jax.numpy``, in one run (issue 25's cases; bf16 x,
 float32 parameters).
 
-Per case: forward, and forward+backward (``jax.grad`` of the sum of y * dy
-over x and the parameters), each a jitted function. Time per call: wall
+Per case: forward, forward+backward (``jax.grad`` of the sum of y * dy
+over x and the parameters: y itself is never read, so both sides skip
+writing it) and forward+backward of a loss that reads y (the sum of y * y *
+dy, as a next layer would: XLA fuses y into the loss, cunorm writes it),
+each a jitted function. Time per call: wall
 clock over a loop of calls synchronized at the end (what a JAX user
 measures; XLA's launch overhead inside), the best of three loops. GB/s and
 floor% of the forward: x read and y written (the fewest bytes) over that
@@ -17,7 +20,7 @@ import os
 import time
 
 TITLES = ["op", "shape", "cunorm fwd ms", "XLA fwd ms", "fwd x XLA", "fwd floor%", "cunorm fwd+bwd ms",
-          "XLA fwd+bwd ms", "fwd+bwd x XLA", "agreement"]
+          "XLA fwd+bwd ms", "fwd+bwd x XLA", "y read: cunorm ms", "XLA ms", "x XLA", "agreement"]
 
 
 def _jnp_rms(jax, jnp):
@@ -102,10 +105,14 @@ def rows(quick: bool = False, only: str = "", copy_gbps: float | None = None) ->
                 grad = jax.jit(jax.grad(lambda x, w, b, f=f: jnp.sum((f(x, w, b) * dy).astype(jnp.float32)),
                                         (0, 1, 2)))
                 row[f"{name}_train_ms"] = _per_call_ms(jax, grad, (x, w, b), calls)
+                read = jax.jit(jax.grad(lambda x, w, b, f=f: jnp.sum((jnp.square(f(x, w, b)) * dy).astype(
+                    jnp.float32)), (0, 1, 2)))
+                row[f"{name}_read_ms"] = _per_call_ms(jax, read, (x, w, b), calls)
             y, want = (jax.jit(f)(x, w, b).astype(jnp.float32) for f in fs.values())
             row["agreement"] = float(jnp.max(jnp.abs(y - want)) / jnp.max(jnp.abs(want)))
             row["fwd_speedup"] = row["xla_fwd_ms"] / row["cunorm_fwd_ms"]
             row["train_speedup"] = row["xla_train_ms"] / row["cunorm_train_ms"]
+            row["read_speedup"] = row["xla_read_ms"] / row["cunorm_read_ms"]
             if copy_gbps:
                 gbps = 2 * x.size * x.dtype.itemsize / row["cunorm_fwd_ms"] / 1e6
                 row["fwd_floor_pct"] = 100 * gbps / copy_gbps
@@ -125,5 +132,6 @@ def format_rows(rows_: list[dict]) -> list[list[str]]:
         table.append([r["op"], r["shape"], f"{r['cunorm_fwd_ms']:.3f}", f"{r['xla_fwd_ms']:.3f}",
                       f"{r['fwd_speedup']:.2f}", "" if floor is None else f"{floor:.1f}",
                       f"{r['cunorm_train_ms']:.3f}", f"{r['xla_train_ms']:.3f}", f"{r['train_speedup']:.2f}",
+                      f"{r['cunorm_read_ms']:.3f}", f"{r['xla_read_ms']:.3f}", f"{r['read_speedup']:.2f}",
                       f"{r['agreement']:.1e}"])
     return table

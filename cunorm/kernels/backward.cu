@@ -16,13 +16,15 @@
 //
 // Families (cunorm/_grad.py picks):
 //   rows_grad_cached   contiguous rows of up to 32 elements (64 bytes of x)
-//                      a thread: a block walks rows with its row in
+//                      a thread: a block (or, for longer rows on sm_90, a
+//                      cluster of blocks) walks rows with its row in
 //                      registers, reads x and dy once, and keeps its
 //                      columns' dweight/dbias partials in shared memory
 //                      across rows (each thread owns the same columns in
 //                      every row); once all have written their partials
-//                      the grid adds them up (a cooperative launch). One
-//                      read of x and dy, one write of dx.
+//                      the grid adds them up (a cooperative launch; a
+//                      cluster's partials go to column_sum). One read of x
+//                      and dy, one write of dx.
 //   rows_grad_chunks / rows_grad_finalize_wide / rows_grad_apply<false>
 //                      contiguous rows too long for that (the whole array
 //                      is one such row): pass 1 reduces chunks of each row
@@ -42,6 +44,7 @@
 //                      coefficients from its channels' A and B weighted by
 //                      the weight. Pass 1 reduces (sample, channel) chunks,
 //                      two small launches combine them, pass 2 writes dx.
+#include "cluster.cuh"
 #include "grads.cuh"
 
 namespace cunorm {
@@ -104,6 +107,15 @@ __device__ __forceinline__ A weighted(A dy, A w) {
 // 2026-11-23: 81.4 / 90.3% against 80.9 / 89.4% with it, whose 9 / 6 us
 // were mostly its launch and ramp).
 //
+// CLUSTER > 1 (sm_90; rows longer than a block holds): a cluster of CLUSTER
+// blocks shares each row, block rank r owning vectors r * slice + tid, +
+// blockDim.x, ... (slice = blockDim.x x VPT vectors) of every row; cluster c
+// of the grid's gridDim.x / CLUSTER takes rows c, c + clusters, ... Each
+// block's statistic is added to its peers' in rank order through
+// distributed shared memory (a slot a row parity: a block cannot be two
+// rows ahead of a peer, the cluster barrier of every row holds it), so all
+// blocks of a cluster hold the bitwise same row statistic. The partials are
+// a row per cluster (parts = clusters), added by column_sum.
 // The column sums live in dynamic shared memory (one word per element a
 // thread owns and parameter: VPT x VEC x blockDim.x words for dweight, as
 // many for dbias), in groups of W = ColumnSums::kWidth consecutive elements
@@ -238,30 +250,53 @@ __device__ __forceinline__ void grid_column_sum(const A* __restrict__ partial, P
     }
 }
 
-template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS>
-__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
+// The sum of a block's statistic s over its cluster, in rank order, in every
+// thread (slot: one Stats of this block's shared memory, free until every
+// block of the cluster has passed the next cluster barrier).
+template <class Grad, int CLUSTER>
+__device__ __forceinline__ typename Grad::Stats cluster_combine(typename Grad::Stats s, typename Grad::Stats* slot) {
+    if (threadIdx.x == 0) *slot = s;
+    cluster_arrive();
+    cluster_wait();
+    typename Grad::Stats total = *cluster_peer(slot, 0);
+#pragma unroll
+    for (unsigned int k = 1; k < CLUSTER; ++k) total = Grad::combine(total, *cluster_peer(slot, k));
+    return total;
+}
+
+template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS, int CLUSTER>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(CLUSTER)
     rows_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
                      const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
                      const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
                      int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(CLUSTER == 1, "thread-block clusters need sm_90");
+#endif
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
     using Sums = ColumnSums<A, VEC>;
     constexpr int W = Sums::kWidth;
     __shared__ Stats scratch[33];
+    __shared__ Stats cluster_slots[CLUSTER > 1 ? 2 : 1];
     extern __shared__ __align__(16) unsigned char grad_column_sums[];
     A* const sums_base = reinterpret_cast<A*>(grad_column_sums) + (threadIdx.x / 32) * (VPT * VEC * 32) +
                          (threadIdx.x % 32) * W;
     const Sums dw_sums{sums_base};
     const Sums db_sums{sums_base + ((FLAGS & kWeight) ? VPT * VEC * blockDim.x : 0)};
     const int n_vec = n / VEC;
+    const unsigned int rank = CLUSTER > 1 ? cluster_rank() : 0u;
+    // this thread's first vector of every row (its block's slice, then its own)
+    const int first_vec = static_cast<int>(rank) * static_cast<int>(blockDim.x) * VPT + static_cast<int>(threadIdx.x);
+    const long long clusters = gridDim.x / CLUSTER;  // the partials' rows
+    const long long cluster = blockIdx.x / CLUSTER;
     // the weights widened once (not twice a row: 16-bit weights cost a
     // conversion an element a pass)
     A wf[VPT][VEC];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-        const int v = threadIdx.x + k * blockDim.x;
+        const int v = first_vec + k * blockDim.x;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) wf[k][j] = A(1);
         if constexpr (FLAGS & kWeight) {
@@ -280,14 +315,15 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
             if constexpr (FLAGS & kBias) *db_sums.group(k, g) = zero;
         }
     }
+    int parity = 0;
 #pragma unroll 1
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (long long row = cluster; row < rows; row += clusters) {
         const long long base = row * n;
         Vec<T, VEC> xv[VPT];
         Vec<T, VEC> gv[VPT];
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            const int v = threadIdx.x + k * blockDim.x;
+            const int v = first_vec + k * blockDim.x;
             if (v < n_vec) {
                 xv[k] = load_vec<T, VEC>(x + base + static_cast<long long>(v) * VEC);
                 gv[k] = load_vec<T, VEC>(dy + base + static_cast<long long>(v) * VEC);
@@ -299,10 +335,11 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
         // step (the loop before, over a row's lines of x then of dy with
         // 64-bit index arithmetic and up to k rows ahead, cost LayerNorm
         // bf16 32768x4096 1.4 points).
-        if (prefetch_next && row + gridDim.x < rows) {
-            const char* const x_next = reinterpret_cast<const char*>(x + (row + gridDim.x) * n);
-            const char* const dy_next = reinterpret_cast<const char*>(dy + (row + gridDim.x) * n);
-            const int bytes = n * static_cast<int>(sizeof(T));
+        if (prefetch_next && row + clusters < rows) {
+            const int first = (first_vec - static_cast<int>(threadIdx.x)) * VEC;  // the block's slice
+            const char* const x_next = reinterpret_cast<const char*>(x + (row + clusters) * n + first);
+            const char* const dy_next = reinterpret_cast<const char*>(dy + (row + clusters) * n + first);
+            const int bytes = min(n - first, static_cast<int>(blockDim.x) * VPT * VEC) * static_cast<int>(sizeof(T));
             for (int offset = threadIdx.x * 128; offset < bytes; offset += blockDim.x * 128) {
                 prefetch_l2(x_next + offset);
                 prefetch_l2(dy_next + offset);
@@ -316,7 +353,7 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
         Stats s = Grad::init();
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            if (threadIdx.x + k * blockDim.x < n_vec) {
+            if (first_vec + k * blockDim.x < n_vec) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const A g = weighted<FLAGS>(static_cast<A>(widen(gv[k].v[j])), wf[k][j]);
@@ -328,10 +365,14 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
         // unrolled loop, not the general one with its trip-count
         // arithmetic; LayerNorm bf16 32768x4096 77.2 -> 79.4%, H200)
         s = block_reduce<Grad, MAX_THREADS / 32>(s, scratch);
+        if constexpr (CLUSTER > 1) {
+            s = cluster_combine<Grad, CLUSTER>(s, &cluster_slots[parity]);
+            parity ^= 1;
+        }
         const GradCoeffs<A> c = Grad::coeffs(s, n, eps, c0, s0);
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            const int v = threadIdx.x + k * blockDim.x;
+            const int v = first_vec + k * blockDim.x;
             if (v < n_vec) {
                 const long long e = base + static_cast<long long>(v) * VEC;
                 Vec<T, VEC> hv;
@@ -360,10 +401,15 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
             }
         }
     }
+    // no block leaves while a peer may still read its slot
+    if constexpr (CLUSTER > 1) {
+        cluster_arrive();
+        cluster_wait();
+    }
     if constexpr (FLAGS != 0) {
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            const int v = threadIdx.x + k * blockDim.x;
+            const int v = first_vec + k * blockDim.x;
             if (v < n_vec) {
 #pragma unroll
                 for (int g = 0; g < VEC / W; ++g) {
@@ -373,16 +419,15 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                     if constexpr (FLAGS & kBias) db_group = *db_sums.group(k, g);
 #pragma unroll
                     for (int i = 0; i < W; ++i) {
-                        if constexpr (FLAGS & kWeight) partial[static_cast<long long>(blockIdx.x) * n + col + i] = dw_group.v[i];
-                        if constexpr (FLAGS & kBias)
-                            partial[(static_cast<long long>(gridDim.x) + blockIdx.x) * n + col + i] = db_group.v[i];
+                        if constexpr (FLAGS & kWeight) partial[cluster * n + col + i] = dw_group.v[i];
+                        if constexpr (FLAGS & kBias) partial[(clusters + cluster) * n + col + i] = db_group.v[i];
                     }
                 }
             }
         }
         // Without `arrived` (a launch that cannot be cooperative: the jit
         // path's), column_sum adds the partials up after this launch.
-        if (arrived == nullptr) return;
+        if (CLUSTER > 1 || arrived == nullptr) return;
         // Every block's partials written (the grid is co-resident: a
         // cooperative launch), then the grid adds them up.
         __syncthreads();
