@@ -128,13 +128,13 @@ def backward_kernels() -> list[Kernel]:
                     for vpt in _vpt_choices(vec, dtype.itemsize):
                         for threads in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
                             out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *grad_cached_bounds(threads, vpt),
-                                                          1, cooperative=flags != 0, persistent=True))
+                                                          cooperative=flags != 0, persistent=True))
 
                     for bounds in sorted({(vpt, cluster, *grad_cached_bounds(threads, vpt))
                                           for vpt, cluster, threads in grad_cached_cluster_shapes(vec, dtype.itemsize)}):
                         vpt, cluster, most, fewest = bounds
-                        out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, most, fewest, cluster,
-                                                      persistent=True))
+                        out.append(K.ROWS_GRAD_CLUSTER(grad, t, p, flags, vec, vpt, most, fewest, cluster,
+                                                       persistent=True))
                     out.append(K.ROWS_GRAD_CHUNKS(grad, t, p, flags, vec))
                     out.append(K.ROWS_GRAD_SUMS(grad, t, p, flags, vec))
                     for strided in (False, True):

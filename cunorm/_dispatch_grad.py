@@ -11,9 +11,9 @@ resident, walking rows, their column sums in shared memory (so rows the
 shared memory cannot hold stream), launched cooperatively where it has
 parameters: the grid adds its blocks' partials itself behind a grid
 barrier. On sm_90, rows up to GRAD_CACHED_MAX_CLUSTER blocks of
-GRAD_CACHED_CLUSTER_THREADS hold run it on thread-block clusters, a
-cluster a row (their partials added by column_sum), where there are rows
-enough to fill the SMs. Longer contiguous rows (and the whole
+GRAD_CACHED_CLUSTER_THREADS hold run rows_grad_cluster (the same body on
+thread-block clusters, a cluster a row, their partials added by
+column_sum), where there are rows enough to fill the SMs. Longer contiguous rows (and the whole
 array) run rows_grad_chunks + rows_grad_finalize_wide + rows_grad_apply, a
 strided axis rows_grad_sums + rows_grad_finalize + rows_grad_apply, each
 pass chunked to about GRAD_BLOCKS_PER_SM blocks an SM (the contiguous
@@ -50,7 +50,7 @@ GRAD_CACHED_TARGET_MIN_BLOCKS = 3
 #: rows ahead read less, 61-68%)
 GRAD_CACHED_PREFETCH_NEXT = True
 GRAD_CACHED_MAX_THREADS = 512
-#: rows longer than a block holds run rows_grad_cached on a thread-block
+#: rows longer than a block holds run rows_grad_cluster: a thread-block
 #: cluster (sm_90) of at most GRAD_CACHED_MAX_CLUSTER blocks of at most
 #: GRAD_CACHED_CLUSTER_THREADS threads (the fewest blocks that hold the
 #: row), when its clusters fill the GPU's SMs (rows x cluster >= SMs;
@@ -233,9 +233,12 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
         if shape is not None and (shape[2] == 1 or outer * shape[2] >= sm) and \
                 shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
             threads, vpt, cluster = shape
-            # (a cluster's partials go to column_sum: no cooperative launch)
-            kernel = K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *grad_cached_bounds(threads, vpt), cluster,
-                                        cooperative=flags != 0 and cooperative and cluster == 1, persistent=True)
+            bounds = grad_cached_bounds(threads, vpt)
+            if cluster == 1:
+                kernel = K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *bounds, cooperative=flags != 0 and cooperative,
+                                            persistent=True)
+            else:  # (its partials go to column_sum: no cooperative launch)
+                kernel = K.ROWS_GRAD_CLUSTER(grad, t, p, flags, vec, vpt, *bounds, cluster, persistent=True)
             step = Step(kernel, (min(outer, MAX_GRID_X // cluster) * cluster,), (threads,), shared)
             return GradLaunch("cached", (step,), prefetch_next=GRAD_CACHED_PREFETCH_NEXT)
         # pass 1: chunks of each row, about GRAD_CHUNK_BLOCKS_PER_SM blocks an

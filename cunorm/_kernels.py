@@ -155,10 +155,14 @@ CHANNEL_GRAD_ONCHIP = KernelDecl("onchip", "channel_grad_onchip",
                                  ("T", "P", "FLAGS", "VEC", "TRAINING", "THREADS", "ITEMS", "CLUSTER"),
                                  _args("dy x mean rstd w:in dx dw db:out batch plane_vecs channels:i32"))
 # backward.cu
+_ROWS_GRAD_CACHED_ARGS = _args("dy x dh w center scale:in dx partial:out rows:i64 n:i32 eps:acc "
+                               "prefetch_next:i32 dw db arrived:out")
 ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
-                              ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "CLUSTER"),
-                              _args("dy x dh w center scale:in dx partial:out rows:i64 n:i32 eps:acc "
-                                    "prefetch_next:i32 dw db arrived:out"))
+                              ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),
+                              _ROWS_GRAD_CACHED_ARGS)
+ROWS_GRAD_CLUSTER = KernelDecl("backward", "rows_grad_cluster",
+                               ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "CLUSTER"),
+                               _ROWS_GRAD_CACHED_ARGS)
 COLUMN_SUM = KernelDecl("backward", "column_sum", ("A", "P", "C"),
                         _args("partial:in out_w out_b:out parts:i32 n:i64 block_x:i32"))
 ROWS_GRAD_CHUNKS = KernelDecl("backward", "rows_grad_chunks", ("Grad", "T", "P", "FLAGS", "VEC"),

@@ -194,7 +194,11 @@ def test_batch_norm_training_returns_the_running_buffers(rng, jx):
     ye = cj.batch_norm(x, w, b, running_mean=rm2, running_var=rv2, training=False)
     want = reference.batch_norm(xn, _np(w), _np(b), running_mean=_np(rm2), running_var=_np(rv2), training=False,
                                 exact=True)
-    assert_close(_np(ye), want, np.float32, what="batch_norm eval")
+    # (an output near zero comes from terms near one cancelling: its error is
+    # judged against the terms, w * xhat and b)
+    terms = np.abs(want - _np(b)[None, :, None, None]) + np.abs(_np(b))[None, :, None, None]
+    assert_close(_np(ye), want, np.float32, atol=RTOL[np.dtype(np.float32)] * float(terms.max()),
+                 what="batch_norm eval")
     g = jax.grad(lambda x: jnp.sum(cj.batch_norm(x, w, b, running_mean=rm2, running_var=rv2, training=False) * x))(x)
     gw = jax.grad(lambda x: jnp.sum(((x - rm2[None, :, None, None]) / jnp.sqrt(rv2[None, :, None, None] + 1e-5)
                                      * w[None, :, None, None] + b[None, :, None, None]) * x))(x)

@@ -107,7 +107,7 @@ __device__ __forceinline__ A weighted(A dy, A w) {
 // 2026-11-23: 81.4 / 90.3% against 80.9 / 89.4% with it, whose 9 / 6 us
 // were mostly its launch and ramp).
 //
-// CLUSTER > 1 (sm_90; rows longer than a block holds): a cluster of CLUSTER
+// rows_grad_cluster, CLUSTER > 1 (sm_90; rows longer than a block holds): a cluster of CLUSTER
 // blocks shares each row, block rank r owning vectors r * slice + tid, +
 // blockDim.x, ... (slice = blockDim.x x VPT vectors) of every row; cluster c
 // of the grid's gridDim.x / CLUSTER takes rows c, c + clusters, ... Each
@@ -264,13 +264,13 @@ __device__ __forceinline__ typename Grad::Stats cluster_combine(typename Grad::S
     return total;
 }
 
-template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS, int CLUSTER>
-__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(CLUSTER)
-    rows_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
-                     const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
-                     const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
-                     typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
-                     int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
+// The body of rows_grad_cached (CLUSTER 1) and rows_grad_cluster.
+template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int CLUSTER>
+__device__ __forceinline__ void rows_grad_cached_body(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
+                                                      const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
+                                                      const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
+                                                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
+                                                      int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     static_assert(CLUSTER == 1, "thread-block clusters need sm_90");
 #endif
@@ -449,6 +449,31 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(C
         }
         grid_column_sum<1, A, P, FLAGS>(partial, dw, db, static_cast<int>(gridDim.x), n, tile);
     }
+}
+
+// A block a row. It declares no cluster shape: a kernel that declares one,
+// even of one block, had its cooperative launches refused as too large
+// (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) at grids the occupancy query
+// allowed (H100, 2026-11-25).
+template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
+    rows_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
+                     const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
+                     const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
+                     typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
+                     int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1>(dy, x, dh, w, center, scale, dx, partial, rows, n, eps, prefetch_next, dw, db, arrived);
+}
+
+// A cluster of CLUSTER blocks a row (sm_90; never cooperative).
+template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS, int CLUSTER>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(CLUSTER)
+    rows_grad_cluster(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
+                      const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
+                      const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
+                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
+                      int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER>(dy, x, dh, w, center, scale, dx, partial, rows, n, eps, prefetch_next, dw, db, arrived);
 }
 
 // --- column_sum ------------------------------------------------------------------
