@@ -6,9 +6,10 @@ bandwidth of the same run, plus the time of each launch of one call (a
   block (GRAD_CACHED_TARGET_THREADS) and the blocks an SM its launch bounds
   ask for (GRAD_CACHED_TARGET_MIN_BLOCKS) x the next row fetched into L2
   ahead or not (GRAD_CACHED_PREFETCH_NEXT);
-- rows_grad_cached on clusters (rows a block cannot hold) against the
-  streamed rows: the most threads a cluster's block has
-  (GRAD_CACHED_CLUSTER_THREADS) x the next row fetched ahead or not;
+- rows_grad_cluster (rows a block cannot hold) against the streamed rows:
+  the most blocks a cluster and threads a block (GRAD_CACHED_MAX_CLUSTER,
+  GRAD_CACHED_CLUSTER_THREADS; a shape that cannot hold the row streams)
+  x the next row fetched ahead or not;
 - the streamed rows (problem 40, LayerNorm bf16 4096x32768): the blocks an
   SM of pass 1 (GRAD_CHUNK_BLOCKS_PER_SM), and their launches;
 - the streamed rows' pass 2 on few long rows to many (LayerNorm bf16 16x2M
@@ -123,12 +124,12 @@ def main():
             run, nbytes = case(op, shape, dtype, -1)
             with overridden(GRAD_CACHED_MAX_CLUSTER=1):
                 report(f"{label}, streamed", run, nbytes, bw, steps=True)
-            for threads in (128, 256, 512):
-                with overridden(GRAD_CACHED_CLUSTER_THREADS=threads):
+            for threads, most in ((128, 8), (256, 8), (512, 2), (512, 4)):
+                with overridden(GRAD_CACHED_CLUSTER_THREADS=threads, GRAD_CACHED_MAX_CLUSTER=most):
                     for ahead in (True, False):
                         with overridden(GRAD_CACHED_PREFETCH_NEXT=ahead):
-                            report(f"{label}, clusters of <= {threads} threads, prefetch {ahead:d}", run, nbytes, bw,
-                                   steps=ahead)
+                            report(f"{label}, clusters of <= {most} x <= {threads} threads, prefetch {ahead:d}", run,
+                                   nbytes, bw, steps=ahead)
             del run
     if "apply" in args.only or not args.only:
         for label, shape, dtype in (("ln bf16 16x2M", (16, 2 << 20), "bfloat16"), ("ln bf16 8x1M", (8, 1 << 20), "bfloat16"),

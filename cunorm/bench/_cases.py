@@ -368,7 +368,7 @@ BACKWARD_CASES = [
     ("backward rms_norm fp32 65536x1024 +w", "rms", (65536, 1024), "float32", -1, None),
     # 64 KB of column sums a block: more than the default dynamic shared memory
     ("backward layer_norm bf16 4096x8192 +w+b", "ln", (4096, 8192), "bfloat16", -1, None),
-    ("backward layer_norm bf16 4096x32768 +w+b (streamed)", "ln", (4096, 32768), "bfloat16", -1, None),
+    ("backward layer_norm bf16 4096x32768 +w+b (long rows)", "ln", (4096, 32768), "bfloat16", -1, None),
     # few long rows (LayerNorm over each sample's feature map): one row part
     ("backward layer_norm bf16 (8,64,128,128) axes 1-3 +w+b", "ln", (8, 64, 128, 128), "bfloat16", (1, 2, 3), None),
     ("backward problem 40 layer_norm (16,64,256,256) fp32 +w+b", "ln", (16, 64, 256, 256), "float32", (1, 2, 3), 60),
