@@ -16,15 +16,16 @@
 //
 // Families (cunorm/_grad.py picks):
 //   rows_grad_cached   contiguous rows of up to 32 elements (64 bytes of x)
-//                      a thread: a block (or, for longer rows on sm_90, a
-//                      cluster of blocks) walks rows with its row in
+//                      a thread: a block walks rows with its row in
 //                      registers, reads x and dy once, and keeps its
 //                      columns' dweight/dbias partials in shared memory
 //                      across rows (each thread owns the same columns in
 //                      every row); once all have written their partials
-//                      the grid adds them up (a cooperative launch; a
-//                      cluster's partials go to column_sum). One read of x
-//                      and dy, one write of dx.
+//                      the grid adds them up (a cooperative launch). One
+//                      read of x and dy, one write of dx.
+//   rows_grad_cluster  the same for rows one block cannot hold (sm_90): a
+//                      thread-block cluster a row, its partials added by
+//                      column_sum.
 //   rows_grad_chunks / rows_grad_finalize_wide / rows_grad_apply<false>
 //                      contiguous rows too long for that (the whole array
 //                      is one such row): pass 1 reduces chunks of each row
@@ -107,15 +108,17 @@ __device__ __forceinline__ A weighted(A dy, A w) {
 // 2026-11-23: 81.4 / 90.3% against 80.9 / 89.4% with it, whose 9 / 6 us
 // were mostly its launch and ramp).
 //
-// rows_grad_cluster, CLUSTER > 1 (sm_90; rows longer than a block holds): a cluster of CLUSTER
-// blocks shares each row, block rank r owning vectors r * slice + tid, +
-// blockDim.x, ... (slice = blockDim.x x VPT vectors) of every row; cluster c
-// of the grid's gridDim.x / CLUSTER takes rows c, c + clusters, ... Each
-// block's statistic is added to its peers' in rank order through
-// distributed shared memory (a slot a row parity: a block cannot be two
-// rows ahead of a peer, the cluster barrier of every row holds it), so all
-// blocks of a cluster hold the bitwise same row statistic. The partials are
-// a row per cluster (parts = clusters), added by column_sum.
+// rows_grad_cluster (CLUSTER > 1, sm_90, rows longer than a block holds):
+// a cluster of CLUSTER blocks shares each row, block rank r owning vectors
+// r * slice + tid, + blockDim.x, ... (slice = blockDim.x x VPT vectors) of
+// every row; cluster c of the grid's gridDim.x / CLUSTER takes rows c, c +
+// clusters, ... Each block's statistic is added to its peers' in rank
+// order through distributed shared memory (a slot a row parity: a block
+// cannot be two rows ahead of a peer, the cluster barrier of every row
+// holds it), so all blocks of a cluster hold the bitwise same row
+// statistic. The partials are a row per cluster (parts = clusters), added
+// by column_sum.
+//
 // The column sums live in dynamic shared memory (one word per element a
 // thread owns and parameter: VPT x VEC x blockDim.x words for dweight, as
 // many for dbias), in groups of W = ColumnSums::kWidth consecutive elements
@@ -266,11 +269,12 @@ __device__ __forceinline__ typename Grad::Stats cluster_combine(typename Grad::S
 
 // The body of rows_grad_cached (CLUSTER 1) and rows_grad_cluster.
 template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int CLUSTER>
-__device__ __forceinline__ void rows_grad_cached_body(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
-                                                      const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
-                                                      const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
-                                                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
-                                                      int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
+__device__ __forceinline__ void rows_grad_cached_body(
+    const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh, const P* __restrict__ w,
+    const typename AccOf<T>::type* __restrict__ center, const typename AccOf<T>::type* __restrict__ scale,
+    T* __restrict__ dx, typename AccOf<T>::type* __restrict__ partial, long long rows, int n,
+    typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
+    unsigned int* __restrict__ arrived) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     static_assert(CLUSTER == 1, "thread-block clusters need sm_90");
 #endif
@@ -462,7 +466,8 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                      const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
                      int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
-    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1>(dy, x, dh, w, center, scale, dx, partial, rows, n, eps, prefetch_next, dw, db, arrived);
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1>(dy, x, dh, w, center, scale, dx, partial, rows,
+                                                                      n, eps, prefetch_next, dw, db, arrived);
 }
 
 // A cluster of CLUSTER blocks a row (sm_90; never cooperative).
@@ -473,7 +478,8 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(C
                       const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
                       typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
                       int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
-    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER>(dy, x, dh, w, center, scale, dx, partial, rows, n, eps, prefetch_next, dw, db, arrived);
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER>(
+        dy, x, dh, w, center, scale, dx, partial, rows, n, eps, prefetch_next, dw, db, arrived);
 }
 
 // --- column_sum ------------------------------------------------------------------
