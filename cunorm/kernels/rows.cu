@@ -13,8 +13,7 @@
 //   VEC        elements a thread moves per access (16 bytes when the
 //              pointers, strides and n allow it)
 // Per-group statistics (Affine center and scale, accumulation type) are
-// written to center_out / scale_out when those are not null; rows_cached
-// also takes a null y (the statistics alone).
+// written to center_out / scale_out when those are not null.
 //
 // Three tiers, picked by cunorm/_dispatch.py from the row length and count:
 //
@@ -271,12 +270,11 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const P* __restric
         const Affine<A> f = Norm::finalize(s, n, eps);
         if (active && lane == 0) store_stats(center_out, scale_out, row, f, pivot);
 
-        // (y null: the statistics alone, for a jit program that never reads y)
         Y* yr = y + row * n;
 #pragma unroll
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
             const int v = lane + k * row_threads;
-            if (active && v < n_vec && y != nullptr) {
+            if (active && v < n_vec) {
                 const long long e = static_cast<long long>(v) * VEC;
                 write_normalized<T, P, FLAGS, VEC, A>(yr + e, cache[k], load_params<P, FLAGS, VEC>(w, b, e), f, pivot);
             }
