@@ -129,7 +129,6 @@ def backward_kernels() -> list[Kernel]:
                         for threads in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
                             out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *grad_cached_bounds(threads, vpt),
                                                           cooperative=flags != 0, persistent=True))
-
                     for bounds in sorted({(vpt, cluster, *grad_cached_bounds(threads, vpt))
                                           for vpt, cluster, threads in grad_cached_cluster_shapes(vec, dtype.itemsize)}):
                         vpt, cluster, most, fewest = bounds

@@ -164,14 +164,17 @@ def grad_cached_shape(n_vec: int, vec: int, itemsize: int, max_cluster: int = 1)
             threads = _ceil_div(_ceil_div(n_vec, vpt), 32) * 32
             if threads <= cap:
                 return threads, vpt, 1
-    cluster = 2
-    while cluster <= min(max_cluster, GRAD_CACHED_MAX_CLUSTER):
+    for cluster in _cluster_sizes(min(max_cluster, GRAD_CACHED_MAX_CLUSTER)):
         for vpt in _vpt_choices(vec, itemsize):
             threads = _ceil_div(_ceil_div(n_vec, cluster * vpt), 32) * 32
             if threads <= GRAD_CACHED_CLUSTER_THREADS:
                 return threads, vpt, cluster
-        cluster *= 2
     return None
+
+
+def _cluster_sizes(most: int) -> list[int]:
+    """The cluster sizes tried, in order: powers of two from 2 to ``most``."""
+    return [c for c in (2, 4, 8, 16) if c <= most]
 
 
 def grad_cached_cluster_shapes(vec: int, itemsize: int) -> set[tuple[int, int, int]]:
@@ -179,7 +182,7 @@ def grad_cached_cluster_shapes(vec: int, itemsize: int) -> set[tuple[int, int, i
     for a cluster, over every row length (what the catalogue compiles). A
     shape it picks for some row it picks for the longest row it holds, so
     those lengths are the ones tried."""
-    lengths = {cluster * vpt * threads for cluster in (2, 4, 8, 16) if cluster <= GRAD_CACHED_MAX_CLUSTER
+    lengths = {cluster * vpt * threads for cluster in _cluster_sizes(GRAD_CACHED_MAX_CLUSTER)
                for vpt in _vpt_choices(vec, itemsize) for threads in range(32, GRAD_CACHED_CLUSTER_THREADS + 1, 32)}
     shapes = (grad_cached_shape(n_vec, vec, itemsize, GRAD_CACHED_MAX_CLUSTER) for n_vec in lengths)
     return {(vpt, cluster, threads) for threads, vpt, cluster in filter(None, shapes) if cluster > 1}

@@ -24,7 +24,8 @@ models
     ``cunorm.torch.replace_norms`` (cunorm/bench/_models.py).
 jax
     cunorm.jax inside ``jax.jit`` against XLA's fusion of the same op in
-    ``jax.numpy``, forward and forward+backward (cunorm/bench/_jax.py).
+    ``jax.numpy``: forward, forward+backward, and forward+backward of a
+    loss that reads y (cunorm/bench/_jax.py).
 
 Every run first measures the device-to-device copy bandwidth, then reports
 per case: the median ms of the GPU work and its spread (min to max over the

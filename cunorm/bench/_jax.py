@@ -77,7 +77,8 @@ def _per_call_ms(jax, fn, args, calls: int) -> float:
 
 
 def rows(quick: bool = False, only: str = "", copy_gbps: float | None = None) -> list[dict]:
-    """One row per case: cunorm's and XLA's ms, forward and forward+backward."""
+    """One row per case: cunorm's and XLA's ms, forward, forward+backward
+    and forward+backward with y read."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
         import jax
