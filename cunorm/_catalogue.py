@@ -107,6 +107,20 @@ def onchip_kernels(dtype, t, affine) -> list[Kernel]:
     return out
 
 
+def statistics_only_kernels() -> list[Kernel]:
+    """rows_cached without y (_dispatch.statistics_only) for every cached
+    RMSNorm and LayerNorm instantiation. Only jit's lowering takes them,
+    compiling its own PTX, so precompile leaves them out; the compile check
+    covers their representative set."""
+    policies = {norm_info(norm).policy for norm in ("rms", "ln")}
+    out = {}
+    for k in all_kernels():
+        if k.name == "rows_cached" and k.template_args[0] in policies:
+            kernel = K.ROWS_CACHED(*k.template_args[:-1], _dtypes.NO_PARAMS)
+            out[kernel.expression] = kernel
+    return list(out.values())
+
+
 def backward_kernels() -> list[Kernel]:
     """Every instantiation the backward dispatch can pick (the general-p
     norm represented by REPRESENTATIVE_POWER)."""

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import re
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import _kernels as K
 from ._kernels import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
@@ -265,6 +265,19 @@ def residual_add_step(dtype, n_vec: int, vec: int, device: Device) -> Step:
 
     grid = max(1, min(_ceil_div(n_vec, RESIDUAL_ADD_BLOCK), RESIDUAL_ADD_BLOCKS_PER_SM * device.sm_count))
     return Step(K.RESIDUAL_ADD(KERNEL_TYPE[dtype], vec), (grid,), (RESIDUAL_ADD_BLOCK,))
+
+
+def statistics_only(launch: Launch) -> Launch:
+    """The cached tier's launch with its y stores compiled out (rows_cached
+    with Y = none_t): the statistics alone, for a jit program that never
+    reads y. The other tiers always write y."""
+    if launch.tier != "cached":
+        raise ValueError(f"the {launch.tier} tier always writes y")
+    (step,) = launch.steps
+    from ._dtypes import NO_PARAMS
+
+    kernel = K.ROWS_CACHED(*step.kernel.template_args[:-1], NO_PARAMS)
+    return replace(launch, steps=(replace(step, kernel=kernel),))
 
 
 def choose(plan: Plan, device: Device, *, override: dict | None = None) -> Launch | None:

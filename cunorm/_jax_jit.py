@@ -17,7 +17,9 @@ the three launches), since XLA's launches cannot be cooperative.
 
 Private API used, and so the supported versions (SUPPORTED_JAX):
 ``jax._src.lib.gpu_triton`` (the TritonKernel/TritonKernelCall wrappers and
-their proto) and ``jax._src.interpreters.mlir.custom_call``.
+their proto), ``jax._src.interpreters.mlir.custom_call`` and
+``partial_eval.dce_rules`` (a row norm whose y is never read writes its
+statistics alone).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import jax
 from jax._src import dispatch
 from jax._src.interpreters import mlir
 from jax._src.interpreters import batching
+from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
 
 try:
@@ -222,7 +225,9 @@ def emit(recorder, values: dict, outputs: dict, arch: int) -> dict:
 class RowSpec:
     """A row norm's static description: x (shape, dtype) normalized over
     axes first..last; which of residual, weight, bias it has, the parameters'
-    kernel dtype; whether it returns the statistics."""
+    kernel dtype; whether it returns the statistics; whether it returns y
+    (False: set by the dead-code rule, _rows_dce, where the program never
+    reads y)."""
 
     norm: str
     shape: tuple
@@ -235,6 +240,7 @@ class RowSpec:
     bias: bool = False
     pdtype: np.dtype | None = None
     stats: bool = False
+    y: bool = True
 
     @property
     def flags(self) -> int:
@@ -278,7 +284,7 @@ def _grad_outputs(forward, param_shape) -> dict:
 
 def _rows_outputs(spec: RowSpec) -> dict:
     acc = _dtypes.accumulation(spec.dtype)
-    out = {"y": (spec.shape, spec.dtype)}
+    out = {"y": (spec.shape, spec.dtype)} if spec.y else {}
     if spec.residual:
         out["h"] = (spec.shape, spec.dtype)
     for name in spec.stat_names():
@@ -307,8 +313,11 @@ def _record_rows(spec: RowSpec, values: dict, arch: int) -> dict:
         raise RuntimeError(f"cunorm inside jit: no launch for {spec}")  # (the wrappers send no such call)
     names = spec.stat_names()
     recorder = _launch.LaunchRecorder(_ops.ROW_SLOTS, device_id)
-    _ops.build_rows(recorder, plan, launch, spec.eps, "center" in names, "scale" in names)
-    return emit(recorder, values, _rows_outputs(spec), arch)
+    # without y, the cached tier writes the statistics alone; the others
+    # write y anyway (dropped here)
+    write_y = spec.y or launch.tier != "cached"
+    _ops.build_rows(recorder, plan, launch, spec.eps, "center" in names, "scale" in names, write_y)
+    return emit(recorder, values, _rows_outputs(dataclasses.replace(spec, y=write_y)), arch)
 
 
 def _rows_lowering(ctx, *args, spec: RowSpec):
@@ -318,6 +327,23 @@ def _rows_lowering(ctx, *args, spec: RowSpec):
 
 
 mlir.register_lowering(rows_p, _rows_lowering, platform="cuda")
+
+
+def _rows_dce(used_outputs, eqn):
+    """jit's dead-code rule of a row norm: a call whose y nothing reads (the
+    forward of jax.grad, where only the statistics reach the backward)
+    becomes one that writes its other results alone."""
+    if not any(used_outputs):
+        return [False] * len(eqn.invars), None
+    spec = eqn.params["spec"]
+    names = list(_rows_outputs(spec))
+    if spec.y and not used_outputs[names.index("y")]:
+        eqn = eqn.replace(params={**eqn.params, "spec": dataclasses.replace(spec, y=False)},
+                          outvars=[v for name, v in zip(names, eqn.outvars) if name != "y"])
+    return [True] * len(eqn.invars), eqn
+
+
+pe.dce_rules[rows_p] = _rows_dce
 
 
 @dataclasses.dataclass(frozen=True)

@@ -456,10 +456,13 @@ def rows_program(plan, launch, eps: float, has_center: bool, has_scale: bool, de
     return build_rows(_launch.ProgramBuilder(ROW_SLOTS, device), plan, launch, eps, has_center, has_scale).build()
 
 
-def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool):
+def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool, write_y: bool = True):
     """rows_program's launches into ``pb`` (a ProgramBuilder, or the jit
-    path's LaunchRecorder); returns pb."""
-    x, y = pb["x"], pb["y"]
+    path's LaunchRecorder); returns pb. ``write_y`` False (the cached tier
+    only): the statistics alone (_dispatch.statistics_only), y null."""
+    if not write_y:
+        launch = _dispatch.statistics_only(launch)
+    x, y = pb["x"], pb["y"] if write_y else None
     r, h = (pb["r"], pb["h"]) if plan.residual else (x, x)
     w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
     b = pb["b"] if plan.flags & _plan.FLAG_BIAS else x

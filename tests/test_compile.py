@@ -32,6 +32,15 @@ def test_every_instantiation_compiles_for_sm_90_without_spills(name):
     _check("sm_90", kernels)
 
 
+def test_statistics_only_rows_compile_without_spills():
+    """rows_cached without y (jit's unread y), its representative set, both
+    architectures."""
+    kernels = _catalogue.representative_kernels(_catalogue.statistics_only_kernels())
+    assert len(kernels) >= 8 and all(k.template_args[-1] == _dtypes.NO_PARAMS for k in kernels)
+    _check("sm_90", kernels)
+    _check("sm_80", kernels)
+
+
 def test_representative_set_compiles_for_sm_80_without_spills():
     _check("sm_80", _catalogue.representative_kernels([k for k in _all() if k.min_arch <= 80]))
 

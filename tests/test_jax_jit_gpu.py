@@ -256,3 +256,21 @@ def test_odd_sizes_and_float64(rng, jx):
     x = jnp.asarray(np.full((4, 8), np.nan, np.float32))
     assert np.isnan(np.asarray(jax.jit(lambda x: cj.rms_norm(x))(x))).all()
 
+
+@pytest.mark.parametrize("shape", [(37, 4096), (300, 32768), (4, 1 << 20)], ids=["cached", "long rows", "split"])
+@pytest.mark.parametrize("norm", ["rms", "ln"])
+def test_statistics_alone_when_y_is_never_read(rng, jx, norm, shape):
+    """A jitted call whose y nothing reads writes its statistics alone
+    (_rows_dce; rows_cached with a null y): bitwise the eager call's."""
+    jax, jnp, cj = jx
+    x = _put(jnp, random(rng, shape, np.dtype(jnp.bfloat16)))
+    w = _put(jnp, random(rng, shape[-1:], np.float32) + 1)
+    if norm == "rms":
+        eager = cj.rms_norm(x, w, return_stats=True)[1:]
+        stats = jax.jit(lambda x, w: cj.rms_norm(x, w, return_stats=True)[1:])(x, w)
+    else:
+        eager = cj.layer_norm(x, w, w, return_stats=True)[1:]
+        stats = jax.jit(lambda x, w: cj.layer_norm(x, w, w, return_stats=True)[1:])(x, w)
+    assert len(stats) == len(eager) > 0
+    for got, want in zip(stats, eager):
+        assert got.shape == want.shape and np.array_equal(np.asarray(got), np.asarray(want))

@@ -187,3 +187,36 @@ def test_versions_outside_the_tested_range_are_refused(lowering):
     with pytest.raises(RuntimeError, match="needs jax"):
         jj.check_jax_version("0.4.30")
 
+
+def _y_param(config):
+    """rows_cached's y argument in a lowered call's params."""
+    names = [n for n, _ in _kernels.ROWS_CACHED.args]
+    return config["params"][names.index("y")]
+
+
+@pytest.mark.parametrize("shape,dtype,tier_skips_y", [((1024, 4096), jnp.float32, True), ((4096, 32768), BF16, True),
+                                                      ((4, 1 << 20), jnp.float32, False)],
+                         ids=["cached", "long rows", "split"])
+def test_unread_y_is_not_written(lowering, shape, dtype, tier_skips_y):
+    """jax.grad of a loss linear in y never reads y: jit's dead-code pass
+    (_rows_dce) turns the forward into one that writes rstd alone, and
+    rows_cached takes a null y; the other tiers write it anyway. A loss that
+    reads y keeps it."""
+    jj, lower = lowering
+    import cunorm.jax as cj
+
+    f = lambda x, w: cj.rms_norm(x, w)  # noqa: E731
+    specs = ((shape, dtype), (shape[-1:], jnp.float32))
+    dy = jnp.arange(shape[-1], dtype=jnp.float32)
+    _, dead = lower(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * dy), (0, 1)), *specs)
+    _, live = lower(jax.grad(lambda x, w: jnp.sum(jnp.square(f(x, w).astype(jnp.float32))), (0, 1)), *specs)
+    forwards = [[c for c in calls if not re.match(r"cunorm::(rows_grad|column_sum)", c["kernel"])]
+                for calls in (dead, live)]
+    assert all(forwards)
+    if tier_skips_y:
+        (dead_forward,), (live_forward,) = forwards
+        assert dead_forward["kernel"].startswith("cunorm::rows_cached<")
+        assert _y_param(dead_forward) == ["scalar", 0, "i64"] and _y_param(live_forward) == ["array", 0]
+    else:
+        assert not any(c["kernel"].startswith("cunorm::rows_cached<") for c in forwards[0])
+    assert len(dead) == len(live)

@@ -3,10 +3,10 @@ the same op written in ``jax.numpy``, in one run (issue 25's cases; bf16 x,
 float32 parameters).
 
 Per case: forward, forward+backward (``jax.grad`` of the sum of y * dy
-over x and the parameters: y itself is never read, so XLA's fusion need
-not write it, while cunorm's call does) and forward+backward of a loss
-that reads y (the sum of y * y * dy, as a next layer would: XLA fuses y
-into the loss), each a jitted function. Time per call: wall
+over x and the parameters: y itself is never read, so both sides skip
+writing it) and forward+backward of a loss that reads y (the sum of y * y *
+dy, as a next layer would: XLA fuses y into the loss, cunorm writes it),
+each a jitted function. Time per call: wall
 clock over a loop of calls synchronized at the end (what a JAX user
 measures; XLA's launch overhead inside), the best of three loops. GB/s and
 floor% of the forward: x read and y written (the fewest bytes) over that

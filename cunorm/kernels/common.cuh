@@ -15,6 +15,16 @@ namespace cunorm {
 struct half_t { unsigned short bits; };  // IEEE binary16, raw bits
 struct bf16_t { unsigned short bits; };  // bfloat16, raw bits
 struct none_t {};                        // "no affine parameters" marker
+// Y = none_t: a kernel with a y output that writes none (rows_cached's
+// statistics alone)
+template <class Y>
+struct IsNone {
+    static constexpr bool value = false;
+};
+template <>
+struct IsNone<none_t> {
+    static constexpr bool value = true;
+};
 
 // Accumulation type: float for 16- and 32-bit storage, double for float64.
 template <class T> struct AccOf { using type = float; };

@@ -13,7 +13,9 @@
 //   VEC        elements a thread moves per access (16 bytes when the
 //              pointers, strides and n allow it)
 // Per-group statistics (Affine center and scale, accumulation type) are
-// written to center_out / scale_out when those are not null.
+// written to center_out / scale_out when those are not null. rows_cached
+// with Y = none_t writes no y (the statistics alone: a jit program that
+// never reads y).
 //
 // Three tiers, picked by cunorm/_dispatch.py from the row length and count:
 //
@@ -21,7 +23,7 @@
 //                  from registers: one read and one write of every element.
 //                  Y: the storage type of y, T's or float for 16-bit T
 //                  (LayerNorm under autocast reads bf16 and returns float32,
-//                  with no cast pass before it).
+//                  with no cast pass before it), or none_t (no y).
 //                  BLOCK_PER_ROW=false: a group of threads_per_row lanes (a
 //                  power of two <= 32) per row, several rows per block,
 //                  butterfly shuffles only (short rows). BLOCK_PER_ROW=true:
@@ -270,13 +272,16 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const P* __restric
         const Affine<A> f = Norm::finalize(s, n, eps);
         if (active && lane == 0) store_stats(center_out, scale_out, row, f, pivot);
 
-        Y* yr = y + row * n;
+        if constexpr (!IsNone<Y>::value) {
+            Y* yr = y + row * n;
 #pragma unroll
-        for (int k = 0; k < VECS_PER_THREAD; ++k) {
-            const int v = lane + k * row_threads;
-            if (active && v < n_vec) {
-                const long long e = static_cast<long long>(v) * VEC;
-                write_normalized<T, P, FLAGS, VEC, A>(yr + e, cache[k], load_params<P, FLAGS, VEC>(w, b, e), f, pivot);
+            for (int k = 0; k < VECS_PER_THREAD; ++k) {
+                const int v = lane + k * row_threads;
+                if (active && v < n_vec) {
+                    const long long e = static_cast<long long>(v) * VEC;
+                    write_normalized<T, P, FLAGS, VEC, A>(yr + e, cache[k], load_params<P, FLAGS, VEC>(w, b, e), f,
+                                                          pivot);
+                }
             }
         }
     }
