@@ -78,6 +78,12 @@ def main() -> int:
         call = _channels.ChannelCall("group", nhwc, num_groups=2, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
                                      return_stats=True)
         _channels.execute(call, *_channels.prepare(call), override=override)
+    # ... blocks padded to whole warps: 12 rows of 20 vectors (grouped) and 25 rows of 10 (per channel), of 256
+    wide_nhwc, c40 = arr(2, 5, 7, 40), arr(40)
+    for override in ({"walk": "split", "chunks": 3}, {"walk": "split", "chunks": 3, "grouped": False}):
+        call = _channels.ChannelCall("group", wide_nhwc, num_groups=4, weight=c40, bias=c40, eps=1e-5,
+                                     channel_axis=-1, return_stats=True)
+        _channels.execute(call, *_channels.prepare(call), override=override)
     cunorm.batch_norm(nchw, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32))
     cunorm.batch_norm(nhwc, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32))
     for stats in (False, True):  # eval: one launch, or the running buffers' statistics first

@@ -10,7 +10,9 @@ timed call, as in the benchmark):
   its bytes against a second run;
 - the L2 hints of the three launches' epilogue (channel_apply:
   CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE), and the time of each launch of
-  problems 33 and 37 (the two-read walks).
+  problems 33 and 37 (the two-read walks);
+- on channels-last x, the three launches' tiles, chunks and grouping
+  (TILE_VARIANTS), with the time of each launch.
 
 PYTHONPATH=. python bench/tune_channels.py [--only TEXT] [--out DIR]"""
 import argparse
@@ -42,6 +44,8 @@ CASES = [
      "wb", -1),
     ("group_norm(32) channels-last (8,64,64,320) bf16 +w+b", "group_norm", (8, 64, 64, 320), "bfloat16", 32, "wb",
      -1),
+    ("group_norm(32) channels-last (8,32,32,640) bf16 +w+b", "group_norm", (8, 32, 32, 640), "bfloat16", 32, "wb",
+     -1),
     ("instance_norm (16,64,256,256) fp32 +w+b", "instance_norm", (16, 64, 256, 256), "float32", None, "wb"),
     ("instance_norm (4,128,512,512) fp32 +w+b", "instance_norm", (4, 128, 512, 512), "float32", None, "wb"),
     ("instance_norm (4,64,128,128) fp32 +w+b", "instance_norm", (4, 64, 128, 128), "float32", None, "wb"),
@@ -61,6 +65,11 @@ STREAM_VARIANTS = [{}, {"hints": 0}, {"tile_bytes": 16 * KB}, {"tile_bytes": 8 *
                    {"lag": 2, "tile_bytes": 16 * KB}, {"lag": 2, "slab_bytes": 8 * MB, "tile_bytes": 16 * KB},
                    {"lag": 3, "slab_bytes": 6 * MB, "tile_bytes": 16 * KB}]
 SPLIT_VARIANTS = [{"hints": 0}, {"hints": 1}, {"hints": 2}, {"hints": 3}]
+#: channels-last: tiles of a power of two (against the position's vectors
+#: exactly), the chunks a sample's positions are cut into, a statistic per
+#: channel
+TILE_VARIANTS = [{}, {"exact_tile": False}, {"chunks": 66}, {"chunks": 132}, {"chunks": 16}, {"grouped": False},
+                 {"grouped": False, "exact_tile": False}]
 ONCHIP_VARIANTS = [{}] + [{"threads": t, "elements": e, "cluster": k}
                           for t, e, k in ((256, 16, 1), (256, 32, 1), (512, 32, 1), (1024, 32, 1), (256, 32, 2),
                                           (512, 32, 2), (1024, 32, 2), (256, 32, 4), (512, 32, 4), (1024, 32, 4),
@@ -83,7 +92,8 @@ def sweep(name, op, shape, dtype, groups, params, channel_axis=1, *, copy_bw, ro
     for walk in walks:
         if walk in ("rows", "stream") and (op == "batch_norm" or channel_axis != 1):
             continue
-        variants = {"stream": STREAM_VARIANTS, "split": SPLIT_VARIANTS, "onchip": ONCHIP_VARIANTS}.get(walk, [{}])
+        variants = {"stream": STREAM_VARIANTS, "split": TILE_VARIANTS if channel_axis != 1 else SPLIT_VARIANTS,
+                    "onchip": ONCHIP_VARIANTS}.get(walk, [{}])
         if walk == "split" and "onchip" in walks:
             variants = [{}]
         for extra in variants:
@@ -111,6 +121,10 @@ def sweep(name, op, shape, dtype, groups, params, channel_axis=1, *, copy_bw, ro
                            nan=bool(cupy.isnan(as_f32(got)).any()), repeatable=same)
                 print(f"  {override}: {ms:.4f} ms ({lo:.4f}-{hi:.4f}) {row['floor_pct']:.1f}%  "
                       f"diff {err:.2e} nan {row['nan']} repeatable {same}", flush=True)
+                if channel_axis != 1:
+                    row["launches"] = launch_times(lambda: _channels.execute(call, *prep, override=override),
+                                                   verbose=False)
+                    print("    " + ", ".join(f"{k} {t * 1e3:.1f} us" for k, t in row["launches"]), flush=True)
             except Exception as err:  # report, keep going
                 row["error"] = repr(err)[:300]
                 print(f"  {override}: {row['error']}", flush=True)

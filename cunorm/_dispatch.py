@@ -44,6 +44,7 @@ registers when reduced / blockDim.y fits the register cache, else two sweeps.
 """
 from __future__ import annotations
 
+import math
 import re
 
 from dataclasses import dataclass, replace
@@ -141,6 +142,14 @@ class Step:
     grid: tuple[int, ...]
     block: tuple[int, ...]
     shared_bytes: int = 0
+    #: threads launched where more than the block's product: whole warps
+    #: past a 2-D layout's rows, which the kernel leaves idle (channels.cu)
+    padded_threads: int = 0
+
+    @property
+    def threads(self) -> int:
+        """The threads of a launched block."""
+        return self.padded_threads or math.prod(self.block)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,12 @@ CHANNEL_MAX_CHUNK_BYTES = 256 * 1024
 #: grouped (issue 24, fourth pass): 33 0.180 ms, 66 0.187, 132 0.184, 16 0.247.
 CHANNEL_LAST_BLOCKS_PER_SM = 2
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
+#: (a rule, no constant) a channels-last tile is exactly a position's
+#: vectors where they are at most CHANNEL_BLOCK_THREADS, not the next power
+#: of two: 6 rows of 40 threads (240, launched as 256), not 4 rows of 64
+#: with 24 idle in each. GroupNorm(32) bf16 +w+b (8,64,64,320): 0.0529 ->
+#: 0.0483 ms (apply 22.7 -> 18.5 us); 4 rows of 40 (160 threads) 0.0543;
+#: 64 and 160 vectors the same (docs/performance.md, issue 25).
 #: the three launches' LAYOUT template argument (channels.cu's header)
 CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED = 0, 1, 2
 #: channels-last x goes grouped (channels_last_walk) with vectors of at
@@ -277,10 +283,16 @@ def channels_last_walk(plan: ChannelPlan, override: dict) -> tuple[int, int, int
     a thread keeps one statistic) where the statistics are per sample, a
     vector of at least GROUPED_MIN_VEC_BYTES divides the groups (the widest
     such, up to the plan's) and each group's vectors lie in one tile; else a
-    statistic per channel, vectors of the plan's width. ``override``
-    {"grouped": False} forces the latter (the tuning script)."""
+    statistic per channel, vectors of the plan's width. A tile is a
+    position's vectors where they are at most CHANNEL_BLOCK_THREADS, else
+    256 of them; the block is CHANNEL_BLOCK_THREADS // tile rows of a tile,
+    launched as whole warps (the threads past the rows idle). ``override`` {"grouped": False} forces a statistic per
+    channel, {"exact_tile": False} tiles of a power of two (the tuning
+    script)."""
     def tiling(vec):
         vecs = plan.channels // vec
+        if vecs <= CHANNEL_BLOCK_THREADS and override.get("exact_tile", True):
+            return vecs, 1
         bx = min(CHANNEL_BLOCK_THREADS, next_pow2(vecs))
         return bx, _ceil_div(vecs, bx)
 
@@ -308,6 +320,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
 
     override = override or {}
     t, p = kernel_types(plan)
+    padded = 0  # (Step.padded_threads)
     if plan.channels_last:
         # A row of threads covers a position's channels (up to 256 vectors),
         # so a block reads whole positions, contiguous: group_norm(32) bf16
@@ -315,6 +328,10 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         # position a row) ran the two passes at 16.9% of copy bandwidth.
         vec, layout, bx, tiles = channels_last_walk(plan, override)
         by = CHANNEL_BLOCK_THREADS // bx
+        # whole warps (XLA's launches, the jit path, count threads in warps):
+        # the threads past the rows idle
+        padded = -(-bx * by // 32) * 32
+        padded = 0 if padded == bx * by else padded
         block = (bx, by)
         want_chunks = max(1, _ceil_div(CHANNEL_LAST_BLOCKS_PER_SM * device.sm_count, plan.batch * tiles))
         # at least 4 positions a thread row per chunk (for_each_batched's batch)
@@ -350,7 +367,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     if groups >= 2**31 or plan.channels_per_group * chunks >= 2**31 or plan.channels >= 2**31:
         raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
                          f"is over the kernels' 2**31 - 1 index limit")
-    apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, vec, layout, output_type(plan)), grid, block)
+    apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, vec, layout, output_type(plan)), grid, block, 0, padded)
     hints = override.get("hints", channel_apply_hints(plan, device))
     if from_running and not returns_stats:
         return Launch("channel_eval", (apply,), chunks=chunks, chunk_vecs=chunk_len, hints=hints)
@@ -361,7 +378,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         return Launch("channel_running", (stats, apply), chunks=chunks, chunk_vecs=chunk_len,
                       workspace_words=3 * groups, hints=hints)
     partial = Step(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, vec, layout), grid, block,
-                   partial_shared)
+                   partial_shared, padded)
     group_partials = (1 if plan.per_sample else plan.batch) * chunks
     if layout != CHANNELS_LAST_GROUPED:
         group_partials *= plan.channels_per_group

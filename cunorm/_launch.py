@@ -167,7 +167,7 @@ class ProgramBuilder:
         fn = step_function(step, self.device)
         grid = step.grid
         if kernel.cooperative:
-            resident = resident_blocks(fn, math.prod(step.block), step.shared_bytes, self.device)
+            resident = resident_blocks(fn, step.threads, step.shared_bytes, self.device)
             if resident < math.prod(grid):
                 raise RuntimeError(f"{kernel.expression}: {math.prod(grid)} blocks cannot all be resident "
                                    f"({resident} fit on the GPU)")
@@ -179,7 +179,7 @@ class ProgramBuilder:
         s.device = self.device
         s.fn = fn.kernel.ptr
         s.grid = tuple(grid) + (1,) * (3 - len(grid))
-        s.block = (math.prod(step.block), 1, 1)
+        s.block = (step.threads, 1, 1)
         s.shared = step.shared_bytes
         s.cooperative = kernel.cooperative
         s.buf = np.zeros(len(names), dtype=np.uint64)
@@ -263,7 +263,7 @@ class LaunchRecorder:
                                f"cannot be")
         grid = self.persistent_grid(step) if step.kernel.persistent else step.grid
         _, args = launch_arguments(step, args)
-        self.launches.append(RecordedLaunch(step.kernel, tuple(grid) + (1,) * (3 - len(grid)), math.prod(step.block),
+        self.launches.append(RecordedLaunch(step.kernel, tuple(grid) + (1,) * (3 - len(grid)), step.threads,
                                             step.shared_bytes, args))
 
     def build(self) -> "LaunchRecorder":
@@ -320,9 +320,9 @@ def persistent_grid(step, device: int) -> tuple[int, ...]:
     kernel with clusters."""
     fn = step_function(step, device)
     cluster = step.kernel.cluster
-    resident = resident_blocks(fn, math.prod(step.block), step.shared_bytes, device) // cluster * cluster
+    resident = resident_blocks(fn, step.threads, step.shared_bytes, device) // cluster * cluster
     if resident < 1:
-        raise RuntimeError(f"{step.kernel.expression}: no block of {math.prod(step.block)} threads and "
+        raise RuntimeError(f"{step.kernel.expression}: no block of {step.threads} threads and "
                            f"{step.shared_bytes} B of shared memory fits an SM")
     return (min(step.grid[0], resident),) + tuple(step.grid[1:])
 
@@ -340,7 +340,7 @@ def check_limits(step, device=None):
     if not (0 < grid[0] <= _dispatch.MAX_GRID_X and all(0 < g <= _dispatch.MAX_GRID_Y for g in grid[1:])):
         raise RuntimeError(f"grid {grid} for {step.kernel.expression} is outside the launch limits")
     shared_limit = 48 * 1024 if device is None else max(48 * 1024, device.max_shared_per_block)
-    if not (0 < math.prod(block) <= 1024) or step.shared_bytes > shared_limit:
+    if not (0 < math.prod(block) <= step.threads <= 1024) or step.shared_bytes > shared_limit:
         raise RuntimeError(f"block {block} / {step.shared_bytes} B shared for {step.kernel.expression} is out of limits")
 
 

@@ -4,7 +4,8 @@ keeps one statistic: each vector's channels in one group; vectors narrower
 than the plan's where a group is not whole vectors of its width; a group
 across a whole tile of 256 vectors) and a statistic per channel (groups of
 odd channel counts; a group across tiles; forced). Positions cut in several
-chunks with short tails; every dtype; parameters of x's and of float32
+chunks with short tails; tiles of exactly a position's vectors and of a
+power of two; every dtype; parameters of x's and of float32
 dtype; float32 y of 16-bit x; NaN confinement; bitwise reproducibility.
 Every allocation is poisoned (NaN) first; inputs are checked unchanged.
 """
@@ -32,13 +33,16 @@ SHAPES = [
     ((2, 7, 5, 24), 8, "cpg3"),  # a statistic per channel (float64: grouped, vectors of 1)
     ((1, 3, 5, 6144), 2, "cpg3072"),  # a group's vectors across tiles: a statistic per channel
     ((4, 1, 1, 32), 32, "cpg1"),  # InstanceNorm-like, one position
+    ((2, 5, 7, 320), 32, "cpg10"),  # a statistic per channel, 6 rows of 40 vectors (16-bit), padded to 256 threads
+    ((1, 3, 5, 1020), 4, "cpg255"),  # a row of 255 vectors (16-bit, float32), padded to 256 threads
 ]
-CHUNKS = [{}, {"chunks": 3}, {"chunks": 7, "grouped": False}]
+# (tiles of a power of two: with idle threads past the last vector)
+CHUNKS = [{}, {"chunks": 3}, {"chunks": 7, "grouped": False}, {"chunks": 2, "exact_tile": False}]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("shape,groups,what", SHAPES, ids=[w for *_, w in SHAPES])
-@pytest.mark.parametrize("override", CHUNKS, ids=["default", "3 chunks", "7 chunks per channel"])
+@pytest.mark.parametrize("override", CHUNKS, ids=["default", "3 chunks", "7 chunks per channel", "pow2 tiles"])
 def test_group_norm(rng, dtype, shape, groups, what, override):
     x = random(rng, shape, dtype, scale=2.0, offset=0.5)
     c = shape[-1]

@@ -285,21 +285,32 @@ def test_channels_last_grouped_walk():
     GROUPED_MIN_VEC_BYTES divides the groups and a group's vectors lie in one
     tile, with the widest such vector; else a statistic per channel (LAYOUT
     1) at the plan's vector. BatchNorm, channels-first x and the override
-    {"grouped": False} never group. The cases are tests/test_channel_split_gpu.py's."""
+    {"grouped": False} never group. A tile is a position's vectors exactly
+    (up to 256), its rows launched as whole warps. The cases are
+    tests/test_channel_split_gpu.py's."""
     compiled = {k.expression for k in _catalogue.all_kernels()}
     bf16, f32, f64 = (np.dtype(d) for d in (_dtypes.bfloat16, np.float32, np.float64))
     cases = {  # (channels, groups) -> (vec, layout) for bf16, float32, float64
         (64, 4): ((8, 2), (4, 2), (2, 2)), (40, 2): ((4, 2), (4, 2), (2, 2)),
         (4096, 16): ((8, 2), (4, 2), (2, 2)), (24, 8): ((8, 1), (4, 1), (1, 2)),
-        (6144, 2): ((8, 1), (4, 1), (2, 1)), (32, 32): ((8, 1), (4, 1), (1, 2)), (320, 32): ((8, 1), (2, 2), (2, 2))}
+        (6144, 2): ((8, 1), (4, 1), (2, 1)), (32, 32): ((8, 1), (4, 1), (1, 2)), (320, 32): ((8, 1), (2, 2), (2, 2)),
+        (1020, 4): ((4, 1), (4, 1), (2, 1))}
     for (channels, groups), wants in cases.items():
         for dtype, (vec, layout) in zip((bf16, f32, f64), wants):
             p = make_channel_plan("group", dtype, dtype, 3, True, 2, channels, 35, channels // groups, True, 0, 0)
             got = _dispatch_channels.channels_last_walk(p, {})
             assert got[:2] == (vec, layout), (channels, groups, dtype, got)
             vecs = channels // vec
-            assert got[2] == min(256, _dispatch.next_pow2(vecs)) and got[3] == -(-vecs // got[2])
+            # a tile of exactly a position's vectors (up to 256); on request a power of two
+            pow2 = _dispatch_channels.channels_last_walk(p, {"exact_tile": False})
+            assert pow2[:2] == got[:2] and pow2[2] == min(256, _dispatch.next_pow2(vecs))
+            assert got[2] == min(vecs, 256) and got[3] == -(-vecs // got[2])
             launch = _dispatch_channels.choose_channels(p, H200)
+            # launched as whole warps (XLA's launches, the jit path, count
+            # threads in warps), the rows padded where a tile's rows are not
+            for s in launch.steps:
+                assert s.threads % 32 == 0 and np.prod(s.block) <= s.threads <= max(256, np.prod(s.block))
+                assert s.threads - np.prod(s.block) < 32 and (s.padded_threads == 0) == (np.prod(s.block) % 32 == 0)
             layouts = [s.kernel.template_args[-2 if "apply" in s.kernel.name else -1] for s in launch.steps]
             assert layouts == [layout] * 3
             assert all(s.kernel.expression in compiled for s in launch.steps)

@@ -53,6 +53,8 @@
 // channels, contiguous, and the block several consecutive positions), ty
 // over the chunk's positions; the partials combined across y (then, grouped, across a group's
 // vectors) through shared memory.
+// A channels-last block is launched as whole warps (XLA's launches count
+// threads in warps): threads past its by rows idle.
 // Grids are 3-D (x: chunk, y: channel or channel tile, z: sample) walked with
 // strided loops, so no 64-bit division is needed.
 #include "reduce.cuh"
@@ -163,7 +165,8 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
 #pragma unroll 1
         for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
             const int cv = tile * bx + tx;
-            const bool active = cv < channel_vecs;
+            const bool row = ty < by;  // (threads past the rows, padding the block to whole warps, idle)
+            const bool active = row && cv < channel_vecs;
             Stats s[kKept];
             A pivot[kKept];
 #pragma unroll
@@ -218,8 +221,10 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
             // Combine the by partials of each statistic in y order (layout
             // [y][j][x]: a warp's accesses on distinct banks).
             __syncthreads();
+            if (row) {
 #pragma unroll
-            for (int j = 0; j < kKept; ++j) partials[(ty * kKept + j) * bx + tx] = s[j];
+                for (int j = 0; j < kKept; ++j) partials[(ty * kKept + j) * bx + tx] = s[j];
+            }
             __syncthreads();
             if (ty == 0 && active) {
 #pragma unroll
@@ -408,7 +413,7 @@ channel_apply(const T* __restrict__ x, const P* __restrict__ w, const P* __restr
 #pragma unroll 1
         for (int tile = blockIdx.y; tile * bx < channel_vecs; tile += gridDim.y) {
             const int cv = tile * bx + tx;
-            if (cv >= channel_vecs) continue;  // no barrier below
+            if (cv >= channel_vecs || ty >= by) continue;  // (ty >= by: a padding thread) no barrier below
             // grouped (per-sample statistics, no running buffers): one
             // group's (pivot, center, scale) for the vector's channels
             constexpr bool kGrouped = LAYOUT == kChannelsLastGrouped;
