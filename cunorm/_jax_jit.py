@@ -227,7 +227,8 @@ class RowSpec:
     axes first..last; which of residual, weight, bias it has, the parameters'
     kernel dtype; whether it returns the statistics; whether it returns y
     (False: set by the dead-code rule, _rows_dce, where the program never
-    reads y)."""
+    reads y); the epilogue's FLAGS bits (_plan: rounding, weight offset,
+    activation; the forward's only: the backward takes none)."""
 
     norm: str
     shape: tuple
@@ -241,10 +242,11 @@ class RowSpec:
     pdtype: np.dtype | None = None
     stats: bool = False
     y: bool = True
+    epilogue: int = 0
 
     @property
     def flags(self) -> int:
-        return (_plan.FLAG_WEIGHT if self.weight else 0) | (_plan.FLAG_BIAS if self.bias else 0)
+        return (_plan.FLAG_WEIGHT if self.weight else 0) | (_plan.FLAG_BIAS if self.bias else 0) | self.epilogue
 
     @property
     def stats_shape(self) -> tuple:
@@ -374,8 +376,8 @@ def _rows_grad_lowering(ctx, *args, spec: RowGradSpec):
     inner = math.prod(f.shape[f.last + 1:])
     itemsize = np.dtype(f.dtype).itemsize
     vec = _plan.vector_width(itemsize, reduced if inner == 1 else inner, [], [])
-    launch = _dispatch_grad.choose_rows_grad(f.norm, np.dtype(f.dtype), f.pdtype, f.flags, outer, reduced, inner,
-                                             vec, device, cooperative=False)
+    launch = _dispatch_grad.choose_rows_grad(f.norm, np.dtype(f.dtype), f.pdtype, f.flags & _plan.PARAM_FLAGS,
+                                             outer, reduced, inner, vec, device, cooperative=False)
     for step in launch.steps:
         _launch.check_limits(step, device)
     names = set(spec.inputs())
@@ -393,7 +395,8 @@ mlir.register_lowering(rows_grad_p, _rows_grad_lowering, platform="cuda")
 class ChannelSpec:
     """A channel norm's static description: x dense (N, C, ...) or, channels
     last, (N, ..., C); groups; which parameters and running buffers it has;
-    training; whether it returns the statistics."""
+    training; whether it returns the statistics; the activation's FLAGS
+    bits (the forward's only)."""
 
     norm: str
     shape: tuple
@@ -408,10 +411,11 @@ class ChannelSpec:
     pdtype: np.dtype | None = None
     running: bool = False
     stats: bool = False
+    epilogue: int = 0
 
     @property
     def flags(self) -> int:
-        return (_plan.FLAG_WEIGHT if self.weight else 0) | (_plan.FLAG_BIAS if self.bias else 0)
+        return (_plan.FLAG_WEIGHT if self.weight else 0) | (_plan.FLAG_BIAS if self.bias else 0) | self.epilogue
 
     @property
     def channels(self) -> int:
@@ -454,12 +458,13 @@ def _channels_lowering(ctx, *args, spec: ChannelSpec):
     if launch is None:  # a LayerNorm over each group's contiguous row (no parameters)
         rows = plan.statistic_groups
         row_spec = RowSpec("ln", (rows, math.prod(spec.shape) // rows), spec.dtype, 1, 1, spec.eps,
-                           stats=spec.stats)
+                           stats=spec.stats, epilogue=spec.epilogue)
         out = _record_rows(row_spec, {"x": values["x"]}, arch)
         renamed = {"y": out["y"]}
         if spec.stats:
             renamed.update(mean=out["center"], rstd=out["scale"])
-        return [renamed[name] for name in outputs]
+        # the rows' shapes back to the channel norm's: (rows, n) -> x's, (rows,) -> the statistics'
+        return [mlir.reshape(ctx, renamed[name], ShapedArray(*outputs[name])) for name in outputs]
     recorder = _launch.LaunchRecorder(_channels.CHANNEL_SLOTS, device_id)
     _channels.build_channels(recorder, plan, launch, from_running, spec.eps, spec.momentum, spec.stats,
                              (spec.running, spec.running))
@@ -499,8 +504,8 @@ def _channels_grad_lowering(ctx, *args, spec: ChannelGradSpec):
     f = spec.forward
     batch, channels = f.shape[0], f.channels
     spatial = math.prod(f.shape) // (batch * channels)
-    plan = _plan.make_channel_plan(f.norm, np.dtype(f.dtype), f.pdtype, f.flags, f.channels_last, batch, channels,
-                                   spatial, channels // f.groups, f.norm != "batch", 0, 0)
+    plan = _plan.make_channel_plan(f.norm, np.dtype(f.dtype), f.pdtype, f.flags & _plan.PARAM_FLAGS, f.channels_last,
+                                   batch, channels, spatial, channels // f.groups, f.norm != "batch", 0, 0)
     launch = _grad._channel_launch(plan, f.training, device_id)
     recorder = _launch.LaunchRecorder(_grad.CHANNEL_GRAD_SLOTS, device_id)
     _grad.build_channel_grad(recorder, plan, launch)

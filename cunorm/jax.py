@@ -19,9 +19,15 @@ etc.; the same arguments without ``out=``).
   buffers, ``(y, [mean, rstd,] running_mean, running_var)``, in their
   dtypes: JAX arrays are never written.
 
-Inside jit, the epilogue options (``weight_offset``, ``rounding``,
-``activation``) are not available yet, and x is contiguous as XLA lays it
-out; a channel axis other than 1 or the last is moved there first.
+Inside jit the epilogue options (``weight_offset``, ``rounding``,
+``activation``) run fused in the forward kernel, as on concrete arrays.
+Under ``jax.grad`` the forward differentiated is the norm (with its
+rounding) followed by the weight offset and the activation as ``jax.numpy``
+ops, so jax takes their gradients (cunorm's backward kernels take the
+norm's); its y may differ from the fused one by a rounding (the activation
+of y rounded to x's dtype), as torch's autograd path does. x is contiguous
+as XLA lays it out; a channel axis other than 1 or the last is moved there
+first.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _channels, _ops, norms
+from . import _channels, _dtypes, _ops, _plan, norms
 from ._ops import DEFAULT_EPS, LP_EPS
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
@@ -61,10 +67,51 @@ def _stand_in(a):
     return None if a is None else np.broadcast_to(np.zeros((), np.dtype(a.dtype)), a.shape)
 
 
-def _no_epilogue(fn, weight_offset=0, rounding="output", activation=None):
-    if weight_offset != 0 or rounding != "output" or activation is not None:
-        raise NotImplementedError(f"cunorm.jax.{fn} inside jax.jit/grad/vmap: weight_offset, rounding and "
-                                  f"activation are not available there yet (call it on concrete arrays)")
+def _no_unknown_kwargs(fn, kwargs):
+    """Traced calls take no keyword the eager op lacks (the eager op raises
+    the same TypeError)."""
+    if kwargs:
+        raise TypeError(f"cunorm.jax.{fn}() got an unexpected keyword argument {next(iter(kwargs))!r}")
+
+
+#: the epilogue's activations as jax.numpy (under jax.grad), in the
+#: accumulation dtype, as the kernels and torch compute them
+JAX_ACTIVATIONS = {"relu": jax.nn.relu, "silu": jax.nn.silu,
+                   "gelu": functools.partial(jax.nn.gelu, approximate=False),
+                   "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+#: the epilogue bits cunorm's backward kernels do not take (rounding they
+#: do: its backward is the norm's)
+_UNFUSED_IN_BACKWARD = _plan.FLAG_WEIGHT_OFFSET | (7 << _plan.ACTIVATION_SHIFT)
+
+
+def _activated(outs: tuple, epilogue: int) -> tuple:
+    """outs with the epilogue's activation applied to y (the first), in the
+    accumulation dtype, rounded once to y's."""
+    name = _plan.activation_name(epilogue)
+    if name is None:
+        return outs
+    y = outs[0]
+    acc = _dtypes.accumulation(np.dtype(y.dtype))
+    return (JAX_ACTIVATIONS[name](y.astype(acc)).astype(y.dtype),) + tuple(outs[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _epilogue_vjp(fused, unfused, spec, args):
+    """fused(spec, *args) (the epilogue in the forward kernel), differentiated
+    as unfused(spec, *args) (the norm, then the epilogue's parts its backward
+    does not take, as jax.numpy ops)."""
+    return fused(spec, *args)
+
+
+def _epilogue_fwd(fused, unfused, spec, args):
+    return jax.vjp(lambda a: unfused(spec, *a), args)  # (results, jax's pullback as the residual)
+
+
+def _epilogue_bwd(fused, unfused, spec, pullback, cotangents):
+    return pullback(cotangents)
+
+
+_epilogue_vjp.defvjp(_epilogue_fwd, _epilogue_bwd)
 
 
 def _jit():
@@ -101,7 +148,7 @@ def _rows_bwd(spec, saved, cotangents):
     jj = _jit()
     x, w, b, center, scale, has_r = saved
     ct = dict(zip(jj._rows_outputs(spec), cotangents))
-    grad_spec = jj.RowGradSpec(dataclasses.replace(spec, residual=False, stats=True), dh=has_r)
+    grad_spec = jj.RowGradSpec(dataclasses.replace(spec, residual=False, stats=True, epilogue=0), dh=has_r)
     args = [ct["y"], x] + ([ct["h"]] if has_r else []) + ([w] if w is not None else []) + [
         s for s in (center, scale) if s is not None]
     grads = dict(zip(grad_spec.outputs(), jj.rows_grad_p.bind(*args, spec=grad_spec)))
@@ -113,7 +160,19 @@ def _rows_bwd(spec, saved, cotangents):
 _row_vjp.defvjp(_rows_fwd, _rows_bwd)
 
 
-def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats):
+def _rows_unfused(spec, x, r, w, b):
+    """The row norm with its rounding only (cunorm's backward), the weight
+    offset as 1 + w in the accumulation dtype (as the kernel forms it) and
+    the activation after it: what jax.grad differentiates."""
+    inner = dataclasses.replace(spec, epilogue=spec.epilogue & ~_UNFUSED_IN_BACKWARD)
+    if spec.epilogue & _plan.FLAG_WEIGHT_OFFSET:
+        acc = _dtypes.accumulation(spec.dtype)
+        w = w.astype(acc) + 1
+        inner = dataclasses.replace(inner, pdtype=np.dtype(acc))
+    return _activated(_row_vjp(inner, x, r, w, b), spec.epilogue)
+
+
+def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=0):
     if not isinstance(x, _Tracer):
         _check_kind(fn, x)
     call = _ops.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
@@ -128,10 +187,14 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats):
         residual = None
     spec = _jit().RowSpec(norm, tuple(x.shape), np.dtype(x.dtype), call.first, call.last, call.eps,
                           residual=residual is not None, weight=w is not None, bias=b is not None,
-                          pdtype=None if pdtype is None else np.dtype(pdtype), stats=call.return_stats)
+                          pdtype=None if pdtype is None else np.dtype(pdtype), stats=call.return_stats,
+                          epilogue=epilogue)
     if not x.size:
         raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
-    outs = list(_row_vjp(spec, x, residual, w, b))
+    if epilogue & _UNFUSED_IN_BACKWARD:
+        outs = list(_epilogue_vjp(_row_vjp, _rows_unfused, spec, (x, residual, w, b)))
+    else:
+        outs = list(_row_vjp(spec, x, residual, w, b))
     if h is not None:
         outs.insert(1, h)
     return outs[0] if len(outs) == 1 else tuple(outs)
@@ -141,27 +204,30 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
              rounding="output", activation=None, **kwargs):
     _no_out("rms_norm", kwargs)
     if _traced(x, weight, residual):
-        _no_epilogue("rms_norm", weight_offset, rounding, activation)
-        return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats)
+        _no_unknown_kwargs("rms_norm", kwargs)
+        epilogue = _plan.rms_epilogue(weight_offset, rounding, activation, weight is not None)
+        return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats, epilogue)
     _check_kind("rms_norm", x)
     return norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
                           weight_offset=weight_offset, rounding=rounding, activation=activation, **kwargs)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
-               **kwargs):
+               activation=None, **kwargs):
     _no_out("layer_norm", kwargs)
     if _traced(x, weight, bias, residual):
-        _no_epilogue("layer_norm", **kwargs)
-        return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats)
+        _no_unknown_kwargs("layer_norm", kwargs)
+        return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats,
+                           _plan.activation_flags(activation))
     _check_kind("layer_norm", x)
     return norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
-                            **kwargs)
+                            activation=activation, **kwargs)
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, **kwargs):
     _no_out("normalize", kwargs)
     if _traced(x):
+        _no_unknown_kwargs("normalize", kwargs)
         return _row_traced("normalize", _ops.lp_norm_name(p), x, None, None, None, axis, eps, False)
     _check_kind("normalize", x)
     return norms.normalize(x, p, axis=axis, eps=eps, **kwargs)
@@ -170,6 +236,7 @@ def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, **kwargs):
 def mean_abs_normalize(x, *, axis=-1, eps=LP_EPS, **kwargs):
     _no_out("mean_abs_normalize", kwargs)
     if _traced(x):
+        _no_unknown_kwargs("mean_abs_normalize", kwargs)
         return _row_traced("mean_abs_normalize", "mean_abs", x, None, None, None, axis, eps, False)
     _check_kind("mean_abs_normalize", x)
     return norms.mean_abs_normalize(x, axis=axis, eps=eps, **kwargs)
@@ -178,6 +245,7 @@ def mean_abs_normalize(x, *, axis=-1, eps=LP_EPS, **kwargs):
 def frobenius_normalize(x, *, axis=None, eps=LP_EPS, **kwargs):
     _no_out("frobenius_normalize", kwargs)
     if _traced(x):
+        _no_unknown_kwargs("frobenius_normalize", kwargs)
         return _row_traced("frobenius_normalize", "l2", x, None, None, None, axis, eps, False)
     _check_kind("frobenius_normalize", x)
     return norms.frobenius_normalize(x, axis=axis, eps=eps, **kwargs)
@@ -209,7 +277,7 @@ def _channels_bwd(spec, saved, cotangents):
     jj = _jit()
     x, w, b, mean, rstd = saved
     ct = dict(zip(spec.outputs(), cotangents))
-    grad_spec = jj.ChannelGradSpec(spec)
+    grad_spec = jj.ChannelGradSpec(dataclasses.replace(spec, epilogue=0))
     args = [ct["y"], x, mean, rstd] + ([w] if w is not None else [])
     grads = dict(zip(grad_spec.outputs(), jj.channels_grad_p.bind(*args, spec=grad_spec)))
     dw = None if w is None else grads["dw"].astype(w.dtype)
@@ -220,8 +288,14 @@ def _channels_bwd(spec, saved, cotangents):
 _channel_vjp.defvjp(_channels_fwd, _channels_bwd)
 
 
+def _channels_unfused(spec, x, w, b, rm, rv):
+    """The channel norm, then its activation (what jax.grad differentiates)."""
+    return _activated(_channel_vjp(dataclasses.replace(spec, epilogue=0), x, w, b, rm, rv), spec.epilogue)
+
+
 def _channel_jax(fn, norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,
-                 channel_axis, return_stats):
+                 channel_axis, return_stats, activation):
+    epilogue = _plan.activation_flags(activation)
     call = _channels.ChannelCall(norm, _stand_in(x), num_groups=num_groups, weight=_stand_in(weight),
                                  bias=_stand_in(bias), eps=eps, channel_axis=channel_axis,
                                  return_stats=return_stats, running_mean=_stand_in(running_mean),
@@ -245,8 +319,12 @@ def _channel_jax(fn, norm, x, num_groups, weight, bias, running_mean, running_va
     spec = jj.ChannelSpec(norm, tuple(x.shape), np.dtype(x.dtype), last, call.groups, call.eps,
                           momentum=call.momentum, training=call.training, weight=w is not None, bias=b is not None,
                           pdtype=None if pdtype is None else np.dtype(pdtype), running=running,
-                          stats=call.return_stats)
-    named = dict(zip(spec.outputs(), _channel_vjp(spec, x, w, b, rm, rv)))
+                          stats=call.return_stats, epilogue=epilogue)
+    if epilogue:
+        outs = _epilogue_vjp(_channel_vjp, _channels_unfused, spec, (x, w, b, rm, rv))
+    else:
+        outs = _channel_vjp(spec, x, w, b, rm, rv)
+    named = dict(zip(spec.outputs(), outs))
     y = jnp.moveaxis(named["y"], -1, axis) if moved else named["y"]
     outs = [y]
     if call.return_stats:
@@ -260,9 +338,9 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
                activation=None, **kwargs):
     _no_out("group_norm", kwargs)
     if _traced(x, weight, bias):
-        _no_epilogue("group_norm", activation=activation)
+        _no_unknown_kwargs("group_norm", kwargs)
         return _channel_jax("group_norm", "group", x, num_groups, weight, bias, None, None, True, 0.1, eps,
-                            channel_axis, return_stats)
+                            channel_axis, return_stats, activation)
     _check_kind("group_norm", x)
     return norms.group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
                             return_stats=return_stats, activation=activation, **kwargs)
@@ -272,9 +350,9 @@ def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1,
                   activation=None, **kwargs):
     _no_out("instance_norm", kwargs)
     if _traced(x, weight, bias):
-        _no_epilogue("instance_norm", activation=activation)
+        _no_unknown_kwargs("instance_norm", kwargs)
         return _channel_jax("instance_norm", "instance", x, None, weight, bias, None, None, True, 0.1, eps,
-                            channel_axis, return_stats)
+                            channel_axis, return_stats, activation)
     _check_kind("instance_norm", x)
     return norms.instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis, return_stats=return_stats,
                                activation=activation, **kwargs)
@@ -287,9 +365,9 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     if _traced(x, weight, bias, running_mean, running_var) or jax_running:
         if not _traced(x):
             _check_kind("batch_norm", x)
-        _no_epilogue("batch_norm", activation=activation)
+        _no_unknown_kwargs("batch_norm", kwargs)
         return _channel_jax("batch_norm", "batch", x, None, weight, bias, running_mean, running_var, training,
-                            momentum, eps, channel_axis, return_stats)
+                            momentum, eps, channel_axis, return_stats, activation)
     _check_kind("batch_norm", x)
     return norms.batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var, training=training,
                             momentum=momentum, eps=eps, channel_axis=channel_axis, return_stats=return_stats,

@@ -274,3 +274,105 @@ def test_statistics_alone_when_y_is_never_read(rng, jx, norm, shape):
     assert len(stats) == len(eager) > 0
     for got, want in zip(stats, eager):
         assert got.shape == want.shape and np.array_equal(np.asarray(got), np.asarray(want))
+
+
+EPILOGUES = {"gemma": {"weight_offset": 1}, "llama": {"rounding": "normalized"}, "silu": {"activation": "silu"},
+             "all": {"weight_offset": 1, "rounding": "normalized", "activation": "gelu_tanh"}}
+
+
+def _act(jax, name, y):
+    if name is None:
+        return y
+    return {"relu": jax.nn.relu, "silu": jax.nn.silu, "gelu": lambda v: jax.nn.gelu(v, approximate=False),
+            "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}[name](y)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("shape", [(37, 4096), (16, 40000)], ids=["cached", "streamed"])
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+def test_rms_epilogue_inside_jit(rng, jx, epilogue, shape, dtype):
+    """weight_offset, rounding and activation inside jit: the eager call's
+    kernels (against the eager call and the float64 reference); under
+    jax.grad, gradients against a jax.numpy formulation (the rounding passed
+    straight through, as cunorm's backward takes it)."""
+    jax, jnp, cj = jx
+    kw = EPILOGUES[epilogue]
+    x_np = random(rng, shape, np.dtype(jnp.dtype(dtype)))
+    w_np = random(rng, shape[-1:], np.float32) * 0.5
+    x, w = _put(jnp, x_np), _put(jnp, w_np)
+    y = jax.jit(lambda x, w: cj.rms_norm(x, w, **kw))(x, w)
+    eager = cj.rms_norm(x, w, **kw)
+    want = reference.rms_norm(x_np.astype(np.float64), w_np.astype(np.float64), exact=True, **kw)
+    tol = RTOL[np.dtype(x.dtype)] * output_scale(want)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert_close(_np(y), want, x.dtype, atol=tol, what=f"{epilogue} jit")
+    assert_close(_np(y), _np(eager), x.dtype, atol=tol, what=f"{epilogue} jit against eager")
+
+    def theirs(x, w):
+        xf = x.astype(jnp.float32)
+        v = xf * jax_rsqrt(jnp, jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-5)
+        if kw.get("rounding") == "normalized":
+            v = v.astype(x.dtype).astype(jnp.float32)
+        return _act(jax, kw.get("activation"), v * (w + 1 if kw.get("weight_offset") else w))
+
+    dy = _put(jnp, random(rng, shape, np.float32))
+    loss = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * dy),  # noqa: E731
+                                      argnums=(0, 1)))
+    got = loss(lambda x, w: cj.rms_norm(x, w, **kw))(x, w)
+    ref = loss(theirs)(x, w)
+    for g, h, what in zip(got, ref, ("dx", "dw")):
+        _grad_close(g, h, f"{epilogue} {what}", GRAD_REL[dtype])
+
+
+@pytest.mark.parametrize("case", ["layer_norm gelu", "group_norm NHWC silu", "group_norm rows silu",
+                                  "instance_norm rows", "batch_norm relu"])
+def test_activation_and_unparametrized_channel_norms_inside_jit(rng, jx, case):
+    """The activation in each family inside jit (the eager call's kernels)
+    and its gradient (jax's, after cunorm's backward); GroupNorm and
+    InstanceNorm without parameters on channels-first x (the row family,
+    reshaped back)."""
+    jax, jnp, cj = jx
+    act = {"gelu": "gelu", "silu": "silu", "relu": "relu"}.get(case.split()[-1])
+    shape, c = {"layer_norm": ((64, 1000), 1000), "group_norm NHWC": ((4, 16, 16, 320), 320),
+                "group_norm rows": ((3, 8, 5, 7), 8), "instance_norm rows": ((3, 16, 33), 16),
+                "batch_norm": ((4, 16, 9, 9), 16)}[case.rsplit(" ", 1)[0] if act else case]
+    x = _put(jnp, random(rng, shape, np.float32))
+    w, b = (_put(jnp, random(rng, (c,), np.float32)) for _ in range(2))
+    dy = _put(jnp, random(rng, shape, np.float32))
+
+    def ours(x, w, b):
+        if case.startswith("layer_norm"):
+            return cj.layer_norm(x, w, b, activation=act)
+        if case.startswith("group_norm NHWC"):
+            return cj.group_norm(x, 32, w, b, channel_axis=-1, activation=act)
+        if case.startswith("group_norm rows"):
+            return cj.group_norm(x, 4, activation=act)
+        if case.startswith("instance_norm"):
+            return cj.instance_norm(x)
+        return cj.batch_norm(x, w, b, activation=act)
+
+    def theirs(x, w, b):
+        if case.startswith("layer_norm"):
+            y = _ref_ln(jnp, x, w, b, 1e-5)
+        elif case.startswith("group_norm NHWC"):
+            y = _ref_gn(jnp, x, 32, w, b, 1e-5, True)
+        elif case.startswith("group_norm rows"):
+            y = _ref_gn(jnp, x, 4, jnp.ones(c), jnp.zeros(c), 1e-5, False)
+        elif case.startswith("instance_norm"):
+            y = _ref_gn(jnp, x, c, jnp.ones(c), jnp.zeros(c), 1e-5, False)
+        else:
+            m = x.mean((0, 2, 3), keepdims=True)
+            v = ((x - m) ** 2).mean((0, 2, 3), keepdims=True)
+            y = (x - m) * jax_rsqrt(jnp, v + 1e-5) * w.reshape(1, c, 1, 1) + b.reshape(1, c, 1, 1)
+        return _act(jax, act, y)
+
+    y = jax.jit(ours)(x, w, b)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    eager = ours(x, w, b)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(eager), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(theirs(x, w, b)), rtol=1e-4, atol=1e-4)
+    loss = lambda f: jax.jit(jax.grad(lambda x, w, b: jnp.sum(f(x, w, b) * dy), argnums=(0, 1, 2)))  # noqa: E731
+    for g, h, what in zip(loss(ours)(x, w, b), loss(theirs)(x, w, b), ("dx", "dw", "db")):
+        if "rows" in case and what != "dx":
+            continue
+        _grad_close(g, h, f"{case} {what}", 1e-4)

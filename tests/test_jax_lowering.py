@@ -93,6 +93,10 @@ CHANNEL_CASES = {
     "group_norm NHWC": (lambda cj, x, w, b: cj.group_norm(x, 32, w, b, channel_axis=-1), (8, 64, 64, 320), BF16,
                         (320,)),
     "instance_norm": (lambda cj, x, w, b: cj.instance_norm(x, w, b), (4, 24, 9, 11), jnp.float32, (24,)),
+    # without parameters, channels-first: a row norm in disguise (the rows' results reshaped back)
+    "group_norm rows": (lambda cj, x, w, b: cj.group_norm(x, 4, return_stats=True)[0], (2, 8, 5, 7), jnp.float32,
+                        (8,)),
+    "instance_norm rows": (lambda cj, x, w, b: cj.instance_norm(x), (3, 16, 33), BF16, (16,)),
     "batch_norm": (lambda cj, x, w, b: cj.batch_norm(x, w, b), (32, 256, 56, 56), BF16, (256,)),
     "batch_norm small": (lambda cj, x, w, b: cj.batch_norm(x, w, b), (3, 8, 5, 7), jnp.float64, (8,)),
 }
@@ -220,3 +224,81 @@ def test_unread_y_is_not_written(lowering, shape, dtype, tier_skips_y):
     else:
         assert not any(c["kernel"].startswith("cunorm::rows_cached<") for c in forwards[0])
     assert len(dead) == len(live)
+
+
+def _template_arg(config, param):
+    """A template argument of a lowered call's kernel, by its parameter's
+    name (None where the kernel has no such parameter)."""
+    name, targs = re.match(r"cunorm::(\w+)<(.*)>$", config["kernel"]).groups()
+    decl = next(d for d in _kernels.DECLARATIONS if d.name == name)
+    return targs.split(", ")[decl.template.index(param)] if param in decl.template else None
+
+
+def _template_flags(config):
+    flags = _template_arg(config, "FLAGS")
+    return None if flags is None else int(flags)
+
+
+SILU, GELU = 2 << 4, 3 << 4  # _plan.ACTIVATIONS << ACTIVATION_SHIFT
+
+
+@pytest.mark.parametrize("shape", [(1024, 4096), (16, 40000)], ids=["cached", "streamed"])
+def test_epilogue_options_fuse_in_the_forward_and_unfuse_under_grad(lowering, shape):
+    """Inside jit, rms_norm's weight offset, rounding and activation are the
+    forward kernel's FLAGS (1 weight | 4 offset | 8 rounding | silu); under
+    jax.grad the forward keeps the rounding alone (the offset and the
+    activation are jax ops there) and the backward kernels take no epilogue."""
+    jj, lower = lowering
+    import cunorm.jax as cj
+
+    f = lambda x, w: cj.rms_norm(x, w, weight_offset=1, rounding="normalized", activation="silu")  # noqa: E731
+    specs = ((shape, BF16), (shape[-1:], BF16))
+    _, forward = lower(f, *specs)
+    assert {_template_flags(c) for c in forward} - {None} == {1 | 4 | 8 | SILU}
+    _, both = lower(_grad(f, (0, 1)), *specs)
+    flags = [_template_flags(c) for c in both if _template_flags(c) is not None]
+    assert 1 | 8 in flags and all(fl & ~(1 | 2 | 8) == 0 for fl in flags), flags
+    # (the offset weight, 1 + w, goes in as float32)
+    assert {_template_arg(c, "P") for c in both} - {None} == {"float"}
+
+
+@pytest.mark.parametrize("name,f,shape,pshape,flags", [
+    ("layer_norm", lambda cj, x, w, b: cj.layer_norm(x, w, b, activation="gelu"), (64, 1000), (1000,), 3 | GELU),
+    ("group_norm NHWC", lambda cj, x, w, b: cj.group_norm(x, 32, w, b, channel_axis=-1, activation="silu"),
+     (8, 16, 16, 320), (320,), 3 | SILU),
+    ("group_norm rows", lambda cj, x, w, b: cj.group_norm(x, 4, activation="silu"), (2, 8, 5, 7), (8,), SILU),
+    ("batch_norm", lambda cj, x, w, b: cj.batch_norm(x, w, b, activation="relu"), (4, 16, 9, 9), (16,), 3 | 1 << 4),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_activation_fuses_in_every_family(lowering, name, f, shape, pshape, flags):
+    jj, lower = lowering
+    import cunorm.jax as cj
+
+    f = functools.partial(f, cj)
+    specs = ((shape, jnp.float32), (pshape, jnp.float32), (pshape, jnp.float32))
+    _, forward = lower(f, *specs)
+    assert flags in {_template_flags(c) for c in forward}, forward
+    _, both = lower(_grad(f, (0, 1, 2)), *specs)
+    assert all(_template_flags(c) is None or _template_flags(c) & ~3 == 0 for c in both)
+
+
+def test_traced_calls_check_the_epilogue_as_eager_calls_do():
+    """The epilogue's arguments are checked at trace time with the eager
+    op's errors (no GPU needed: make_jaxpr stops before lowering)."""
+    import cunorm.jax as cj
+
+    x, w = jnp.ones((4, 8), jnp.float32), jnp.ones((8,), jnp.float32)
+    trace = lambda f: jax.make_jaxpr(f)(x, w)  # noqa: E731
+    with pytest.raises(ValueError, match="weight_offset must be 0 or 1"):
+        trace(lambda x, w: cj.rms_norm(x, w, weight_offset=2))
+    with pytest.raises(ValueError, match="weight_offset=1 needs a weight"):
+        trace(lambda x, w: cj.rms_norm(x, weight_offset=1))
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        trace(lambda x, w: cj.rms_norm(x, w, rounding="input"))
+    with pytest.raises(ValueError, match="activation must be None or one of"):
+        trace(lambda x, w: cj.layer_norm(x, w, activation="tanh"))
+    with pytest.raises(TypeError, match="activation must be None or one of"):
+        trace(lambda x, w: cj.group_norm(x.reshape(2, 4, 4), 2, activation=len))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'weight_ofset'"):
+        trace(lambda x, w: cj.rms_norm(x, w, weight_ofset=1))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rounding'"):
+        trace(lambda x, w: cj.layer_norm(x, w, rounding="normalized"))
