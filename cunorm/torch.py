@@ -45,7 +45,8 @@ from ._torch_autograd import row_norm_apply as _row_norm_apply
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
            "instance_norm", "batch_norm", "RMSNorm", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d",
-           "InstanceNorm3d", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "replace_norms", "NormReport"]
+           "InstanceNorm3d", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "convert_sync_batchnorm",
+           "replace_norms", "NormReport"]
 
 _ALL_AXES: list[int] = []  # an op's ``axes`` for axis=None (every axis)
 
@@ -549,4 +550,5 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
 
 from ._torch_layers import (BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, InstanceNorm1d,  # noqa: E402
                             InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm)
+from ._torch_sync import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
 from ._torch_zoo import NormReport, replace_norms  # noqa: E402
