@@ -192,3 +192,48 @@ def test_two_ranks_match_the_concatenated_batch(tmp_path, sizes):
                                    atol=1e-4)
         torch.testing.assert_close(ranks[r]["dw"].double(), (dy[a:b_].double() * xhat).sum((0, 2, 3)),
                                    rtol=1e-4, atol=1e-4)
+
+
+def _train_rank(rank, world, store_path, out_dir):
+    """Two SGD steps of a small conv net under DistributedDataParallel, its
+    BatchNorms converted by cunorm's convert_sync_batchnorm and, from the
+    same initial weights, by torch's."""
+    torch.cuda.set_device(rank)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    results = {}
+    for name, convert in (("cunorm", ct.convert_sync_batchnorm),
+                          ("torch", torch.nn.SyncBatchNorm.convert_sync_batchnorm)):
+        torch.manual_seed(0)  # the same initial weights on every rank and for both conversions
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                  torch.nn.Conv2d(16, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                  torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+        model = torch.nn.parallel.DistributedDataParallel(convert(net).cuda(), device_ids=[rank])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+        for _ in range(2):
+            x = torch.randn(6, 3, 12, 12, generator=gen).cuda()
+            target = torch.randint(0, 4, (6,), generator=gen).cuda()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), target).backward()
+            opt.step()
+        results[name] = {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+    torch.save(results, os.path.join(out_dir, f"train{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_two_step_training_under_ddp_matches_torchs_syncbatchnorm(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import torch.multiprocessing as mp
+
+    mp.spawn(_train_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"train{r}.pt") for r in range(2)]
+    ours, theirs = ranks[0]["cunorm"], ranks[0]["torch"]
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        # every rank holds the same model (DDP's averaged gradients, the synchronized statistics) ...
+        assert torch.equal(ours[key], ranks[1]["cunorm"][key]), key
+        # ... and it is torch's SyncBatchNorm's within float32 rounding
+        torch.testing.assert_close(ours[key].double(), theirs[key].double(), rtol=1e-4, atol=1e-5, msg=key)
