@@ -1,8 +1,7 @@
 """GroupNorm(32) NHWC bf16 (8,64,64,320) inside jax.jit: wall per call over
 long loops (500 calls, best and median of 7), cunorm's tiles exact (default)
-and of a power of two (forced), and XLA's fusion, interleaved; plus the GPU
-time of one jitted call by CUDA-event-free means (block_until_ready of one
-call after an idle gap)."""
+and of a power of two (forced), and XLA's fusion, interleaved; plus the
+wall time of one call after an idle gap (block_until_ready)."""
 import statistics
 import sys
 import time

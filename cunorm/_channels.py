@@ -191,14 +191,8 @@ def prepare(call: ChannelCall):
     outputs (empty list unless asked for)."""
     import cupy
 
-    x = call.x
     ca = call.channel_axis
-    per_sample = call.norm != "batch"
-    strides = _elements(x)
-    last = _plan.channel_layout(x.shape, strides, ca, per_sample)
-    if last is None:  # dense in neither layout: one copy, C order
-        x = cupy.ascontiguousarray(x)
-        last = output_layout(x.shape, strides, ca, per_sample)
+    x, last = _dense(call.x, ca, call.norm != "batch")
     order = _plan.channel_orders(x.ndim, ca)[last]
     if call.out is not None:
         y = call.out
@@ -213,6 +207,19 @@ def prepare(call: ChannelCall):
         for s in stats:
             s.fill(np.nan)
     return x, y, last, stats
+
+
+def _dense(x, channel_axis: int, per_sample: bool):
+    """(x, channels_last): x as it is where it is dense in one of the two
+    layouts, else its C-order copy."""
+    import cupy
+
+    strides = _elements(x)
+    last = _plan.channel_layout(x.shape, strides, channel_axis, per_sample)
+    if last is None:  # dense in neither layout: one copy, C order
+        x = cupy.ascontiguousarray(x)
+        last = output_layout(x.shape, strides, channel_axis, per_sample)
+    return x, last
 
 
 def output_layout(shape, strides, channel_axis: int, per_sample: bool) -> bool:
@@ -394,11 +401,8 @@ def batch_statistics(call: ChannelCall):
 
     if call.norm != "batch" or not call.training or not call.x.size:
         raise ValueError("batch_statistics takes a training-mode batch_norm call over a non-empty x")
-    x, ca = call.x, call.channel_axis
-    last = _plan.channel_layout(x.shape, _elements(x), ca, False)
-    if last is None:  # dense in neither layout: one copy, C order
-        x = cupy.ascontiguousarray(x)
-        last = output_layout(x.shape, _elements(x), ca, False)
+    ca = call.channel_axis
+    x, last = _dense(call.x, ca, False)
     batch, channels = x.shape[0], x.shape[ca]
     spatial = x.size // (batch * channels)
     device = x.data.device_id

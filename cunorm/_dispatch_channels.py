@@ -34,12 +34,6 @@ CHANNEL_MAX_CHUNK_BYTES = 256 * 1024
 #: grouped (issue 24, fourth pass): 33 0.180 ms, 66 0.187, 132 0.184, 16 0.247.
 CHANNEL_LAST_BLOCKS_PER_SM = 2
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
-#: (a rule, no constant) a channels-last tile is exactly a position's
-#: vectors where they are at most CHANNEL_BLOCK_THREADS, not the next power
-#: of two: 6 rows of 40 threads (240, launched as 256), not 4 rows of 64
-#: with 24 idle in each. GroupNorm(32) bf16 +w+b (8,64,64,320): 0.0529 ->
-#: 0.0483 ms (apply 22.7 -> 18.5 us); 4 rows of 40 (160 threads) 0.0543;
-#: 64 and 160 vectors the same (docs/performance.md, issue 25).
 #: the three launches' LAYOUT template argument (channels.cu's header)
 CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED = 0, 1, 2
 #: channels-last x goes grouped (channels_last_walk) with vectors of at
@@ -286,11 +280,16 @@ def channels_last_walk(plan: ChannelPlan, override: dict) -> tuple[int, int, int
     statistic per channel, vectors of the plan's width. A tile is a
     position's vectors where they are at most CHANNEL_BLOCK_THREADS, else
     256 of them; the block is CHANNEL_BLOCK_THREADS // tile rows of a tile,
-    launched as whole warps (the threads past the rows idle). ``override`` {"grouped": False} forces a statistic per
-    channel, {"exact_tile": False} tiles of a power of two (the tuning
-    script)."""
+    launched as whole warps (the threads past the rows idle).
+    ``override`` {"grouped": False} forces a statistic per channel,
+    {"exact_tile": False} tiles of a power of two (the tuning script)."""
     def tiling(vec):
         vecs = plan.channels // vec
+        # Exactly the position's vectors, not the next power of two: 6 rows
+        # of 40 threads (launched as 256), not 4 of 64 with 24 idle in each.
+        # GroupNorm(32) bf16 +w+b (8,64,64,320): 0.0545 -> 0.0489 ms (apply
+        # 23.4 -> 19.1 us); 4 rows of 40 unpadded 0.0543; 64 and 160 vectors
+        # the same (docs/performance.md, issue 25, fourth step).
         if vecs <= CHANNEL_BLOCK_THREADS and override.get("exact_tile", True):
             return vecs, 1
         bx = min(CHANNEL_BLOCK_THREADS, next_pow2(vecs))

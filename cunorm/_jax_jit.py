@@ -228,7 +228,7 @@ class RowSpec:
     kernel dtype; whether it returns the statistics; whether it returns y
     (False: set by the dead-code rule, _rows_dce, where the program never
     reads y); the epilogue's FLAGS bits (_plan: rounding, weight offset,
-    activation; the forward's only: the backward takes none)."""
+    activation; the forward's only: the backward lowerings mask them off)."""
 
     norm: str
     shape: tuple

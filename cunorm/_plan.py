@@ -69,6 +69,11 @@ PARAM_FLAGS = FLAG_WEIGHT | FLAG_BIAS
 FLAG_WEIGHT_OFFSET = 4  # kWeightOffset: the weight read as 1 + weight
 FLAG_ROUND_NORMALIZED = 8  # kRoundNormalized: rounded before the weight
 ACTIVATION_SHIFT = 4  # kActivationShift
+ACTIVATION_BITS = 7 << ACTIVATION_SHIFT  # the activation's code (bits 4..6)
+#: the epilogue bits cunorm's backward kernels do not differentiate (the
+#: rounding they do: its backward is the norm's); the torch and JAX wrappers
+#: run them as framework ops after the norm where gradients are taken
+UNFUSED_IN_BACKWARD = FLAG_WEIGHT_OFFSET | ACTIVATION_BITS
 #: the activations of the epilogue (``activation=``), their codes (Activation)
 ACTIVATIONS = {"identity": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}
 #: the rounding points of rms_norm's ``rounding=``
@@ -89,7 +94,7 @@ def activation_flags(activation) -> int:
 
 def activation_name(flags: int) -> str | None:
     """The activation the FLAGS word ends with (None for identity)."""
-    code = (flags >> ACTIVATION_SHIFT) & 7
+    code = (flags & ACTIVATION_BITS) >> ACTIVATION_SHIFT
     return None if code == 0 else next(n for n, c in ACTIVATIONS.items() if c == code)
 
 

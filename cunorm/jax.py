@@ -79,9 +79,6 @@ def _no_unknown_kwargs(fn, kwargs):
 JAX_ACTIVATIONS = {"relu": jax.nn.relu, "silu": jax.nn.silu,
                    "gelu": functools.partial(jax.nn.gelu, approximate=False),
                    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-#: the epilogue bits cunorm's backward kernels do not take (rounding they
-#: do: its backward is the norm's)
-_UNFUSED_IN_BACKWARD = _plan.FLAG_WEIGHT_OFFSET | (7 << _plan.ACTIVATION_SHIFT)
 
 
 def _activated(outs: tuple, epilogue: int) -> tuple:
@@ -148,7 +145,7 @@ def _rows_bwd(spec, saved, cotangents):
     jj = _jit()
     x, w, b, center, scale, has_r = saved
     ct = dict(zip(jj._rows_outputs(spec), cotangents))
-    grad_spec = jj.RowGradSpec(dataclasses.replace(spec, residual=False, stats=True, epilogue=0), dh=has_r)
+    grad_spec = jj.RowGradSpec(dataclasses.replace(spec, residual=False, stats=True), dh=has_r)
     args = [ct["y"], x] + ([ct["h"]] if has_r else []) + ([w] if w is not None else []) + [
         s for s in (center, scale) if s is not None]
     grads = dict(zip(grad_spec.outputs(), jj.rows_grad_p.bind(*args, spec=grad_spec)))
@@ -164,7 +161,7 @@ def _rows_unfused(spec, x, r, w, b):
     """The row norm with its rounding only (cunorm's backward), the weight
     offset as 1 + w in the accumulation dtype (as the kernel forms it) and
     the activation after it: what jax.grad differentiates."""
-    inner = dataclasses.replace(spec, epilogue=spec.epilogue & ~_UNFUSED_IN_BACKWARD)
+    inner = dataclasses.replace(spec, epilogue=spec.epilogue & ~_plan.UNFUSED_IN_BACKWARD)
     if spec.epilogue & _plan.FLAG_WEIGHT_OFFSET:
         acc = _dtypes.accumulation(spec.dtype)
         w = w.astype(acc) + 1
@@ -191,7 +188,7 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
                           epilogue=epilogue)
     if not x.size:
         raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
-    if epilogue & _UNFUSED_IN_BACKWARD:
+    if epilogue & _plan.UNFUSED_IN_BACKWARD:
         outs = list(_epilogue_vjp(_row_vjp, _rows_unfused, spec, (x, residual, w, b)))
     else:
         outs = list(_row_vjp(spec, x, residual, w, b))
@@ -277,7 +274,7 @@ def _channels_bwd(spec, saved, cotangents):
     jj = _jit()
     x, w, b, mean, rstd = saved
     ct = dict(zip(spec.outputs(), cotangents))
-    grad_spec = jj.ChannelGradSpec(dataclasses.replace(spec, epilogue=0))
+    grad_spec = jj.ChannelGradSpec(spec)
     args = [ct["y"], x, mean, rstd] + ([w] if w is not None else [])
     grads = dict(zip(grad_spec.outputs(), jj.channels_grad_p.bind(*args, spec=grad_spec)))
     dw = None if w is None else grads["dw"].astype(w.dtype)

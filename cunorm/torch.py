@@ -249,10 +249,10 @@ def _(dy, x, mean, rstd, norm, num_groups, weight, bias, training, eps, channel_
     return [dx] + [torch.empty_like(p) for p in _present(weight, bias)]
 
 
-# The epilogue's bits the backward operators do not differentiate: the
-# functions below run them as torch ops around the norm where autograd
-# records, and the operators refuse a backward through them.
-_UNFUSED_IN_BACKWARD = ~(_plan.FLAG_ROUND_NORMALIZED | _plan.PARAM_FLAGS)
+# The epilogue's bits the backward operators do not differentiate
+# (_plan.UNFUSED_IN_BACKWARD): the functions below run them as torch ops
+# around the norm where autograd records, and the operators refuse a
+# backward through them.
 _UNFUSED = ("cunorm.{op}: the operator was called with an activation or a weight offset (epilogue={bits}) while "
             "autograd recorded it; its backward does not differentiate them. Call it through cunorm.torch.{op} "
             "(or cunorm.{op}), which runs them as torch ops where autograd records.")
@@ -269,7 +269,7 @@ def _output_grads(grads) -> list:
 
 def _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, statistics, epilogue):
     ctx.kept = return_stats
-    ctx.unfused = epilogue & _UNFUSED_IN_BACKWARD
+    ctx.unfused = epilogue & _plan.UNFUSED_IN_BACKWARD
     if not return_stats:
         return
     h = output[1] if residual is not None else x
@@ -334,7 +334,7 @@ def _normalize_backward(ctx, dy):
 
 def _channel_setup(ctx, norm, x, num_groups, weight, bias, channel_axis, return_stats, output, epilogue, training=True,
                    eps=0.0, running=(None, None)):
-    ctx.norm, ctx.unfused = norm, epilogue & _UNFUSED_IN_BACKWARD
+    ctx.norm, ctx.unfused = norm, epilogue & _plan.UNFUSED_IN_BACKWARD
     ctx.kept = return_stats or not training
     if not ctx.kept:
         return
@@ -441,7 +441,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, r
     """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm`` (differentiable)."""
     stats = _ops.check_flag(return_stats, "return_stats")
     epilogue = _plan.rms_epilogue(weight_offset, rounding, activation, weight is not None)
-    if epilogue & _UNFUSED_IN_BACKWARD and _needs_grad(x, weight, residual):
+    if epilogue & _plan.UNFUSED_IN_BACKWARD and _needs_grad(x, weight, residual):
         # the weight offset and the activation as torch ops around the norm, so autograd sees them
         w = _offset_weight(x, weight) if weight_offset else weight
         results = rms_norm(x, w, axis=axis, eps=eps, residual=residual, return_stats=stats, rounding=rounding)
