@@ -63,8 +63,9 @@ class ChannelCall:
         self.running_mean = self._running(running_mean, "running_mean", channels)
         self.running_var = self._running(running_var, "running_var", channels)
         for name, buf in (("running_mean", self.running_mean), ("running_var", self.running_var)):
-            if buf is not None and _ops._overlaps(buf, xa):
-                raise ValueError(f"batch_norm: {name} overlaps x; pass a separate buffer")
+            for other, other_name in ((xa, "x"), (self.weight, "weight"), (self.bias, "bias")):
+                if buf is not None and other is not None and _ops._overlaps(buf, other):
+                    raise ValueError(f"batch_norm: {name} overlaps {other_name}; pass a separate buffer")
         if (self.running_mean is not None and self.running_var is not None
                 and _ops._overlaps(self.running_mean, self.running_var)):
             raise ValueError("batch_norm: running_mean and running_var overlap; pass two separate buffers")
@@ -95,7 +96,10 @@ class ChannelCall:
             return None
         if self.norm != "batch":
             raise ValueError(f"{name} is a batch_norm argument")
-        _ops._writable(buf, name)
+        if self.training:
+            _ops.check_writable(buf, name)
+        else:  # (read only in eval mode; a JAX buffer is refused alike: cunorm.jax takes those)
+            _ops.refuse_jax(buf, name)
         ba = self._same_kind(buf, name)
         _ops.check_dtype(ba.dtype, name)
         if tuple(ba.shape) != (channels,):
@@ -103,13 +107,15 @@ class ChannelCall:
         return ba
 
     def _out(self, out):
-        _ops._writable(out, "out")
+        _ops.check_writable(out, "out")
         oa = self._same_kind(out, "out")
         if tuple(oa.shape) != tuple(self.x.shape) or oa.dtype != self.x.dtype:
             raise ValueError(f"out must have x's shape {tuple(self.x.shape)} and dtype {self.x.dtype}, "
                              f"got shape {tuple(oa.shape)} and dtype {oa.dtype}")
-        if _ops._overlaps(oa, self.x):
-            raise ValueError("out overlaps x; pass a separate buffer")
+        for other, name in ((self.x, "x"), (self.weight, "weight"), (self.bias, "bias"),
+                            (self.running_mean, "running_mean"), (self.running_var, "running_var")):
+            if other is not None and _ops._overlaps(oa, other):
+                raise ValueError(f"out overlaps {name}; pass a separate buffer")
         return oa
 
     on_gpu = _ops.Call.on_gpu

@@ -18,13 +18,14 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
      rows per 256-thread block, butterfly shuffles only.
   3. up to 1024: rows_cached, one block of `threads` (>= 64) per row.
   4. rows longer than the register cache of one block (128 KB of row):
-     rows_uncached if the rows fill every SM (a block an SM walks rows,
-     keeping what fits of each on chip, up to 258 KB of fp32 row, and
-     reading the rest twice), else the split tier. Rows that start off
-     vector alignment (65535 floats) are walked with their aligned body's
-     vector (plan.peel_vec).
+     rows_uncached (a block an SM walks rows, keeping what fits of each on
+     chip, up to 258 KB of fp32 row, and reading the rest twice). Rows
+     that start off vector alignment (65535 floats) are walked with their
+     aligned body's vector (plan.peel_vec).
   5. few long rows (fewer than SMs, each >= SPLIT_MIN_ROW_BYTES): the split
      tier, so the whole GPU works on each row (two launches, x read twice).
+     Only here does the number of rows choose the tier: shorter rows get
+     the same kernel and layout at every batch size (batch invariance).
      rows_resident (one cooperative block per SM keeps its chunk of the row
      in shared memory across a per-row arrival barrier: one read of x) is
      available by override only: on problem 40 (LayerNorm, weight and bias)
@@ -343,14 +344,17 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     vpt = next_pow2(_ceil_div(n_vec, threads))
     tier = override.get("tier")
     if tier is None:
-        cacheable = rows_cache_fits(plan, threads)
+        # Below SPLIT_MIN_ROW_BYTES the tier (and every choice inside it)
+        # follows the row alone, never the number of rows: a row's results
+        # are then bitwise the same whatever the batch (docs/ops.md, "Batch
+        # invariance").
         few_rows = rows < SPLIT_MAX_ROWS_PER_SM * device.sm_count
         if few_rows and row_bytes >= SPLIT_MIN_ROW_BYTES:
             tier = "split"
-        elif cacheable:
+        elif rows_cache_fits(plan, threads):
             tier = "cached"
         else:
-            tier = "split" if few_rows else "uncached"
+            tier = "uncached"
 
     t, p = kernel_types(plan)
     policy = norm_info(plan.norm).policy

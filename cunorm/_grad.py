@@ -341,7 +341,7 @@ def _channels_gpu(g: ChannelGradCall, override=None):
     per_sample = call.norm != "batch"
     dy = g.dy
     clean = x is call.x
-    if dy.strides != x.strides or dy.data.ptr % 16:  # dy into x's (and dx's) layout, 16-byte aligned
+    if not _plan.same_layout(x.shape, dy.strides, x.strides) or dy.data.ptr % 16:  # dy into x's (and dx's) layout, 16-byte aligned
         dy = cupy.ndarray(dx.shape, dx.dtype, cupy.cuda.alloc(dx.nbytes), strides=dx.strides)
         dy[...] = g.dy
         clean = False

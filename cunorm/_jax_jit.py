@@ -69,19 +69,63 @@ def check_jax_version(version: str = jax.__version__) -> None:
 def _gpu_triton():
     try:
         from jax._src.lib import gpu_triton
-    except ImportError as err:  # pragma: no cover (a jaxlib without its GPU kernels)
-        raise RuntimeError("cunorm inside jax.jit needs jaxlib's GPU custom-call target triton_kernel_call "
-                           "(jax[cuda12] or jax[cuda13])") from err
+    except ImportError:  # pragma: no cover (a jaxlib without its GPU kernels)
+        gpu_triton = None
+    if not hasattr(gpu_triton, "TritonKernel"):  # (the module is there without the CUDA plugin, empty)
+        raise RuntimeError("cunorm inside jax.jit needs jax's CUDA plugin, which provides the custom-call target "
+                           "triton_kernel_call: pip install 'jax[cuda12]' (or 'jax[cuda13]'); lowering on a host "
+                           "without a GPU needs only the plugin, jax-cuda12-plugin of jax's version")
     return gpu_triton
 
 
 # --- the target GPU -----------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
+#: the architecture named with set_lowering_target, as target() returns it; None: the process's GPU
+_named_target = None
+
+
+def set_lowering_target(arch=None, *, sm_count: int | None = None, l2_bytes: int | None = None):
+    """Lower for ``arch`` ("sm_80", "sm_86", "sm_89", "sm_90", or the compute
+    capability as an int) instead of this process's GPU: what lowering
+    and jax.export on a host without the GPU need. The dispatch plans for
+    the architecture's reference part (cunorm/_targets.py), whose
+    multiprocessor count and L2 size ``sm_count`` and ``l2_bytes``
+    replace; persistent grids are capped by the occupancy the compiler's
+    resource report gives for that architecture. None: back to the
+    process's GPU. Returns the Target now in force (None for the GPU).
+    A change clears jax's caches: what jax lowered or compiled before was
+    planned for the other target."""
+    global _named_target
+    if arch is None:
+        if sm_count is not None or l2_bytes is not None:
+            raise ValueError("sm_count and l2_bytes describe a named target: pass arch too")
+        chosen, named = None, None
+    else:
+        from . import _targets
+
+        chosen = _targets.named(arch, sm_count=sm_count, l2_bytes=l2_bytes)
+        named = (_targets.device_id(chosen), chosen.device, chosen.arch)
+    if named != _named_target:
+        _named_target = named
+        jax.clear_caches()
+    return chosen
+
+
 def target():
     """(device id, _dispatch.Device, compute capability) the lowering plans
-    for: the process's first GPU (a jit program runs on GPUs of one model)."""
+    for: the architecture set_lowering_target named, else the process's
+    first GPU (a jit program runs on GPUs of one model)."""
+    named = _named_target
+    return named if named is not None else _gpu_target()
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_target():
+    if _launch.gpu_name() is None:
+        raise RuntimeError("cunorm.jax: lowering for CUDA needs the GPU the program will run on, and this process "
+                           "sees none. Name it first: cunorm.jax.set_lowering_target('sm_90') (or 'sm_80', "
+                           "'sm_86', 'sm_89'; docs/jax.md, 'Lowering without a GPU')")
     device = _launch.device_info(0)
     return 0, device, device.compute_capability
 

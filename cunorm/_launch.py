@@ -24,7 +24,7 @@ import threading
 import numpy as np
 from cupy_backends.cuda.api import driver, runtime
 
-from . import _dispatch
+from . import _dispatch, _loader, _targets
 from ._kernels import POINTER_KINDS
 
 #: called as hook(step, launch) around each launch when set (the tuning
@@ -275,6 +275,11 @@ class LaunchRecorder:
 
 @functools.lru_cache(maxsize=16)
 def device_info(device_id: int) -> _dispatch.Device:
+    """What the dispatch needs to know about GPU ``device_id``; a negative
+    id names an architecture planned for ahead of time (cunorm/_targets.py),
+    which asks nothing of the driver."""
+    if device_id < 0:
+        return _targets.by_id(device_id).device
     import cupy
 
     dev = cupy.cuda.Device(device_id)
@@ -306,9 +311,7 @@ def step_function(step, device: int):
     that is more than the default allows (48 KB less the static): before
     any launch, and before any occupancy query, which otherwise counts no
     block at all of a kernel that asks for more."""
-    from ._loader import get_function
-
-    fn = get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
+    fn = _loader.get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
     if step.shared_bytes > 0 and fn.max_dynamic_shared_size_bytes < step.shared_bytes:
         fn.max_dynamic_shared_size_bytes = step.shared_bytes
     return fn
@@ -318,9 +321,15 @@ def persistent_grid(step, device: int) -> tuple[int, ...]:
     """A persistent step's grid, its x extent capped at the blocks resident
     at once (so no block starts its share late), whole clusters of a
     kernel with clusters."""
-    fn = step_function(step, device)
     cluster = step.kernel.cluster
-    resident = resident_blocks(fn, step.threads, step.shared_bytes, device) // cluster * cluster
+    if device < 0:  # a target named ahead of time: its occupancy from the compiler's resource report
+        target = _targets.by_id(device)
+        registers, static_shared = _loader.kernel_resources(step.kernel.family, step.kernel.expression, target.arch)
+        per_sm = target.resident_per_sm(registers, static_shared, step.threads, step.shared_bytes)
+        resident = per_sm * target.device.sm_count // cluster * cluster
+    else:
+        fn = step_function(step, device)
+        resident = resident_blocks(fn, step.threads, step.shared_bytes, device) // cluster * cluster
     if resident < 1:
         raise RuntimeError(f"{step.kernel.expression}: no block of {step.threads} threads and "
                            f"{step.shared_bytes} B of shared memory fits an SM")

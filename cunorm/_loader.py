@@ -111,7 +111,8 @@ def precompile(verbose: bool = False, jobs: int | None = None) -> dict:
 
     if gpu_name() is None:
         raise RuntimeError("cunorm.precompile: no CUDA GPU found; precompile builds the kernels for the current "
-                           "GPU. Without one, `python -m cunorm check` compiles them with NVRTC for sm_80 and sm_90.")
+                           "GPU. Without one, `python -m cunorm check` compiles a representative set with NVRTC for "
+                           "sm_80 and sm_90 (`check --all`: every kernel).")
     import cupy
 
     arch = int(cupy.cuda.Device().compute_capability)
@@ -165,6 +166,7 @@ def _compile_share(lines) -> int:
 _PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)")
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SHARED = re.compile(r"(\d+) bytes smem")
 
 
 def compile_offline(arch: str, kernels, jobs: int | None = None, progress=None) -> list[dict]:
@@ -216,6 +218,15 @@ def compile_offline(arch: str, kernels, jobs: int | None = None, progress=None) 
     return [r for part in results for r in part]
 
 
+@functools.lru_cache(maxsize=512)
+def kernel_resources(family: str, expression: str, arch: int) -> tuple[int, int]:
+    """(registers a thread, static shared bytes) of one instantiation
+    compiled for sm_<arch> without a GPU: what its occupancy follows from
+    (_targets.Target.resident_per_sm)."""
+    (entry,) = [r for r in _compile_batch(family, [expression], f"sm_{arch}") if not r.get("helper")]
+    return entry["registers"], entry["shared"]
+
+
 def _compile_batch(family: str, expressions: list[str], arch: str) -> list[dict]:
     from cupy_backends.cuda.libs import nvrtc
 
@@ -252,6 +263,8 @@ def _parse_ptxas(log: str, lowered: dict[str, str]) -> list[dict]:
         m = _PTXAS_REGS.search(line)
         if m:
             current["registers"] = int(m.group(1))
+            m = _PTXAS_SHARED.search(line)
+            current["shared"] = int(m.group(1)) if m else 0
     missing = set(lowered) - set(found)
     if missing:
         raise RuntimeError(f"ptxas reported nothing for {sorted(lowered[m] for m in missing)[:3]}")

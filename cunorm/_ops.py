@@ -157,7 +157,7 @@ class Call:
         return ra
 
     def _out(self, out):
-        _writable(out, "out")
+        check_writable(out, "out")
         oa = self._same_kind(out, "out")
         if tuple(oa.shape) != tuple(self.x.shape) or oa.dtype != self.x.dtype:
             raise ValueError(
@@ -166,7 +166,8 @@ class Call:
             )
         if not oa.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
-        for other, name in ((self.x, "x"), (self.residual, "residual")):  # (every path alike)
+        for other, name in ((self.x, "x"), (self.residual, "residual"), (self.weight, "weight"),
+                            (self.bias, "bias")):  # (every path alike)
             if other is not None and _overlaps(oa, other) and not (name == "x" and _same_view(oa, other)):
                 raise ValueError(f"out overlaps {name}; pass a separate buffer (out may be x itself, for in place)")
         return oa
@@ -195,11 +196,30 @@ def stats_shape(shape: tuple, first: int, last: int) -> tuple:
     return shape[:first] + shape[last + 1 :]
 
 
-def _writable(a, name: str) -> None:
-    """Refuse a JAX array where cunorm would write (JAX arrays are immutable)."""
-    if getattr(_interop.adapter_for(a, name), "name", None) == "jax":
+def refuse_jax(a, name: str):
+    """Refuse a JAX array where cunorm takes an array it may write (out=,
+    BatchNorm's running buffers); returns a's adapter."""
+    adapter = _interop.adapter_for(a, name)
+    if getattr(adapter, "name", None) == "jax":
         raise TypeError(f"{name} is a JAX array, which cunorm must not write into (JAX arrays are immutable); "
                         f"leave {name} out and use the returned array")
+    return adapter
+
+
+def check_writable(a, name: str) -> None:
+    """Refuse an array cunorm would write into but may not: a JAX array
+    (immutable), a read-only NumPy array, a torch inference tensor outside
+    inference mode. Checked with every other argument, before anything is
+    launched or written."""
+    adapter = refuse_jax(a, name)
+    if adapter is _interop.NUMPY:
+        if not a.flags.writeable:
+            raise ValueError(f"{name} is a read-only NumPy array, which this call writes into: pass a writable "
+                             f"array (e.g. {name}.copy())")
+        return
+    reason = getattr(adapter, "unwritable", None)
+    if reason is not None and reason(a):
+        raise ValueError(f"{name} {reason(a)}, which this call writes into")
 
 
 def _pointer(a) -> int:
@@ -225,7 +245,7 @@ def _overlaps(a, b) -> bool:
 
 
 def _same_view(a, b) -> bool:
-    return _pointer(a) == _pointer(b) and a.strides == b.strides and a.shape == b.shape
+    return _pointer(a) == _pointer(b) and a.shape == b.shape and _plan.same_layout(a.shape, a.strides, b.strides)
 
 
 def run(call: Call, reference, key=None):
@@ -392,40 +412,47 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
     formed unfused first. ``epilogue``: the FLAGS bits of the epilogue's
     options (_plan.FLAG_ROUND_NORMALIZED ...). ``out_dtype``: y's dtype
     where it is not x's (no residual); where rows_cached does not take the
-    call, x is cast to it first."""
+    call, x is cast to it first.
+
+    What the kernels do not take is prepared in a fixed sequence, each step
+    at most once: x and r brought to one layout (C-contiguous copies), x
+    cast to y's dtype, x copied C-contiguous, h formed unfused for a
+    strided axis. Nothing re-enters, so nothing can loop."""
     import cupy
 
-    mixed = out_dtype if out_dtype is not None and out_dtype != x.dtype else None
-
-    if r is not None and r.strides != x.strides:
-        x, r = cupy.ascontiguousarray(x), cupy.ascontiguousarray(r)
-        return _launch_rows(norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale, first=first, last=last,
-                            eps=eps, override=override, epilogue=epilogue)[:2] + (None,)
-    itemsize = x.itemsize
-    strides = tuple([s // itemsize for s in x.strides])
     flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
     pdtype = None if not flags else (w if w is not None else b).dtype
     flags |= epilogue
-    key = (norm, x.dtype, pdtype, flags, r is not None, x.shape, strides, first, last,
-           x.data.ptr % 32, y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), mixed, x.data.device_id)
-    plan, launch = _planned(*key) if override is None else _plan_and_choose(key, override)
+
+    def plan_for(x, r, h, out_dtype):
+        mixed = out_dtype if out_dtype is not None and out_dtype != x.dtype else None
+        itemsize = x.itemsize
+        strides = tuple([s // itemsize for s in _plan.canonical_strides(x.shape, x.strides, itemsize)])
+        key = (norm, x.dtype, pdtype, flags, r is not None, x.shape, strides, first, last, x.data.ptr % 32,
+               y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), mixed, x.data.device_id)
+        return (_planned(*key) if override is None else _plan_and_choose(key, override)) + (mixed,)
+
+    given = (x, r)
+    if r is not None and not _plan.same_layout(x.shape, r.strides, x.strides):
+        x, r = cupy.ascontiguousarray(x), cupy.ascontiguousarray(r)
+    plan, launch, mixed = plan_for(x, r, h, out_dtype)
     if mixed is not None and (plan is None or launch is None):  # rows_cached does not take it: cast x first
-        return _launch_rows(norm, x.astype(mixed), y, w=w, b=b, center=center, scale=scale, first=first, last=last,
-                            eps=eps, override=override, epilogue=epilogue)[:2] + (None,)
+        x, out_dtype = x.astype(mixed, order="C"), None
+        plan, launch, mixed = plan_for(x, r, h, out_dtype)
     if plan is None:  # a layout the kernels do not walk: one contiguous copy
-        x = cupy.ascontiguousarray(x)
-        r = None if r is None else cupy.ascontiguousarray(r)
-        return _launch_rows(norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale, first=first, last=last,
-                            eps=eps, override=override, epilogue=epilogue)[:2] + (None,)
+        x, r = cupy.ascontiguousarray(x), None if r is None else cupy.ascontiguousarray(r)
+        plan, launch, mixed = plan_for(x, r, h, out_dtype)
     if r is not None and not plan.contiguous_rows:
         # A strided axis: form h with one elementwise pass, then normalize h.
         _residual_add(cupy.ascontiguousarray(x), cupy.ascontiguousarray(r), h)
-        return _launch_rows(norm, h, y, w=w, b=b, center=center, scale=scale, first=first, last=last, eps=eps,
-                            override=override, epilogue=epilogue)[:2] + (None,)
+        x, r, h = h, None, None
+        plan, launch, mixed = plan_for(x, r, h, out_dtype)
+    if plan is None or launch is None:
+        raise RuntimeError(f"cunorm: no {norm} launch for x of shape {x.shape} and strides {x.strides}")
     program = rows_program(plan, launch, float(eps), center is not None, scale is not None, x.data.device_id)
     program.run(tuple(_launch.ptr(a) for a in (x, r, y, h, w, b, center, scale)), _launch.cupy_stream(),
                 _launch.cupy_alloc)
-    return plan, launch, program
+    return plan, launch, program if x is given[0] and r is given[1] else None
 
 
 def _residual_add(x, r, h):

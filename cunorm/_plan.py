@@ -167,6 +167,31 @@ def _normalize_axes(axis, ndim: int) -> tuple[int, int]:
     return resolved[0], resolved[-1]
 
 
+def canonical_strides(shape, strides, itemsize: int = 1) -> tuple:
+    """``strides`` with the stride of every size-1 axis replaced by the one a
+    C-ordered array would have there (the next axis's stride times its
+    extent; ``itemsize`` after the last axis). An axis of one element is
+    never stepped along, so its stride is free: views such as ``x[:, -1:]``
+    carry any value there, and two arrays of one layout must compare equal
+    (an array already C-contiguous keeps its strides only if they are
+    these). Units as given (bytes, or elements with itemsize 1)."""
+    if 1 not in shape:
+        return tuple(strides)
+    out = list(strides)
+    following = itemsize
+    for axis in range(len(shape) - 1, -1, -1):
+        if shape[axis] == 1:
+            out[axis] = following
+        following = out[axis] * shape[axis]
+    return tuple(out)
+
+
+def same_layout(shape, strides_a, strides_b) -> bool:
+    """Whether two arrays of ``shape`` step through memory alike: equal
+    strides on every axis of more than one element."""
+    return all(n == 1 or a == b for n, a, b in zip(shape, strides_a, strides_b))
+
+
 def collapse(shape, strides) -> tuple[int, int] | None:
     """Merge a run of dimensions into one (extent, stride), or None if their
     strides do not describe a single arithmetic progression."""

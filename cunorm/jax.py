@@ -34,7 +34,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
+try:
+    import jax
+except ModuleNotFoundError as err:
+    if err.name != "jax":
+        raise
+    raise ModuleNotFoundError("cunorm.jax needs JAX, which is not installed: pip install 'cunorm[jax]' (on a GPU "
+                              "machine, 'jax[cuda12]' brings its CUDA plugin)", name="jax") from err
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,7 +48,7 @@ from . import _channels, _dtypes, _ops, _plan, norms
 from ._ops import DEFAULT_EPS, LP_EPS
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
-           "instance_norm", "batch_norm"]
+           "instance_norm", "batch_norm", "set_lowering_target"]
 
 
 try:
@@ -61,10 +67,16 @@ def _check_kind(fn: str, x) -> None:
                         f"(cunorm.{fn} takes any array)")
 
 
-def _stand_in(a):
+def _stand_in(a, written=False):
     """A NumPy view of a's shape and dtype over no memory: what the eager
-    argument checks read (the same errors on every path)."""
-    return None if a is None else np.broadcast_to(np.zeros((), np.dtype(a.dtype)), a.shape)
+    argument checks read (the same errors on every path). ``written``: an
+    array the eager op would update (BatchNorm's running buffers, which
+    the traced op returns instead), so writable: a small one of its own."""
+    if a is None:
+        return None
+    if written:
+        return np.empty(a.shape, np.dtype(a.dtype))
+    return np.broadcast_to(np.zeros((), np.dtype(a.dtype)), a.shape)
 
 
 def _no_unknown_kwargs(fn, kwargs):
@@ -116,6 +128,26 @@ def _jit():
 
     _jax_jit.check_jax_version()
     return _jax_jit
+
+
+def set_lowering_target(arch=None, *, sm_count=None, l2_bytes=None):
+    """Lower cunorm's calls inside ``jax.jit`` for the GPU architecture
+    ``arch`` instead of this process's GPU: for lowering and ``jax.export``
+    on a host without one (it needs jax's CUDA plugin, not a GPU).
+
+    ``arch`` is "sm_80" (A100), "sm_86" (A40, RTX 30), "sm_89" (L40S,
+    RTX 40) or "sm_90" (H100, H200), or the compute capability as an int.
+    Launches are planned for that architecture's reference part;
+    ``sm_count`` and ``l2_bytes`` give another part's multiprocessors and
+    L2 (an H100 PCIe: ``set_lowering_target("sm_90", sm_count=114)``).
+    A program lowered so runs on any GPU of that compute capability (its
+    grids were sized for the part named). ``None`` goes back to the
+    process's GPU. Returns the target now in force (None: the GPU).
+
+    Without a target and without a GPU, lowering raises a RuntimeError
+    that names this function.
+    """
+    return _jit().set_lowering_target(arch, sm_count=sm_count, l2_bytes=l2_bytes)
 
 
 def _no_out(fn, kwargs):
@@ -295,8 +327,8 @@ def _channel_jax(fn, norm, x, num_groups, weight, bias, running_mean, running_va
     epilogue = _plan.activation_flags(activation)
     call = _channels.ChannelCall(norm, _stand_in(x), num_groups=num_groups, weight=_stand_in(weight),
                                  bias=_stand_in(bias), eps=eps, channel_axis=channel_axis,
-                                 return_stats=return_stats, running_mean=_stand_in(running_mean),
-                                 running_var=_stand_in(running_var), training=training, momentum=momentum)
+                                 return_stats=return_stats, running_mean=_stand_in(running_mean, True),
+                                 running_var=_stand_in(running_var, True), training=training, momentum=momentum)
     if not call.x.size:
         raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
     _, pdtype = _ops.kernel_params(call.x.dtype, call.weight, call.bias)
@@ -371,7 +403,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                             activation=activation, **kwargs)
 
 
-for _name in __all__:
+for _name in __all__[:-1]:  # (the ops; set_lowering_target has its own)
     _f = globals()[_name]
     _f.__doc__ = (f"``cunorm.{_name}`` on JAX arrays, eager or traced (no ``out=``; see the module).\n\n"
                   + (getattr(norms, _name).__doc__ or ""))

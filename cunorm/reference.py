@@ -229,12 +229,18 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     if training:
         center, scale, var, xg = _grouped(xf, c, False, eps)
         count = n * s
+        updates = []  # (buffer, value): both checked before either is written
         if running_mean is not None:
-            mean = center.reshape(c)
-            running_mean[...] = ((1 - momentum) * running_mean.astype(np.float64) + momentum * mean)
+            updates.append((running_mean, (1 - momentum) * running_mean.astype(np.float64)
+                            + momentum * center.reshape(c)))
         if running_var is not None:
             unbiased = var.reshape(c) * (count / (count - 1))
-            running_var[...] = ((1 - momentum) * running_var.astype(np.float64) + momentum * unbiased)
+            updates.append((running_var, (1 - momentum) * running_var.astype(np.float64) + momentum * unbiased))
+        for buffer, _ in updates:
+            if not buffer.flags.writeable:
+                raise ValueError("batch_norm: a running buffer is read-only; pass writable arrays")
+        for buffer, value in updates:
+            buffer[...] = value
     else:
         xg = xf.reshape(n, c, 1, s)
         center = np.asarray(running_mean).astype(np.float64).reshape(1, c, 1, 1)

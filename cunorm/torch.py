@@ -32,7 +32,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as err:
+    if err.name != "torch":
+        raise
+    raise ModuleNotFoundError("cunorm.torch needs PyTorch, which is not installed: pip install 'cunorm[torch]' "
+                              "(or a torch build for your CUDA from pytorch.org)", name="torch") from err
 from torch import Tensor
 
 from . import _channels, _dispatch, _ops, _plan, backward, norms, reference
@@ -525,6 +531,10 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
     training = _ops.check_flag(training, "training")
     epilogue = _plan.activation_flags(activation)
+    if training:  # (the operator updates copies; both buffers are checked before either is written back)
+        for buffer, name in ((running_mean, "running_mean"), (running_var, "running_var")):
+            if buffer is not None:
+                _ops.check_writable(buffer, name)
     if epilogue and _needs_grad(x, weight, bias):  # the activation as torch's op (see rms_norm)
         return _activated(batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
                                      training=training, momentum=momentum, eps=eps, channel_axis=axis,

@@ -376,3 +376,44 @@ def test_activation_and_unparametrized_channel_norms_inside_jit(rng, jx, case):
         if "rows" in case and what != "dx":
             continue
         _grad_close(g, h, f"{case} {what}", 1e-4)
+
+
+@pytest.mark.parametrize("case", ["rows", "long rows", "grads", "long grads", "group_norm NHWC", "batch_norm grads"])
+def test_a_named_target_lowers_as_the_gpu_itself(jx, case):
+    """set_lowering_target with this GPU's architecture, multiprocessors and
+    L2 lowers to the very program the GPU's own lowering gives: the same
+    plans, and persistent grids capped alike (the occupancy rules against
+    the driver's occupancy query)."""
+    jax, jnp, cj = jx
+    from cunorm import _launch, _targets
+
+    device = _launch.device_info(0)
+    bf16 = jnp.bfloat16
+    loss = lambda f: jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1))  # noqa: E731
+    f, shapes = {
+        "rows": (lambda x, w: cj.rms_norm(x, w), [((4096, 4096), bf16), ((4096,), jnp.float32)]),
+        "long rows": (lambda x, w: cj.layer_norm(x, w), [((1024, 65536), bf16), ((65536,), jnp.float32)]),
+        "grads": (loss(lambda x, w: cj.layer_norm(x, w)), [((8192, 4096), bf16), ((4096,), jnp.float32)]),
+        "long grads": (loss(lambda x, w: cj.rms_norm(x, w)), [((1024, 32768), bf16), ((32768,), jnp.float32)]),
+        "group_norm NHWC": (lambda x, w: cj.group_norm(x, 32, w, w, channel_axis=-1),
+                            [((8, 64, 64, 320), bf16), ((320,), jnp.float32)]),
+        "batch_norm grads": (loss(lambda x, w: cj.batch_norm(x, w, w)), [((32, 256, 28, 28), jnp.float32),
+                                                                          ((256,), jnp.float32)]),
+    }[case]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+
+    def lowered():
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    cj.set_lowering_target(None)
+    own = lowered()
+    try:
+        target = cj.set_lowering_target(f"sm_{device.compute_capability}", sm_count=device.sm_count,
+                                        l2_bytes=device.l2_bytes)
+        assert target.device == device, "the named architecture's shared memory a block differs from this GPU's"
+        named = lowered()
+    finally:
+        cj.set_lowering_target(None)
+    assert named == own
+    assert "triton_kernel_call" in own
+    assert _targets.device_id(target) < 0

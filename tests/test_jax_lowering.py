@@ -302,3 +302,130 @@ def test_traced_calls_check_the_epilogue_as_eager_calls_do():
         trace(lambda x, w: cj.rms_norm(x, w, weight_ofset=1))
     with pytest.raises(TypeError, match="unexpected keyword argument 'rounding'"):
         trace(lambda x, w: cj.layer_norm(x, w, rounding="normalized"))
+
+
+# -- lowering for a named architecture, no GPU needed -------------------------------------------------------------
+
+
+@pytest.fixture
+def named_target(monkeypatch):
+    """The jit module with only the proto stubbed: the target comes from
+    set_lowering_target, and nothing may ask the driver (gpu_name raises)."""
+    from cunorm import _jax_jit as jj
+    import cunorm.jax as cj
+
+    _clear_caches()
+
+    def no_driver():
+        raise AssertionError("asked the CUDA driver while lowering for a named target")
+
+    monkeypatch.setattr(_launch, "gpu_name", no_driver)
+    monkeypatch.setattr(jj, "backend_config", lambda call, arch: json.dumps(
+        {"kernel": call.launch.kernel.expression, "grid": list(call.launch.grid), "threads": call.launch.threads,
+         "shared": call.launch.shared, "arch": arch}).encode())
+    yield cj
+    cj.set_lowering_target(None)
+    _clear_caches()
+
+
+def _lowered_configs(f, *shape_dtypes):
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shape_dtypes]
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return [json.loads(_mlir_string(s)) for s in re.findall(r'backend_config = "((?:[^"\\]|\\.)*)"', text)]
+
+
+def test_lowering_without_a_gpu_or_a_target_names_the_setting(monkeypatch):
+    from cunorm import _jax_jit as jj
+    import cunorm.jax as cj
+
+    monkeypatch.setattr(_launch, "gpu_name", lambda: None)
+    jj._gpu_target.cache_clear()
+    cj.set_lowering_target(None)
+    try:
+        with pytest.raises(RuntimeError, match=r"sees none\. Name it first: cunorm\.jax\.set_lowering_target"):
+            _lowered_configs(lambda a, b: cj.rms_norm(a, b), ((8, 4096), BF16), ((4096,), jnp.float32))
+    finally:
+        jj._gpu_target.cache_clear()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", 89, "sm_86"])
+def test_a_named_target_lowers_with_its_own_occupancy(named_target, arch):
+    """Long rows (rows_uncached's persistent grid) and the backward's cached
+    rows (rows_grad_cached, persistent) planned for the named part: grids
+    capped at the blocks its occupancy rules let be resident, from NVRTC's
+    resource report for that architecture; the PTX for its compute
+    capability."""
+    from cunorm import _loader, _targets
+
+    cj = named_target
+    target = cj.set_lowering_target(arch)
+    assert target == _targets.named(arch)
+    forward = _lowered_configs(lambda a, b: cj.rms_norm(a, b), ((4096, 65536), BF16), ((65536,), jnp.float32))
+    grads = _lowered_configs(jax.grad(lambda a, b: jnp.sum(cj.rms_norm(a, b).astype(jnp.float32)), (0, 1)),
+                             ((8192, 4096), BF16), ((4096,), jnp.float32))
+    assert {c["arch"] for c in forward + grads} == {target.arch}
+    checked = 0
+    for config in forward + grads:
+        name = re.match(r"cunorm::(\w+)<", config["kernel"]).group(1)
+        if name not in ("rows_uncached", "rows_grad_cached"):
+            continue
+        family = next(d for d in _kernels.DECLARATIONS if d.name == name).family
+        registers, shared = _loader.kernel_resources(family, config["kernel"], target.arch)
+        per_sm = target.resident_per_sm(registers, shared, config["threads"], config["shared"])
+        assert per_sm >= 1
+        rows = 4096 if name == "rows_uncached" else 8192
+        assert config["grid"][0] == min(rows, per_sm * target.device.sm_count), config
+        checked += 1
+    assert checked == 2
+
+
+def test_named_targets_and_their_errors():
+    from cunorm import _targets
+
+    h100 = _targets.named("sm_90")
+    assert h100.device.sm_count == 132 and h100.arch == 90
+    pcie = _targets.named(90, sm_count=114)
+    assert pcie.device.sm_count == 114 and pcie.device.max_shared_per_block == h100.device.max_shared_per_block
+    assert _targets.device_id(pcie) != _targets.device_id(h100) < 0
+    assert _targets.device_id(_targets.named(90, sm_count=114)) == _targets.device_id(pcie)
+    for bad in ("sm_70", 75, "h100", None, 9.0):
+        with pytest.raises(ValueError, match="unknown target"):
+            _targets.named(bad)
+    with pytest.raises(ValueError, match="sm_count must be a positive int"):
+        _targets.named("sm_90", sm_count=0)
+
+
+@pytest.mark.parametrize("arch,registers,shared,threads,dynamic,expected", [
+    # CUDA's occupancy rules, worked by hand: registers in 256-unit warps over four sub-partitions,
+    # shared memory plus the 1 KB reserve in 128-byte units, warps and blocks an SM
+    ("sm_90", 32, 0, 256, 0, 8),  # warps: 64 / 8
+    ("sm_90", 128, 0, 512, 0, 1),  # registers: 4 warps a sub-partition, 16 of a block's 16
+    ("sm_90", 64, 0, 1024, 0, 1),
+    ("sm_90", 255, 0, 1024, 0, 0),  # over the register file: no block
+    ("sm_90", 40, 404, 256, 102400, 2),  # shared: 233472 // 103936
+    ("sm_90", 16, 0, 32, 0, 32),  # the block limit
+    ("sm_86", 32, 0, 256, 0, 6),  # 48 warps / 8
+    ("sm_86", 16, 0, 32, 0, 16),
+    ("sm_89", 16, 0, 32, 0, 24),
+    ("sm_80", 72, 0, 256, 0, 3),  # 72 -> 2304 a warp: 7 a sub-partition, 28 warps, 3 blocks of 8
+    ("sm_80", 32, 0, 128, 165 * 1024, 0),  # (more than an SM's shared memory)
+])
+def test_occupancy_rules(arch, registers, shared, threads, dynamic, expected):
+    from cunorm import _targets
+
+    assert _targets.named(arch).resident_per_sm(registers, shared, threads, dynamic) == expected
+
+
+def test_changing_the_target_lowers_again(named_target):
+    """jax caches lowerings: a change of target clears that cache, so the
+    same jitted function lowers for the new target."""
+    cj = named_target
+    f = jax.jit(lambda a, b: cj.rms_norm(a, b))
+    args = [jax.ShapeDtypeStruct((4096, 65536), BF16), jax.ShapeDtypeStruct((65536,), jnp.float32)]
+    grids = []
+    for arch in ("sm_90", "sm_80", "sm_90"):
+        cj.set_lowering_target(arch)
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        (config,) = [json.loads(_mlir_string(s)) for s in re.findall(r'backend_config = "((?:[^"\\]|\\.)*)"', text)]
+        grids.append((config["arch"], config["grid"][0]))
+    assert grids[0] == grids[2] and grids[0][0] == 90 and grids[1][0] == 80 and grids[1][1] != grids[0][1]

@@ -657,3 +657,24 @@ def test_every_backward_choice_is_compiled():
                                 assert step.kernel.expression in compiled, step.kernel.expression
                                 clustered += step.kernel.cluster > 1
     assert clustered > 50
+
+
+def test_canonical_strides_free_the_size_1_axes():
+    """A size-1 axis's stride is free: canonical_strides gives it the C
+    value, so a C-contiguous view compares equal to a fresh array of its
+    shape whatever it carried there (x[:, -1:, :] of a (1, 37, 4096))."""
+    from cunorm._plan import canonical_strides, same_layout
+
+    assert canonical_strides((1, 1, 4096), (151552, 4096, 1)) == (4096, 4096, 1)
+    assert canonical_strides((1, 1, 4096), (303104, 8192, 2), 2) == (8192, 8192, 2)
+    assert canonical_strides((4, 1, 3), (3, 999, 1)) == (3, 3, 1)
+    assert canonical_strides((4, 3), (6, 2)) == (6, 2)  # nothing to free: as given
+    assert canonical_strides((2, 1), (16, 7), 4) == (16, 4)  # the last axis: the item size
+    assert canonical_strides((1,), (-8,), 8) == (8,)
+    for shape in [(1,), (1, 1), (3, 1, 5, 1), (1, 7, 1, 1, 2)]:
+        c = np.empty(shape, np.float32)
+        weird = np.lib.stride_tricks.as_strided(c, shape, [s if n > 1 else 12345 * 4 for s, n in
+                                                           zip(c.strides, shape)])
+        assert canonical_strides(shape, weird.strides, 4) == c.strides
+        assert same_layout(shape, weird.strides, c.strides)
+    assert not same_layout((2, 3), (12, 4), (24, 8))

@@ -1,5 +1,6 @@
 """A newcomer's first commands (CPU): the GPU detection of the test suite,
 ``cunorm.precompile()`` and ``python -m cunorm`` without a GPU."""
+import re
 import subprocess
 
 import pytest
@@ -77,3 +78,46 @@ def test_check_without_gpu_compiles_the_representative_set(monkeypatch, capsys, 
     out = capsys.readouterr().out
     assert "No CUDA GPU found" in out and f"sm_90: {n90} kernels" in out
     assert ("check --all" in out) != everything
+
+
+@pytest.mark.parametrize("front,extra", [("torch", "cunorm[torch]"), ("jax", "cunorm[jax]")])
+def test_a_front_end_without_its_framework_names_the_extra(monkeypatch, front, extra):
+    """``import cunorm.torch`` (cunorm.jax) where torch (jax) is not
+    installed: ModuleNotFoundError naming the extra to install."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, front, None)  # (import of it then fails as if not installed)
+    monkeypatch.delitem(sys.modules, f"cunorm.{front}", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=rf"cunorm\.{front} needs .* pip install '{re.escape(extra)}'"):
+        importlib.import_module(f"cunorm.{front}")
+
+
+def test_bench_plot_without_matplotlib_fails_with_the_extra(monkeypatch, tmp_path, capsys):
+    import json
+    import sys
+
+    from cunorm import bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps({"meta": {"gpu": "Test", "date": "d", "commit": "c", "copy_gbps": 1.0},
+                                 "cases": []}))
+    assert cli.main(["bench", "--plot", str(saved), "--out", str(tmp_path / "plots")]) == bench.NO_PLOT_EXIT != 0
+    assert "pip install 'cunorm[bench]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_check_refuses_a_bad_job_count_up_front(jobs, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["check", "--jobs", jobs])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--jobs" in err and ("at least 1" in err or "whole number" in err)
+
+
+def test_bench_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "about 30 s" in out and "kernelbench:" in out

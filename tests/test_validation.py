@@ -279,3 +279,61 @@ def test_eps_float32_limits_are_numpys_cast():
                 refused = True
             assert refused == lost, value
             _ops.check_eps(value, np.dtype(np.float64))  # float64 statistics hold every finite eps
+
+
+def _readonly(a):
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.parametrize("which", ["running_mean", "running_var"])
+def test_a_read_only_running_buffer_is_refused_before_anything_is_written(which):
+    """NumPy path: a read-only running buffer (either one) is a ValueError
+    naming it, and neither buffer changes (the reference used to write
+    running_mean, then fail on running_var)."""
+    x = np.random.default_rng().standard_normal((4, 3, 5)).astype(np.float32)
+    buffers = {"running_mean": np.zeros(3, np.float32), "running_var": np.ones(3, np.float32)}
+    _readonly(buffers[which])
+    before = {k: v.copy() for k, v in buffers.items()}
+    with pytest.raises(ValueError, match=f"{which} is a read-only NumPy array"):
+        cunorm.batch_norm(x, **buffers)
+    for k, v in buffers.items():
+        assert np.array_equal(v, before[k]), k
+    # the reference itself checks both before it writes either
+    with pytest.raises(ValueError, match="read-only"):
+        cunorm.reference.batch_norm(x, **buffers)
+    for k, v in buffers.items():
+        assert np.array_equal(v, before[k]), k
+    # eval mode only reads them: a read-only buffer is fine there
+    y = cunorm.batch_norm(x, **buffers, training=False)
+    assert np.isfinite(y).all()
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "normalize", "group_norm"])
+def test_a_read_only_out_is_refused(op):
+    x = np.random.default_rng().standard_normal((4, 6, 5)).astype(np.float32)
+    out = _readonly(np.full_like(x, np.nan))
+    args = (x, 2) if op == "group_norm" else (x,)
+    with pytest.raises(ValueError, match="out is a read-only NumPy array"):
+        getattr(cunorm, op)(*args, out=out)
+    assert np.isnan(out).all()
+
+
+def test_out_overlapping_a_parameter_or_running_buffer_is_refused():
+    """out may not overlap anything the call reads (weight, bias, running
+    buffers), nor a running buffer the weight: ValueError, nothing written."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    out = np.zeros((4, 6), np.float32)
+    with pytest.raises(ValueError, match="out overlaps weight"):
+        cunorm.rms_norm(x, out[1], out=out)
+    with pytest.raises(ValueError, match="out overlaps bias"):
+        cunorm.layer_norm(x, None, out[2], out=out)
+    xc = rng.standard_normal((4, 3, 5)).astype(np.float32)
+    outc = np.zeros((4, 3, 5), np.float32)
+    with pytest.raises(ValueError, match="out overlaps running_var"):
+        cunorm.batch_norm(xc, running_mean=np.zeros(3, np.float32), running_var=outc[0, :, 0], out=outc)
+    w = np.ones(6, np.float32)
+    with pytest.raises(ValueError, match="running_mean overlaps weight"):
+        cunorm.batch_norm(xc, w[:3], running_mean=w[:3], running_var=np.ones(3, np.float32))
+    assert not outc.any() and not out.any() and np.array_equal(w, np.ones(6, np.float32))

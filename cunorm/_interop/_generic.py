@@ -27,10 +27,10 @@ def to_cupy(x, arg: str = "x"):
     _, device = x.__dlpack_device__()
     with cupy.cuda.Device(int(device)):  # the producer orders its work before this device's current stream
         array = cupy.from_dlpack(x)
-    from .cupy import check_whole_elements
+    from .cupy import canonical, check_whole_elements
 
     check_whole_elements(array, arg)  # (a DLPack byte_offset need not be whole elements)
-    return array
+    return canonical(array)
 
 
 def from_cupy(y):

@@ -6,6 +6,7 @@ import operator
 
 import cupy
 
+from .._plan import canonical_strides
 from ._scope import device_scope
 
 scope = device_scope  # the launch scope: the array's device
@@ -19,7 +20,19 @@ def owns(x) -> bool:
 
 def to_cupy(x, arg: str = "x") -> cupy.ndarray:
     check_whole_elements(x, arg)
-    return x
+    return canonical(x)
+
+
+def canonical(a: cupy.ndarray) -> cupy.ndarray:
+    """``a`` with the strides of its size-1 axes canonical
+    (_plan.canonical_strides): a view of the same memory where they were
+    not, so that layouts compare and derive alike on every path."""
+    shape = a.shape
+    if 1 not in shape:
+        return a
+    strides = a.strides
+    canon = canonical_strides(shape, strides, a.itemsize)
+    return a if canon == strides else cupy.ndarray(shape, a.dtype, a.data, canon)
 
 
 def check_whole_elements(x, arg: str) -> None:

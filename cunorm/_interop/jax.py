@@ -13,6 +13,7 @@ import jax
 import jax.numpy
 
 from ._scope import device_scope
+from .cupy import canonical
 
 scope = device_scope  # the launch scope: the array's device
 
@@ -38,7 +39,7 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
                         f"(jax.device_put it to a GPU)")
     ordinal = getattr(device, "local_hardware_id", None)
     with cupy.cuda.Device(device.id if ordinal is None else ordinal):
-        return cupy.from_dlpack(x)
+        return canonical(cupy.from_dlpack(x))
 
 
 def from_cupy(y: cupy.ndarray):

@@ -23,6 +23,7 @@ import torch
 
 from .. import _dtypes
 from .._cache import BoundedCache
+from .._plan import canonical_strides
 from ._scope import DeviceScope
 
 name = "torch"
@@ -54,7 +55,7 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
                         f"e.g. {arg}.float()")
     itemsize = dtype.itemsize
     shape = tuple(x.shape)
-    strides = tuple(s * itemsize for s in x.stride())
+    strides = canonical_strides(shape, tuple(s * itemsize for s in x.stride()), itemsize)
     device = x.device.index
     if x.numel() == 0:
         memory = cupy.cuda.UnownedMemory(0, 0, x, device)
@@ -62,6 +63,15 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
         span = sum((n - 1) * s for n, s in zip(shape, strides)) + itemsize
         memory = cupy.cuda.UnownedMemory(x.data_ptr(), span, x, device)
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
+
+
+def unwritable(t) -> str | None:
+    """Why cunorm may not write into tensor t (None: it may): torch allows
+    no in-place update of an inference tensor outside inference mode."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return "is an inference tensor (made under torch.inference_mode()), which torch updates in place only " \
+               "inside inference mode"
+    return None
 
 
 def from_cupy(y: cupy.ndarray):

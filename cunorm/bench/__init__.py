@@ -40,13 +40,14 @@ error against the float64 reference (on the first rows or samples). Cases
 that do not fit in the GPU's free memory are skipped with a note.
 
 ``--quick`` runs scaled-down shapes (and no torch.compile, whose compile
-time alone would exceed the minute) in under a minute. Results go to
+time alone would exceed the minute) in about 30 s. Results go to
 ``--out`` (default ``cunorm-bench/``): ``results.json`` and ``results.csv``
 (with the GPU, driver, library versions, commit and date) and, where
 matplotlib is importable, ``sweep.png`` (GB/s against size per op, the copy
 bandwidth as a line) and ``speedup.png`` (speed-up bars per case of the
 kernelbench and llm suites). ``--plot results.json`` redraws the plots from
-a saved run, without a GPU.
+a saved run, without a GPU; it needs matplotlib (``pip install
+'cunorm[bench]'``) and exits non-zero with a message without it.
 """
 from __future__ import annotations
 
@@ -69,6 +70,19 @@ SUITES = ("kernelbench", "llm", "sweep", "backward", "host", "models", "jax")
 DEFAULT_SUITES = SUITES[:-2]
 #: exit status without a GPU (as ``python -m cunorm precompile``)
 NO_GPU_EXIT = 2
+#: exit status of --plot without matplotlib
+NO_PLOT_EXIT = 3
+#: the command line's description (plain text: argparse prints it as it is)
+DESCRIPTION = "cunorm against its peers on the current GPU: the benchmark suites."
+SUITE_HELP = {
+    "kernelbench": "KernelBench level 1's normalization problems 33-40 and the channel norms on real activations",
+    "llm": "RMSNorm and LayerNorm over (tokens, hidden) rows, with and without the fused residual",
+    "sweep": "effective GB/s against size for each op",
+    "backward": "the gradients",
+    "host": "host time per call on decode-sized inputs",
+    "models": "whole timm and Hugging Face models before and after replace_norms (minutes)",
+    "jax": "cunorm.jax inside jax.jit against XLA's fusions (needs jax with its CUDA plugin)",
+}
 
 
 @dataclass(frozen=True)
@@ -462,10 +476,12 @@ def write_results(result: dict, out_dir) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cunorm bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m cunorm bench", description=DESCRIPTION,
+        epilog="Suites: " + "; ".join(f"{name}: {text}" for name, text in SUITE_HELP.items()) + ".")
     parser.add_argument("--suite", action="append", choices=SUITES,
                         help="a suite to run (repeatable; default: all but models and jax)")
-    parser.add_argument("--quick", action="store_true", help="scaled-down shapes, no torch.compile (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="scaled-down shapes, no torch.compile (about 30 s)")
     parser.add_argument("--out", default="cunorm-bench", help="directory for results.json/.csv/.md and the plots")
     parser.add_argument("--only", default="",
                         help="only the cases (and the models rows, by 'model mode') whose name contains this text")
@@ -475,10 +491,15 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="RESULTS_JSON", help="only redraw the plots of a saved run (no GPU needed)")
     args = parser.parse_args(argv)
     if args.plot:
-        from .plots import plot
+        from .plots import PlotUnavailable, plot
 
         result = json.loads(Path(args.plot).read_text())
-        for p in plot(result, Path(args.out)):
+        try:
+            written = plot(result, Path(args.out), required=True)
+        except PlotUnavailable as err:
+            print(err, file=sys.stderr)
+            return NO_PLOT_EXIT
+        for p in written:
             print(p)
         return 0
     from .._launch import gpu_name

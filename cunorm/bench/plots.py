@@ -4,11 +4,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot(result: dict, out_dir) -> list[Path]:
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not importable."""
+
+
+def plot(result: dict, out_dir, required: bool = False) -> list[Path]:
     """sweep.png (effective GB/s against x's size per op, the copy bandwidth
     as a line) and speedup.png (cunorm's speed-up over each peer per case of
     the kernelbench and llm suites), for the suites the run has. Returns the
-    files written; none (with a note on stderr) without matplotlib."""
+    files written. Without matplotlib: PlotUnavailable where ``required``
+    (``--plot``, whose only job is the plots), else none written and a note
+    on stderr (a benchmark run keeps its tables)."""
     try:
         import matplotlib
 
@@ -17,8 +23,11 @@ def plot(result: dict, out_dir) -> list[Path]:
     except ImportError:
         import sys
 
-        print("matplotlib is not importable: no plots (results.json keeps everything; "
-              "`python -m cunorm bench --plot results.json` draws them later)", file=sys.stderr)
+        message = ("matplotlib is not importable, so no plots were drawn: pip install 'cunorm[bench]' (or "
+                   "matplotlib), then `python -m cunorm bench --plot results.json` draws them from the saved run")
+        if required:
+            raise PlotUnavailable(message) from None
+        print(message, file=sys.stderr)
         return []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
