@@ -63,9 +63,10 @@ class ChannelCall:
         self.running_mean = self._running(running_mean, "running_mean", channels)
         self.running_var = self._running(running_var, "running_var", channels)
         for name, buf in (("running_mean", self.running_mean), ("running_var", self.running_var)):
-            for other, other_name in ((xa, "x"), (self.weight, "weight"), (self.bias, "bias")):
-                if buf is not None and other is not None and _ops._overlaps(buf, other):
-                    raise ValueError(f"batch_norm: {name} overlaps {other_name}; pass a separate buffer")
+            other = None if buf is None else _ops.first_overlap(buf, (xa, "x"), (self.weight, "weight"),
+                                                                (self.bias, "bias"))
+            if other is not None:
+                raise ValueError(f"batch_norm: {name} overlaps {other}; pass a separate buffer")
         if (self.running_mean is not None and self.running_var is not None
                 and _ops._overlaps(self.running_mean, self.running_var)):
             raise ValueError("batch_norm: running_mean and running_var overlap; pass two separate buffers")
@@ -112,10 +113,10 @@ class ChannelCall:
         if tuple(oa.shape) != tuple(self.x.shape) or oa.dtype != self.x.dtype:
             raise ValueError(f"out must have x's shape {tuple(self.x.shape)} and dtype {self.x.dtype}, "
                              f"got shape {tuple(oa.shape)} and dtype {oa.dtype}")
-        for other, name in ((self.x, "x"), (self.weight, "weight"), (self.bias, "bias"),
-                            (self.running_mean, "running_mean"), (self.running_var, "running_var")):
-            if other is not None and _ops._overlaps(oa, other):
-                raise ValueError(f"out overlaps {name}; pass a separate buffer")
+        name = _ops.first_overlap(oa, (self.x, "x"), (self.weight, "weight"), (self.bias, "bias"),
+                                  (self.running_mean, "running_mean"), (self.running_var, "running_var"))
+        if name is not None:
+            raise ValueError(f"out overlaps {name}; pass a separate buffer")
         return oa
 
     on_gpu = _ops.Call.on_gpu

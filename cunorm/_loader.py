@@ -58,9 +58,9 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
-#: Most loaded kernels kept (oldest out first; the catalogue holds ~6800
-#: instantiations, a process uses a few hundred; an evicted one loads again
-#: from CuPy's disk cache). Launch-cache entries hold their own functions.
+#: Most loaded kernels kept (oldest out first; the catalogue holds thousands
+#: of instantiations, a process uses a few hundred; an evicted one loads
+#: again from CuPy's disk cache). Launch-cache entries hold their own functions.
 MAX_FUNCTIONS = 4096
 _functions = BoundedCache(MAX_FUNCTIONS)
 _compile_lock = threading.Lock()

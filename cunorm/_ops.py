@@ -166,10 +166,12 @@ class Call:
             )
         if not oa.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
-        for other, name in ((self.x, "x"), (self.residual, "residual"), (self.weight, "weight"),
-                            (self.bias, "bias")):  # (every path alike)
-            if other is not None and _overlaps(oa, other) and not (name == "x" and _same_view(oa, other)):
-                raise ValueError(f"out overlaps {name}; pass a separate buffer (out may be x itself, for in place)")
+        read = [(self.residual, "residual"), (self.weight, "weight"), (self.bias, "bias")]
+        if not _same_view(oa, self.x):  # (out may be x itself: in place)
+            read.insert(0, (self.x, "x"))
+        name = first_overlap(oa, *read)  # (every path alike)
+        if name is not None:
+            raise ValueError(f"out overlaps {name}; pass a separate buffer (out may be x itself, for in place)")
         return oa
 
     @property
@@ -242,6 +244,20 @@ def _overlaps(a, b) -> bool:
         return False
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
+
+
+def first_overlap(written, *others) -> str | None:
+    """The name of the first of ``others`` ((array or None, name) pairs)
+    whose memory overlaps ``written``'s, or None; written's span taken once."""
+    if written.size == 0:
+        return None
+    lo, hi = _span(written)
+    for a, name in others:
+        if a is not None and a.size:
+            a_lo, a_hi = _span(a)
+            if lo < a_hi and a_lo < hi:
+                return name
+    return None
 
 
 def _same_view(a, b) -> bool:

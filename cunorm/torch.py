@@ -8,10 +8,8 @@ the ``cunorm`` torch library (``torch.ops.cunorm.*``), registered with
 shape, dtype and strides) instead of tracing into CuPy or breaking the graph.
 The top-level ``cunorm.*`` ops (and the modules below) route torch tensors
 here by themselves when autograd or dynamo needs it; in plain eager
-inference they take the shorter direct path (62 us of host time a call
-instead of 86 us in the benchmark run on 65e31ac, H200 machine, 2026-11-21;
-23-43 us less across that day's runs: torch's custom-op dispatch costs the
-difference).
+inference they take the shorter direct path, without torch's custom-op
+dispatch (docs/torch.md, "Cost per call").
 
 The modules (cunorm/_torch_layers.py) subclass their ``torch.nn``
 counterparts and replace only ``forward``: the constructor arguments,
