@@ -12,14 +12,12 @@ import argparse
 import datetime
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import cupy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cunorm  # noqa: E402
-from cunorm.bench._cases import (  # noqa: E402
+import cunorm
+from cunorm.bench._cases import (
     BACKWARD_CASES, CASES, CHANNEL_CASES, CHANNEL_TUNE, LP_CASES, TUNE, bench_backward_case, bench_case,
     bench_channel_case, bench_lp_case, copy_bandwidth, host_overhead, torch, tune_case, tune_channel_case)
 

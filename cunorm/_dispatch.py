@@ -3,9 +3,9 @@ the plan and the device, returning a frozen Launch (the backward passes'
 choice is cunorm/_dispatch_grad.py, the catalogue of every instantiation
 cunorm/_catalogue.py, the kernels' declarations cunorm/_kernels.py).
 
-The heuristic. Measurements: NVIDIA H200, 2026-11-21, copy bandwidth
-4282 GB/s, floor% = effective bandwidth over copy (bench/bench.py --tune;
-docs/performance.md has the full run).
+The heuristic. Measurements: NVIDIA H200, copy bandwidth 4282 GB/s,
+floor% = effective bandwidth over copy (bench/bench.py --tune;
+docs/notes/rows.md has the runs).
 
 Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
   1. threads = next_pow2(n_vec / TARGET_VECS_PER_THREAD), capped at
@@ -30,11 +30,11 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
      in shared memory across a per-row arrival barrier: one read of x) is
      available by override only: on problem 40 (LayerNorm, weight and bias)
      it measured 32.8% of copy bandwidth against the split tier's 58.5%;
-     on RMSNorm 16x4194304 fp32 without weight, 62.9% against 58.3% (H200,
-     2026-11-21). ncu on problem 40: 605 MB read from DRAM for 268 MB of x
+     on RMSNorm 16x4194304 fp32 without weight, 62.9% against 58.3% (H200).
+     ncu on problem 40: 605 MB read from DRAM for 268 MB of x
      (weight and bias re-read for every row despite evict-last hints), and
      each row's load, barrier and write run one after another; not picked
-     (docs/performance.md, "Problem 40", has what was tried since).
+     (docs/notes/rows.md, "Problem 40", has what was tried since).
 
 Channel norms (GroupNorm, InstanceNorm, BatchNorm): cunorm/_dispatch_channels.py.
 
@@ -99,7 +99,7 @@ SPLIT_BLOCK_THREADS = 256
 #: 82.3%. An earlier run, before the registers: stash only 82.5%, two
 #: 256-thread blocks an SM (half the stash each) 61.6%. Problem 34
 #: (LayerNorm rows of 1 MB): 62.2% against 62.1% a block a row without a
-#: stash (H200, 2026-11-21).
+#: stash (H200).
 UNCACHED_BLOCK_THREADS = 512
 #: rows_uncached's persistent grid: blocks an SM (0: a block a row) ...
 UNCACHED_BLOCKS_PER_SM = 1

@@ -10,7 +10,7 @@ channel family's three launches (choose_channels), chunked so each pass has at l
 CHANNEL_BLOCKS_PER_SM blocks an SM (channels-first, chunks of at most
 CHANNEL_MAX_CHUNK_BYTES) or CHANNEL_LAST_BLOCKS_PER_SM (channels-last).
 
-Measurements: docs/performance.md (issues 22 and 24).
+Measurements: docs/notes/channel-norms.md.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ CHANNEL_MAX_CHUNK_BYTES = 256 * 1024
 #: group_norm(32) bf16 (8,128,128,512), 33 chunks a sample 41.4%, 66 38.9%,
 #: 132 (8 an SM) 37.3%, 16 31.5% (not profiled; a block re-reads its
 #: tile's parameters and pivots and combines its partials once per chunk);
-#: grouped (issue 24, fourth pass): 33 0.180 ms, 66 0.187, 132 0.184, 16 0.247.
+#: grouped: 33 0.180 ms, 66 0.187, 132 0.184, 16 0.247.
 CHANNEL_LAST_BLOCKS_PER_SM = 2
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
 #: the three launches' LAYOUT template argument (channels.cu's header)
@@ -40,7 +40,7 @@ CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED = 0, 1, 2
 #: least this many bytes. H100, GroupNorm(32) bf16 +w+b, grouped against a
 #: statistic per channel: (8,128,128,512) 16-byte vectors 0.180 / 0.190 ms;
 #: (8,32,32,640) 8-byte 0.026 / 0.035; (8,64,64,320) 4-byte 0.055 / 0.053
-#: (docs/performance.md, issue 24).
+#: (docs/notes/channel-norms.md).
 GROUPED_MIN_VEC_BYTES = 8
 #: channels-first planes (a channel's positions of one sample) of at most
 #: this many vectors run as "plane rows": a row of up to 32 threads a plane,
@@ -49,7 +49,7 @@ GROUPED_MIN_VEC_BYTES = 8
 #: batch). BatchNorm2d on ResNet-50's (32,2048,7,7) fp32, one training step:
 #: 776 us of GPU time before, 107 us after (with the finalize rows below);
 #: at most 1024 rather than 256 vectors: (32,256,56,56) bf16 273 -> 240 us
-#: (docs/performance.md, issue 22).
+#: (docs/notes/models.md).
 CHANNEL_PLANE_ROWS_MAX_VECS = 1024
 #: statistic groups of at most this many partials are finalized by a row of
 #: up to 32 threads each, 256 / that many groups a block (a block a group
@@ -57,10 +57,10 @@ CHANNEL_PLANE_ROWS_MAX_VECS = 1024
 CHANNEL_FINALIZE_ROWS_MAX_MEMBERS = 256
 #: channel_apply's L2 hints (Launch.hints: 1, y stored streaming; 2, x's
 #: re-read as a last use): 1, and 3 for x of L2's size to 8 times it, where
-#: part of the re-read still hits L2. H100, tune_channels.py, hints 0 / 1 /
+#: part of the re-read still hits L2. H100, bench/tune/channels.py, hints 0 / 1 /
 #: 3: BatchNorm (64,256,56,56) fp32 44.8 / 45.3 / 50.5%, bf16 35.5 / 38.4 /
 #: 39.6%; problem 33 64.4 / 64.6 / 64.0%; GroupNorm(32) bf16 (8,640,32,32)
-#: 26.9 / 29.0 / 27.0% (docs/performance.md, issue 24).
+#: 26.9 / 29.0 / 27.0% (docs/notes/channel-norms.md).
 CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE = 8
 #: channel_stream (GroupNorm and InstanceNorm with parameters, channels-first:
 #: x read from DRAM once) for x larger than L2 (smaller x's re-read hits L2
@@ -88,7 +88,7 @@ STREAM_MAX_GROUP_L2_SHARE = 0.25
 STREAM_BLOCK_THREADS = 256
 #: channel_onchip's shapes, (threads, elements a thread, cluster), in the
 #: order tried: the first whose capacity (their product) holds a group
-#: (float64: half the elements). H100, 2026-11-24, tune_channels.py, GPU
+#: (float64: half the elements). H100, bench/tune/channels.py, GPU
 #: time against the three launches (ms): 4096-element groups: BatchNorm fp32
 #: (64,2048,7,7) (256, 16, 1) 0.0433 against (256, 32, 1) 0.0680 and split
 #: 0.0827; 16384: InstanceNorm (4,64,128,128) fp32 (512, 32, 1) 0.0172
@@ -99,7 +99,7 @@ STREAM_BLOCK_THREADS = 256
 #: 262144: problem 34 (1024, 32, 8) 77.7% against the three launches' 64.4%
 #: (the rows walk: 68.0%, first pass).
 #: Blocks of a cluster share an SM's registers with other clusters' blocks
-#: only when small: 1024-thread blocks take a whole SM (docs/performance.md).
+#: only when small: 1024-thread blocks take a whole SM (docs/notes/channel-norms.md).
 ONCHIP_SHAPES = ((256, 16, 1), (512, 32, 1), (1024, 32, 1), (256, 32, 8), (1024, 32, 8))
 #: 16-bit data goes on chip only for groups of at most this many bytes:
 #: GroupNorm(32) bf16 (8,640,32,32) (40 KB groups) 0.0177 against split's
@@ -289,7 +289,7 @@ def channels_last_walk(plan: ChannelPlan, override: dict) -> tuple[int, int, int
         # of 40 threads (launched as 256), not 4 of 64 with 24 idle in each.
         # GroupNorm(32) bf16 +w+b (8,64,64,320): 0.0545 -> 0.0489 ms (apply
         # 23.4 -> 19.1 us); 4 rows of 40 unpadded 0.0543; 64 and 160 vectors
-        # the same (docs/performance.md, issue 25, fourth step).
+        # the same (docs/notes/channel-norms.md).
         if vecs <= CHANNEL_BLOCK_THREADS and override.get("exact_tile", True):
             return vecs, 1
         bx = min(CHANNEL_BLOCK_THREADS, next_pow2(vecs))

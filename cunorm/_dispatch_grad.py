@@ -37,7 +37,7 @@ GRAD_CACHED_MAX_BYTES = 64
 #: block of rows_grad_cached when the row allows (more blocks an SM): bf16
 #: 32768x4096 backward, 128 threads x 4 vectors (4 blocks an SM) against
 #: 256 x 2 (2-3 blocks) and 512 x 1: RMSNorm 88.7% / 69.8% / 45.0%,
-#: LayerNorm 65.8% / 65.7% / 58.7% (H200, 2026-11-21, bench/tune_backward.py).
+#: LayerNorm 65.8% / 65.7% / 58.7% (H200, bench/tune/backward.py).
 #: Loading the next row during the reduction (tried the same day) needed
 #: 108 registers for LayerNorm's 256 x 2 and read less: 61.9% / 79.0%.
 GRAD_CACHED_TARGET_THREADS = 256
@@ -46,7 +46,7 @@ GRAD_CACHED_TARGET_THREADS = 256
 GRAD_CACHED_TARGET_MIN_BLOCKS = 3
 #: a rows_grad_cached block fetches its next row (row + grid) into L2
 #: while it works on the current one: LayerNorm / RMSNorm bf16 32768x4096
-#: 81.6 / 90.6% with, 76.4 / 87.2% without (H200, 2026-11-22, one run; two
+#: 81.6 / 90.6% with, 76.4 / 87.2% without (H200, one run; two
 #: rows ahead read less, 61-68%)
 GRAD_CACHED_PREFETCH_NEXT = True
 GRAD_CACHED_MAX_THREADS = 512
@@ -56,8 +56,8 @@ GRAD_CACHED_MAX_THREADS = 512
 #: row), when its clusters fill the GPU's SMs (rows x cluster >= SMs;
 #: fewer rows, and longer ones, stream). Two blocks of 512 ran RMSNorm bf16
 #: 4096x32768 at 80.9% against 63% for 4 x 256 and 8 x 128 and 55% streamed;
-#: 4 x 512 lost to streaming (docs/performance.md, "One-read backward of
-#: long rows", H100, 2026-11-25).
+#: 4 x 512 lost to streaming (H100; docs/notes/backward.md, "One-read
+#: backward of long rows").
 GRAD_CACHED_CLUSTER_THREADS = 512
 GRAD_CACHED_MAX_CLUSTER = 2
 GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads
@@ -66,7 +66,7 @@ GRAD_BLOCKS_PER_SM = 8
 #: pass 2 of streamed rows splits the rows into as few chunks (parameter
 #: partials, added by column_sum) as give it about this many column-tile
 #: blocks an SM: one wave of resident blocks. Floor% with 8 / 4 / 3 / 2
-#: (H200, 2026-11-23, bench/tune_backward.py --only apply): LayerNorm bf16
+#: (H200, bench/tune/backward.py --only apply): LayerNorm bf16
 #: 16x2M 30.2 / 46.0 / 45.5 / 45.8, bf16 8x1M 12.4 / 17.1 / 33.4 / 33.7,
 #: fp32 4x1M 25.6 / 38.7 / 39.5 / 39.8, fp32 64x100000 28.4 / 33.2 / 33.0 /
 #: 35.1, bf16 4096x32768 49.9 / 51.4 / 49.0 / 43.0, bf16 1024x65536 40.6 /
@@ -78,14 +78,14 @@ GRAD_APPLY_BLOCKS_PER_SM = 3
 #: rows_grad_chunks' blocks an SM (pass 1 of streamed rows; it runs 3 at
 #: a time an SM): problem 40 backward with 3 / 6 / 8 / 12 / 24, 55.7 /
 #: 58.0 / 58.3 / 58.9 / 58.7%; LayerNorm bf16 4096x32768 49.2-49.3% for
-#: all (H200, 2026-11-22, bench/tune_backward.py)
+#: all (H200, bench/tune/backward.py)
 GRAD_CHUNK_BLOCKS_PER_SM = 12
 #: channels-first chunks of the channel backward's passes hold at most
 #: this many bytes of x (None: a pass aims at GRAD_BLOCKS_PER_SM blocks an
 #: SM alone, which leaves problem 35's 1 MB channels whole, 7168 blocks).
 #: Problem 35 backward, chunks of 1 MB (None) / 256 / 128 / 64 / 32 / 16
-#: KB: 59.7 / 60.4 / 61.2 / 61.6 / 62.2 / 62.6% (H200, 2026-11-23, twice
-#: each, the same to 0.1; bench/tune_backward.py). 16 KB is also the least
+#: KB: 59.7 / 60.4 / 61.2 / 61.6 / 62.2 / 62.6% (H200, twice
+#: each, the same to 0.1; bench/tune/backward.py). 16 KB is also the least
 #: chunk, GRAD_MIN_CHUNK_PER_THREAD vectors a thread: the blocks resident
 #: together then cover one contiguous front of memory, as in a copy.
 GRAD_CHANNEL_MAX_CHUNK_BYTES = 16 << 10
@@ -97,7 +97,7 @@ GRAD_MIN_CHUNK_PER_THREAD = 4
 #: on chip, x and dy read once), (threads, elements of x and as many of dy
 #: a thread, cluster), in the order tried: the first whose capacity holds
 #: a channel (grad_onchip_items: fewer for float64 and for narrow vectors
-#: in 1024-thread blocks). H100, 2026-11-24, bench/tune_backward.py --only
+#: in 1024-thread blocks). H100, bench/tune/backward.py --only
 #: onchip, GPU time (ms) against the four launches' (last), fp32:
 #: (64,2048,7,7) (256, 16, 1) 0.044, (128, 32, 1) 0.047, (256, 32, 1) 0.056,
 #: (512, 16, 1) 0.068, 0.084; (128,2048,7,7) (256, 32, 1) 0.087, (512, 16,

@@ -17,7 +17,7 @@ updates it in place: BatchNorm's running statistics); ``i32`` (int),
 where the data ``T`` or the accumulation ``A`` template argument is double).
 
 Every kernel lists its ``in`` and ``io`` pointers before its ``out``
-pointers: XLA's custom call (cunorm/jax_jit.py) binds a kernel's pointer
+pointers: XLA's custom call (cunorm/_jax_jit.py) binds a kernel's pointer
 arguments to the call's operands and then its results, in order.
 tests/test_kernels.py checks both the order and that ``in`` is what the
 ``.cu`` declares ``const``.

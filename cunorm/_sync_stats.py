@@ -1,5 +1,5 @@
 """Per-channel statistics of several ranks combined into the global batch's
-(issue 26: SyncBatchNorm's forward after its one collective).
+(SyncBatchNorm's forward after its one collective).
 
 Each rank contributes (count, mean, M2) per channel, M2 the sum of squared
 deviations from its own mean (count times its biased variance). Ranks are

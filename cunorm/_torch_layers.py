@@ -35,7 +35,7 @@ _grad_enabled = torch.is_grad_enabled
 #: elements: there a training step is host-bound, and cunorm's
 #: autograd.Function and launches cost ~100-300 us more host time a step
 #: than torch's op (its GPU time is smaller, but the GPU waits). Single
-#: call of a step, H100, 2026-11-24 (docs/performance.md, "Routing"):
+#: call of a step, H100 (docs/notes/models.md, "The crossover"):
 #: cunorm lost below 2**24 elements in every case measured, and won from
 #: ~2**25 on most (BatchNorm2d bf16 (32,64,112,112) 635 against 1383 us).
 EAGER_AUTOGRAD_MIN_ELEMENTS = 1 << 24
@@ -45,7 +45,7 @@ def runs_original(module, x: Tensor) -> bool:
     """Whether the replaced layer ``module`` runs the forward of the class
     it replaces: under dynamo's tracing always (inductor generates the norm
     and fuses it with its neighbours, where cunorm's operator would be an
-    opaque call of ~110 us of dispatch; docs/performance.md, "Routing"),
+    opaque call of ~110 us of dispatch; docs/notes/models.md),
     and under eager autograd below EAGER_AUTOGRAD_MIN_ELEMENTS when the
     original is one fused torch op (a norm written as several torch ops,
     as transformers' RMSNorms are, is slower than cunorm's at every size)."""
@@ -141,7 +141,7 @@ def memoized(forward, pure=None, tag: int = 0):
     signature the layer has seen runs the launcher that call ran, without
     the forward's routing, checks and the launch cache's signature of the
     parameters (the layers' host time inside a model;
-    docs/performance.md, "The layers' memo"). ``pure(module)``: whether the
+    docs/notes/models.md, "The layers' memo"). ``pure(module)``: whether the
     forward does nothing beyond the launch in the module's present mode
     (BatchNorm in training updates its counter: not pure); None for
     always. ``tag``: which of a module's memoized functions this is (a
@@ -266,7 +266,7 @@ def copies_rows(x: Tensor, axis) -> bool:
     first: its last axis is not unit-stride (a permuted view, as timm's
     ConvNeXt blocks normalize). torch's layer_norm copies it too; cunorm's
     kernels would, on the general path every call (outside the launch
-    cache; docs/performance.md, "Routing")."""
+    cache; docs/notes/models.md)."""
     return axis == -1 and x.dim() > 0 and x.stride(-1) != 1 and x.shape[-1] != 1
 
 

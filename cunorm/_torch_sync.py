@@ -1,4 +1,4 @@
-"""SyncBatchNorm over torch.distributed (issue 26): BatchNorm whose training
+"""SyncBatchNorm over torch.distributed: BatchNorm whose training
 statistics are those of the batch of every rank of a process group.
 
 Forward, per rank:

@@ -81,7 +81,7 @@ def _timm_layer_norm_2d(self, x: Tensor) -> Tensor:
     timm computes it: the result is channels-last in memory, as the
     original's, which the convolutions after it read fastest (the strided
     kernel over axis 1 gave NCHW, and ConvNeXt's depthwise convolutions
-    then ran a slow kernel; docs/performance.md, "Routing")."""
+    then ran a slow kernel; docs/notes/models.md)."""
     if runs_original(self, x):
         return original_forward(self, x)
     return _nhwc_layer_norm_memoized(self, x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)

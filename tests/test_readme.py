@@ -1,5 +1,7 @@
-"""The README says what is true of the code: every public op's signature
-as inspect gives it, and every module of the package in its layout."""
+"""The docs say what is true: the README quotes every public op's
+signature as inspect gives it and names every module of the package in its
+layout; docs/performance.md holds the tables of the saved benchmark of
+record."""
 import inspect
 from pathlib import Path
 
@@ -27,3 +29,16 @@ def test_the_layout_names_every_module():
     for path in sorted((package / "_interop").glob("*.py")):
         if path.name != "__init__.py":
             assert path.name in layout, path.name
+
+
+def test_performance_md_holds_the_record_tables():
+    """docs/performance.md's tables of the benchmark of record are
+    bench/record_tables.py's output for docs/bench/record.json, exactly."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("record_tables", ROOT / "bench" / "record_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    record = json.loads((ROOT / "docs" / "bench" / "record.json").read_text())
+    assert module.block(record) in (ROOT / "docs" / "performance.md").read_text()

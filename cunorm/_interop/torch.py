@@ -223,8 +223,7 @@ empty_like = torch.empty_like
 
 def empty_beside(a, shape, dtype, perm=None):
     """A new tensor on a's device (new_empty parses no device: 3.2 us
-    against torch.empty's 5.8 us for a (1,) float32, H100 host,
-    2026-11-23)."""
+    against torch.empty's 5.8 us for a (1,) float32 on an H100 host)."""
     y = a.new_empty(shape, dtype=dtype)
     return y if perm is None else y.permute(perm)
 

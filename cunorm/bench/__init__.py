@@ -139,7 +139,7 @@ def kernelbench_cases(quick: bool) -> list[Case]:
     ] + activation_cases(quick)
 
 
-#: real activations (issue 24): BatchNorm on ResNet-50's, GroupNorm(32) on a
+#: real activations: BatchNorm on ResNet-50's, GroupNorm(32) on a
 #: diffusion UNet's, InstanceNorm on a style-transfer network's
 RESNET_BN = ((64, 256, 56, 56), (64, 512, 28, 28), (64, 2048, 7, 7))
 UNET_GN = ((8, 320, 64, 64), (8, 640, 32, 32), (8, 1280, 16, 16), (8, 512, 128, 128))

@@ -374,7 +374,7 @@ BACKWARD_CASES = [
     ("backward problem 40 layer_norm (16,64,256,256) fp32 +w+b", "ln", (16, 64, 256, 256), "float32", (1, 2, 3), 60),
     ("backward problem 35 group_norm(8) (112,64,512,512) fp32 +w+b", "group", (112, 64, 512, 512), "float32", 8, 60),
     ("backward problem 36 rms_norm axis 1 (112,64,512,512) fp32 +w", "rms", (112, 64, 512, 512), "float32", 1, None),
-    # real activations (issue 24): BatchNorm in training on ResNet-50's
+    # real activations: BatchNorm in training on ResNet-50's
     ("backward batch_norm (64,256,56,56) fp32 +w+b", "batch", (64, 256, 56, 56), "float32", None, None),
     ("backward batch_norm (64,256,56,56) bf16 +w+b", "batch", (64, 256, 56, 56), "bfloat16", None, None),
     ("backward batch_norm (64,2048,7,7) bf16 +w+b", "batch", (64, 2048, 7, 7), "bfloat16", None, None),

@@ -1,5 +1,5 @@
 """The jax suite: cunorm.jax inside ``jax.jit`` against XLA's own fusion of
-the same op written in ``jax.numpy``, in one run (issue 25's cases; bf16 x,
+the same op written in ``jax.numpy``, in one run (bf16 x,
 float32 parameters).
 
 Per case: forward, forward+backward (``jax.grad`` of the sum of y * dy

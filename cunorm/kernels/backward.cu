@@ -104,8 +104,8 @@ __device__ __forceinline__ A weighted(A dy, A w) {
 // in on `arrived` (zeroed by the caller) and waits for every block (the
 // launch is cooperative: all blocks resident at once, or no launch), and
 // the grid adds the partials up into dw and db (grid_column_sum): no
-// column_sum launch after it (LayerNorm / RMSNorm bf16 32768x4096, H200,
-// 2026-11-23: 81.4 / 90.3% against 80.9 / 89.4% with it, whose 9 / 6 us
+// column_sum launch after it (LayerNorm / RMSNorm bf16 32768x4096, H200:
+// 81.4 / 90.3% against 80.9 / 89.4% with it, whose 9 / 6 us
 // were mostly its launch and ramp).
 //
 // rows_grad_cluster (CLUSTER > 1, sm_90, rows longer than a block holds):
@@ -132,7 +132,7 @@ __device__ __forceinline__ A weighted(A dy, A w) {
 // flight to cover the memory latency; a word per access (before the groups)
 // cost LayerNorm 128 shared-memory instructions a row a thread, 32 now.
 //
-// Tried and dropped (LayerNorm bf16 32768x4096, H200, 2026-11-22): the next
+// Tried and dropped (LayerNorm bf16 32768x4096, H200): the next
 // row's x and dy copied into shared memory (cp.async, two stages beside the
 // column sums) while the current one is worked on, 70.2% against 77.3%
 // for the fetch into L2; bfloat16 pairs widened from their 32-bit words
@@ -184,7 +184,7 @@ __device__ __forceinline__ Vec<A, C> load_partial(const A* p) {
 // picked only to write, the column's pointer formed once (a first version
 // without these held 71 registers against 64 for RMSNorm fp32 rows of
 // 1024, three blocks an SM instead of four, 89.7-90.3% against 92.1% in
-// the same call, H200, 2026-11-23; 62 now).
+// the same call, H200; 62 now).
 template <int C, int BATCH, class A, class P, class Index>
 __device__ __forceinline__ void sum_partial_columns(const A* __restrict__ src, P* __restrict__ out_w,
                                                     P* __restrict__ out_b, int output, int parts, Index n, Index col,
@@ -227,8 +227,8 @@ __device__ __forceinline__ void sum_partial_columns(const A* __restrict__ src, P
 // many partial rows; a grid of fewer (few rows: decode-sized calls) takes
 // the power of two at or above parts (at most 32) and wider units, so that
 // no slice idles and a block runs few units one after another (one block
-// of a 1x4096 RMSNorm ran 128 units of 32 columns: docs/performance.md,
-// "Small-batch backward"). `tile`: C x blockDim.x words of shared memory.
+// of a 1x4096 RMSNorm ran 128 units of 32 columns: docs/notes/host-time.md).
+// `tile`: C x blockDim.x words of shared memory.
 template <int C, class A, class P, int FLAGS>
 __device__ __forceinline__ void grid_column_sum(const A* __restrict__ partial, P* __restrict__ out_w,
                                                 P* __restrict__ out_b, int parts, int n, A* tile) {
@@ -458,7 +458,7 @@ __device__ __forceinline__ void rows_grad_cached_body(
 // A block a row. It declares no cluster shape: a kernel that declares one,
 // even of one block, had its cooperative launches refused as too large
 // (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) at grids the occupancy query
-// allowed (H100, 2026-11-25).
+// allowed (H100).
 template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
     rows_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
@@ -494,7 +494,7 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(C
 // in flight a thread (LayerNorm bf16 32768x4096's 396 partial
 // rows, dweight and dbias: 9 us, 10 us one load at a time). A column a
 // thread made 2 partial rows of 2M columns 71 us, one short block for
-// every 128 columns (H200, 2026-11-23). (A fixed 32 x 32 block launched
+// every 128 columns (H200). (A fixed 32 x 32 block launched
 // 128K blocks of 1024 threads for 4M columns of one partial row each:
 // 16.8% of copy bandwidth.)
 template <class A, class P, int C>
@@ -525,7 +525,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
 // (every row's same chunk) share the chunk's weights through L2: weights
 // are read from DRAM once, not once a row (problem 40: 16 times 16 MB).
 // dweight/dbias are left to pass 2, which walks each column down the rows
-// anyway. (Tried on problem 40, H200, 2026-11-22: pass 1 by column tiles
+// anyway. (Tried on problem 40, H200: pass 1 by column tiles
 // down the rows, the weights in registers and dweight/dbias summed there,
 // 0.155 ms against this kernel's 0.140, the whole backward 56.6% against
 // 57.5%; the layout before, row-major with the weights re-read from DRAM

@@ -186,7 +186,7 @@ constexpr int kStashParts = 4;
 // chunk in flight at once. HINTED 16-byte copies carry an L2 policy.
 // rows_uncached's stash copies go without: hinted, in four commit groups,
 // they raised an illegal-instruction fault at the copy on the H200
-// (compute-sanitizer, 2026-11-21; two groups, or no hint, ran clean).
+// (compute-sanitizer; two groups, or no hint, ran clean).
 template <int BYTES, bool HINTED = false>
 __device__ __forceinline__ void copy_async(void* shared_dst, const void* global_src,
                                            unsigned long long policy = 0) {

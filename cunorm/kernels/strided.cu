@@ -97,7 +97,7 @@ strided_norm(const T* __restrict__ x, const P* __restrict__ w, const P* __restri
                 // values, not with reduced / by (0.5% at 2^31 channels).
                 // 64-bit indexes: reduced may be within by of 2^31, past which
                 // an int c + by overflows (measured: no slower than int;
-                // unsigned is 10-50% slower, docs/performance.md).
+                // unsigned is 10-50% slower, docs/notes/hardening.md).
                 const long long end = reduced, step = static_cast<long long>(by) * kStridedRun;
 #pragma unroll 1
                 for (long long start = ty; start < end; start += step) {

@@ -1,7 +1,7 @@
 """One model of the models suite, untouched and after replace_norms: host
 time per call (wall clock in a loop, the GPU drained at the ends), GPU
 time per call (profiler kernel sums) and the top kernels of each.
-PYTHONPATH=. python bench/diag_model_profile.py [label part] [mode] [-p]
+PYTHONPATH=. python bench/tools/profile_model.py [label part] [mode] [-p]
 (mode: a models-suite mode, default "eval bf16 autocast"; -p: cProfile of
 each). Host times: the least of five rounds alternating the two models
 (the host's speed drifts), and with Python's garbage collector off."""

@@ -1,5 +1,5 @@
 """One call of every kernel, forward and backward, on small shapes: the
-program compute-sanitizer runs (bench/sanitize.sh, each of memcheck,
+program compute-sanitizer runs (bench/tools/sanitize.sh, each of memcheck,
 racecheck, initcheck and synccheck).
 
 CuPy's memory pool is off, so each array is its own cudaMalloc and memcheck

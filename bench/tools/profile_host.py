@@ -1,7 +1,7 @@
 """Profile the host time of cached calls (cProfile, top functions by own
 time): rms_norm on torch tensors and CuPy arrays, a BatchNorm2d in eval,
 an RMSNorm training step and a BatchNorm2d training step (torch's beside
-it). PYTHONPATH=. python bench/profile_host.py [case name ...]"""
+it). PYTHONPATH=. python bench/tools/profile_host.py [case name ...]"""
 import cProfile
 import copy
 import pstats

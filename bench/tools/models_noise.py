@@ -1,7 +1,7 @@
 """The models suite's noise floor: each model timed against an identical
 copy of itself (both untouched), as the suite times torch against cunorm.
 A speedup away from 1.00 here is the suite's spread, not cunorm.
-PYTHONPATH=. python bench/diag_noise.py [filter,...]"""
+PYTHONPATH=. python bench/tools/models_noise.py [filter,...]"""
 import copy
 import sys
 

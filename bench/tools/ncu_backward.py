@@ -1,11 +1,19 @@
 """One backward case run three times, for Nsight Compute to profile its third
-launch of a kernel (bench/device_run's profiling step; the cases of
-bench/tune_backward.py). PYTHONPATH=. python bench/ncu_backward.py CASE
-CASE: ln_cached, rms_cached, p40, p35."""
+launch of a kernel:
+ncu --clock-control none -k regex:rows_grad_cached --launch-skip 2 --launch-count 1 \
+    python3 bench/tools/ncu_backward.py ln_cached
+(PYTHONPATH=. where cunorm is not installed). CASE: ln_cached, rms_cached, p40, p35."""
 import sys
 
-sys.path.insert(0, ".")
-from tune_backward import case  # noqa: E402  (this script's folder is on sys.path)
+import cupy
+
+from cunorm.bench._cases import backward_call
+
+
+def case(op, shape, dtype, axis):
+    *_, run, nbytes = backward_call(op, shape, dtype, axis, cupy.random.default_rng())
+    return run, nbytes
+
 
 CASES = {
     "ln_cached": ("ln", (32768, 4096), "bfloat16", -1),
@@ -18,6 +26,4 @@ if __name__ == "__main__":
     run, _ = case(*CASES[sys.argv[1]])
     for _ in range(3):
         run()
-    import cupy
-
     cupy.cuda.runtime.deviceSynchronize()

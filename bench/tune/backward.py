@@ -20,17 +20,15 @@ bandwidth of the same run, plus the time of each launch of one call (a
 - BatchNorm's backward on ResNet-50's activations (onchip): the four
   launches against channel_grad_onchip's shapes.
 
-PYTHONPATH=. python bench/tune_backward.py [--only TEXT]"""
+PYTHONPATH=. python bench/tune/backward.py [--only TEXT]"""
 import argparse
 import contextlib
-import sys
 
 import cupy
 import numpy as np
 
-sys.path.insert(0, ".")
-from cunorm import _dispatch_grad, _dtypes, _fast, _grad, _launch  # noqa: E402
-from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu  # noqa: E402
+from cunorm import _dispatch_grad, _dtypes, _fast, _grad, _launch
+from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu
 
 
 def launch_times(run, before=None, verbose=True):

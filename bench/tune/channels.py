@@ -14,22 +14,18 @@ timed call, as in the benchmark):
 - on channels-last x, the three launches' tiles, chunks and grouping
   (TILE_VARIANTS), with the time of each launch.
 
-PYTHONPATH=. python bench/tune_channels.py [--only TEXT] [--out DIR]"""
+PYTHONPATH=. python bench/tune/channels.py [--only TEXT] [--out DIR]"""
 import argparse
 import json
 import os
-import sys
 
 import cupy
 import numpy as np
 
-sys.path.insert(0, ".")
-sys.path.insert(0, "bench")
-import cunorm  # noqa: E402
-from cunorm import _channels  # noqa: E402
-from cunorm.bench._cases import (_channel_prepared, copy_bandwidth, fewest_bytes, make_channel_inputs,  # noqa: E402
-                                 time_gpu)
-from tune_backward import launch_times  # noqa: E402
+import cunorm
+from backward import launch_times  # (bench/tune/backward.py: this script's folder is on sys.path)
+from cunorm import _channels
+from cunorm.bench._cases import _channel_prepared, copy_bandwidth, fewest_bytes, make_channel_inputs, time_gpu
 
 MB = 1 << 20
 #: (name, op, shape, dtype, groups, params)
