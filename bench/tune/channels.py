@@ -161,6 +161,7 @@ def main():
             sweep(*case, copy_bw=copy_bw, rows=rows, walks=args.walks.split(","))
     if not args.no_launches:
         split_launches(rows)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_channels.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
