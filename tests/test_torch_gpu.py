@@ -683,6 +683,29 @@ def test_cpu_tensor_is_refused():
         cunorm_torch.replace_norms(torch.nn.Sequential(torch.nn.LayerNorm(4)))(torch.ones(2, 4))
 
 
+def test_an_inference_tensor_is_written_only_inside_inference_mode(gen):
+    """torch allows no in-place update of an inference tensor outside
+    inference mode: as out= or a running buffer to update, a ValueError
+    before anything is written (the functions of cunorm.torch check both
+    buffers before the operator runs); inside inference mode it is updated."""
+    with torch.inference_mode():
+        rm, rv = torch.zeros(8, device="cuda"), torch.ones(8, device="cuda")
+        out = torch.full((4, 8, 5), float("nan"), device="cuda")
+    x = randn(gen, 4, 8, 5)
+    calls = [lambda: cunorm.batch_norm(x, running_mean=rm, running_var=torch.ones(8, device="cuda")),
+             lambda: cunorm.batch_norm(x, running_mean=torch.zeros(8, device="cuda"), running_var=rv),
+             lambda: cunorm_torch.batch_norm(x, running_mean=torch.zeros(8, device="cuda"), running_var=rv),
+             lambda: cunorm.rms_norm(x, out=out)]
+    for call in calls:
+        with pytest.raises(ValueError, match="is an inference tensor"):
+            call()
+    assert not rm.any() and bool((rv == 1).all()) and bool(out.isnan().all())
+    with torch.inference_mode():
+        cunorm.batch_norm(x, running_mean=rm, running_var=rv)
+        assert cunorm.rms_norm(x, out=out) is out
+    assert rm.abs().sum() > 0 and not bool(out.isnan().any())
+
+
 def test_wrong_dtype_is_refused():
     with pytest.raises(TypeError, match=r"x must have dtype float16, bfloat16, float32 or float64, got torch.int32"):
         cunorm.rms_norm(torch.ones(2, 4, dtype=torch.int32, device="cuda"))

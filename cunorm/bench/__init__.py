@@ -507,7 +507,8 @@ def main(argv=None) -> int:
     gpu = gpu_name()
     if gpu is None:
         print("No CUDA GPU found: `python -m cunorm bench` measures kernels on a GPU and has nothing to run here. "
-              "(`python -m cunorm check` compiles every kernel without one.)")
+              "(Without one, `python -m cunorm check` compiles a representative set of the kernels; "
+              "`check --all` compiles every one.)")
         return NO_GPU_EXIT
     with_compile = False if args.no_compile else (True if args.compile else None)
     result = run(tuple(args.suite or DEFAULT_SUITES), quick=args.quick, with_compile=with_compile, only=args.only,
