@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     precompile.add_argument("--jobs", **jobs)
     commands.add_parser("bench", help="the benchmark suites (python -m cunorm bench --help)", add_help=False)
     args = parser.parse_args(argv or ["check"])
-    from ._launch import gpu_name
+    from ._loader import gpu_name
 
     name = gpu_name()
     if args.command == "precompile":

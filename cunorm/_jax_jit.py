@@ -122,7 +122,7 @@ def target():
 
 @functools.lru_cache(maxsize=1)
 def _gpu_target():
-    if _launch.gpu_name() is None:
+    if _loader.gpu_name() is None:
         raise RuntimeError("cunorm.jax: lowering for CUDA needs the GPU the program will run on, and this process "
                            "sees none. Name it first: cunorm.jax.set_lowering_target('sm_90') (or 'sm_80', "
                            "'sm_86', 'sm_89'; docs/jax.md, 'Lowering without a GPU')")

@@ -292,20 +292,6 @@ def device_info(device_id: int) -> _dispatch.Device:
                             l2_bytes=runtime.deviceGetAttribute(runtime.cudaDevAttrL2CacheSize, device_id))
 
 
-def gpu_name():
-    """The current GPU's name; None where CuPy finds no GPU (what the
-    command line and the bench check before they start)."""
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
-        return props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    except Exception:  # no driver, no device, no CUDA runtime: all mean no GPU here
-        return None
-
-
 def step_function(step, device: int):
     """A step's kernel, opted in to the step's dynamic shared memory where
     that is more than the default allows (48 KB less the static): before

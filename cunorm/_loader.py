@@ -91,6 +91,20 @@ def get_function(family: str, expression: str, device: int | None = None, cooper
     return fn
 
 
+def gpu_name():
+    """The current GPU's name; None where CuPy finds no GPU (what the
+    command line and the bench check before they start)."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+        return props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    except Exception:  # no driver, no device, no CUDA runtime: all mean no GPU here
+        return None
+
+
 def precompile(verbose: bool = False, jobs: int | None = None) -> dict:
     """Build every kernel instantiation the dispatch can choose for the
     current GPU (filling CuPy's disk cache), compiling in ``jobs`` processes
@@ -107,7 +121,6 @@ def precompile(verbose: bool = False, jobs: int | None = None) -> dict:
     import subprocess
 
     from ._catalogue import all_kernels
-    from ._launch import gpu_name
 
     if gpu_name() is None:
         raise RuntimeError("cunorm.precompile: no CUDA GPU found; precompile builds the kernels for the current "

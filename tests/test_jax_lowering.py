@@ -15,7 +15,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 jax_export = pytest.importorskip("jax.export")
 
-from cunorm import _dispatch, _kernels, _launch  # noqa: E402
+from cunorm import _dispatch, _kernels, _launch, _loader  # noqa: E402
 
 H100 = _dispatch.Device(sm_count=132, compute_capability=90, max_shared_per_block=227 * 1024,
                         l2_bytes=50 * 1024 * 1024)
@@ -319,7 +319,7 @@ def named_target(monkeypatch):
     def no_driver():
         raise AssertionError("asked the CUDA driver while lowering for a named target")
 
-    monkeypatch.setattr(_launch, "gpu_name", no_driver)
+    monkeypatch.setattr(_loader, "gpu_name", no_driver)
     monkeypatch.setattr(jj, "backend_config", lambda call, arch: json.dumps(
         {"kernel": call.launch.kernel.expression, "grid": list(call.launch.grid), "threads": call.launch.threads,
          "shared": call.launch.shared, "arch": arch}).encode())
@@ -338,7 +338,7 @@ def test_lowering_without_a_gpu_or_a_target_names_the_setting(monkeypatch):
     from cunorm import _jax_jit as jj
     import cunorm.jax as cj
 
-    monkeypatch.setattr(_launch, "gpu_name", lambda: None)
+    monkeypatch.setattr(_loader, "gpu_name", lambda: None)
     jj._gpu_target.cache_clear()
     cj.set_lowering_target(None)
     try:

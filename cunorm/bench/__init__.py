@@ -502,7 +502,7 @@ def main(argv=None) -> int:
         for p in written:
             print(p)
         return 0
-    from .._launch import gpu_name
+    from .._loader import gpu_name
 
     gpu = gpu_name()
     if gpu is None:
