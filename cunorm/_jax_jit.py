@@ -46,7 +46,7 @@ try:
 except ImportError:  # (jax versions that keep it private)
     from jax._src.core import ShapedArray
 
-from . import _channels, _dispatch_grad, _dtypes, _grad, _launch, _loader, _ops, _plan
+from . import _channels, _dispatch_grad, _dtypes, _grad, _launch, _loader, _ops, _plan, _targets
 from ._kernels import POINTER_KINDS
 
 #: the jax versions this lowering is tested with: [first, past the last)
@@ -102,8 +102,6 @@ def set_lowering_target(arch=None, *, sm_count: int | None = None, l2_bytes: int
             raise ValueError("sm_count and l2_bytes describe a named target: pass arch too")
         chosen, named = None, None
     else:
-        from . import _targets
-
         chosen = _targets.named(arch, sm_count=sm_count, l2_bytes=l2_bytes)
         named = (_targets.device_id(chosen), chosen.device, chosen.arch)
     if named != _named_target:

@@ -219,9 +219,10 @@ def check_writable(a, name: str) -> None:
             raise ValueError(f"{name} is a read-only NumPy array, which this call writes into: pass a writable "
                              f"array (e.g. {name}.copy())")
         return
-    reason = getattr(adapter, "unwritable", None)
-    if reason is not None and reason(a):
-        raise ValueError(f"{name} {reason(a)}, which this call writes into")
+    unwritable = getattr(adapter, "unwritable", None)
+    reason = None if unwritable is None else unwritable(a)
+    if reason is not None:
+        raise ValueError(f"{name} {reason}, which this call writes into")
 
 
 def _pointer(a) -> int:

@@ -355,7 +355,7 @@ def test_a_named_target_lowers_with_its_own_occupancy(named_target, arch):
     capped at the blocks its occupancy rules let be resident, from NVRTC's
     resource report for that architecture; the PTX for its compute
     capability."""
-    from cunorm import _loader, _targets
+    from cunorm import _targets
 
     cj = named_target
     target = cj.set_lowering_target(arch)

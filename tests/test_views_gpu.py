@@ -19,8 +19,7 @@ DTYPES = [np.dtype(np.float32), BF16]
 
 def _check(y, ref, dtype, what=""):
     tol = RTOL[dtype]
-    got = cupy.asnumpy(y) if isinstance(y, cupy.ndarray) else cupy.asnumpy(cupy.from_dlpack(y.detach().contiguous()))
-    assert_close(got, ref, dtype, rtol=tol, atol=tol * output_scale(ref), what=what)
+    assert_close(numpy_of(y), ref, dtype, rtol=tol, atol=tol * output_scale(ref), what=what)
 
 
 def _strides(shape, rng):
