@@ -17,9 +17,7 @@ from pathlib import Path
 import cupy
 
 import cunorm
-from cunorm.bench._cases import (
-    BACKWARD_CASES, CASES, CHANNEL_CASES, CHANNEL_TUNE, LP_CASES, TUNE, bench_backward_case, bench_case,
-    bench_channel_case, bench_lp_case, copy_bandwidth, host_overhead, torch, tune_case, tune_channel_case)
+from cunorm.bench._cases import BACKWARD_CASES, CASES, CHANNEL_CASES, CHANNEL_TUNE, LP_CASES, TUNE, bench_backward_case, bench_case, bench_channel_case, bench_lp_case, copy_bandwidth, host_overhead, torch, tune_case, tune_channel_case
 
 
 def fmt(v, spec=".1f"):

@@ -17,9 +17,9 @@ import numpy as np
 
 
 def _check_cases():
-    from . import _dtypes
+    from ._engine import dtypes
 
-    bf16, f32 = _dtypes.bfloat16, _dtypes.float32
+    bf16, f32 = dtypes.bfloat16, dtypes.float32
     return [
         # op, shape, dtype, axis, weight
         ("rms_norm", (1, 4096), bf16, -1, True),
@@ -27,9 +27,9 @@ def _check_cases():
         ("rms_norm", (1024, 32768), bf16, -1, True),
         ("rms_norm", (8192, 1024), f32, -1, True),
         ("rms_norm", (4, 1 << 20), f32, -1, False),
-        ("rms_norm", (1000, 4097), _dtypes.float16, -1, True),
+        ("rms_norm", (1000, 4097), dtypes.float16, -1, True),
         ("rms_norm", (16, 64, 128, 128), f32, 1, False),
-        ("rms_norm", (64, 760), _dtypes.float64, -1, True),
+        ("rms_norm", (64, 760), dtypes.float64, -1, True),
         ("layer_norm", (4096, 4096), bf16, -1, True),
         ("layer_norm", (8192, 1024), f32, -1, True),
         ("layer_norm", (4, 64, 128, 128), f32, (1, 2, 3), True),
@@ -98,9 +98,9 @@ def check_gpu(name: str) -> int:
 
 
 def check_compile(jobs=None, everything=False) -> int:
-    from . import _catalogue, _loader
+    from ._engine import catalogue, loader
 
-    kernels = _catalogue.all_kernels()
+    kernels = catalogue.all_kernels()
     print("No CUDA GPU found: nothing can run here. Checking what can be checked without one:")
     if everything:
         print(f"compiling all {len(kernels)} kernel instantiations with NVRTC for sm_80 and sm_90 (no spills "
@@ -114,9 +114,9 @@ def check_compile(jobs=None, everything=False) -> int:
         start = time.perf_counter()
         number = int(arch[3:])
         for_arch = [k for k in kernels if k.min_arch <= number]
-        chosen = for_arch if everything else _catalogue.representative_kernels(for_arch)
+        chosen = for_arch if everything else catalogue.representative_kernels(for_arch)
         try:
-            results = _loader.compile_offline(arch, chosen, jobs=jobs, progress=_progress(arch))
+            results = loader.compile_offline(arch, chosen, jobs=jobs, progress=_progress(arch))
         except Exception as err:  # report and fail, don't traceback
             print(f"  {arch}: FAILED\n{err}")
             bad += 1
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     precompile.add_argument("--jobs", **jobs)
     commands.add_parser("bench", help="the benchmark suites (python -m cunorm bench --help)", add_help=False)
     args = parser.parse_args(argv or ["check"])
-    from ._loader import gpu_name
+    from ._engine.loader import gpu_name
 
     name = gpu_name()
     if args.command == "precompile":
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
                   "`python -m cunorm check` compiles a representative set for sm_80 and sm_90 "
                   "(`check --all`: every kernel).")
             return 2
-        from ._loader import precompile
+        from ._engine.loader import precompile
 
         print(f"compiling every kernel for {name} ...")
         summary = precompile(verbose=True, jobs=args.jobs)

@@ -21,8 +21,9 @@ and layers are differentiable (these functions are their backward).
 """
 from __future__ import annotations
 
-from . import _fast, _grad, reference
-from ._ops import DEFAULT_EPS, LP_EPS, lp_norm_name
+from ._engine import launch_cache, gradients
+from . import reference
+from ._engine.row_norms import DEFAULT_EPS, LP_EPS, lp_norm_name
 
 __all__ = ["rms_norm_backward", "layer_norm_backward", "normalize_backward", "mean_abs_normalize_backward",
            "frobenius_normalize_backward", "group_norm_backward", "instance_norm_backward", "batch_norm_backward"]
@@ -230,20 +231,20 @@ def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_fn
     signature if it has one, else the general path (which fills it). Not
     exported: the public functions above and cunorm.torch's backward
     operators call it."""
-    key = _fast.grad_key(norm, dy, x, mean, rstd, weight, bias, dh, (axis,), eps)
-    results = _fast.replay(_fast.ROWS_GRAD, key, dy, x, mean, rstd, weight, bias, dh)
+    key = launch_cache.grad_key(norm, dy, x, mean, rstd, weight, bias, dh, (axis,), eps)
+    results = launch_cache.replay(launch_cache.ROWS_GRAD, key, dy, x, mean, rstd, weight, bias, dh)
     if results is not None:
         return results
-    g = _grad.RowGradCall(norm, dy, x, axis=axis, eps=eps, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh)
-    return _grad.run_rows(g, reference_fn, key=key)
+    g = gradients.RowGradCall(norm, dy, x, axis=axis, eps=eps, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh)
+    return gradients.run_rows(g, reference_fn, key=key)
 
 
 def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps, reference_fn):
     """A channel norm's backward, as rows_grad."""
-    key = _fast.grad_key(norm, dy, x, mean, rstd, weight, bias, None, (num_groups, channel_axis, training), eps)
-    results = _fast.replay(_fast.CHANNELS_GRAD, key, dy, x, mean, rstd, weight, bias, None)
+    key = launch_cache.grad_key(norm, dy, x, mean, rstd, weight, bias, None, (num_groups, channel_axis, training), eps)
+    results = launch_cache.replay(launch_cache.CHANNELS_GRAD, key, dy, x, mean, rstd, weight, bias, None)
     if results is not None:
         return results
-    g = _grad.ChannelGradCall(norm, dy, x, mean, rstd, num_groups=num_groups, weight=weight, bias=bias,
+    g = gradients.ChannelGradCall(norm, dy, x, mean, rstd, num_groups=num_groups, weight=weight, bias=bias,
                               channel_axis=channel_axis, training=training, eps=eps)
-    return _grad.run_channels(g, reference_fn, key=key)
+    return gradients.run_channels(g, reference_fn, key=key)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import functools
 
-from . import _channels, _dtypes, _fast, _interop, _ops, _plan, reference
-from ._ops import DEFAULT_EPS, LP_EPS  # the defaults, defined beside the argument checks (backward reads them too)
+from ._engine import channel_norms, dtypes, launch_cache, row_norms, plans
+from . import _interop, reference
+from ._engine.row_norms import DEFAULT_EPS, LP_EPS  # the defaults, defined beside the argument checks (backward reads them too)
 
 # The description of x, shared by the docstrings (filled in at the end).
 _ROW_X = """x : array
@@ -104,7 +105,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     all NaN; so does a group whose float32 sum of squares overflows
     (``|x|`` beyond about 1e19). Other groups are unaffected.
     """
-    epilogue = _plan.rms_epilogue(weight_offset, rounding, activation, weight is not None)
+    epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
     return _row_op("rms", x, weight, None, residual, axis, eps, return_stats, out, reference.rms_norm,
                    lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
                                              return_stats=return_stats, weight_offset=weight_offset,
@@ -165,7 +166,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     A group holding Inf or NaN comes out all NaN; other groups are
     unaffected.
     """
-    epilogue = _plan.activation_flags(activation)
+    epilogue = plans.activation_flags(activation)
     return _row_op("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm,
                    lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
                                                return_stats=return_stats, activation=activation), epilogue)
@@ -174,12 +175,12 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
 def _layer_norm_float32(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, activation=None):
     """layer_norm of a 16-bit x returning float32 y, in one pass (no cast of
     x first): what torch's autocast makes of a LayerNorm, for cunorm's
-    layers in inference (cunorm/_torch_layers.py). Not exported: no
+    layers in inference (cunorm/torch/_layers.py). Not exported: no
     residual, statistics or out=; never routed to the registered operators
     (the layers call it outside autograd and dynamo)."""
-    epilogue = _plan.activation_flags(activation)
+    epilogue = plans.activation_flags(activation)
     return _row_op("ln", x, weight, bias, None, axis, eps, False, None, reference.layer_norm, None, epilogue,
-                   out_dtype=_dtypes.float32)
+                   out_dtype=dtypes.float32)
 
 
 def _group_norm_float32(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, activation=None):
@@ -188,7 +189,7 @@ def _group_norm_float32(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EP
     for cunorm's layers in inference. Not exported, as
     _layer_norm_float32."""
     return _channel_op("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, 1, False, None, None,
-                       _plan.activation_flags(activation), out_dtype=_dtypes.float32)
+                       plans.activation_flags(activation), out_dtype=dtypes.float32)
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
@@ -237,7 +238,7 @@ def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
     ``|x|`` beyond about 1e19; for large p much sooner: ``|x|**p`` is summed).
     Other groups are unaffected.
     """
-    return _row_op(_ops.lp_norm_name(p), x, None, None, None, axis, eps, False, out,
+    return _row_op(row_norms.lp_norm_name(p), x, None, None, None, axis, eps, False, out,
                    functools.partial(reference.normalize, p=float(p)), lambda: _torch().normalize(x, p, axis=axis, eps=eps))
 
 
@@ -356,7 +357,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
     return _channel_op("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
                        out, lambda: _torch().group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
                                                         return_stats=return_stats, activation=activation),
-                       _plan.activation_flags(activation))
+                       plans.activation_flags(activation))
 
 
 def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False,
@@ -389,7 +390,7 @@ def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1,
     return _channel_op("instance", x, None, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
                        out, lambda: _torch().instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
                                                            return_stats=return_stats, activation=activation),
-                       _plan.activation_flags(activation))
+                       plans.activation_flags(activation))
 
 
 def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
@@ -440,7 +441,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                        lambda: _torch().batch_norm(x, weight, bias, running_mean=running_mean,
                                                    running_var=running_var, training=training, momentum=momentum,
                                                    eps=eps, channel_axis=channel_axis, return_stats=return_stats,
-                                                   activation=activation), _plan.activation_flags(activation))
+                                                   activation=activation), plans.activation_flags(activation))
 
 
 def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, torch_op, epilogue=0,
@@ -454,15 +455,15 @@ def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, refer
     where it is not x's (layer_norm_float32)."""
     key = None
     if out is None:
-        key = _fast.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, out_dtype)
-        results = _fast.replay(_fast.ROWS, key, x, weight, bias, residual)
+        key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, out_dtype)
+        results = launch_cache.replay(launch_cache.ROWS, key, x, weight, bias, residual)
         if results is not None:
             return results
     if torch_op is not None and _interop.torch_route(x, weight, bias, residual, out=out):
         return torch_op()
-    call = _ops.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual, return_stats=return_stats,
+    call = row_norms.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual, return_stats=return_stats,
                      epilogue=epilogue, out_dtype=out_dtype)
-    return _fast.stored(_fast.ROWS, key, (x, weight, bias, residual), _ops.run(call, reference_fn, key=key))
+    return launch_cache.stored(launch_cache.ROWS, key, (x, weight, bias, residual), row_norms.run(call, reference_fn, key=key))
 
 
 def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
@@ -470,19 +471,19 @@ def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, tr
     """A channel norm, as _row_op."""
     key = None
     if out is None:
-        key = _fast.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum,
+        key = launch_cache.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum,
                                 eps, channel_axis, return_stats, epilogue, out_dtype)
-        results = _fast.replay(_fast.CHANNELS, key, x, weight, bias, running_mean, running_var)
+        results = launch_cache.replay(launch_cache.CHANNELS, key, x, weight, bias, running_mean, running_var)
         if results is not None:
             return results
     if torch_op is not None and _interop.torch_route(x, weight, bias, out=out):
         return torch_op()
-    call = _channels.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
+    call = channel_norms.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
                                  channel_axis=channel_axis, out=out, return_stats=return_stats,
                                  running_mean=running_mean, running_var=running_var, training=training,
                                  momentum=momentum, epilogue=epilogue, out_dtype=out_dtype)
-    return _fast.stored(_fast.CHANNELS, key, (x, weight, bias, running_mean, running_var),
-                        _channels.run(call, key=key))
+    return launch_cache.stored(launch_cache.CHANNELS, key, (x, weight, bias, running_mean, running_var),
+                        channel_norms.run(call, key=key))
 
 
 for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (normalize, _ROW_X), (mean_abs_normalize, _ROW_X),

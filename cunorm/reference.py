@@ -48,8 +48,8 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=1e-5, residual=None, r
 
 
 def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact, epilogue):
-    from ._dtypes import accumulation
-    from ._plan import normalize_axes
+    from ._engine.dtypes import accumulation
+    from ._engine.plans import normalize_axes
 
     x = np.asarray(x)
     first, last = normalize_axes(axis, x.ndim)
@@ -114,7 +114,7 @@ def frobenius_normalize(x, *, axis=None, eps=1e-12, exact=False):
 
 
 def _lp(x, p, mean, axis, eps, exact):
-    from ._plan import normalize_axes
+    from ._engine.plans import normalize_axes
 
     x = np.asarray(x)
     if axis is None:
@@ -190,7 +190,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
     over the group's channels and every spatial position, var biased; then
     per channel ``* weight[c] + bias[c]``. Returns y, then (mean, rstd) of
     shape (N, num_groups) if return_stats."""
-    from ._dtypes import accumulation
+    from ._engine.dtypes import accumulation
 
     x = np.asarray(x)
     xf, back = _channels_first(x, channel_axis)
@@ -221,7 +221,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
     ``running = (1 - momentum) * running + momentum * stat`` with the
     unbiased variance. Eval: the running statistics. Statistics returned
     (mean, rstd of the normalization used) of shape (C,)."""
-    from ._dtypes import accumulation
+    from ._engine.dtypes import accumulation
 
     x = np.asarray(x)
     xf, back = _channels_first(x, channel_axis)
@@ -262,7 +262,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
 
 
 def _row_axes(x, axis):
-    from ._plan import normalize_axes
+    from ._engine.plans import normalize_axes
 
     if axis is None:
         return tuple(range(x.ndim)), x.ndim - 1

@@ -3,7 +3,8 @@ tests/test_channel_split_gpu.py, tests/test_channel_stream_gpu.py) and checked a
 y, the returned statistics and BatchNorm's running estimates."""
 import numpy as np
 
-from cunorm import _channels, _dtypes, reference
+from cunorm._engine import channel_norms, dtypes
+from cunorm import reference
 from helpers import RTOL, assert_close, output_scale, random
 
 
@@ -15,10 +16,10 @@ def run(x, op, *, groups=None, weight=None, bias=None, running=(None, None), axi
     kw = {"num_groups": groups} if op == "group" else {}
     if op == "batch":
         kw.update(running_mean=running[0], running_var=running[1])
-    call = _channels.ChannelCall(op, x, weight=weight, bias=bias, eps=1e-5, channel_axis=axis, return_stats=True,
+    call = channel_norms.ChannelCall(op, x, weight=weight, bias=bias, eps=1e-5, channel_axis=axis, return_stats=True,
                                  out_dtype=out_dtype, **kw)
-    prepared = _channels.prepare(call)
-    took, _ = _channels.execute(call, *prepared, override={"walk": walk, **(override or {})})
+    prepared = channel_norms.prepare(call)
+    took, _ = channel_norms.execute(call, *prepared, override={"walk": walk, **(override or {})})
     assert took == f"channel_{walk}", took
     y, stats = prepared[1], prepared[3]
     return [cupy.asnumpy(a) for a in (y, *stats)]
@@ -35,7 +36,7 @@ def check(x_np, op, *, groups=None, weight=None, bias=None, axis=1, override=Non
     x = cupy.asarray(x_np)
     w = None if weight is None else cupy.asarray(weight)
     b = None if bias is None else cupy.asarray(bias)
-    acc = _dtypes.accumulation(x_np.dtype)
+    acc = dtypes.accumulation(x_np.dtype)
     c = x_np.shape[axis]
     running = ((cupy.asarray(random(rng, (c,), acc)), cupy.asarray(np.abs(random(rng, (c,), acc)) + 0.5))
                if op == "batch" else (None, None))

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from cunorm import _dtypes, reference
+from cunorm._engine import dtypes
+from cunorm import reference
 
-DTYPES = [_dtypes.float16, _dtypes.bfloat16, _dtypes.float32, _dtypes.float64]
+DTYPES = [dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64]
 DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
 
 # Elementwise relative tolerance against the unrounded float64 reference: half
 # an ulp of the output dtype (the one final rounding) plus the float32
 # accumulation's error, with margin.
-RTOL = {_dtypes.float16: 1.5e-3, _dtypes.bfloat16: 8e-3, _dtypes.float32: 2e-5, _dtypes.float64: 1e-12}
+RTOL = {dtypes.float16: 1.5e-3, dtypes.bfloat16: 8e-3, dtypes.float32: 2e-5, dtypes.float64: 1e-12}
 
 
 def arr(xp, shape, dtype=np.float32):

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dispatch_grad, _dtypes, _launch, reference
+from cunorm._engine import dispatch_grad, dtypes, launches
+from cunorm import reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +39,7 @@ def _close(got, ref, dtype, what, factor=1.0, magnitude=0.0):
 
 def _term_scale(dy, x, axis, weight, scale):
     """The root mean square of scale * dy * weight, scale per group."""
-    from cunorm._ops import axis_span
+    from cunorm._engine.row_norms import axis_span
 
     first, last = axis_span(axis, x.ndim)
     s = np.expand_dims(np.asarray(scale, np.float64), tuple(range(first, last + 1)))
@@ -48,7 +49,7 @@ def _term_scale(dy, x, axis, weight, scale):
 
 def _lp_scale(x, p, axis):
     """1 / max(norm, eps) per group, from the reference's y = x * scale."""
-    from cunorm._ops import axis_span
+    from cunorm._engine.row_norms import axis_span
 
     first, last = axis_span(axis, x.ndim)
     axes = tuple(range(first, last + 1))
@@ -158,7 +159,7 @@ def test_rows_backward(op, dtype, shape, rng):
 def test_rows_backward_residual_and_params(op, shape, rng):
     """dh added to dx; no parameters; float32 parameters of bf16 x; weight or bias alone."""
     n = shape[-1]
-    bf16 = _dtypes.bfloat16
+    bf16 = dtypes.bfloat16
     x = random(rng, shape, bf16)
     check_rows(op, x, residual=True, rng=rng)
     check_rows(op, x, weight=random(rng, (n,), np.float32), residual=True, rng=rng)
@@ -167,17 +168,17 @@ def test_rows_backward_residual_and_params(op, shape, rng):
         check_rows(op, x, weight=random(rng, (n,), bf16), bias=random(rng, (n,), np.float64), rng=rng)
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, np.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, np.float32], ids=["bf16", "f32"])
 def test_streamed_backward_one_part(dtype, rng):
     """Few long rows (problem 40's regime): pass 2 has one row chunk and
     writes dweight/dbias itself, no column_sum."""
-    from cunorm import _grad
+    from cunorm._engine import gradients
 
-    device = _launch.device_info(0)
-    n = _dispatch_grad.GRAD_APPLY_BLOCKS_PER_SM * device.sm_count * _dispatch_grad.GRAD_BLOCK_THREADS * 8 + 8
+    device = launches.device_info(0)
+    n = dispatch_grad.GRAD_APPLY_BLOCKS_PER_SM * device.sm_count * dispatch_grad.GRAD_BLOCK_THREADS * 8 + 8
     x = random(rng, (2, n), dtype)
     vec = 16 // x.itemsize
-    launch = _grad._rows_launch("ln", np.dtype(dtype), np.dtype(dtype), 3, 2, n, 1, vec, 0)
+    launch = gradients._rows_launch("ln", np.dtype(dtype), np.dtype(dtype), 3, 2, n, 1, vec, 0)
     assert launch.tier == "streamed" and launch.parts == 1
     check_rows("ln", x, weight=random(rng, (n,), dtype, offset=1.0), bias=random(rng, (n,), dtype), rng=rng)
     check_rows("rms", x, weight=random(rng, (n,), dtype, offset=1.0), rng=rng)
@@ -188,13 +189,13 @@ def test_cluster_backward(op, rng):
     """Rows a block cannot hold run rows_grad_cached on clusters (sm_90):
     more rows than resident clusters (several rows a cluster); dh; no
     parameters; float32 parameters of bf16 x; a weight alone."""
-    from cunorm import _grad
+    from cunorm._engine import gradients
 
-    if _launch.device_info(0).compute_capability < 90:
+    if launches.device_info(0).compute_capability < 90:
         pytest.skip("thread-block clusters need sm_90")
-    bf16 = _dtypes.bfloat16
+    bf16 = dtypes.bfloat16
     shape = (1000, 24576)
-    launch = _grad._rows_launch(op, np.dtype(bf16), np.dtype(np.float32), 1, *shape, 1, 8, 0)
+    launch = gradients._rows_launch(op, np.dtype(bf16), np.dtype(np.float32), 1, *shape, 1, 8, 0)
     assert launch.tier == "cached" and launch.steps[0].kernel.cluster > 1
     n = shape[-1]
     x = random(rng, shape, bf16)
@@ -208,12 +209,12 @@ def test_cached_backward_grid_fills_the_gpu():
     """A cached block whose column sums need more than 48 KB of shared
     memory (LayerNorm, 16384 bf16 a row: 128 KB) still gets a block an SM:
     the occupancy query comes after the opt-in to that much."""
-    from cunorm import _grad
+    from cunorm._engine import gradients
 
-    launch = _grad._rows_launch("ln", np.dtype(_dtypes.bfloat16), np.dtype(_dtypes.bfloat16), 3, 4096, 16384, 1, 8, 0)
+    launch = gradients._rows_launch("ln", np.dtype(dtypes.bfloat16), np.dtype(dtypes.bfloat16), 3, 4096, 16384, 1, 8, 0)
     (step,) = launch.steps
     assert launch.tier == "cached" and step.shared_bytes > 48 * 1024
-    assert _launch.persistent_grid(step, 0)[0] >= _launch.device_info(0).sm_count
+    assert launches.persistent_grid(step, 0)[0] >= launches.device_info(0).sm_count
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 37])
@@ -222,11 +223,11 @@ def test_cached_backward_few_rows(rows, n, rng):
     """A grid of few blocks (decode-sized batches) sums the parameter
     partials with one slice a partial row and wide column units; n = 1001
     takes the one-column units (not a multiple of 4)."""
-    from cunorm import _grad
+    from cunorm._engine import gradients
 
-    dtype = _dtypes.bfloat16
+    dtype = dtypes.bfloat16
     x = random(rng, (rows, n), dtype)
-    launch = _grad._rows_launch("ln", np.dtype(dtype), np.dtype(dtype), 3, rows, n, 1, 8 if n % 8 == 0 else 1, 0)
+    launch = gradients._rows_launch("ln", np.dtype(dtype), np.dtype(dtype), 3, rows, n, 1, 8 if n % 8 == 0 else 1, 0)
     assert launch.tier == "cached"
     check_rows("ln", x, weight=random(rng, (n,), dtype, offset=1.0), bias=random(rng, (n,), dtype), rng=rng)
     check_rows("rms", x, weight=random(rng, (n,), dtype, offset=1.0), rng=rng)
@@ -359,11 +360,11 @@ def test_channel_backward(case, dtype, memory, rng):
 
 @pytest.mark.parametrize("op", ["group", "instance", "batch"])
 def test_channel_backward_channels_last_and_params(op, rng):
-    x = random(rng, (2, 5, 7, 16), _dtypes.bfloat16)
+    x = random(rng, (2, 5, 7, 16), dtypes.bfloat16)
     groups = 4 if op == "group" else None
     check_channels(op, x, groups=groups, channel_axis=-1, rng=rng)
     check_channels(op, x, groups=groups, channel_axis=-1, weight=random(rng, (16,), np.float32), rng=rng)
-    check_channels(op, x, groups=groups, channel_axis=-1, bias=random(rng, (16,), _dtypes.bfloat16), rng=rng)
+    check_channels(op, x, groups=groups, channel_axis=-1, bias=random(rng, (16,), dtypes.bfloat16), rng=rng)
 
 
 @pytest.mark.parametrize("memory", ["c", "swapped"])

@@ -8,13 +8,13 @@ whole batch's results exactly, forward (y, h, statistics) and backward
 import numpy as np
 import pytest
 
-from cunorm import _dispatch, _dispatch_grad, _dtypes
-from cunorm._plan import make_plan
+from cunorm._engine import dispatch_rows, dispatch_grad, dtypes
+from cunorm._engine.plans import make_plan
 
-H100 = _dispatch.Device(sm_count=132)
-A100 = _dispatch.Device(sm_count=108, compute_capability=80, max_shared_per_block=166912, l2_bytes=40 << 20)
+H100 = dispatch_rows.Device(sm_count=132)
+A100 = dispatch_rows.Device(sm_count=108, compute_capability=80, max_shared_per_block=166912, l2_bytes=40 << 20)
 ROWS = (1, 2, 3, 7, 64, 131, 132, 133, 1000, 4096, 65536)
-DTYPES = (_dtypes.bfloat16, _dtypes.float16, _dtypes.float32, _dtypes.float64)
+DTYPES = (dtypes.bfloat16, dtypes.float16, dtypes.float32, dtypes.float64)
 
 
 def _shape_of(launch):
@@ -25,10 +25,10 @@ def _shape_of(launch):
 
 
 def _forward(norm, dtype, n, rows, residual, params, device):
-    pdtype = _dtypes.float32 if params and dtype != _dtypes.float64 else (dtype if params else None)
+    pdtype = dtypes.float32 if params and dtype != dtypes.float64 else (dtype if params else None)
     flags = (3 if norm == "ln" else 1) if params else 0
     plan = make_plan(norm, np.dtype(dtype), pdtype, flags, residual, (rows, n), (n, 1), 1, 1, 0, 0, 0, 0, 0, 0)
-    return _dispatch.choose(plan, device)
+    return dispatch_rows.choose(plan, device)
 
 
 @pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
@@ -42,7 +42,7 @@ def test_forward_dispatch_follows_the_row_alone(norm, device):
     checked = 0
     for dtype in DTYPES:
         for n in lengths:
-            if n * np.dtype(dtype).itemsize >= _dispatch.SPLIT_MIN_ROW_BYTES:
+            if n * np.dtype(dtype).itemsize >= dispatch_rows.SPLIT_MIN_ROW_BYTES:
                 continue
             for residual in ((False, True) if norm != "l2" else (False,)):
                 for params in ((False, True) if norm != "l2" else (False,)):
@@ -55,10 +55,10 @@ def test_forward_dispatch_follows_the_row_alone(norm, device):
 def test_long_rows_are_the_documented_exception():
     """At and past SPLIT_MIN_ROW_BYTES a row, few rows are split across
     blocks: the one place the number of rows chooses the tier."""
-    n = _dispatch.SPLIT_MIN_ROW_BYTES // 2
-    assert _forward("rms", _dtypes.bfloat16, n, 1, False, True, H100).tier == "split"
-    assert _forward("rms", _dtypes.bfloat16, n, 4096, False, True, H100).tier == "cached"
-    assert _forward("rms", _dtypes.bfloat16, n - 8, 1, False, True, H100).tier == "cached"
+    n = dispatch_rows.SPLIT_MIN_ROW_BYTES // 2
+    assert _forward("rms", dtypes.bfloat16, n, 1, False, True, H100).tier == "split"
+    assert _forward("rms", dtypes.bfloat16, n, 4096, False, True, H100).tier == "cached"
+    assert _forward("rms", dtypes.bfloat16, n - 8, 1, False, True, H100).tier == "cached"
 
 
 @pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
@@ -71,12 +71,12 @@ def test_backward_dispatch_follows_the_row_alone(norm, device):
         itemsize = np.dtype(dtype).itemsize
         for n in (64, 760, 1024, 2048, 4096, 5120, 8192, 12288, 16384):
             vec = max(v for v in (1, 2, 4, 8) if v * itemsize <= 16 and n % v == 0)
-            shape = _dispatch_grad.grad_cached_shape(n // vec, vec, itemsize)
+            shape = dispatch_grad.grad_cached_shape(n // vec, vec, itemsize)
             if shape is None or shape[2] != 1:
                 continue
             for flags in (0, 1, 3):
-                pdtype = None if not flags else _dtypes.float32 if itemsize < 8 else _dtypes.float64
-                launches = [_dispatch_grad.choose_rows_grad(norm, np.dtype(dtype), pdtype, flags, rows, n, 1, vec,
+                pdtype = None if not flags else dtypes.float32 if itemsize < 8 else dtypes.float64
+                launches = [dispatch_grad.choose_rows_grad(norm, np.dtype(dtype), pdtype, flags, rows, n, 1, vec,
                                                             device) for rows in ROWS]
                 fits = launches[0].tier == "cached"
                 if not fits:  # (its column sums over the shared memory: streamed at every size, one shape)

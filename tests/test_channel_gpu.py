@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dtypes, reference
+from cunorm._engine import dtypes
+from cunorm import reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
 pytestmark = pytest.mark.gpu
@@ -73,7 +74,7 @@ def check(op, x_np, *, groups=None, weight=None, bias=None, channel_axis=1, memo
     if memory != "sliced":  # y keeps x's memory layout
         big = [d for d in range(x.ndim) if x.shape[d] > 1]
         assert [y.strides[d] for d in big] == [x.strides[d] for d in big], (y.strides, x.strides)
-    acc = _dtypes.accumulation(x_np.dtype)
+    acc = dtypes.accumulation(x_np.dtype)
     if return_stats:
         st = 1e-12 if acc == np.float64 else 2e-5
         mean, rstd = (cupy.asnumpy(s) for s in got[1:])
@@ -146,7 +147,7 @@ def test_batch_norm(rng, dtype, shape, channel_axis):
     c = shape[1]
     logical = shape if channel_axis == 1 else nhwc(shape)
     x = random(rng, logical, dtype, scale=2.0, offset=1.0)
-    acc = _dtypes.accumulation(dtype)
+    acc = dtypes.accumulation(dtype)
     running = (rng.standard_normal(c).astype(acc), (rng.random(c) + 0.5).astype(acc))
     check("batch", x, channel_axis=channel_axis, running=running, momentum=0.3)
     w, b = random(rng, (c,), dtype), random(rng, (c,), dtype)
@@ -159,7 +160,7 @@ def test_batch_norm(rng, dtype, shape, channel_axis):
     check("batch", x, weight=w, channel_axis=channel_axis, running=running, training=False, return_stats=False)
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, _dtypes.float16])
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
 def test_float32_params_with_16_bit_x(rng, dtype):
     x = random(rng, (2, 8, 9, 11), dtype)
     w, b = random(rng, (8,), np.float32), random(rng, (8,), np.float32)
@@ -170,14 +171,14 @@ def test_float32_params_with_16_bit_x(rng, dtype):
     check("batch", xl, weight=w, channel_axis=-1, running=running)
 
 
-@pytest.mark.parametrize("running_dtype", [_dtypes.bfloat16, np.float64])
+@pytest.mark.parametrize("running_dtype", [dtypes.bfloat16, np.float64])
 def test_running_buffers_of_other_dtypes(rng, running_dtype):
     x = random(rng, (4, 6, 5, 5), np.float32)
     running = (np.zeros(6, running_dtype), np.ones(6, running_dtype))
     check("batch", x, running=running)
 
 
-@pytest.mark.parametrize("running_dtype", [_dtypes.bfloat16, np.float64])
+@pytest.mark.parametrize("running_dtype", [dtypes.bfloat16, np.float64])
 @pytest.mark.parametrize("with_stats", [False, True], ids=["one-launch", "with-stats"])
 def test_eval_with_converted_running_buffers_is_not_replayed(rng, running_dtype, with_stats):
     """Eval-mode BatchNorm over running buffers of another dtype than the
@@ -260,7 +261,7 @@ def test_against_torch_with_running_stats(rng):
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, _dtypes.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("shape,groups", [((4, 64, 9, 7), 8), ((2, 320, 16, 16), 32), ((3, 24, 5), 24)],
                          ids=["odd planes", "unet", "1-d"])

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dtypes, _grad, reference
+from cunorm._engine import dtypes, gradients
+from cunorm import reference
 from helpers import DTYPE_IDS, DTYPES, random
 from test_backward_gpu import _close, _param_factor, _unchanged, check_param_grads
 from test_channel_onchip_gpu import need_cluster
@@ -28,9 +29,9 @@ def _poison(poisoned):
 
 def grads(dy, x, mean, rstd, weight, bias, training, override):
     """(dx, dweight, dbias) of batch_norm_backward through ``override``."""
-    g = _grad.ChannelGradCall("batch", dy, x, mean, rstd, weight=weight, bias=bias, channel_axis=1,
+    g = gradients.ChannelGradCall("batch", dy, x, mean, rstd, weight=weight, bias=bias, channel_axis=1,
                               training=training, eps=1e-5)
-    return _grad.run_channels(g, None, override=override)
+    return gradients.run_channels(g, None, override=override)
 
 
 def check(x_np, *, weight=None, bias=None, training=True, override, rng):
@@ -150,11 +151,11 @@ def test_public_default_walk_and_replay(rng):
     (the launch cache's replay too) and agrees with the reference."""
     import cupy
 
-    from cunorm import _dispatch_grad, _launch, _plan
+    from cunorm._engine import dispatch_grad, launches, plans
 
-    x_np = random(rng, (8, 12, 7, 7), _dtypes.bfloat16)
-    plan = _plan.make_channel_plan("batch", x_np.dtype, np.dtype(np.float32), 3, False, 8, 12, 49, 1, False, 0, 0)
-    launch = _dispatch_grad.choose_channel_grad(plan, True, _launch.device_info(0))
+    x_np = random(rng, (8, 12, 7, 7), dtypes.bfloat16)
+    plan = plans.make_channel_plan("batch", x_np.dtype, np.dtype(np.float32), 3, False, 8, 12, 49, 1, False, 0, 0)
+    launch = dispatch_grad.choose_channel_grad(plan, True, launches.device_info(0))
     assert launch.tier == "channel_onchip"
     x = cupy.asarray(x_np)
     w = cupy.asarray(random(rng, (12,), np.float32, offset=1.0))
@@ -174,7 +175,7 @@ def test_refusals():
 
     x = cupy.ones((2, 3, 4, 4), np.float32)
     _, mean, rstd = cunorm.batch_norm(x, return_stats=True)
-    g = _grad.ChannelGradCall("batch", x, x.transpose(0, 2, 3, 1).copy().transpose(0, 3, 1, 2), mean, rstd,
+    g = gradients.ChannelGradCall("batch", x, x.transpose(0, 2, 3, 1).copy().transpose(0, 3, 1, 2), mean, rstd,
                               channel_axis=1)
     with pytest.raises(ValueError, match="channel_grad_onchip does not take"):
-        _grad.run_channels(g, None, override={"walk": "onchip"})
+        gradients.run_channels(g, None, override={"walk": "onchip"})

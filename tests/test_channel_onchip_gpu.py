@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from channel_checks import check, run, vec_of
-from cunorm import _channels, _dtypes, reference
+from cunorm._engine import channel_norms, dtypes
+from cunorm import reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
 pytestmark = pytest.mark.gpu
@@ -108,7 +109,7 @@ def test_instance_norm(rng, dtype):
     check(x, "instance", override={})
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.float16, _dtypes.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16], ids=["f16", "bf16"])
 def test_float32_output_of_16_bit_x(rng, dtype):
     x = random(rng, (2, 8, 6, 16), dtype)
     check(x, "group", groups=2, weight=random(rng, (8,), np.float32), bias=random(rng, (8,), np.float32),
@@ -160,35 +161,35 @@ def test_default_walk_of_the_public_functions(rng):
 
     x_np = random(rng, (16, 256, 7, 7), np.float32)
     x = cupy.asarray(x_np)
-    call = _channels.ChannelCall("batch", x, eps=1e-5, channel_axis=1)
-    assert _channels.execute(call, *_channels.prepare(call))[0] == "channel_onchip"
+    call = channel_norms.ChannelCall("batch", x, eps=1e-5, channel_axis=1)
+    assert channel_norms.execute(call, *channel_norms.prepare(call))[0] == "channel_onchip"
     for offset in (0.0, 2.0):
         x_np = random(rng, (16, 256, 7, 7), np.float32, offset=offset)
         wy = reference.batch_norm(x_np, exact=True)
         assert_close(cupy.asnumpy(batch_norm(cupy.asarray(x_np))), wy, np.float32,
-                     atol=RTOL[_dtypes.float32] * output_scale(wy))
+                     atol=RTOL[dtypes.float32] * output_scale(wy))
     x_np = random(rng, (2, 8, 64, 64), np.float32)
     w_np = random(rng, (8,), np.float32)
-    call = _channels.ChannelCall("instance", cupy.asarray(x_np), weight=cupy.asarray(w_np), eps=1e-5, channel_axis=1)
-    assert _channels.execute(call, *_channels.prepare(call))[0] == "channel_onchip"
+    call = channel_norms.ChannelCall("instance", cupy.asarray(x_np), weight=cupy.asarray(w_np), eps=1e-5, channel_axis=1)
+    assert channel_norms.execute(call, *channel_norms.prepare(call))[0] == "channel_onchip"
     wy = reference.instance_norm(x_np, w_np, exact=True)
     assert_close(cupy.asnumpy(instance_norm(cupy.asarray(x_np), cupy.asarray(w_np))), wy, np.float32,
-                 atol=RTOL[_dtypes.float32] * output_scale(wy))
+                 atol=RTOL[dtypes.float32] * output_scale(wy))
 
 
 def test_forced_onchip_refuses_what_it_cannot_hold(rng):
     import cupy
 
     x = cupy.asarray(random(rng, (2, 4, 8, 8), np.float32))  # groups of 128 floats
-    call = _channels.ChannelCall("group", x, num_groups=2, eps=1e-5, channel_axis=1)
+    call = channel_norms.ChannelCall("group", x, num_groups=2, eps=1e-5, channel_axis=1)
     with pytest.raises(ValueError, match="channel_onchip"):
-        _channels.execute(call, *_channels.prepare(call),
+        channel_norms.execute(call, *channel_norms.prepare(call),
                           override={"walk": "onchip", "threads": 8, "elements": 4, "cluster": 1})
     nhwc = cupy.asarray(random(rng, (2, 4, 4, 8), np.float32))  # 2 channels a group: not whole 4-float vectors
-    call = _channels.ChannelCall("group", nhwc, num_groups=4, eps=1e-5, channel_axis=-1)
+    call = channel_norms.ChannelCall("group", nhwc, num_groups=4, eps=1e-5, channel_axis=-1)
     with pytest.raises(ValueError, match="channel_onchip"):
-        _channels.execute(call, *_channels.prepare(call), override={"walk": "onchip"})
+        channel_norms.execute(call, *channel_norms.prepare(call), override={"walk": "onchip"})
     bn_nhwc = cupy.asarray(random(rng, (2, 4, 4, 8), np.float32))
-    call = _channels.ChannelCall("batch", bn_nhwc, eps=1e-5, channel_axis=-1)
+    call = channel_norms.ChannelCall("batch", bn_nhwc, eps=1e-5, channel_axis=-1)
     with pytest.raises(ValueError, match="channel_onchip"):
-        _channels.execute(call, *_channels.prepare(call), override={"walk": "onchip"})
+        channel_norms.execute(call, *channel_norms.prepare(call), override={"walk": "onchip"})

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from channel_checks import check, run
-from cunorm import _dtypes
+from cunorm._engine import dtypes
 from helpers import DTYPE_IDS, DTYPES, random
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +61,7 @@ def test_parameters(rng, dtype, params):
     check(x, "instance", weight=w, bias=b, axis=-1, override={"chunks": 4}, walk="split", rng=rng)
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.float16, _dtypes.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16], ids=["f16", "bf16"])
 def test_float32_output_of_16_bit_x(rng, dtype):
     x = random(rng, (2, 6, 5, 64), dtype)
     check(x, "group", groups=8, weight=random(rng, (64,), np.float32), bias=random(rng, (64,), np.float32), axis=-1,

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from channel_checks import check as check_walk, run as run_walk, vec_of
-from cunorm import _channels, _dtypes, reference
+from cunorm._engine import channel_norms, dtypes
+from cunorm import reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
 pytestmark = pytest.mark.gpu
@@ -67,7 +68,7 @@ def test_instance_norm(rng, dtype):
     check(x, "instance", override={"tile_vecs": 4})
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.float16, _dtypes.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16], ids=["f16", "bf16"])
 def test_float32_output_of_16_bit_x(rng, dtype):
     x = random(rng, (2, 8, 6, 16), dtype)
     check(x, "group", groups=2, weight=random(rng, (8,), np.float32), bias=random(rng, (8,), np.float32),
@@ -114,29 +115,29 @@ def test_default_walk_of_the_public_functions(rng):
     x = cupy.asarray(x_np)
     w_np = random(rng, (64,), np.float32)
     w = cupy.asarray(w_np)
-    call = _channels.ChannelCall("group", x, num_groups=8, weight=w, eps=1e-5, channel_axis=1)
-    assert _channels.execute(call, *_channels.prepare(call))[0] == "channel_stream"
+    call = channel_norms.ChannelCall("group", x, num_groups=8, weight=w, eps=1e-5, channel_axis=1)
+    assert channel_norms.execute(call, *channel_norms.prepare(call))[0] == "channel_stream"
     wy = reference.group_norm(x_np, 8, w_np, exact=True)
-    assert_close(cupy.asnumpy(group_norm(x, 8, w)), wy, np.float32, atol=RTOL[_dtypes.float32] * output_scale(wy))
+    assert_close(cupy.asnumpy(group_norm(x, 8, w)), wy, np.float32, atol=RTOL[dtypes.float32] * output_scale(wy))
     # the second call of the signature replays the launch cache's entry (its
     # counters zeroed again): new data, a new result
     x2_np = random(rng, (4, 64, 256, 256), np.float32, offset=2.0)
     wy2 = reference.group_norm(x2_np, 8, w_np, exact=True)
     for _ in range(2):
         assert_close(cupy.asnumpy(group_norm(cupy.asarray(x2_np), 8, w)), wy2, np.float32,
-                     atol=RTOL[_dtypes.float32] * output_scale(wy2))
-    call = _channels.ChannelCall("group", x, num_groups=8, eps=1e-5, channel_axis=1)
-    assert _channels.execute(call, *_channels.prepare(call))[0].startswith("rows")
+                     atol=RTOL[dtypes.float32] * output_scale(wy2))
+    call = channel_norms.ChannelCall("group", x, num_groups=8, eps=1e-5, channel_axis=1)
+    assert channel_norms.execute(call, *channel_norms.prepare(call))[0].startswith("rows")
 
 
 def test_forced_stream_refuses_what_it_cannot_run(rng):
     import cupy
 
     odd = cupy.asarray(random(rng, (2, 4, 5, 5), np.float32))  # 25 positions: no 16-byte vectors
-    call = _channels.ChannelCall("group", odd, num_groups=2, eps=1e-5, channel_axis=1)
+    call = channel_norms.ChannelCall("group", odd, num_groups=2, eps=1e-5, channel_axis=1)
     with pytest.raises(ValueError, match="16-byte vectors"):
-        _channels.execute(call, *_channels.prepare(call), override={"walk": "stream"})
+        channel_norms.execute(call, *channel_norms.prepare(call), override={"walk": "stream"})
     nhwc = cupy.asarray(random(rng, (2, 4, 4, 8), np.float32))
-    call = _channels.ChannelCall("group", nhwc, num_groups=2, eps=1e-5, channel_axis=-1)
+    call = channel_norms.ChannelCall("group", nhwc, num_groups=2, eps=1e-5, channel_axis=-1)
     with pytest.raises(ValueError, match="channel_stream"):
-        _channels.execute(call, *_channels.prepare(call), override={"walk": "stream"})
+        channel_norms.execute(call, *channel_norms.prepare(call), override={"walk": "stream"})

@@ -94,10 +94,10 @@ def test_running_dtype(xp):
 
 
 def test_running_only_for_batch_norm(xp):
-    from cunorm import _channels
+    from cunorm._engine import channel_norms
 
     with pytest.raises(ValueError, match="running_mean is a batch_norm argument"):
-        _channels.ChannelCall("group", arr(xp, (2, 4, 3)), num_groups=2, eps=1e-5, channel_axis=1,
+        channel_norms.ChannelCall("group", arr(xp, (2, 4, 3)), num_groups=2, eps=1e-5, channel_axis=1,
                               running_mean=xp.zeros(4, dtype=np.float32))
 
 

@@ -12,16 +12,16 @@ import re
 
 import pytest
 
-from cunorm import _catalogue, _dispatch, _dtypes, _kernels, _loader
+from cunorm._engine import catalogue, dispatch_rows, dtypes, declarations, loader
 
 
 @functools.lru_cache(maxsize=None)
 def _all():
-    return tuple(_catalogue.all_kernels())
+    return tuple(catalogue.all_kernels())
 
 
 def _check(arch, kernels):
-    results = _loader.compile_offline(arch, kernels)
+    results = loader.compile_offline(arch, kernels)
     compiled = [r for r in results if not r.get("helper")]
     assert len(compiled) == len(kernels)
     spilled = [r for r in results if r.get("stack") or r.get("spill_stores") or r.get("spill_loads")]
@@ -30,7 +30,7 @@ def _check(arch, kernels):
 
 
 @pytest.mark.full_compile
-@pytest.mark.parametrize("name", [d.name for d in _kernels.DECLARATIONS])
+@pytest.mark.parametrize("name", [d.name for d in declarations.DECLARATIONS])
 def test_every_instantiation_compiles_for_sm_90_without_spills(name):
     kernels = [k for k in _all() if k.name == name]
     assert kernels, f"the catalogue has no instantiation of {name}"
@@ -40,21 +40,21 @@ def test_every_instantiation_compiles_for_sm_90_without_spills(name):
 def test_statistics_only_rows_compile_without_spills():
     """rows_cached without y (jit's unread y), its representative set, both
     architectures."""
-    kernels = _catalogue.representative_kernels(_catalogue.statistics_only_kernels())
-    assert len(kernels) >= 8 and all(k.template_args[-1] == _dtypes.NO_PARAMS for k in kernels)
+    kernels = catalogue.representative_kernels(catalogue.statistics_only_kernels())
+    assert len(kernels) >= 8 and all(k.template_args[-1] == dtypes.NO_PARAMS for k in kernels)
     _check("sm_90", kernels)
     _check("sm_80", kernels)
 
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_representative_set_compiles_without_spills(arch):
-    _check(f"sm_{arch}", _catalogue.representative_kernels([k for k in _all() if k.min_arch <= arch]))
+    _check(f"sm_{arch}", catalogue.representative_kernels([k for k in _all() if k.min_arch <= arch]))
 
 
 def test_representative_set_covers_every_kernel_norm_and_dtype():
-    chosen = _catalogue.representative_kernels(_all())
+    chosen = catalogue.representative_kernels(_all())
     assert len(chosen) < len(_all()) / 20
-    types = set(_dtypes.KERNEL_TYPE.values())
+    types = set(dtypes.KERNEL_TYPE.values())
     want = {(k.name, next((a for a in k.template_args if a in types), None)) for k in _all()}
     assert {(k.name, next((a for a in k.template_args if a in types), None)) for k in chosen} == want
     policies = {(k.template_args[0], k.template_args[1]) for k in _all()
@@ -63,21 +63,21 @@ def test_representative_set_covers_every_kernel_norm_and_dtype():
             if k.template_args and isinstance(k.template_args[0], str) and k.template_args[0] not in types} == policies
     # the heaviest of its group: rows_cached of float16 RMSNorm at 16-byte vectors and the most vectors per thread
     rms = [k for k in chosen if k.name == "rows_cached" and k.template_args[:2] == ("cunorm::RmsNorm", "cunorm::half_t")]
-    assert rms and rms[0].template_args[5] == 8 and rms[0].template_args[6] == max(_dispatch.VECS_PER_THREAD_CHOICES)
+    assert rms and rms[0].template_args[5] == 8 and rms[0].template_args[6] == max(dispatch_rows.VECS_PER_THREAD_CHOICES)
 
 
 def test_source_inlines_every_header():
     for family in ("rows", "strided"):
-        src = _loader.source(family)
+        src = loader.source(family)
         assert not re.search(r'#\s*include\s+"', src)
         for header in ("common.cuh", "norms.cuh", "reduce.cuh"):
-            body = (_loader.KERNEL_DIR / header).read_text()
+            body = (loader.KERNEL_DIR / header).read_text()
             # a distinctive line of each header appears in the compiled source
             line = next(l for l in body.splitlines() if l.startswith("struct") or "__device__" in l)
             assert line in src, (family, header)
 
 
 def test_compile_error_is_reported():
-    bad = [_dispatch.Kernel("rows", "cunorm::rows_cached<cunorm::RmsNorm, int, int, 3, 1, true>")]
+    bad = [dispatch_rows.Kernel("rows", "cunorm::rows_cached<cunorm::RmsNorm, int, int, 3, 1, true>")]
     with pytest.raises(RuntimeError, match="NVRTC failed"):
-        _loader.compile_offline("sm_90", bad)
+        loader.compile_offline("sm_90", bad)

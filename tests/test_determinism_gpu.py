@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dtypes
+from cunorm._engine import dtypes
 from helpers import random
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +30,7 @@ def _calls(rng):
     rows, wide, nchw = arr((4096, 1024)), arr((8, 300000)), arr((8, 64, 28, 28))
     w1024, w64 = arr((1024,)), arr((64,))
     nhwc = cupy.ascontiguousarray(nchw.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-    bf16 = arr((2048, 4096), _dtypes.bfloat16)
+    bf16 = arr((2048, 4096), dtypes.bfloat16)
     dy_rows, dy_nchw = arr((4096, 1024)), arr((8, 64, 28, 28))
     _, mean, rstd = cunorm.layer_norm(rows, w1024, w1024, return_stats=True)
     _, gmean, grstd = cunorm.group_norm(nchw, 8, w64, w64, return_stats=True)

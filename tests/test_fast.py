@@ -1,4 +1,4 @@
-"""The launch cache's bookkeeping on CPU (cunorm/_fast.py): the bound,
+"""The launch cache's bookkeeping on CPU (cunorm/launch_cache.py): the bound,
 threads inserting at once, and which calls are keyed."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import threading
 import numpy as np
 import pytest
 
-from cunorm import _fast
+from cunorm._engine import launch_cache
 
 
 def test_cache_is_bounded_oldest_out_first():
-    cache = _fast.BoundedCache(4)
+    cache = launch_cache.BoundedCache(4)
     for i in range(10):
         cache.put(i, str(i))
     assert len(cache) == 4
@@ -21,7 +21,7 @@ def test_cache_is_bounded_oldest_out_first():
 
 
 def test_cache_under_threads_stays_bounded():
-    cache = _fast.BoundedCache(64)
+    cache = launch_cache.BoundedCache(64)
 
     def fill(base):
         for i in range(2000):
@@ -53,36 +53,36 @@ class _FakeAdapter:
 def test_key_holds_every_array_and_scalar():
     ad = _FakeAdapter()
     x, w = np.zeros((4, 8), np.float32), np.zeros(8, np.float32)
-    k = _fast.key(ad, x, w, None, scalars=("rms", -1, 1e-5))
-    assert k == _fast.key(ad, x.copy(), w.copy(), None, scalars=("rms", -1, 1e-5))
-    assert k != _fast.key(ad, x, None, None, scalars=("rms", -1, 1e-5))  # weight absent
-    assert k != _fast.key(ad, x.astype(np.float16), w, None, scalars=("rms", -1, 1e-5))  # dtype
-    assert k != _fast.key(ad, np.zeros((8, 8), np.float32)[:, ::2], w, None, scalars=("rms", -1, 1e-5))  # strides
-    assert k != _fast.key(ad, x, w, None, scalars=("rms", -1, 1e-6))  # eps
-    assert _fast.key(_FakeAdapter(watched=True), x, w, None) is None  # autograd or dynamo watching
-    assert _fast.key(ad, x, object(), None) is None  # an array the signature cannot read
+    k = launch_cache.key(ad, x, w, None, scalars=("rms", -1, 1e-5))
+    assert k == launch_cache.key(ad, x.copy(), w.copy(), None, scalars=("rms", -1, 1e-5))
+    assert k != launch_cache.key(ad, x, None, None, scalars=("rms", -1, 1e-5))  # weight absent
+    assert k != launch_cache.key(ad, x.astype(np.float16), w, None, scalars=("rms", -1, 1e-5))  # dtype
+    assert k != launch_cache.key(ad, np.zeros((8, 8), np.float32)[:, ::2], w, None, scalars=("rms", -1, 1e-5))  # strides
+    assert k != launch_cache.key(ad, x, w, None, scalars=("rms", -1, 1e-6))  # eps
+    assert launch_cache.key(_FakeAdapter(watched=True), x, w, None) is None  # autograd or dynamo watching
+    assert launch_cache.key(ad, x, object(), None) is None  # an array the signature cannot read
 
 
 def test_only_exact_types_are_keyed():
     """Values that compare equal to the keyed ones but would fail (or
     validate differently) on the general path are never keyed."""
     x = np.zeros((2, 3), np.float32)  # NumPy has no fast half: never keyed
-    assert _fast.rows_key("rms", x, None, None, None, -1, 1e-5, False) is None
-    assert not _fast._int_axes(True) and not _fast._int_axes((1.0,)) and not _fast._int_axes([1])
-    assert _fast._int_axes(-1) and _fast._int_axes((1, 2)) and _fast._int_axes(None)
+    assert launch_cache.rows_key("rms", x, None, None, None, -1, 1e-5, False) is None
+    assert not launch_cache._int_axes(True) and not launch_cache._int_axes((1.0,)) and not launch_cache._int_axes([1])
+    assert launch_cache._int_axes(-1) and launch_cache._int_axes((1, 2)) and launch_cache._int_axes(None)
 
 
 def test_workspaces_are_one_allocation_with_zeroed_ranges_set_on_the_stream(monkeypatch):
     """A Program's workspaces: one allocation, each at a 256-byte boundary;
     the zeroed ones cleared by a memset on the call's stream (no second
     allocation, no fill kernel)."""
-    from cunorm import _launch
+    from cunorm._engine import launches
 
-    program = _launch.Program([], [(10, False), (4, True), (300, True)], ("x",))
+    program = launches.Program([], [(10, False), (4, True), (300, True)], ("x",))
     assert program.offsets == (0, 256, 512) and program.workspace_bytes == 1024
     assert program.zeroed == ((256, 4), (512, 300))
     allocations, memsets = [], []
-    monkeypatch.setattr(_launch, "memset_async",
+    monkeypatch.setattr(launches, "memset_async",
                         lambda ptr, value, nbytes, stream: memsets.append((ptr, nbytes, stream)))
 
     def alloc(nbytes):
@@ -113,13 +113,13 @@ def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype(mon
     _, program = _recording(monkeypatch)
     x = np.zeros((4, 8), np.float32)
     outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
-    entry = _fast.entry(Adapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", "rstd"),
+    entry = launch_cache.entry(Adapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", "rstd"),
                         arrays={"x": x})
     y, rstd = entry(x, None)
     assert made == [("like", (4, 8), np.float32), ("empty", (4,), np.float32)]
     made.clear()
     strided = np.zeros((4, 16), np.float32)[:, ::2]
-    entry = _fast.entry(Adapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", "rstd"),
+    entry = launch_cache.entry(Adapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", "rstd"),
                         arrays={"x": strided})
     entry(strided, None)
     assert made == [("empty", (4, 8), np.float32), ("empty", (4,), np.float32)]
@@ -128,19 +128,19 @@ def _program_of_two_steps():
     """A Program of a plain step and a cooperative one over slots (x, w, y,
     rstd) and two workspaces (the second zeroed), built by hand: fake
     kernels, real argument buffers."""
-    from cunorm import _launch
+    from cunorm._engine import launches
 
     steps = []
     for j, (cooperative, fills) in enumerate(((False, ((0, 0, 0), (1, 2, 0), (2, 1, 0), (3, 4, 16))),
                                               (True, ((1, 3, 0), (2, 5, 0), (3, 0, 8))))):
-        s = _launch.PreparedStep()
+        s = launches.PreparedStep()
         s.step, s.device, s.cooperative, s.fills = f"step {j}", 0, cooperative, fills
         s.buf = np.full(5, 99, dtype=np.uint64)
         s.words = memoryview(s.buf).cast("B").cast("Q")
         s.params_ptr = 1000 + j
         s.head = (77 + j, 3, 1, 1, 128, 1, 1, 64 * j)
         steps.append(s)
-    return _launch.Program(steps, [(100, False), (8, True)], ("x", "w", "y", "rstd"))
+    return launches.Program(steps, [(100, False), (8, True)], ("x", "w", "y", "rstd"))
 
 
 class _NumpyAdapter:
@@ -169,7 +169,7 @@ def _recording(monkeypatch):
     """Replaces the driver calls with recorders of (kind, head, stream,
     params, the argument words at launch); returns the record and a
     Program of two steps over them."""
-    from cunorm import _launch
+    from cunorm._engine import launches
 
     calls = []
     program_words = {}
@@ -180,9 +180,9 @@ def _recording(monkeypatch):
             calls.append((kind, head, stream, params, list(program_words[params])))
         return launch
 
-    monkeypatch.setattr(_launch, "launch_kernel", record("plain"))
-    monkeypatch.setattr(_launch, "launch_cooperative_kernel", record("cooperative"))
-    monkeypatch.setattr(_launch, "memset_async", lambda ptr, value, nbytes, stream: calls.append(
+    monkeypatch.setattr(launches, "launch_kernel", record("plain"))
+    monkeypatch.setattr(launches, "launch_cooperative_kernel", record("cooperative"))
+    monkeypatch.setattr(launches, "memset_async", lambda ptr, value, nbytes, stream: calls.append(
         ("memset", value, nbytes, stream)))
     program = _program_of_two_steps()
     for s in program.steps:
@@ -201,9 +201,9 @@ def test_generated_launcher_runs_what_the_entry_runs(monkeypatch):
     calls, program = _recording(monkeypatch)
     x = np.ones((4, 8), np.float32)
     outputs = _OUTPUTS
-    fn = _fast.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", None, "rstd"),
+    fn = launch_cache.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", None, "rstd"),
                      arrays={"x": x})
-    assert callable(fn) and isinstance(fn.entry, _fast.Entry)
+    assert callable(fn) and isinstance(fn.entry, launch_cache.Entry)
     y, none, rstd = fn(x, None)
     assert none is None and y.shape == x.shape and rstd.shape == (4,) and rstd.dtype == np.float32
     generated = list(calls)
@@ -225,16 +225,16 @@ def test_generated_launcher_runs_what_the_entry_runs(monkeypatch):
 
 
 def test_generated_launcher_declines_another_device_and_defers_to_hooks(monkeypatch):
-    from cunorm import _launch
+    from cunorm._engine import launches
 
     calls, program = _recording(monkeypatch)
     x = np.ones((4, 8), np.float32)
     outputs = _OUTPUTS
-    fn = _fast.entry(_NumpyAdapter, 1, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
+    fn = launch_cache.entry(_NumpyAdapter, 1, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
     assert fn(x, None) is None and calls == []  # device 1 is not current
-    fn = _fast.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
+    fn = launch_cache.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
     hooked = []
-    monkeypatch.setattr(_launch, "step_hook", lambda step, launch: (hooked.append(step), launch()))
+    monkeypatch.setattr(launches, "step_hook", lambda step, launch: (hooked.append(step), launch()))
     y = fn(x, None)
     assert y.shape == x.shape and len(hooked) == 2
 
@@ -243,15 +243,15 @@ def test_generated_launcher_makes_a_context_current_and_retries(monkeypatch):
     """A launch from a thread without a current context (CUDA's invalid
     context) makes the device's context current and runs the call again;
     other driver errors propagate."""
-    from cunorm import _launch
+    from cunorm._engine import launches
 
     class DriverError(Exception):
         def __init__(self, status):
             self.status = status
 
     calls, program = _recording(monkeypatch)
-    failures = [_launch.INVALID_CONTEXT]
-    recorded_plain = _launch.launch_kernel
+    failures = [launches.INVALID_CONTEXT]
+    recorded_plain = launches.launch_kernel
 
     def plain(*args):
         if failures:
@@ -259,11 +259,11 @@ def test_generated_launcher_makes_a_context_current_and_retries(monkeypatch):
         recorded_plain(*args)
 
     made_current = []
-    monkeypatch.setattr(_launch, "CUDADriverError", DriverError)
-    monkeypatch.setattr(_launch, "launch_kernel", plain)
-    monkeypatch.setattr(_launch, "make_current", made_current.append)
+    monkeypatch.setattr(launches, "CUDADriverError", DriverError)
+    monkeypatch.setattr(launches, "launch_kernel", plain)
+    monkeypatch.setattr(launches, "make_current", made_current.append)
     x = np.ones((4, 8), np.float32)
-    fn = _fast.entry(_NumpyAdapter, 0, program, ("x", "w"), _OUTPUTS, ("x", "w", "y", "rstd"), ("y",))
+    fn = launch_cache.entry(_NumpyAdapter, 0, program, ("x", "w"), _OUTPUTS, ("x", "w", "y", "rstd"), ("y",))
     assert fn(x, None).shape == x.shape
     assert made_current == [0] and [c[0] for c in calls].count("plain") == 1
     failures.append(700)  # an illegal address: not the launcher's to handle

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dtypes
+from cunorm._engine import dtypes
 from helpers import RTOL, assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.huge]
 
 #: float16 (CuPy's own casts, used to fill and check, are plain there)
-F16 = _dtypes.float16
+F16 = dtypes.float16
 #: elements per slice of the float64 checks (2 GB of float64)
 SLICE = 1 << 28
 

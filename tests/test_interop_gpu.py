@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dtypes, reference
+from cunorm._engine import dtypes
+from cunorm import reference
 from helpers import OP_CALLS, RTOL, assert_close, op_shapes, output_scale, random
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +37,7 @@ def test_jax_in_jax_out(rng, jax_gpu, namespace, name, dtype):
 
     ops = cunorm if namespace == "cunorm" else cunorm.jax
     call, ref, _ = OP_CALLS[name]
-    dt = np.dtype(getattr(_dtypes, dtype))
+    dt = np.dtype(getattr(dtypes, dtype))
     shape, params = op_shapes(name)
     x_np, w_np, b_np = random(rng, shape, dt), random(rng, params, dt), random(rng, params, dt)
     x, w, b = (_jax(a, jax_gpu) for a in (x_np, w_np, b_np))

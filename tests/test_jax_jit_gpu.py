@@ -1,4 +1,4 @@
-"""cunorm.jax inside jax.jit, grad and vmap (cunorm/_jax_jit.py): the
+"""cunorm.jax inside jax.jit, grad and vmap (cunorm/jax/_jit.py): the
 custom calls against the eager path (the same kernels) and the float64
 reference, gradients against jax.grad of a jax.numpy formulation (skipped
 without a GPU)."""
@@ -385,9 +385,9 @@ def test_a_named_target_lowers_as_the_gpu_itself(jx, case):
     plans, and persistent grids capped alike (the occupancy rules against
     the driver's occupancy query)."""
     jax, jnp, cj = jx
-    from cunorm import _launch, _targets
+    from cunorm._engine import launches, targets
 
-    device = _launch.device_info(0)
+    device = launches.device_info(0)
     bf16 = jnp.bfloat16
     loss = lambda f: jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1))  # noqa: E731
     f, shapes = {
@@ -416,4 +416,4 @@ def test_a_named_target_lowers_as_the_gpu_itself(jx, case):
         cj.set_lowering_target(None)
     assert named == own
     assert "triton_kernel_call" in own
-    assert _targets.device_id(target) < 0
+    assert targets.device_id(target) < 0

@@ -1,6 +1,6 @@
 """cunorm.jax's jit lowering built without a GPU: jax.export for the cuda
 platform runs the abstract evaluation, the dispatch and the builders, and
-emits the MLIR of every custom call (cunorm/_jax_jit.py) for a fake H100.
+emits the MLIR of every custom call (cunorm/jax/_jit.py) for a fake H100.
 The proto each call carries needs jaxlib's GPU plugin and is stubbed here;
 the PTX it names is compiled by NVRTC, as on the GPU."""
 import functools
@@ -15,9 +15,9 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 jax_export = pytest.importorskip("jax.export")
 
-from cunorm import _dispatch, _kernels, _launch, _loader  # noqa: E402
+from cunorm._engine import dispatch_rows, declarations, launches, loader  # noqa: E402
 
-H100 = _dispatch.Device(sm_count=132, compute_capability=90, max_shared_per_block=227 * 1024,
+H100 = dispatch_rows.Device(sm_count=132, compute_capability=90, max_shared_per_block=227 * 1024,
                         l2_bytes=50 * 1024 * 1024)
 BF16 = jnp.bfloat16
 
@@ -36,10 +36,10 @@ def _clear_caches():
 def lowering(monkeypatch):
     """The jit module with the target GPU faked and the proto stubbed:
     (jit module, lower(f, *shape_dtypes) -> the custom calls' configs)."""
-    from cunorm import _jax_jit as jj
+    from cunorm.jax import _jit as jj
     _clear_caches()
-    monkeypatch.setattr(_launch, "device_info", lambda device_id: H100)
-    monkeypatch.setattr(_launch, "_persistent_grid", lambda step, device: (2 * H100.sm_count,))
+    monkeypatch.setattr(launches, "device_info", lambda device_id: H100)
+    monkeypatch.setattr(launches, "_persistent_grid", lambda step, device: (2 * H100.sm_count,))
     monkeypatch.setattr(jj, "target", lambda: (0, H100, 90))
 
     def stub(call, arch):
@@ -70,7 +70,7 @@ def _mlir_string(s):
     return re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), s)
 
 
-def _grad(f, argnums):
+def gradients(f, argnums):
     return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums)
 
 
@@ -116,11 +116,11 @@ def test_forward_and_gradients_lower_to_custom_calls(lowering, case):
     specs = ((shape, dtype), (pshape, jnp.float32), (pshape, jnp.float32))
     exported, forward = lower(f, *specs)
     assert exported.out_avals[0].shape == shape and exported.out_avals[0].dtype == dtype
-    _, backward = lower(_grad(f, (0, 1, 2)), *specs)
+    _, backward = lower(gradients(f, (0, 1, 2)), *specs)
     assert len(backward) > len(forward)
     for config in forward + backward:
         name = re.match(r"cunorm::(\w+)<", config["kernel"]).group(1)
-        decl = next(d for d in _kernels.DECLARATIONS if d.name == name)
+        decl = next(d for d in declarations.DECLARATIONS if d.name == name)
         assert len(config["params"]) == len(decl.args), config["kernel"]
         assert 0 < config["threads"] <= 1024 and config["threads"] % 32 == 0
         assert all(0 < g < 2 ** 31 for g in config["grid"])
@@ -147,12 +147,12 @@ def test_plan_calls_binds_operands_results_and_aliases(lowering):
     """A recorded Program as custom calls: reads are operands, an absent
     pointer is a null scalar, a slot is written once, a read needs a writer."""
     jj, _ = lowering
-    from cunorm import _grad, _dispatch_grad
+    from cunorm._engine import gradients, dispatch_grad
 
-    launch = _dispatch_grad.choose_rows_grad("rms", np.dtype("float32"), np.dtype("float32"), 1, 4096, 1 << 20, 1, 4,
+    launch = dispatch_grad.choose_rows_grad("rms", np.dtype("float32"), np.dtype("float32"), 1, 4096, 1 << 20, 1, 4,
                                              H100, cooperative=False)
-    recorder = _launch.LaunchRecorder(_grad.ROW_GRAD_SLOTS, 0)
-    _grad.build_rows_grad(recorder, launch, np.dtype("float32"), np.dtype("float32"), 4096, 1 << 20, 1, 1e-6,
+    recorder = launches.LaunchRecorder(gradients.ROW_GRAD_SLOTS, 0)
+    gradients.build_rows_grad(recorder, launch, np.dtype("float32"), np.dtype("float32"), 4096, 1 << 20, 1, 1e-6,
                           (False, True, False, True, True, False))
     outputs = {"dx": ((4096, 1 << 20), np.float32), "dw": (((1 << 20),), np.float32)}
     calls = jj.plan_calls(recorder, {"dy": None, "x": None, "w": None, "scale": None}, outputs)
@@ -175,7 +175,7 @@ def test_the_ptx_names_the_kernel_with_its_parameters(lowering):
     """NVRTC's PTX for compute_90 (what the proto carries): one entry, the
     lowered name, one .param for each declared argument."""
     jj, _ = lowering
-    kernel = _kernels.COLUMN_SUM("float", "float", 4)
+    kernel = declarations.COLUMN_SUM("float", "float", 4)
     ptx, lowered = jj.kernel_ptx(kernel.family, kernel.expression, 90)
     entry = re.search(r"\.entry\s+(\S+)\s*\(([^)]*)\)", ptx)
     assert entry and entry.group(1) == lowered
@@ -194,7 +194,7 @@ def test_versions_outside_the_tested_range_are_refused(lowering):
 
 def _y_param(config):
     """rows_cached's y argument in a lowered call's params."""
-    names = [n for n, _ in _kernels.ROWS_CACHED.args]
+    names = [n for n, _ in declarations.ROWS_CACHED.args]
     return config["params"][names.index("y")]
 
 
@@ -230,7 +230,7 @@ def _template_arg(config, param):
     """A template argument of a lowered call's kernel, by its parameter's
     name (None where the kernel has no such parameter)."""
     name, targs = re.match(r"cunorm::(\w+)<(.*)>$", config["kernel"]).groups()
-    decl = next(d for d in _kernels.DECLARATIONS if d.name == name)
+    decl = next(d for d in declarations.DECLARATIONS if d.name == name)
     return targs.split(", ")[decl.template.index(param)] if param in decl.template else None
 
 
@@ -255,7 +255,7 @@ def test_epilogue_options_fuse_in_the_forward_and_unfuse_under_grad(lowering, sh
     specs = ((shape, BF16), (shape[-1:], BF16))
     _, forward = lower(f, *specs)
     assert {_template_flags(c) for c in forward} - {None} == {1 | 4 | 8 | SILU}
-    _, both = lower(_grad(f, (0, 1)), *specs)
+    _, both = lower(gradients(f, (0, 1)), *specs)
     flags = [_template_flags(c) for c in both if _template_flags(c) is not None]
     assert 1 | 8 in flags and all(fl & ~(1 | 2 | 8) == 0 for fl in flags), flags
     # (the offset weight, 1 + w, goes in as float32)
@@ -277,7 +277,7 @@ def test_activation_fuses_in_every_family(lowering, name, f, shape, pshape, flag
     specs = ((shape, jnp.float32), (pshape, jnp.float32), (pshape, jnp.float32))
     _, forward = lower(f, *specs)
     assert flags in {_template_flags(c) for c in forward}, forward
-    _, both = lower(_grad(f, (0, 1, 2)), *specs)
+    _, both = lower(gradients(f, (0, 1, 2)), *specs)
     assert all(_template_flags(c) is None or _template_flags(c) & ~3 == 0 for c in both)
 
 
@@ -311,7 +311,7 @@ def test_traced_calls_check_the_epilogue_as_eager_calls_do():
 def named_target(monkeypatch):
     """The jit module with only the proto stubbed: the target comes from
     set_lowering_target, and nothing may ask the driver (gpu_name raises)."""
-    from cunorm import _jax_jit as jj
+    from cunorm.jax import _jit as jj
     import cunorm.jax as cj
 
     _clear_caches()
@@ -319,7 +319,7 @@ def named_target(monkeypatch):
     def no_driver():
         raise AssertionError("asked the CUDA driver while lowering for a named target")
 
-    monkeypatch.setattr(_loader, "gpu_name", no_driver)
+    monkeypatch.setattr(loader, "gpu_name", no_driver)
     monkeypatch.setattr(jj, "backend_config", lambda call, arch: json.dumps(
         {"kernel": call.launch.kernel.expression, "grid": list(call.launch.grid), "threads": call.launch.threads,
          "shared": call.launch.shared, "arch": arch}).encode())
@@ -335,10 +335,10 @@ def _lowered_configs(f, *shape_dtypes):
 
 
 def test_lowering_without_a_gpu_or_a_target_names_the_setting(monkeypatch):
-    from cunorm import _jax_jit as jj
+    from cunorm.jax import _jit as jj
     import cunorm.jax as cj
 
-    monkeypatch.setattr(_loader, "gpu_name", lambda: None)
+    monkeypatch.setattr(loader, "gpu_name", lambda: None)
     jj._gpu_target.cache_clear()
     cj.set_lowering_target(None)
     try:
@@ -355,11 +355,11 @@ def test_a_named_target_lowers_with_its_own_occupancy(named_target, arch):
     capped at the blocks its occupancy rules let be resident, from NVRTC's
     resource report for that architecture; the PTX for its compute
     capability."""
-    from cunorm import _targets
+    from cunorm._engine import targets
 
     cj = named_target
     target = cj.set_lowering_target(arch)
-    assert target == _targets.named(arch)
+    assert target == targets.named(arch)
     forward = _lowered_configs(lambda a, b: cj.rms_norm(a, b), ((4096, 65536), BF16), ((65536,), jnp.float32))
     grads = _lowered_configs(jax.grad(lambda a, b: jnp.sum(cj.rms_norm(a, b).astype(jnp.float32)), (0, 1)),
                              ((8192, 4096), BF16), ((4096,), jnp.float32))
@@ -369,8 +369,8 @@ def test_a_named_target_lowers_with_its_own_occupancy(named_target, arch):
         name = re.match(r"cunorm::(\w+)<", config["kernel"]).group(1)
         if name not in ("rows_uncached", "rows_grad_cached"):
             continue
-        family = next(d for d in _kernels.DECLARATIONS if d.name == name).family
-        registers, shared = _loader.kernel_resources(family, config["kernel"], target.arch)
+        family = next(d for d in declarations.DECLARATIONS if d.name == name).family
+        registers, shared = loader.kernel_resources(family, config["kernel"], target.arch)
         per_sm = target.resident_per_sm(registers, shared, config["threads"], config["shared"])
         assert per_sm >= 1
         rows = 4096 if name == "rows_uncached" else 8192
@@ -380,19 +380,19 @@ def test_a_named_target_lowers_with_its_own_occupancy(named_target, arch):
 
 
 def test_named_targets_and_their_errors():
-    from cunorm import _targets
+    from cunorm._engine import targets
 
-    h100 = _targets.named("sm_90")
+    h100 = targets.named("sm_90")
     assert h100.device.sm_count == 132 and h100.arch == 90
-    pcie = _targets.named(90, sm_count=114)
+    pcie = targets.named(90, sm_count=114)
     assert pcie.device.sm_count == 114 and pcie.device.max_shared_per_block == h100.device.max_shared_per_block
-    assert _targets.device_id(pcie) != _targets.device_id(h100) < 0
-    assert _targets.device_id(_targets.named(90, sm_count=114)) == _targets.device_id(pcie)
+    assert targets.device_id(pcie) != targets.device_id(h100) < 0
+    assert targets.device_id(targets.named(90, sm_count=114)) == targets.device_id(pcie)
     for bad in ("sm_70", 75, "h100", None, 9.0):
         with pytest.raises(ValueError, match="unknown target"):
-            _targets.named(bad)
+            targets.named(bad)
     with pytest.raises(ValueError, match="sm_count must be a positive int"):
-        _targets.named("sm_90", sm_count=0)
+        targets.named("sm_90", sm_count=0)
 
 
 @pytest.mark.parametrize("arch,registers,shared,threads,dynamic,expected", [
@@ -411,9 +411,9 @@ def test_named_targets_and_their_errors():
     ("sm_80", 32, 0, 128, 165 * 1024, 0),  # (more than an SM's shared memory)
 ])
 def test_occupancy_rules(arch, registers, shared, threads, dynamic, expected):
-    from cunorm import _targets
+    from cunorm._engine import targets
 
-    assert _targets.named(arch).resident_per_sm(registers, shared, threads, dynamic) == expected
+    assert targets.named(arch).resident_per_sm(registers, shared, threads, dynamic) == expected
 
 
 def test_changing_the_target_lowers_again(named_target):

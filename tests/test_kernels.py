@@ -1,4 +1,4 @@
-"""The kernel declarations (cunorm/_kernels.py) against the .cu sources:
+"""The kernel declarations (cunorm/declarations.py) against the .cu sources:
 every __global__ kernel is declared, with its template parameters and its
 arguments' names and kinds as the C++ writes them (CPU only)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from cunorm import _kernels
-from cunorm._loader import KERNEL_DIR
+from cunorm._engine import declarations
+from cunorm._engine.loader import KERNEL_DIR
 
 
 def _split_top(text: str) -> list[str]:
@@ -98,12 +98,12 @@ SOURCES = _all_sources()
 
 
 def test_every_kernel_is_declared_once():
-    declared = [d.name for d in _kernels.DECLARATIONS]
+    declared = [d.name for d in declarations.DECLARATIONS]
     assert len(declared) == len(set(declared))
     assert sorted(declared) == sorted(SOURCES)
 
 
-@pytest.mark.parametrize("decl", _kernels.DECLARATIONS, ids=lambda d: d.name)
+@pytest.mark.parametrize("decl", declarations.DECLARATIONS, ids=lambda d: d.name)
 def test_declaration_matches_the_source(decl):
     family, template, args = SOURCES[decl.name]
     assert decl.family == family
@@ -112,11 +112,11 @@ def test_declaration_matches_the_source(decl):
     assert tuple((n, "out" if k == "io" else k) for n, k in decl.args) == args
 
 
-@pytest.mark.parametrize("decl", _kernels.DECLARATIONS, ids=lambda d: d.name)
+@pytest.mark.parametrize("decl", declarations.DECLARATIONS, ids=lambda d: d.name)
 def test_pointers_read_come_before_pointers_written(decl):
     """XLA's custom call binds the pointer arguments to its operands, then to
     its results, in order (cunorm/jax_jit.py)."""
-    kinds = [k for _, k in decl.args if k in _kernels.POINTER_KINDS]
+    kinds = [k for _, k in decl.args if k in declarations.POINTER_KINDS]
     first_out = kinds.index("out") if "out" in kinds else len(kinds)
     assert all(k == "out" for k in kinds[first_out:]), decl.args
 
@@ -126,16 +126,16 @@ def test_the_parser_sees_a_changed_signature():
            "residual_add(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ h, int n_vec) {}")
     (tparams, args), = parse_kernels(src).values()
     assert tparams == ("T", "VEC")
-    assert args[-1] == ("n_vec", "i32") != _kernels.RESIDUAL_ADD.args[-1]
-    assert args[:3] == (("x", "in"), ("r", "in"), ("h", "out")) == _kernels.RESIDUAL_ADD.args[:3]
+    assert args[-1] == ("n_vec", "i32") != declarations.RESIDUAL_ADD.args[-1]
+    assert args[:3] == (("x", "in"), ("r", "in"), ("h", "out")) == declarations.RESIDUAL_ADD.args[:3]
 
 
 def test_instantiation_resolves_the_accumulation_kind():
-    k32 = _kernels.RESIDUAL_ADD("float", 4)
+    k32 = declarations.RESIDUAL_ADD("float", 4)
     assert k32.expression == "cunorm::residual_add<float, 4>"
-    k64 = _kernels.ROWS_GRAD_FINALIZE("cunorm::RmsGrad<double>", "double")
+    k64 = declarations.ROWS_GRAD_FINALIZE("cunorm::RmsGrad<double>", "double")
     assert dict(k64.signature)["eps"] == "f64"
-    assert dict(_kernels.ROWS_CACHED("cunorm::RmsNorm", "cunorm::bf16_t", "float", 1, False, 8, 4, True,
+    assert dict(declarations.ROWS_CACHED("cunorm::RmsNorm", "cunorm::bf16_t", "float", 1, False, 8, 4, True,
                                      "cunorm::bf16_t")
                 .signature)["eps"] == "f32"
 
@@ -143,4 +143,4 @@ def test_instantiation_resolves_the_accumulation_kind():
 @pytest.mark.parametrize("bad", ["float; }", "x\ny", 1.5, None, "a\"b"])
 def test_template_arguments_from_closed_sets_only(bad):
     with pytest.raises(TypeError):
-        _kernels.RESIDUAL_ADD(bad, 4)
+        declarations.RESIDUAL_ADD(bad, 4)

@@ -1,4 +1,4 @@
-"""The launch cache on the GPU (cunorm/_fast.py): a repeated signature
+"""The launch cache on the GPU (cunorm/launch_cache.py): a repeated signature
 replays its prepared launches over new pointers, with outputs poisoned,
 on other streams, under CUDA-graph capture, from threads at once, under
 autocast and through autograd."""
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _fast, reference
+from cunorm._engine import launch_cache
+from cunorm import reference
 from helpers import assert_close, random
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +25,7 @@ def _cached(cache, before):
 def test_cupy_repeat_hits_the_cache_with_new_pointers(rng, poisoned):
     import cupy
 
-    before = len(_fast.ROWS)
+    before = len(launch_cache.ROWS)
     w = cupy.asarray(random(rng, (1000,), np.float32))
     for i in range(3):  # the first fills the cache, the others replay it
         x_np = random(rng, (37, 1000), np.float32)
@@ -32,7 +33,7 @@ def test_cupy_repeat_hits_the_cache_with_new_pointers(rng, poisoned):
         ref, ref_rstd = reference.rms_norm(x_np, cupy.asnumpy(w), return_stats=True)
         assert_close(cupy.asnumpy(y), ref, np.float32, what=f"call {i}")
         assert_close(cupy.asnumpy(rstd), ref_rstd, np.float32, what=f"rstd {i}")
-    _cached(_fast.ROWS, before)
+    _cached(launch_cache.ROWS, before)
 
 
 @pytest.mark.parametrize("op", ["group", "batch_eval", "batch_train"])
@@ -43,7 +44,7 @@ def test_cupy_channel_repeat(op, rng, poisoned):
     w, b = (cupy.asarray(random(rng, (c,), np.float32)) for _ in range(2))
     rm, rv = cupy.zeros(c, np.float32), cupy.ones(c, np.float32)
     rm_np, rv_np = cupy.asnumpy(rm), cupy.asnumpy(rv)
-    before = len(_fast.CHANNELS)
+    before = len(launch_cache.CHANNELS)
     for i in range(3):
         x_np = random(rng, (3, c, 5, 7), np.float32)
         x = cupy.asarray(x_np)
@@ -63,13 +64,13 @@ def test_cupy_channel_repeat(op, rng, poisoned):
         # float32 statistics of O(1) data: ~1e-7 absolute error, on means near 0
         assert_close(cupy.asnumpy(rm), rm_np, np.float32, atol=1e-6, what="running_mean")
         assert_close(cupy.asnumpy(rv), rv_np, np.float32, atol=1e-6, what="running_var")
-    _cached(_fast.CHANNELS, before)
+    _cached(launch_cache.CHANNELS, before)
 
 
 def test_backward_repeat(rng, poisoned):
     import cupy
 
-    before = len(_fast.ROWS_GRAD)
+    before = len(launch_cache.ROWS_GRAD)
     w_np = random(rng, (300,), np.float32)
     for i in range(3):
         x_np, dy_np = random(rng, (9, 300), np.float32), random(rng, (9, 300), np.float32)
@@ -80,7 +81,7 @@ def test_backward_repeat(rng, poisoned):
         assert db is None
         assert_close(cupy.asnumpy(dx), rdx, np.float32, rtol=1e-4, what=f"dx {i}")
         assert_close(cupy.asnumpy(dw), rdw, np.float32, rtol=1e-4, what=f"dw {i}")
-    _cached(_fast.ROWS_GRAD, before)
+    _cached(launch_cache.ROWS_GRAD, before)
 
 
 def test_a_changed_signature_misses(rng):
@@ -89,11 +90,11 @@ def test_a_changed_signature_misses(rng):
 
     x = cupy.asarray(random(rng, (8, 64), np.float32))
     cunorm.rms_norm(x)
-    before = len(_fast.ROWS)
+    before = len(launch_cache.ROWS)
     cunorm.rms_norm(x, eps=1e-3)
     cunorm.rms_norm(x.astype(np.float16))
     cunorm.rms_norm(cupy.asarray(random(rng, (8, 128), np.float32))[:, :64])  # rows 128 apart
-    assert len(_fast.ROWS) >= min(before + 3, _fast.MAX_ENTRIES)
+    assert len(launch_cache.ROWS) >= min(before + 3, launch_cache.MAX_ENTRIES)
     assert_close(cupy.asnumpy(cunorm.rms_norm(x, eps=1e-3)), reference.rms_norm(cupy.asnumpy(x), eps=1e-3),
                  np.float32)
 
@@ -111,7 +112,7 @@ def test_torch_outputs_are_written_every_call(rng):
         x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
         y = cunorm.rms_norm(x, w, eps=1e-6)
         ref = reference.rms_norm(x.float().cpu().numpy().astype(np.float64), w.float().cpu().numpy(), eps=1e-6)
-        assert_close(y.float().cpu().numpy(), ref, np.dtype(cunorm._dtypes.bfloat16), what=f"call {i}")
+        assert_close(y.float().cpu().numpy(), ref, np.dtype(cunorm._engine.dtypes.bfloat16), what=f"call {i}")
 
 
 def test_torch_side_stream(rng):
@@ -199,13 +200,13 @@ def test_torch_layers_under_autocast(rng):
         # rounding apart); RMSNorm is cunorm's where ``plain`` (a small input
         # under autograd) was torch's: a float32 rstd one ulp apart may move
         # a bfloat16 output by one ulp (at most 2**-7 of it: 7 stored bits)
-        before = len(_fast.ROWS)
+        before = len(launch_cache.ROWS)
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             fused, fused_again = ours(x), ours(x)
         assert fused.dtype == want_dtype and torch.equal(fused, fused_again)
         tolerance = 1e-5 if in_float32 else 2.0 ** -7
         torch.testing.assert_close(fused, plain, rtol=tolerance, atol=1e-5)
-        _cached(_fast.ROWS, before)
+        _cached(launch_cache.ROWS, before)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -227,13 +228,13 @@ def test_group_norm_layer_under_autocast(channels_last):
         x = x.to(memory_format=torch.channels_last)
     with torch.no_grad():
         plain = ours(x.float())
-        before = len(_fast.CHANNELS)
+        before = len(launch_cache.CHANNELS)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             fused, fused_again, want = ours(x), ours(x), theirs(x)
     assert fused.dtype == want.dtype == torch.float32 and torch.equal(fused, fused_again)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused, want, rtol=1e-4, atol=1e-4)
-    _cached(_fast.CHANNELS, before)
+    _cached(launch_cache.CHANNELS, before)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         trained = ours(x)
     assert trained.dtype == torch.float32 and trained.requires_grad
@@ -246,7 +247,7 @@ def test_torch_eager_training_matches_torch(layer, rng, monkeypatch):
     launches): gradients as torch's own layer, step after step (at every
     size: the routing to torch's op for small inputs is off)."""
     torch = _torch()
-    from cunorm import _torch_layers
+    from cunorm.torch import _layers as _torch_layers
     from cunorm import torch as cunorm_torch
 
     monkeypatch.setattr(_torch_layers, "EAGER_AUTOGRAD_MIN_ELEMENTS", 0)
@@ -281,7 +282,7 @@ def test_bf16_model_eval_batch_norm_is_cached(layer):
     torch = _torch()
     from cunorm import torch as cunorm_torch
 
-    _fast.clear()  # (the two layers' calls share a signature)
+    launch_cache.clear()  # (the two layers' calls share a signature)
     if layer == "BatchNorm2d":
         theirs = torch.nn.BatchNorm2d(16, device="cuda")
     else:
@@ -291,12 +292,12 @@ def test_bf16_model_eval_batch_norm_is_cached(layer):
         theirs.running_var.uniform_(0.5, 2)
     theirs = theirs.to(torch.bfloat16).eval()
     ours = cunorm_torch.replace_norms(copy.deepcopy(theirs))
-    before = len(_fast.CHANNELS)
+    before = len(launch_cache.CHANNELS)
     with torch.no_grad():
         for _ in range(3):
             x = torch.randn(4, 16, 7, 9, device="cuda", dtype=torch.bfloat16)
             torch.testing.assert_close(ours(x).float(), theirs(x).float(), rtol=1.6e-2, atol=1.6e-2)
-    _cached(_fast.CHANNELS, before)
+    _cached(launch_cache.CHANNELS, before)
 
 
 @pytest.mark.parametrize("layer", ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm2d"])
@@ -308,7 +309,7 @@ def test_torch_layer_memo(layer, monkeypatch):
     parameter, a changed eps and a cast; BatchNorm in training is never
     memoized (its counter and buffers move as torch's, call after call)."""
     torch = _torch()
-    from cunorm import _torch_layers
+    from cunorm.torch import _layers as _torch_layers
     from cunorm import torch as cunorm_torch
 
     make = {"LayerNorm": lambda: torch.nn.LayerNorm(96), "RMSNorm": lambda: torch.nn.RMSNorm(96, eps=1e-5),

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dispatch, _dtypes, _ops, reference
+from cunorm._engine import dispatch_rows, dtypes, row_norms
+from cunorm import reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +57,7 @@ def check(norm, x_np, *, axis=-1, weight=None, bias=None, residual=None, return_
             atol = tol * output_scale(w) if norm == "ln" else None
             assert_close(cupy.asnumpy(g), w, x.dtype, rtol=tol, atol=atol, what=f"{norm} y {x.shape} axis {axis}")
         else:
-            assert g.dtype == _dtypes.accumulation(x.dtype) and g.shape == w.shape, name
+            assert g.dtype == dtypes.accumulation(x.dtype) and g.shape == w.shape, name
             tol = 1e-12 if g.dtype == np.float64 else 2e-5
             if name == "rstd":
                 assert_close(cupy.asnumpy(g), w, g.dtype, rtol=tol, what=name)
@@ -86,7 +87,7 @@ def test_layer_norm_rows(rng, dtype, n):
 
 @pytest.mark.parametrize("rows", [1, 7, 1000, 100000])
 def test_layer_norm_row_counts(rng, rows):
-    x = random(rng, (rows, 64), _dtypes.bfloat16)
+    x = random(rng, (rows, 64), dtypes.bfloat16)
     check("ln", x, weight=random(rng, 64, np.float32), bias=random(rng, 64, np.float32))
 
 
@@ -108,7 +109,7 @@ def test_residual_strided_axis(rng, norm, dtype):
     check(norm, x, axis=1, residual=random(rng, x.shape, dtype), return_stats=True)
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, _dtypes.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("which", ["weight", "bias", "both"])
 def test_float32_params_with_16bit_x(rng, dtype, which):
     x = random(rng, (20, 4096), dtype)
@@ -118,8 +119,8 @@ def test_float32_params_with_16bit_x(rng, dtype, which):
 
 
 def test_mixed_param_dtypes_are_cast(rng):
-    x = random(rng, (20, 1024), _dtypes.bfloat16)
-    check("ln", x, weight=random(rng, 1024, np.float32), bias=random(rng, 1024, _dtypes.bfloat16))
+    x = random(rng, (20, 1024), dtypes.bfloat16)
+    check("ln", x, weight=random(rng, 1024, np.float32), bias=random(rng, 1024, dtypes.bfloat16))
     check("ln", x, weight=random(rng, 1024, np.float64), bias=random(rng, 1024, np.float16))
 
 
@@ -150,11 +151,11 @@ def test_every_rows_tier(rng, norm, dtype, override, residual):
     w_np, b_np = random(rng, 1000, dtype), random(rng, 1000, dtype)
     x, r, w, b = (cupy.asarray(a) for a in (x_np, r_np, w_np, b_np))
     y, h = cupy.empty_like(x), cupy.empty_like(x)
-    center, scale = cupy.empty(23, _dtypes.accumulation(dtype)), cupy.empty(23, _dtypes.accumulation(dtype))
-    run = functools.partial(_ops.launch_on, norm, x, y, w=w, b=b if norm == "ln" else None, r=r if residual else None,
+    center, scale = cupy.empty(23, dtypes.accumulation(dtype)), cupy.empty(23, dtypes.accumulation(dtype))
+    run = functools.partial(row_norms.launch_on, norm, x, y, w=w, b=b if norm == "ln" else None, r=r if residual else None,
                             h=h if residual else None, center=center, scale=scale, first=1, last=1, eps=1e-5)
     plan, _ = run()
-    if override["tier"] == "cached" and not _dispatch.rows_cache_fits(plan, override["threads"]):
+    if override["tier"] == "cached" and not dispatch_rows.rows_cache_fits(plan, override["threads"]):
         with pytest.raises(ValueError, match="over the register budget"):  # a forced tier that does not fit
             run(override=override)
         return
@@ -192,7 +193,7 @@ def test_large_mean_small_spread_within_torch(rng):
     assert err_ours < 1e-4
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, _dtypes.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16], ids=["bf16", "f16"])
 def test_error_within_twice_torch(rng, dtype):
     torch = pytest.importorskip("torch")
     import cupy
@@ -267,7 +268,7 @@ def test_torch_layer_norm_residual_returns_torch(rng):
     torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, _dtypes.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", [(37, 768), (5, 3, 96), (300, 760), (7, 4097), (2, 1 << 20)],
                          ids=["768", "3-d", "760", "odd", "split tier"])
 @pytest.mark.parametrize("params", ["none", "w", "w b", "w b 16-bit"])

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dispatch, reference
+from cunorm._engine import dispatch_rows
+from cunorm import reference
 
 from helpers import arr
 
@@ -62,8 +63,8 @@ def test_empty_outer_returns_empty(xp):
 
 
 def test_general_p_names():
-    assert _dispatch.norm_info(_dispatch.power_norm_name(3.0)).policy == "cunorm::PowerNorm<0x4008000000000000ull>::Policy"
-    assert _dispatch.power_norm_name(0.5) != _dispatch.power_norm_name(0.5000000001)
+    assert dispatch_rows.norm_info(dispatch_rows.power_norm_name(3.0)).policy == "cunorm::PowerNorm<0x4008000000000000ull>::Policy"
+    assert dispatch_rows.power_norm_name(0.5) != dispatch_rows.power_norm_name(0.5000000001)
 
 
 # --- the reference ------------------------------------------------------------

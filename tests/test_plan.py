@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from cunorm import _catalogue, _dispatch, _dispatch_channels, _dispatch_grad, _dtypes, _launch
-from cunorm._plan import canonical_view, collapse, make_plan, normalize_axes, vector_width
+from cunorm._engine import catalogue, dispatch_rows, dispatch_channels, dispatch_grad, dtypes, launches
+from cunorm._engine.plans import canonical_view, collapse, make_plan, normalize_axes, vector_width
 
-H200 = _dispatch.Device(sm_count=132)
-A100 = _dispatch.Device(sm_count=108, compute_capability=80, l2_bytes=40 * 1024 * 1024)
+H200 = dispatch_rows.Device(sm_count=132)
+A100 = dispatch_rows.Device(sm_count=108, compute_capability=80, l2_bytes=40 * 1024 * 1024)
 
 
 def c_strides(shape):
@@ -17,7 +17,7 @@ def c_strides(shape):
     return tuple(reversed(strides))
 
 
-def plan_for(shape, axis, dtype=_dtypes.float32, pdtype=None, strides=None, ptr=0, norm="rms", flags=None,
+def plan_for(shape, axis, dtype=dtypes.float32, pdtype=None, strides=None, ptr=0, norm="rms", flags=None,
              residual=False):
     first, last = normalize_axes(axis, len(shape))
     strides = c_strides(shape) if strides is None else strides
@@ -62,7 +62,7 @@ def test_vector_width():
 def test_plan_problem_36():
     p = plan_for((112, 64, 512, 512), 1)
     assert (p.outer, p.reduced, p.inner, p.vec) == (112, 64, 262144, 4)
-    launch = _dispatch.choose(p, H200)
+    launch = dispatch_rows.choose(p, H200)
     assert launch.tier == "strided_cached"
     (step,) = launch.steps
     assert step.block == (32, 8) and "strided_norm" in step.kernel.expression
@@ -72,35 +72,35 @@ def test_plan_problem_36():
 @pytest.mark.parametrize(
     "rows, n, dtype, tier, threads",
     [
-        (32768, 4096, _dtypes.bfloat16, "cached", 128),
-        (4096, 32768, _dtypes.bfloat16, "cached", 512),
-        (4096, 16384, _dtypes.float32, "cached", 512),
-        (4096, 32768, _dtypes.float32, "uncached", 0),
-        (4096, 65536, _dtypes.bfloat16, "uncached", 0),
-        (4096, 65536, _dtypes.float32, "uncached", 0),
-        (65536, 1024, _dtypes.float32, "cached", 64),
-        (65536, 512, _dtypes.float32, "cached", 32),
-        (1000, 1, _dtypes.float32, "cached", 1),
-        (100000, 3, _dtypes.float32, "cached", 1),
-        (1, 4096, _dtypes.bfloat16, "cached", 128),
-        (1, 16384, _dtypes.bfloat16, "cached", 512),
-        (1, 32768, _dtypes.bfloat16, "split", 0),
-        (1000, 262144, _dtypes.float32, "uncached", 0),
-        (16, 4 * 1024 * 1024, _dtypes.float32, "split", 0),
-        (1, 65536, _dtypes.float32, "split", 0),
-        (4, 64 * 1024 * 1024, _dtypes.float32, "split", 0),
+        (32768, 4096, dtypes.bfloat16, "cached", 128),
+        (4096, 32768, dtypes.bfloat16, "cached", 512),
+        (4096, 16384, dtypes.float32, "cached", 512),
+        (4096, 32768, dtypes.float32, "uncached", 0),
+        (4096, 65536, dtypes.bfloat16, "uncached", 0),
+        (4096, 65536, dtypes.float32, "uncached", 0),
+        (65536, 1024, dtypes.float32, "cached", 64),
+        (65536, 512, dtypes.float32, "cached", 32),
+        (1000, 1, dtypes.float32, "cached", 1),
+        (100000, 3, dtypes.float32, "cached", 1),
+        (1, 4096, dtypes.bfloat16, "cached", 128),
+        (1, 16384, dtypes.bfloat16, "cached", 512),
+        (1, 32768, dtypes.bfloat16, "split", 0),
+        (1000, 262144, dtypes.float32, "uncached", 0),
+        (16, 4 * 1024 * 1024, dtypes.float32, "split", 0),
+        (1, 65536, dtypes.float32, "split", 0),
+        (4, 64 * 1024 * 1024, dtypes.float32, "split", 0),
     ],
 )
 def test_rows_tiers(rows, n, dtype, tier, threads):
-    launch = _dispatch.choose(plan_for((rows, n), -1, dtype), H200)
+    launch = dispatch_rows.choose(plan_for((rows, n), -1, dtype), H200)
     assert launch.tier == tier
     if threads:
         assert launch.threads_per_row == threads
 
 
 def test_resident_chunks_cover_the_row_and_fit():
-    p = plan_for((16, 64, 256, 256), (1, 2, 3), norm="ln", flags=3, pdtype=_dtypes.float32)
-    launch = _dispatch.choose(p, H200, override={"tier": "resident"})
+    p = plan_for((16, 64, 256, 256), (1, 2, 3), norm="ln", flags=3, pdtype=dtypes.float32)
+    launch = dispatch_rows.choose(p, H200, override={"tier": "resident"})
     assert launch.tier == "resident"
     (step,) = launch.steps
     assert step.kernel.cooperative and step.grid == (132,) and step.block == (512,)
@@ -112,11 +112,11 @@ def test_split_chunks_are_never_empty():
     """Chunks interleave a block's width of vectors at a time: no more chunks
     than block widths in the row, at least 8 blocks an SM otherwise."""
     p = plan_for((3, 100_000_003), -1)
-    launch = _dispatch.choose(p, H200)
+    launch = dispatch_rows.choose(p, H200)
     assert launch.tier == "split"
-    assert launch.chunks == _dispatch._ceil_div(8 * 132, 3)
+    assert launch.chunks == dispatch_rows._ceil_div(8 * 132, 3)
     assert launch.workspace_words == 3 * launch.chunks
-    short = _dispatch.choose(plan_for((4, 70_000), -1), H200)
+    short = dispatch_rows.choose(plan_for((4, 70_000), -1), H200)
     assert short.tier == "split" and (short.chunks - 1) * 256 < 70_000 // 4
 
 
@@ -126,7 +126,7 @@ def test_uncached_stash_and_peeled_rows():
     peeled head, keeping as much of each row in shared memory as fits."""
     p = plan_for((32768, 65535), -1, norm="l2")
     assert p.vec == 1 and p.peel_vec == 4
-    launch = _dispatch.choose(p, H200)
+    launch = dispatch_rows.choose(p, H200)
     (step,) = launch.steps
     assert launch.tier == "uncached" and step.kernel.expression.endswith(", 4>") and step.kernel.persistent
     assert step.grid == (132,)
@@ -135,25 +135,25 @@ def test_uncached_stash_and_peeled_rows():
     q = make_plan("l2", np.dtype(np.float32), None, 0, False, (100, 65535), (65536, 1), 1, 1, 0, 0, 0, 0, 0, 0)
     assert q.peel_vec == 1
     # parameters or a residual: aligned rows only
-    assert plan_for((32768, 65535), -1, pdtype=_dtypes.float32).peel_vec == 1
+    assert plan_for((32768, 65535), -1, pdtype=dtypes.float32).peel_vec == 1
     assert plan_for((32768, 65535), -1, residual=True).peel_vec == 1
 
 
 @pytest.mark.parametrize("shape, axis", [((2, 3, 5), 1), ((4, 100000, 2), 1), ((8, 64, 7, 7), 1), ((5, 2, 1024), (0, 1))])
 def test_strided_blocks_within_limits(shape, axis):
-    launch = _dispatch.choose(plan_for(shape, axis), H200)
+    launch = dispatch_rows.choose(plan_for(shape, axis), H200)
     (step,) = launch.steps
     bx, by = step.block
     assert bx * by <= 256 and bx & (bx - 1) == 0
-    assert step.grid[0] <= _dispatch.MAX_GRID_X and step.grid[1] <= _dispatch.MAX_GRID_Y
+    assert step.grid[0] <= dispatch_rows.MAX_GRID_X and step.grid[1] <= dispatch_rows.MAX_GRID_Y
 
 
 def test_every_choice_is_compiled():
     """Whatever the dispatch picks over a sweep of shapes is in all_kernels()."""
-    compiled = {k.expression for k in _catalogue.all_kernels()}
-    for norm, info in _dispatch.NORMS.items():
-        for dtype in _dtypes.SUPPORTED:
-            acc = _dtypes.accumulation(dtype)
+    compiled = {k.expression for k in catalogue.all_kernels()}
+    for norm, info in dispatch_rows.NORMS.items():
+        for dtype in dtypes.SUPPORTED:
+            acc = dtypes.accumulation(dtype)
             for flags in info.flags:
                 for pdtype in ((None,) if not flags else (dtype, acc)):
                     for residual in (False, True) if info.residual else (False,):
@@ -165,7 +165,7 @@ def test_every_choice_is_compiled():
                                     for ptr in (0, 4, 8):
                                         p = plan_for(shape, axis, dtype, pdtype, ptr=ptr * dtype.itemsize // 2,
                                                      norm=norm, flags=flags, residual=residual)
-                                        for step in _dispatch.choose(p, H200).steps:
+                                        for step in dispatch_rows.choose(p, H200).steps:
                                             assert step.kernel.expression in compiled, step.kernel.expression
 
 
@@ -176,9 +176,9 @@ def test_float32_output_of_16_bit_layer_norm():
     is in all_kernels(); the tiers that cannot write it (and the strided
     axis, a residual) return None, for the caller to cast x first. y's dtype
     equal to x's is the plain plan."""
-    compiled = {k.expression for k in _catalogue.all_kernels()}
+    compiled = {k.expression for k in catalogue.all_kernels()}
     f32 = np.dtype(np.float32)
-    for dtype in (_dtypes.bfloat16, _dtypes.float16):
+    for dtype in (dtypes.bfloat16, dtypes.float16):
         for flags, pdtype in ((0, None), (1, f32), (3, f32), (3, dtype)):
             for n in (8, 96, 384, 760, 768, 4096, 32768):
                 for y_ptr in (0, 16):
@@ -187,7 +187,7 @@ def test_float32_output_of_16_bit_layer_norm():
                                   0, 0, f32)
                     assert p.out_dtype == f32
                     assert p.vec * 4 <= 32 and (y_ptr % (p.vec * 4) == 0)
-                    launch = _dispatch.choose(p, H200)
+                    launch = dispatch_rows.choose(p, H200)
                     if launch is None:  # y off 32-byte alignment: narrower vectors, over the register budget
                         assert y_ptr and n == 32768
                         continue
@@ -196,11 +196,11 @@ def test_float32_output_of_16_bit_layer_norm():
                     assert step.kernel.expression.endswith(", float>"), step.kernel.expression
                     assert step.kernel.expression in compiled, step.kernel.expression
         long_rows = make_plan("ln", dtype, None, 0, False, (4, 1 << 20), (1 << 20, 1), 1, 1, 0, 0, 0, 0, 0, 0, f32)
-        assert _dispatch.choose(long_rows, H200) is None
+        assert dispatch_rows.choose(long_rows, H200) is None
         strided = make_plan("ln", dtype, None, 0, False, (4, 64, 9), (576, 9, 1), 1, 1, 0, 0, 0, 0, 0, 0, f32)
-        assert _dispatch.choose(strided, H200) is None
+        assert dispatch_rows.choose(strided, H200) is None
         residual = make_plan("ln", dtype, None, 0, True, (4, 768), (768, 1), 1, 1, 0, 0, 0, 0, 0, 0, f32)
-        assert _dispatch.choose(residual, H200) is None
+        assert dispatch_rows.choose(residual, H200) is None
     same = make_plan("ln", f32, None, 0, False, (4, 768), (768, 1), 1, 1, 0, 0, 0, 0, 0, 0, f32)
     assert same.out_dtype is None and same == plan_for((4, 768), -1, norm="ln")
 
@@ -209,25 +209,25 @@ def test_residual_and_layernorm_cost_registers():
     """x and r are both live while h is formed, and LayerNorm carries three
     words of statistic: the register budget admits shorter cached rows."""
     def tier(n, **kw):
-        launch = _dispatch.choose(plan_for((4096, n), -1, _dtypes.bfloat16, **kw), H200)
+        launch = dispatch_rows.choose(plan_for((4096, n), -1, dtypes.bfloat16, **kw), H200)
         return launch.tier, launch.steps[0].block
 
     assert tier(32768) == ("cached", (512,))
     assert tier(32768, norm="ln") == ("cached", (512,))
     assert tier(32768, residual=True)[0] == "uncached"
     assert tier(4096, residual=True) == ("cached", (128,))
-    assert tier(4096, norm="ln", residual=True, flags=3, pdtype=_dtypes.bfloat16) == ("cached", (256,))
+    assert tier(4096, norm="ln", residual=True, flags=3, pdtype=dtypes.bfloat16) == ("cached", (256,))
     assert tier(16384, residual=True) == ("cached", (512,))
 
 
 def test_strided_extent_limit():
     p = plan_for((2, 2**31, 4), 1)
     with pytest.raises(ValueError, match="2\\*\\*31 - 1 limit"):
-        _dispatch.choose(p, H200)
+        dispatch_rows.choose(p, H200)
 
 
 # --- the channel family ---------------------------------------------------------
-from cunorm._plan import channel_layout, channel_orders, dense_order, make_channel_plan  # noqa: E402
+from cunorm._engine.plans import channel_layout, channel_orders, dense_order, make_channel_plan  # noqa: E402
 
 
 def test_channel_layouts():
@@ -244,7 +244,7 @@ def test_channel_layouts():
     assert dense_order((2, 1, 3), (3, 99, 1), (0, 1, 2))
 
 
-def channel_plan(norm="group", dtype=_dtypes.float32, flags=0, last=False, batch=2, channels=8, spatial=64,
+def channel_plan(norm="group", dtype=dtypes.float32, flags=0, last=False, batch=2, channels=8, spatial=64,
                  cpg=2, ptr=0):
     pdtype = None if not flags else dtype
     return make_channel_plan(norm, np.dtype(dtype), pdtype, flags, last, batch, channels, spatial, cpg,
@@ -263,18 +263,18 @@ def test_channel_plan_vectors_and_batch_fold():
 @pytest.mark.parametrize("batch,channels,spatial", [(1, 1, 1), (112, 64, 512 * 512), (8, 512, 128 * 128),
                                                     (3, 70000, 5), (100000, 3, 7)])
 def test_channel_launches_cover_and_fit(last, batch, channels, spatial):
-    compiled = {k.expression for k in _catalogue.all_kernels()}
+    compiled = {k.expression for k in catalogue.all_kernels()}
     for norm, cpg in (("group", 1), ("batch", 1)):
         for flags in (0, 3):
             p = channel_plan(norm, flags=flags, last=last, batch=batch, channels=channels, spatial=spatial, cpg=cpg)
             for from_running, stats in (((False, True), (True, True), (True, False)) if norm == "batch"
                                         else ((False, True),)):
-                launch = _dispatch_channels.choose_channels(p, H200, from_running=from_running, returns_stats=stats)
+                launch = dispatch_channels.choose_channels(p, H200, from_running=from_running, returns_stats=stats)
                 extent = (p.channels if last else p.spatial) // p.vec
                 assert launch.chunks * launch.chunk_vecs >= (p.spatial if last else extent)
                 for step in launch.steps:
                     assert step.kernel.expression in compiled, step.kernel.expression
-                    assert step.grid[0] <= _dispatch.MAX_GRID_X and all(g <= _dispatch.MAX_GRID_Y for g in step.grid[1:])
+                    assert step.grid[0] <= dispatch_rows.MAX_GRID_X and all(g <= dispatch_rows.MAX_GRID_Y for g in step.grid[1:])
                     assert np.prod(step.block) <= 1024 and step.shared_bytes <= 48 * 1024
 
 
@@ -288,8 +288,8 @@ def test_channels_last_grouped_walk():
     {"grouped": False} never group. A tile is a position's vectors exactly
     (up to 256), its rows launched as whole warps. The cases are
     tests/test_channel_split_gpu.py's."""
-    compiled = {k.expression for k in _catalogue.all_kernels()}
-    bf16, f32, f64 = (np.dtype(d) for d in (_dtypes.bfloat16, np.float32, np.float64))
+    compiled = {k.expression for k in catalogue.all_kernels()}
+    bf16, f32, f64 = (np.dtype(d) for d in (dtypes.bfloat16, np.float32, np.float64))
     cases = {  # (channels, groups) -> (vec, layout) for bf16, float32, float64
         (64, 4): ((8, 2), (4, 2), (2, 2)), (40, 2): ((4, 2), (4, 2), (2, 2)),
         (4096, 16): ((8, 2), (4, 2), (2, 2)), (24, 8): ((8, 1), (4, 1), (1, 2)),
@@ -298,14 +298,14 @@ def test_channels_last_grouped_walk():
     for (channels, groups), wants in cases.items():
         for dtype, (vec, layout) in zip((bf16, f32, f64), wants):
             p = make_channel_plan("group", dtype, dtype, 3, True, 2, channels, 35, channels // groups, True, 0, 0)
-            got = _dispatch_channels.channels_last_walk(p, {})
+            got = dispatch_channels.channels_last_walk(p, {})
             assert got[:2] == (vec, layout), (channels, groups, dtype, got)
             vecs = channels // vec
             # a tile of exactly a position's vectors (up to 256); on request a power of two
-            pow2 = _dispatch_channels.channels_last_walk(p, {"exact_tile": False})
-            assert pow2[:2] == got[:2] and pow2[2] == min(256, _dispatch.next_pow2(vecs))
+            pow2 = dispatch_channels.channels_last_walk(p, {"exact_tile": False})
+            assert pow2[:2] == got[:2] and pow2[2] == min(256, dispatch_rows.next_pow2(vecs))
             assert got[2] == min(vecs, 256) and got[3] == -(-vecs // got[2])
-            launch = _dispatch_channels.choose_channels(p, H200)
+            launch = dispatch_channels.choose_channels(p, H200)
             # launched as whole warps (XLA's launches, the jit path, count
             # threads in warps), the rows padded where a tile's rows are not
             for s in launch.steps:
@@ -317,12 +317,12 @@ def test_channels_last_grouped_walk():
             partial = launch.steps[0]
             kept = 1 if layout == 2 else vec
             assert partial.kernel.template_args[2] == vec
-            assert partial.shared_bytes == np.prod(partial.block) * kept * 3 * _dtypes.accumulation(dtype).itemsize
-            forced = _dispatch_channels.choose_channels(p, H200, override={"grouped": False})
+            assert partial.shared_bytes == np.prod(partial.block) * kept * 3 * dtypes.accumulation(dtype).itemsize
+            forced = dispatch_channels.choose_channels(p, H200, override={"grouped": False})
             assert forced.steps[0].kernel.template_args[2:] == (p.vec, 1)
     batch = make_channel_plan("batch", f64, None, 0, True, 4, 16, 35, 1, False, 0, 0)
-    assert _dispatch_channels.channels_last_walk(batch, {})[:2] == (2, 1)
-    first = _dispatch_channels.choose_channels(channel_plan(flags=3), H200)
+    assert dispatch_channels.channels_last_walk(batch, {})[:2] == (2, 1)
+    first = dispatch_channels.choose_channels(channel_plan(flags=3), H200)
     assert {s.kernel.template_args[-2 if "apply" in s.kernel.name else -1] for s in first.steps} == {0}
 
 
@@ -331,16 +331,16 @@ def test_group_norm_float32_output_of_16_bit_x(last):
     """GroupNorm of 16-bit x with a float32 y (autocast's result): the apply
     writes float32 (its vector counting y's 4-byte elements for alignment),
     the statistics passes read x as before, every choice is compiled."""
-    compiled = {k.expression for k in _catalogue.all_kernels()}
+    compiled = {k.expression for k in catalogue.all_kernels()}
     f32 = np.dtype(np.float32)
-    for dtype in (_dtypes.bfloat16, _dtypes.float16):
+    for dtype in (dtypes.bfloat16, dtypes.float16):
         for flags in (0, 1, 3):
             for channels, spatial in ((320, 64 * 64), (640, 32 * 32), (24, 63), (1280, 16 * 16)):
                 for y_ptr in (0, 16):
                     p = make_channel_plan("group", dtype, None if not flags else f32, flags, last, 8, channels,
                                           spatial, channels // 8 if channels % 8 == 0 else 1, True, 0, y_ptr, f32)
                     assert p.out_dtype == f32 and y_ptr % (p.vec * 4) == 0
-                    launch = _dispatch_channels.choose_channels(p, H200)
+                    launch = dispatch_channels.choose_channels(p, H200)
                     apply = launch.steps[-1].kernel.expression
                     assert "channel_apply" in apply and apply.endswith(", float>"), apply
                     for step in launch.steps:
@@ -354,20 +354,20 @@ def test_batch_norm_eval_is_one_launch_without_statistics():
     reading the running buffers (no workspace); returning them, the
     statistics kernel first."""
     p = channel_plan("batch", flags=3, batch=8, channels=64, spatial=56 * 56, cpg=1)
-    fused = _dispatch_channels.choose_channels(p, H200, from_running=True, returns_stats=False)
+    fused = dispatch_channels.choose_channels(p, H200, from_running=True, returns_stats=False)
     assert fused.tier == "channel_eval" and fused.workspace_words == 0
     names = lambda launch: [s.kernel.expression.split("<")[0] for s in launch.steps]  # noqa: E731
     assert names(fused) == ["cunorm::channel_apply"]
-    two = _dispatch_channels.choose_channels(p, H200, from_running=True, returns_stats=True)
+    two = dispatch_channels.choose_channels(p, H200, from_running=True, returns_stats=True)
     assert names(two) == ["cunorm::channel_from_running", "cunorm::channel_apply"]
     assert two.steps[-1] == fused.steps[0]  # the same epilogue launch
 
 
 def test_channel_rows_fast_path():
-    assert _dispatch_channels.channel_rows_fast(channel_plan())
-    assert not _dispatch_channels.channel_rows_fast(channel_plan(flags=1))
-    assert not _dispatch_channels.channel_rows_fast(channel_plan(last=True))
-    assert not _dispatch_channels.channel_rows_fast(channel_plan("batch", cpg=1))
+    assert dispatch_channels.channel_rows_fast(channel_plan())
+    assert not dispatch_channels.channel_rows_fast(channel_plan(flags=1))
+    assert not dispatch_channels.channel_rows_fast(channel_plan(last=True))
+    assert not dispatch_channels.channel_rows_fast(channel_plan("batch", cpg=1))
 
 
 def test_small_channels_first_planes_run_as_plane_rows():
@@ -381,8 +381,8 @@ def test_small_channels_first_planes_run_as_plane_rows():
              (72 * 72, (256,)))
     for spatial, block in cases:
         p = channel_plan("batch", flags=3, batch=32, channels=2048, spatial=spatial, cpg=1)
-        fwd = _dispatch_channels.choose_channels(p, H200)
-        bwd = _dispatch_grad.choose_channel_grad(p, True, H200, {"walk": "split"})
+        fwd = dispatch_channels.choose_channels(p, H200)
+        bwd = dispatch_grad.choose_channel_grad(p, True, H200, {"walk": "split"})
         for step in (fwd.steps[0], fwd.steps[2], bwd.steps[0], bwd.steps[-1]):
             assert step.block == block, (spatial, step)
             if len(block) == 2:
@@ -396,10 +396,10 @@ def test_channel_backward_chunks_cap_their_bytes():
     """Problem 35's 1 MB channels (fp32, channels-first) go in chunks of at
     most GRAD_CHANNEL_MAX_CHUNK_BYTES, both passes on the same grid."""
     plan = channel_plan("group", flags=3, batch=112, channels=64, spatial=512 * 512, cpg=8)
-    launch = _dispatch_grad.choose_channel_grad(plan, True, H200)
+    launch = dispatch_grad.choose_channel_grad(plan, True, H200)
     sums, apply = launch.steps[0], launch.steps[-1]
-    assert launch.chunk_len * plan.vec * 4 <= _dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
-    assert launch.chunks == 512 * 512 * 4 // _dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
+    assert launch.chunk_len * plan.vec * 4 <= dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
+    assert launch.chunks == 512 * 512 * 4 // dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
     assert sums.grid == apply.grid == (launch.chunks, 64, 112)
 
 
@@ -408,12 +408,12 @@ def test_streamed_backward_parts():
     than a wave: 40x40000 fp32 (40 tiles) is cut, its partials added 16
     bytes of columns a thread; problem 40 (4096 tiles) and 8x1M bf16 (512)
     are not."""
-    f32, bf16 = np.dtype(np.float32), np.dtype(_dtypes.bfloat16)
-    launch = _dispatch_grad.choose_rows_grad("ln", f32, f32, 3, 40, 40000, 1, 4, H200)
+    f32, bf16 = np.dtype(np.float32), np.dtype(dtypes.bfloat16)
+    launch = dispatch_grad.choose_rows_grad("ln", f32, f32, 3, 40, 40000, 1, 4, H200)
     assert launch.tier == "streamed" and launch.parts > 1
-    assert _dispatch_grad.column_sum_step("float", "float", launch.parts, 40000, 2).kernel.expression.endswith(", 4>")
+    assert dispatch_grad.column_sum_step("float", "float", launch.parts, 40000, 2).kernel.expression.endswith(", 4>")
     for dtype, rows, n, vec in ((f32, 16, 64 * 256 * 256, 4), (bf16, 8, 1 << 20, 8)):
-        launch = _dispatch_grad.choose_rows_grad("ln", dtype, dtype, 3, rows, n, 1, vec, H200)
+        launch = dispatch_grad.choose_rows_grad("ln", dtype, dtype, 3, rows, n, 1, vec, H200)
         assert launch.tier == "streamed" and launch.parts == 1
 
 
@@ -429,12 +429,12 @@ def test_channel_backward_grids_stay_within_the_launch_limits():
              dict(batch=70000, channels=2, spatial=64 * 64 * 4), dict(batch=2, channels=70000, spatial=64 * 64 * 4)]
     for case in cases:
         plan = channel_plan("batch", flags=3, cpg=1, **case)
-        launch = _dispatch_grad.choose_channel_grad(plan, True, H200, {"walk": "split"})
+        launch = dispatch_grad.choose_channel_grad(plan, True, H200, {"walk": "split"})
         sums, apply = launch.steps[0], launch.steps[-1]
         assert sums.grid == apply.grid, case
         for step in launch.steps:
-            assert all(0 < g <= _dispatch.MAX_GRID_Y for g in step.grid[1:]), (case, step.grid)
-            _launch.check_limits(step)
+            assert all(0 < g <= dispatch_rows.MAX_GRID_Y for g in step.grid[1:]), (case, step.grid)
+            launches.check_limits(step)
 
 
 @pytest.mark.parametrize("name", ["lp:0x1;}", "lp:4008000000000000ull>::Policy; struct X {", "lp:ABCDEF0123456789",
@@ -445,8 +445,8 @@ def test_norm_names_reach_kernel_names_only_as_cunorms_numbers(name):
     form is refused; a general p's digits are parsed and formatted again,
     so nothing a caller passes becomes part of a kernel name."""
     with pytest.raises(ValueError, match="unknown norm"):
-        _dispatch.norm_info(name)
-    p3 = _dispatch.norm_info(_dispatch.power_norm_name(3.0))
+        dispatch_rows.norm_info(name)
+    p3 = dispatch_rows.norm_info(dispatch_rows.power_norm_name(3.0))
     assert p3.policy == "cunorm::PowerNorm<0x4008000000000000ull>::Policy"
 
 
@@ -458,7 +458,7 @@ def test_channel_walks():
     channel_stream for x larger than L2 that it takes, the three launches
     otherwise (channels-last, BatchNorm, x within L2)."""
     big = dict(batch=112, channels=64, spatial=512 * 512)  # problem 35: 7.5 GB
-    walk = _dispatch_channels.choose_channel_walk
+    walk = dispatch_channels.choose_channel_walk
     assert walk(channel_plan(cpg=8, **big), H200) == "rows"
     assert walk(channel_plan(flags=3, cpg=8, **big), H200) == "stream"
     assert walk(channel_plan(flags=3, cpg=8, last=True, **big), H200) == "split"
@@ -471,12 +471,12 @@ def test_channel_walks():
     assert walk(channel_plan("batch", flags=3, cpg=1, batch=64, channels=256, spatial=56 * 56), H200) == "split"
     small = dict(flags=3, batch=8, channels=320, spatial=64 * 64, cpg=10)  # 160 KB fp32 groups, 42 MB
     assert walk(channel_plan(**small), H200) == "onchip"
-    assert walk(channel_plan(dtype=_dtypes.bfloat16, **small), H200) == "split"  # 80 KB of 16-bit data
-    assert walk(channel_plan(dtype=_dtypes.bfloat16, **dict(small, channels=640, spatial=32 * 32)), H200) == "onchip"
+    assert walk(channel_plan(dtype=dtypes.bfloat16, **small), H200) == "split"  # 80 KB of 16-bit data
+    assert walk(channel_plan(dtype=dtypes.bfloat16, **dict(small, channels=640, spatial=32 * 32)), H200) == "onchip"
     odd = channel_plan(flags=3, cpg=8, batch=112, channels=64, spatial=511 * 511)  # no 16-byte vectors
-    assert not _dispatch_channels.stream_fits(odd, H200) and walk(odd, H200) == "split"
+    assert not dispatch_channels.stream_fits(odd, H200) and walk(odd, H200) == "split"
     huge_groups = channel_plan(flags=3, cpg=64, **big)  # 64 MB groups: not resident when re-read
-    assert not _dispatch_channels.stream_fits(huge_groups, H200)
+    assert not dispatch_channels.stream_fits(huge_groups, H200)
 
 
 def test_channel_onchip_shapes():
@@ -484,14 +484,14 @@ def test_channel_onchip_shapes():
     sm_90; float64 at half the elements a thread; channels-last only for
     per-sample groups of whole vectors; the overrides checked against the
     group."""
-    shape = _dispatch_channels.onchip_shape
+    shape = dispatch_channels.onchip_shape
     bn = dict(flags=3, cpg=1, batch=64)
     assert shape(channel_plan("batch", channels=2048, spatial=49, **bn), H200) == (256, 16, 1)  # 3136 scalars
     assert shape(channel_plan("batch", channels=512, spatial=28 * 28, **bn), H200) == (256, 8, 8)  # 50176: vec 4
     assert shape(channel_plan("batch", channels=256, spatial=56 * 56, **bn), H200) == (1024, 8, 8)
     assert shape(channel_plan("batch", channels=256, spatial=56 * 56, **bn), A100) is None
     assert shape(channel_plan("batch", channels=64, spatial=512 * 512, **bn), H200) is None  # problem 33
-    assert shape(channel_plan("batch", dtype=_dtypes.float64, channels=2048, spatial=49, **bn), H200) == (512, 16, 1)
+    assert shape(channel_plan("batch", dtype=dtypes.float64, channels=2048, spatial=49, **bn), H200) == (512, 16, 1)
     assert shape(channel_plan("instance", cpg=1, batch=2, channels=4, spatial=512 * 512), H200) == (1024, 8, 8)
     assert shape(channel_plan(last=True, cpg=16, batch=8, channels=512, spatial=64 * 64), H200) == (256, 8, 8)
     assert shape(channel_plan(last=True, cpg=2, batch=8, channels=512, spatial=64 * 64), H200) is None  # vec 4
@@ -501,7 +501,7 @@ def test_channel_onchip_shapes():
     assert shape(plan, H200, {"threads": 16, "elements": 4, "cluster": 1}) is None  # 64 < 128
     assert shape(plan, H200, {"threads": 32, "elements": 2, "cluster": 1}) == (32, 1, 1)  # (a vector at least)
     assert shape(plan, H200, {"threads": 32, "elements": 4, "cluster": 2}) == (32, 1, 2)
-    launch = _dispatch_channels.choose_channel_onchip(plan, H200)
+    launch = dispatch_channels.choose_channel_onchip(plan, H200)
     assert launch.tier == "channel_onchip" and launch.steps[0].grid == (8,) and launch.steps[0].block == (256,)
 
 
@@ -509,10 +509,10 @@ def test_channel_onchip_picks_are_catalogued():
     """Every channel_onchip instantiation the walk takes, over dtypes,
     parameter and output dtypes, layouts and group sizes, is in
     all_kernels(); on sm_80 none is clustered."""
-    compiled = {k.expression: k for k in _catalogue.all_kernels()}
+    compiled = {k.expression: k for k in catalogue.all_kernels()}
     f32 = np.dtype(np.float32)
     taken = 0
-    for dtype in (_dtypes.float16, _dtypes.bfloat16, _dtypes.float32, _dtypes.float64):
+    for dtype in (dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64):
         mixed = ((1, f32, None), (3, f32, f32)) if np.dtype(dtype).itemsize == 2 else ()  # (autocast's)
         for flags, pdtype, out in ((0, None, None), (3, dtype, None), (1, dtype, None)) + mixed:
             for norm, last, batch, channels, spatial, cpg in (
@@ -524,9 +524,9 @@ def test_channel_onchip_picks_are_catalogued():
                 p = make_channel_plan(norm, np.dtype(dtype), pdtype, flags, last, batch, channels, spatial, cpg,
                                       norm != "batch", 0, 0, out)
                 for device in (H200, A100):
-                    if _dispatch_channels.choose_channel_walk(p, device) != "onchip":
+                    if dispatch_channels.choose_channel_walk(p, device) != "onchip":
                         continue
-                    kernel = _dispatch_channels.choose_channel_onchip(p, device).steps[0].kernel
+                    kernel = dispatch_channels.choose_channel_onchip(p, device).steps[0].kernel
                     assert kernel.expression in compiled, kernel.expression
                     assert compiled[kernel.expression].min_arch <= device.compute_capability
                     taken += 1
@@ -539,7 +539,7 @@ def test_channel_grad_onchip_walk():
     that holds a channel (clusters on sm_90 only, one launch, a cluster a
     channel); GroupNorm, InstanceNorm, channels-last and larger channels
     keep the four launches; every instantiation taken is catalogued."""
-    compiled = {k.expression: k for k in _catalogue.all_kernels()}
+    compiled = {k.expression: k for k in catalogue.all_kernels()}
     f32 = np.dtype(np.float32)
     cases = {  # (batch, spatial) -> (threads, vectors a thread, cluster) on H200 for float32
         (64, 49): (256, 16, 1), (128, 49): (256, 32, 1), (64, 196): (1024, 4, 1), (32, 784): (256, 4, 8),
@@ -547,17 +547,17 @@ def test_channel_grad_onchip_walk():
     want_16bit = {(64, 49): (256, 32, 1), (128, 49): (256, 32, 1), (64, 196): (1024, 4, 1)}  # bf16: to 16384
     taken = 0
     for (batch, spatial), want in cases.items():
-        for dtype in (_dtypes.bfloat16, _dtypes.float32, _dtypes.float64):
+        for dtype in (dtypes.bfloat16, dtypes.float32, dtypes.float64):
             for flags, pdtype in ((0, None), (3, dtype), (1, f32 if dtype != np.float64 else dtype)):
                 p = make_channel_plan("batch", np.dtype(dtype), pdtype, flags, False, batch, 64, spatial, 1, False, 0,
                                       0)
                 for device in (H200, A100):
                     for training in (True, False):
-                        launch = _dispatch_grad.choose_channel_grad(p, training, device)
-                        shape = _dispatch_grad.grad_onchip_shape(p, device)
+                        launch = dispatch_grad.choose_channel_grad(p, training, device)
+                        shape = dispatch_grad.grad_onchip_shape(p, device)
                         if dtype == np.float32 and device is H200:
                             assert shape == want, (batch, spatial)
-                        if dtype == _dtypes.bfloat16 and device is H200:
+                        if dtype == dtypes.bfloat16 and device is H200:
                             assert shape == want_16bit.get((batch, spatial)), (batch, spatial)
                         if shape is None:
                             assert launch.tier == "channels" and len(launch.steps) == 4
@@ -575,9 +575,9 @@ def test_channel_grad_onchip_walk():
     for plan in (channel_plan("group", flags=3, cpg=2, batch=2, channels=8, spatial=49),
                  channel_plan("instance", flags=3, cpg=1, batch=2, channels=8, spatial=49),
                  channel_plan("batch", flags=3, cpg=1, batch=2, channels=8, spatial=49, last=True)):
-        assert _dispatch_grad.choose_channel_grad(plan, True, H200).tier == "channels"
+        assert dispatch_grad.choose_channel_grad(plan, True, H200).tier == "channels"
         with pytest.raises(ValueError, match="channel_grad_onchip does not take"):
-            _dispatch_grad.choose_channel_grad(plan, True, H200, {"walk": "onchip"})
+            dispatch_grad.choose_channel_grad(plan, True, H200, {"walk": "onchip"})
 
 
 def test_channel_stream_schedule():
@@ -585,17 +585,17 @@ def test_channel_stream_schedule():
     3 slabs (24 MB between the reads, over a third of L2), so 16 KB tiles
     and a lag of 2. Instance norm (4,128,512,512): 12 groups of 1 MB a slab,
     32 KB tiles, lag 1."""
-    p35 = _dispatch_channels.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=112, channels=64, spatial=512 * 512),
+    p35 = dispatch_channels.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=112, channels=64, spatial=512 * 512),
                                           H200)
     s = p35.stream
     assert (p35.chunk_vecs, p35.chunks, s.slab_tiles, s.lag) == (1024, 512, 512, 2)
-    assert p35.hints == _dispatch_channels.STREAM_HINTS and p35.steps[0].kernel.persistent
+    assert p35.hints == dispatch_channels.STREAM_HINTS and p35.steps[0].kernel.persistent
     assert p35.workspace_words == 112 * 8 * 512 * 3 + 3 * 112 * 8
-    inst = _dispatch_channels.choose_channel_stream(channel_plan("instance", flags=3, cpg=1, batch=4, channels=128,
+    inst = dispatch_channels.choose_channel_stream(channel_plan("instance", flags=3, cpg=1, batch=4, channels=128,
                                                         spatial=512 * 512), H200)
     s = inst.stream
     assert (inst.chunk_vecs, inst.chunks, s.slab_tiles, s.lag) == (2048, 32, 12 * 32, 1)
-    forced = _dispatch_channels.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=2, channels=16, spatial=64),
+    forced = dispatch_channels.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=2, channels=16, spatial=64),
                                              H200, {"tile_vecs": 3, "slab_bytes": 1, "lag": 5, "hints": 0})
     s = forced.stream
     assert (forced.chunk_vecs, forced.chunks, s.slab_tiles, s.lag, forced.hints) == (3, 43, 43, 5, 0)
@@ -605,7 +605,7 @@ def test_channel_apply_hints():
     """Streaming stores always; last-use re-reads for x of L2's size to 8x."""
     def hints(batch):
         p = channel_plan("batch", flags=3, batch=batch, channels=256, spatial=56 * 56, cpg=1)
-        return _dispatch_channels.choose_channels(p, H200).hints
+        return dispatch_channels.choose_channels(p, H200).hints
     assert hints(1) == 1  # 3 MB
     assert hints(64) == 3  # 205 MB (ResNet-50's (64,256,56,56))
     assert hints(1024) == 1  # 3.3 GB
@@ -617,10 +617,10 @@ def test_long_rows_backward_on_clusters():
     row, a cluster a row, never cooperative: column_sum adds the partials)
     when their clusters fill the SMs; on sm_80, or with few rows, they
     stream. Rows a block holds keep one block, cooperative."""
-    bf16, f32 = np.dtype(_dtypes.bfloat16), np.dtype(np.float32)
-    threads = _dispatch_grad.GRAD_CACHED_CLUSTER_THREADS
+    bf16, f32 = np.dtype(dtypes.bfloat16), np.dtype(np.float32)
+    threads = dispatch_grad.GRAD_CACHED_CLUSTER_THREADS
     for dtype, n, vec in ((bf16, 32768, 8), (f32, 16384, 4), (bf16, 20000, 8)):
-        launch = _dispatch_grad.choose_rows_grad("rms", dtype, dtype, 1, 4096, n, 1, vec, H200)
+        launch = dispatch_grad.choose_rows_grad("rms", dtype, dtype, 1, 4096, n, 1, vec, H200)
         (step,) = launch.steps
         kernel = step.kernel
         assert launch.tier == "cached" and kernel.cluster > 1 and not kernel.cooperative and kernel.min_arch == 90
@@ -628,30 +628,30 @@ def test_long_rows_backward_on_clusters():
         vpt = kernel.template_args[5]
         assert kernel.cluster * step.block[0] * vpt * vec >= n  # the cluster holds the row ...
         assert (kernel.cluster // 2) * threads * vpt * vec < n  # ... and half of it would not
-        assert _dispatch_grad.choose_rows_grad("rms", dtype, dtype, 1, 4096, n, 1, vec, A100).tier == "streamed"
+        assert dispatch_grad.choose_rows_grad("rms", dtype, dtype, 1, 4096, n, 1, vec, A100).tier == "streamed"
         few = 132 // kernel.cluster - 1
-        assert _dispatch_grad.choose_rows_grad("rms", dtype, dtype, 1, few, n, 1, vec, H200).tier == "streamed"
-    launch = _dispatch_grad.choose_rows_grad("ln", bf16, bf16, 3, 4096, 4096, 1, 8, H200)
+        assert dispatch_grad.choose_rows_grad("rms", dtype, dtype, 1, few, n, 1, vec, H200).tier == "streamed"
+    launch = dispatch_grad.choose_rows_grad("ln", bf16, bf16, 3, 4096, 4096, 1, 8, H200)
     assert launch.steps[0].kernel.cluster == 1 and launch.steps[0].kernel.cooperative
-    assert _dispatch_grad.choose_rows_grad("ln", bf16, bf16, 3, 4096, 1 << 20, 1, 8, H200).tier == "streamed"
+    assert dispatch_grad.choose_rows_grad("ln", bf16, bf16, 3, 4096, 1 << 20, 1, 8, H200).tier == "streamed"
 
 
 def test_every_backward_choice_is_compiled():
     """Whatever the row backward's dispatch picks over a sweep of norms,
     dtypes, parameters, vector widths and row lengths (clusters included)
     is in all_kernels()."""
-    compiled = {k.expression for k in _catalogue.all_kernels()}
+    compiled = {k.expression for k in catalogue.all_kernels()}
     clustered = 0
-    for norm in _dispatch_grad.GRAD_NORMS:
-        for dtype in _dtypes.SUPPORTED:
+    for norm in dispatch_grad.GRAD_NORMS:
+        for dtype in dtypes.SUPPORTED:
             dtype = np.dtype(dtype)
-            for flags in _dispatch.norm_info(norm).flags:
+            for flags in dispatch_rows.norm_info(norm).flags:
                 pdtype = dtype if flags else None
                 for vec in (1, 2, 16 // dtype.itemsize):
                     for n in (vec * 8, 4096, 8192 + vec, 16384, 32768, 40000 * vec, 65536):
                         n -= n % vec
                         for device in (H200, A100):
-                            launch = _dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, 4096, n, 1, vec,
+                            launch = dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, 4096, n, 1, vec,
                                                                      device)
                             for step in launch.steps:
                                 assert step.kernel.expression in compiled, step.kernel.expression
@@ -663,7 +663,7 @@ def test_canonical_strides_free_the_size_1_axes():
     """A size-1 axis's stride is free: canonical_strides gives it the C
     value, so a C-contiguous view compares equal to a fresh array of its
     shape whatever it carried there (x[:, -1:, :] of a (1, 37, 4096))."""
-    from cunorm._plan import canonical_strides, same_layout
+    from cunorm._engine.plans import canonical_strides, same_layout
 
     assert canonical_strides((1, 1, 4096), (151552, 4096, 1)) == (4096, 4096, 1)
     assert canonical_strides((1, 1, 4096), (303104, 8192, 2), 2) == (8192, 8192, 2)

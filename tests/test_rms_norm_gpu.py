@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dispatch, _dtypes, _ops, reference
+from cunorm._engine import dispatch_rows, dtypes, row_norms
+from cunorm import reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, random
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +59,7 @@ def test_strided_axis(rng, dtype, shape, axis):
     run_and_check(x, w, axis=axis)
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, _dtypes.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape, axis", [((6, 4096), -1), ((3, 64, 40), 1)])
 def test_float32_weight_with_16bit_x(rng, dtype, shape, axis):
     x = random(rng, shape, dtype)
@@ -67,7 +68,7 @@ def test_float32_weight_with_16bit_x(rng, dtype, shape, axis):
 
 
 def test_float64_weight_with_bf16_x_is_cast(rng):
-    x = random(rng, (6, 256), _dtypes.bfloat16)
+    x = random(rng, (6, 256), dtypes.bfloat16)
     run_and_check(x, random(rng, 256, np.float64))
 
 
@@ -113,12 +114,12 @@ def tier_override(name, plan):
     """An override that forces the named tier and is valid for the plan."""
     n_vec = plan.reduced // plan.vec
     if name == "cached-group":
-        if n_vec > 32 * _dispatch.VECS_PER_THREAD_CHOICES[-1]:
+        if n_vec > 32 * dispatch_rows.VECS_PER_THREAD_CHOICES[-1]:
             pytest.skip("row too long for a group of 32 lanes")
         return {"tier": "cached", "threads": 32}
     if name == "cached-block":
-        per = _dispatch.VECS_PER_THREAD_CHOICES[-1]
-        return {"tier": "cached", "threads": max(64, _dispatch.next_pow2(-(-n_vec // per)))}
+        per = dispatch_rows.VECS_PER_THREAD_CHOICES[-1]
+        return {"tier": "cached", "threads": max(64, dispatch_rows.next_pow2(-(-n_vec // per)))}
     if name == "split-many-chunks":
         return {"tier": "split", "chunks": 37}
     return {"tier": name}
@@ -134,14 +135,14 @@ def test_every_rows_tier(rng, dtype, name, shape):
     w_np = random(rng, shape[-1:], dtype)
     w = cupy.asarray(w_np)
     y = cupy.empty_like(x)
-    plan, _ = _ops.launch_on("rms", x, y, w=w, first=1, last=1, eps=1e-5)
+    plan, _ = row_norms.launch_on("rms", x, y, w=w, first=1, last=1, eps=1e-5)
     override = tier_override(name, plan)
     y.fill(np.nan)
-    if override["tier"] == "cached" and not _dispatch.rows_cache_fits(plan, override["threads"]):
+    if override["tier"] == "cached" and not dispatch_rows.rows_cache_fits(plan, override["threads"]):
         with pytest.raises(ValueError, match="over the register budget"):  # a forced tier that does not fit
-            _ops.launch_on("rms", x, y, w=w, first=1, last=1, eps=1e-5, override=override)
+            row_norms.launch_on("rms", x, y, w=w, first=1, last=1, eps=1e-5, override=override)
         return
-    plan, launch = _ops.launch_on("rms", x, y, w=w, first=1, last=1, eps=1e-5, override=override)
+    plan, launch = row_norms.launch_on("rms", x, y, w=w, first=1, last=1, eps=1e-5, override=override)
     assert launch.tier == override["tier"]
     ref = reference.rms_norm(cupy.asnumpy(x), w_np, exact=True)
     assert_close(cupy.asnumpy(y), ref, dtype, what=name)
@@ -154,7 +155,7 @@ def test_every_strided_variant(rng, dtype, override):
 
     x = cupy.asarray(random(rng, (3, 300, 40), dtype))
     y = cupy.empty_like(x)
-    _ops.launch_on("rms", x, y, first=1, last=1, eps=1e-5, override=override)
+    row_norms.launch_on("rms", x, y, first=1, last=1, eps=1e-5, override=override)
     assert_close(cupy.asnumpy(y), reference.rms_norm(cupy.asnumpy(x), axis=1, exact=True), dtype, what=str(override))
 
 
@@ -206,8 +207,8 @@ def test_error_within_twice_torch(rng):
     torch = pytest.importorskip("torch")
     import cupy
 
-    x_np = random(rng, (512, 4096), _dtypes.bfloat16)
-    w_np = random(rng, 4096, _dtypes.bfloat16)
+    x_np = random(rng, (512, 4096), dtypes.bfloat16)
+    w_np = random(rng, 4096, dtypes.bfloat16)
     ref = reference.rms_norm(x_np, w_np, eps=1e-5, exact=True)
     ours = cupy.asnumpy(cunorm.rms_norm(cupy.asarray(x_np), cupy.asarray(w_np))).astype(np.float64)
     xt = torch.from_dlpack(cupy.asarray(x_np))

@@ -8,7 +8,7 @@ import pytest
 import conftest
 import cunorm
 from cunorm import __main__ as cli
-from cunorm import _catalogue, _loader
+from cunorm._engine import catalogue, loader
 from conftest import HAS_GPU
 
 
@@ -49,11 +49,11 @@ def test_precompile_without_gpu_says_so_and_starts_nothing(monkeypatch):
 
 def test_precompile_worker_reads_its_share(monkeypatch):
     got = []
-    monkeypatch.setattr(_loader, "get_function", lambda family, expression, cooperative: got.append(
+    monkeypatch.setattr(loader, "get_function", lambda family, expression, cooperative: got.append(
         (family, expression, cooperative)))
-    kernels = _catalogue.representative_kernels()[:5]
+    kernels = catalogue.representative_kernels()[:5]
     lines = [f"{k.family} {int(k.cooperative)} {k.expression}" for k in kernels] + [""]
-    assert _loader._compile_share(lines) == len(kernels)
+    assert loader._compile_share(lines) == len(kernels)
     assert got == [(k.family, k.expression, k.cooperative) for k in kernels]
 
 
@@ -68,12 +68,12 @@ def test_check_without_gpu_compiles_the_representative_set(monkeypatch, capsys, 
             progress(len(kernels), len(kernels))
         return [{"expression": k.expression, "registers": 32} for k in kernels]
 
-    monkeypatch.setattr(_loader, "compile_offline", compile_offline)
+    monkeypatch.setattr(loader, "compile_offline", compile_offline)
     assert cli.main(["check", "--jobs", "3"] + (["--all"] if everything else [])) == 0
-    kernels = _catalogue.all_kernels()
+    kernels = catalogue.all_kernels()
     sm80 = [k for k in kernels if k.min_arch <= 80]  # (no thread-block clusters)
     assert len(sm80) < len(kernels)
-    n80, n90 = (len(ks if everything else _catalogue.representative_kernels(ks)) for ks in (sm80, kernels))
+    n80, n90 = (len(ks if everything else catalogue.representative_kernels(ks)) for ks in (sm80, kernels))
     assert asked == [("sm_80", n80, 3), ("sm_90", n90, 3)]
     out = capsys.readouterr().out
     assert "No CUDA GPU found" in out and f"sm_90: {n90} kernels" in out

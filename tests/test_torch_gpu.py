@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 cupy = pytest.importorskip("cupy")
 from cunorm import torch as cunorm_torch  # noqa: E402
 from cunorm._interop import torch as torch_adapter  # noqa: E402
-from cunorm._torch_layers import TORCH_LAYERS, default_rms_eps  # noqa: E402
+from cunorm.torch._layers import TORCH_LAYERS, default_rms_eps  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
@@ -26,7 +26,7 @@ DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
 def cunorm_at_every_size(monkeypatch):
     """The layers under eager autograd run torch's op below
     EAGER_AUTOGRAD_MIN_ELEMENTS; these tests check cunorm's, at small sizes."""
-    from cunorm import _torch_layers
+    from cunorm.torch import _layers as _torch_layers
 
     monkeypatch.setattr(_torch_layers, "EAGER_AUTOGRAD_MIN_ELEMENTS", 0)
 

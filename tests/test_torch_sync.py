@@ -1,4 +1,4 @@
-"""cunorm.torch.SyncBatchNorm (cunorm/_torch_sync.py).
+"""cunorm.torch.SyncBatchNorm (cunorm/torch/_sync.py).
 
 CPU: convert_sync_batchnorm keeps every parameter, buffer and setting; with
 no process group the layer is torch's fallback (cunorm's BatchNorm, torch's
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import cunorm.torch as ct  # noqa: E402
-from cunorm import _torch_sync  # noqa: E402
+from cunorm.torch import _sync as _torch_sync  # noqa: E402
 
 
 def _model():

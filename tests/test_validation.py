@@ -265,20 +265,20 @@ def test_views_that_are_not_whole_elements_are_refused():
 def test_eps_float32_limits_are_numpys_cast():
     """check_eps's two thresholds refuse exactly the eps NumPy's float32
     cast turns into inf or 0, at each boundary and one float64 step inside."""
-    from cunorm import _ops
+    from cunorm._engine import row_norms
 
-    for edge in (_ops._F32_ROUNDS_TO_INF, _ops._F32_ROUNDS_TO_ZERO):
+    for edge in (row_norms._F32_ROUNDS_TO_INF, row_norms._F32_ROUNDS_TO_ZERO):
         for value in (edge, float(np.nextafter(edge, 1.0)), float(np.nextafter(edge, 0.0))):
             with np.errstate(over="ignore"):
                 held = np.float32(value)
             lost = not np.isfinite(held) or held == 0
             try:
-                _ops.check_eps(value, np.dtype(np.float32))
+                row_norms.check_eps(value, np.dtype(np.float32))
                 refused = False
             except ValueError:
                 refused = True
             assert refused == lost, value
-            _ops.check_eps(value, np.dtype(np.float64))  # float64 statistics hold every finite eps
+            row_norms.check_eps(value, np.dtype(np.float64))  # float64 statistics hold every finite eps
 
 
 def _readonly(a):

@@ -9,9 +9,9 @@ import copy
 import pytest
 
 torch = pytest.importorskip("torch")
-from cunorm import _plan  # noqa: E402
+from cunorm._engine import plans  # noqa: E402
 from cunorm import torch as cunorm_torch  # noqa: E402
-from cunorm._torch_zoo import decide, rule_for  # noqa: E402
+from cunorm.torch._zoo import decide, rule_for  # noqa: E402
 
 
 def stand_in(module: str, name: str, base=torch.nn.Module, forward=None):
@@ -145,17 +145,17 @@ def test_replacement_classes_are_made_once_per_class():
 
 
 def test_epilogue_flags():
-    assert _plan.rms_epilogue_flags(0, "output", True) == 0
-    assert _plan.rms_epilogue_flags(1, "normalized", True) == _plan.FLAG_WEIGHT_OFFSET | _plan.FLAG_ROUND_NORMALIZED
-    assert _plan.activation_flags("silu") == 2 << _plan.ACTIVATION_SHIFT
-    for name in _plan.ACTIVATIONS:
-        assert _plan.activation_name(_plan.activation_flags(name) | 3) == (None if name == "identity" else name)
+    assert plans.rms_epilogue_flags(0, "output", True) == 0
+    assert plans.rms_epilogue_flags(1, "normalized", True) == plans.FLAG_WEIGHT_OFFSET | plans.FLAG_ROUND_NORMALIZED
+    assert plans.activation_flags("silu") == 2 << plans.ACTIVATION_SHIFT
+    for name in plans.ACTIVATIONS:
+        assert plans.activation_name(plans.activation_flags(name) | 3) == (None if name == "identity" else name)
     with pytest.raises(ValueError, match="needs a weight"):
-        _plan.rms_epilogue_flags(1, "output", False)
+        plans.rms_epilogue_flags(1, "output", False)
     with pytest.raises(ValueError, match="rounding"):
-        _plan.rms_epilogue_flags(0, "input", True)
+        plans.rms_epilogue_flags(0, "input", True)
     with pytest.raises(TypeError, match="activation"):
-        _plan.activation_flags(torch.nn.ReLU())
+        plans.activation_flags(torch.nn.ReLU())
 
 
 @pytest.mark.parametrize("name", ["relu", "silu", "gelu", "gelu_tanh"])
@@ -254,7 +254,7 @@ def test_small_inputs_under_autograd_run_the_original(case, monkeypatch):
     gradients, bit for bit), and cunorm's at and above it (on CPU tensors
     that is a TypeError asking for CUDA: the call reached cunorm). Without
     autograd (no_grad, or nothing requiring grad), cunorm's at any size."""
-    from cunorm import _torch_layers
+    from cunorm.torch import _layers as _torch_layers
 
     _, theirs, x = next(c for c in _layer_cases() if c[0] == case)
     theirs = _randomized(theirs).train()
@@ -296,7 +296,7 @@ def test_eval_batch_norm_keeps_statistics_dtype_copies_of_16_bit_buffers():
     """A BatchNorm cast to bfloat16, in eval: its running buffers as float32
     copies, made once and kept (so the call is the launch cache's), made
     again when a buffer is written or replaced; float32 buffers as they are."""
-    from cunorm._torch_layers import statistics_dtype_running
+    from cunorm.torch._layers import statistics_dtype_running
 
     bn = torch.nn.BatchNorm2d(5).to(torch.bfloat16).eval()
     with torch.no_grad():
@@ -333,7 +333,7 @@ class _Launcher:
 
 def _fill(layer, x, extra=None):
     """The memo of ``layer`` given one launch over x and its weight and bias."""
-    from cunorm import _torch_layers
+    from cunorm.torch import _layers as _torch_layers
 
     y = torch.empty_like(x)
     launch = _Launcher(y)
@@ -352,7 +352,7 @@ def test_layer_memo_runs_the_kept_launcher_while_nothing_changed():
     raises the TypeError asking for CUDA.)"""
     import pickle
 
-    from cunorm import _torch_layers
+    from cunorm.torch import _layers as _torch_layers
 
     layer = cunorm_torch.replace_norms(torch.nn.LayerNorm(8))
     x = torch.randn(3, 8)
@@ -386,7 +386,7 @@ def test_layer_memo_keeps_only_a_launch_over_x_and_the_modules_tensors():
     forward; entries of a module's memoized functions are apart (tags); at most MEMO_SIGNATURES signatures are kept; BatchNorm in
     training with running buffers is never memoized (its counter and
     buffers move every call)."""
-    from cunorm import _torch_layers
+    from cunorm.torch import _layers as _torch_layers
 
     layer = cunorm_torch.replace_norms(torch.nn.LayerNorm(8))
     x = torch.randn(3, 8)

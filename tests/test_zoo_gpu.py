@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import _dtypes, _plan, reference
+from cunorm._engine import dtypes, plans
+from cunorm import reference
 from helpers import RTOL, assert_close, output_scale
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +31,7 @@ TORCH_ACT = {"relu": torch.relu, "silu": F.silu, "gelu": F.gelu,
 def cunorm_at_every_size(monkeypatch):
     """The layers under eager autograd run torch's op below
     EAGER_AUTOGRAD_MIN_ELEMENTS; these tests check cunorm's, at small sizes."""
-    from cunorm import _torch_layers
+    from cunorm.torch import _layers as _torch_layers
 
     monkeypatch.setattr(_torch_layers, "EAGER_AUTOGRAD_MIN_ELEMENTS", 0)
 
@@ -122,7 +123,7 @@ def test_weight_offset_is_gemmas(gen, dtype, wdtype):
     assert_within_one_ulp(ours, gemma_rms(x, w, 1e-6), f"weight_offset=1 {dtype}")
 
 
-@pytest.mark.parametrize("dtype", _dtypes.SUPPORTED, ids=["f16", "bf16", "f32", "f64"])
+@pytest.mark.parametrize("dtype", dtypes.SUPPORTED, ids=["f16", "bf16", "f32", "f64"])
 @pytest.mark.parametrize("activation", ACTIVATIONS + ["identity"])
 def test_row_activations_against_the_reference(rng, dtype, activation, poisoned):
     x = cupy.asarray((rng.standard_normal((6, 1000)) * 2).astype(dtype))
@@ -139,7 +140,7 @@ def test_row_activations_against_the_reference(rng, dtype, activation, poisoned)
     assert cupy.array_equal(x, cupy.asarray(xs)), "x was written"
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.bfloat16, _dtypes.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("last", [False, True], ids=["nchw", "nhwc"])
 def test_channel_activations_against_the_reference(rng, dtype, activation, last, poisoned):
@@ -209,7 +210,7 @@ def test_operators_refuse_a_backward_through_unfused_options(gen):
     functions run them as torch ops instead)."""
     x = randn(gen, 4, 8, 5, 3).requires_grad_()
     w = randn(gen, 3)
-    silu = _plan.activation_flags("silu")
+    silu = plans.activation_flags("silu")
     for y in (torch.ops.cunorm.rms_norm(x, w, None, [-1], 1e-5, True, silu)[0],
               torch.ops.cunorm.rms_norm(x, w, None, [-1], 1e-5, True, 4)[0],
               torch.ops.cunorm.group_norm(x, 2, None, None, 1e-5, 1, True, silu)[0]):
@@ -300,7 +301,7 @@ def test_timm_layers(gen, name, dtype, training):
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_(), x.double().requires_grad_()]
     outs = [m(xi) for m, xi in zip((layer, original, exact), xs)]
     dy = randn(gen, *shape, dtype=dtype)
-    tol = RTOL[np.dtype(_dtypes.bfloat16 if dtype == torch.bfloat16 else np.float32)]
+    tol = RTOL[np.dtype(dtypes.bfloat16 if dtype == torch.bfloat16 else np.float32)]
     ref = to_numpy(outs[2])
     assert_close(to_numpy(outs[0].float()), ref, np.float64, rtol=2 * tol, atol=2 * tol * output_scale(ref),
                  what=f"{name} forward")

@@ -4,7 +4,7 @@ racecheck, initcheck and synccheck).
 
 CuPy's memory pool is off, so each array is its own cudaMalloc and memcheck
 sees an access past any of them. Every kernel declaration of
-cunorm/_kernels.py must have been loaded by the end (the script fails
+cunorm/declarations.py must have been loaded by the end (the script fails
 naming any that was not), so a new kernel cannot go unsanitized. Exit
 status 0 when every call ran and every declaration was reached.
 """
@@ -16,10 +16,10 @@ import cupy
 import numpy as np
 
 import cunorm
-from cunorm import _channels, _dtypes, _grad, _kernels, _loader, _ops
+from cunorm._engine import channel_norms, dtypes, gradients, declarations, loader, row_norms
 
 reached: set[str] = set()
-_load = _loader.get_function
+_load = loader.get_function
 
 
 def _recording(family, expression, device=None, cooperative=False):
@@ -28,14 +28,14 @@ def _recording(family, expression, device=None, cooperative=False):
 
 
 def main() -> int:
-    _loader.get_function = _recording
+    loader.get_function = _recording
     cupy.cuda.set_allocator(None)  # no pool: an array is its own allocation
     rng = np.random.default_rng(0)
 
     def arr(*shape, dtype=np.float32):
         return cupy.asarray(rng.standard_normal(shape).astype(dtype))
 
-    bf16 = _dtypes.bfloat16
+    bf16 = dtypes.bfloat16
     x, w, b, r = arr(64, 1024), arr(1024), arr(1024), arr(64, 1024)
     long_rows = arr(2, 1 << 17)
     nchw, c8 = arr(2, 8, 5, 7), arr(8)
@@ -47,12 +47,12 @@ def main() -> int:
     xs, ws, rs = arr(64, 256), arr(256), arr(64, 256)
     for override in ({"tier": "cached", "threads": 32}, {"tier": "cached", "threads": 256}, {"tier": "uncached"},
                      {"tier": "split"}, {"tier": "resident"}):
-        _ops.launch_on("ln", xs, cupy.empty_like(xs), w=ws, b=ws, r=rs, h=cupy.empty_like(xs), first=1, last=1,
+        row_norms.launch_on("ln", xs, cupy.empty_like(xs), w=ws, b=ws, r=rs, h=cupy.empty_like(xs), first=1, last=1,
                        eps=1e-5, override=override)
     # strided axes: registers, then two sweeps; the residual added unfused there
     cunorm.rms_norm(arr(2, 64, 33), axis=1)
     cunorm.rms_norm(arr(2, 600, 40), arr(600), axis=1, residual=arr(2, 600, 40))
-    _ops.launch_on("rms", arr(3, 300, 40), cupy.empty((3, 300, 40), np.float32), first=1, last=1, eps=1e-5,
+    row_norms.launch_on("rms", arr(3, 300, 40), cupy.empty((3, 300, 40), np.float32), first=1, last=1, eps=1e-5,
                    override={"tier": "uncached"})
     for p in (1, 2, 3.0, np.inf):
         cunorm.normalize(x, p)
@@ -63,27 +63,27 @@ def main() -> int:
     cunorm.instance_norm(nhwc, c8, c8)
     # channel_stream, forced small: many tiles a group, slabs of one group, lag 2
     stream_x = arr(3, 8, 5, 8)
-    call = _channels.ChannelCall("group", stream_x, num_groups=4, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
+    call = channel_norms.ChannelCall("group", stream_x, num_groups=4, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
                                  return_stats=True)
-    _channels.execute(call, *_channels.prepare(call),
+    channel_norms.execute(call, *channel_norms.prepare(call),
                       override={"walk": "stream", "tile_vecs": 3, "slab_bytes": 1, "lag": 2})
     # channel_onchip (the default for these small groups) and, forced, the three launches; clusters of 4
     # blocks of 32 threads, three of them empty
     for override in ({"walk": "split"}, {"walk": "onchip", "threads": 32, "elements": 4, "cluster": 4}):
-        call = _channels.ChannelCall("group", stream_x, num_groups=4, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
+        call = channel_norms.ChannelCall("group", stream_x, num_groups=4, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
                                      return_stats=True)
-        _channels.execute(call, *_channels.prepare(call), override=override)
+        channel_norms.execute(call, *channel_norms.prepare(call), override=override)
     # the three launches on channels-last x: grouped (a statistic a thread) and per channel, positions in 3 chunks
     for override in ({"walk": "split", "chunks": 3}, {"walk": "split", "chunks": 3, "grouped": False}):
-        call = _channels.ChannelCall("group", nhwc, num_groups=2, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
+        call = channel_norms.ChannelCall("group", nhwc, num_groups=2, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
                                      return_stats=True)
-        _channels.execute(call, *_channels.prepare(call), override=override)
+        channel_norms.execute(call, *channel_norms.prepare(call), override=override)
     # ... blocks padded to whole warps: 12 rows of 20 vectors (grouped) and 25 rows of 10 (per channel), of 256
     wide_nhwc, c40 = arr(2, 5, 7, 40), arr(40)
     for override in ({"walk": "split", "chunks": 3}, {"walk": "split", "chunks": 3, "grouped": False}):
-        call = _channels.ChannelCall("group", wide_nhwc, num_groups=4, weight=c40, bias=c40, eps=1e-5,
+        call = channel_norms.ChannelCall("group", wide_nhwc, num_groups=4, weight=c40, bias=c40, eps=1e-5,
                                      channel_axis=-1, return_stats=True)
-        _channels.execute(call, *_channels.prepare(call), override=override)
+        channel_norms.execute(call, *channel_norms.prepare(call), override=override)
     cunorm.batch_norm(nchw, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32))
     cunorm.batch_norm(nhwc, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32))
     for stats in (False, True):  # eval: one launch, or the running buffers' statistics first
@@ -115,11 +115,11 @@ def main() -> int:
     # to clusters of 4 blocks of 32 threads (the last empty), and the four launches forced
     _, m, s = cunorm.batch_norm(nchw, c8, c8, return_stats=True)
     for override in ({"walk": "split"}, {"walk": "onchip", "threads": 32, "elements": 1, "cluster": 4}):
-        g = _grad.ChannelGradCall("batch", arr(2, 8, 5, 7), nchw, m, s, weight=c8, bias=c8, channel_axis=1)
-        _grad.run_channels(g, None, override=override)
+        g = gradients.ChannelGradCall("batch", arr(2, 8, 5, 7), nchw, m, s, weight=c8, bias=c8, channel_axis=1)
+        gradients.run_channels(g, None, override=override)
     cupy.cuda.Device().synchronize()
 
-    missing = sorted({d.name for d in _kernels.DECLARATIONS} - reached)
+    missing = sorted({d.name for d in declarations.DECLARATIONS} - reached)
     print(f"{len(reached)} kernels reached: {', '.join(sorted(reached))}")
     if missing:
         print(f"not reached (add a call): {', '.join(missing)}")

@@ -27,7 +27,7 @@ import contextlib
 import cupy
 import numpy as np
 
-from cunorm import _dispatch_grad, _dtypes, _fast, _grad, _launch
+from cunorm._engine import dispatch_grad, dtypes, launch_cache, gradients, launches
 from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu
 
 
@@ -37,7 +37,7 @@ def launch_times(run, before=None, verbose=True):
     records = []
 
     def timed(step, launch):
-        fn = _launch.step_function(step, cupy.cuda.runtime.getDevice())
+        fn = launches.step_function(step, cupy.cuda.runtime.getDevice())
         if verbose:
             print(f"    {step.kernel.expression}: {fn.num_regs} registers, {fn.local_size_bytes} B local, "
                   f"grid {step.grid} x {step.block}, {step.shared_bytes} B shared")
@@ -52,11 +52,11 @@ def launch_times(run, before=None, verbose=True):
     run()
     cupy.cuda.runtime.deviceSynchronize()
     cupy.empty(256 << 20, dtype=np.float32).fill(0)
-    _launch.step_hook = timed
+    launches.step_hook = timed
     try:
         run()
     finally:
-        _launch.step_hook = None
+        launches.step_hook = None
     cupy.cuda.runtime.deviceSynchronize()
     return [(name, cupy.cuda.get_elapsed_time(a, b)) for name, a, b in records]
 
@@ -76,18 +76,18 @@ def report(label, run, nbytes, bw, steps=False):
 
 @contextlib.contextmanager
 def overridden(**values):
-    """The named _dispatch_grad constants set to values inside the block, the
+    """The named dispatch_grad constants set to values inside the block, the
     launch caches (the call path's included) cleared on the way in and out."""
-    saved = {name: getattr(_dispatch_grad, name) for name in values}
+    saved = {name: getattr(dispatch_grad, name) for name in values}
 
     def apply(settings):
         for name, value in settings.items():
-            setattr(_dispatch_grad, name, value)
-        _grad._rows_launch.cache_clear()
-        _grad._channel_launch.cache_clear()
-        _grad.rows_grad_program.cache_clear()
-        _grad.channel_grad_program.cache_clear()
-        _fast.clear()  # (the signature-keyed launches, which would replay the first setting's)
+            setattr(dispatch_grad, name, value)
+        gradients._rows_launch.cache_clear()
+        gradients._channel_launch.cache_clear()
+        gradients.rows_grad_program.cache_clear()
+        gradients.channel_grad_program.cache_clear()
+        launch_cache.clear()  # (the signature-keyed launches, which would replay the first setting's)
 
     apply(values)
     try:
@@ -145,7 +145,7 @@ def main():
         for label, shape, dtype, axis in (("problem 40", (16, 64, 256, 256), "float32", (1, 2, 3)),
                                           ("ln bf16 4096x32768", (4096, 32768), "bfloat16", -1)):
             run, nbytes = case("ln", shape, dtype, axis)
-            default = _dispatch_grad.GRAD_CHUNK_BLOCKS_PER_SM
+            default = dispatch_grad.GRAD_CHUNK_BLOCKS_PER_SM
             for per_sm in (3, 6, 8, 12, 24):
                 with overridden(GRAD_CHUNK_BLOCKS_PER_SM=per_sm):
                     report(f"{label}, streamed, pass-1 blocks an SM {per_sm}", run, nbytes, bw,
@@ -153,7 +153,7 @@ def main():
             del run
     if "channels" in args.only or not args.only:
         run, nbytes = case("group", (112, 64, 512, 512), "float32", 8)
-        default = _dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
+        default = dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
         for cap in (None, 256 << 10, 64 << 10, 16 << 10):
             with overridden(GRAD_CHANNEL_MAX_CHUNK_BYTES=cap):
                 report(f"problem 35 group_norm(8), chunks of at most {cap} bytes", run, nbytes, bw,
@@ -182,7 +182,7 @@ def onchip_sweep(bw):
     for shape in ((64, 2048, 7, 7), (128, 2048, 7, 7), (64, 1024, 14, 14), (64, 512, 28, 28), (32, 512, 28, 28),
                   (32, 256, 56, 56)):
         for dtype in ("float32", "bfloat16"):
-            npdtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(_dtypes.bfloat16)
+            npdtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(dtypes.bfloat16)
             x = rng.standard_normal(shape, dtype=np.float32).astype(npdtype)
             dy = rng.standard_normal(shape, dtype=np.float32).astype(npdtype)
             w = (rng.random(shape[1], dtype=np.float32) * 1.5 + 0.5).astype(npdtype)
@@ -193,8 +193,8 @@ def onchip_sweep(bw):
                     override = {"walk": "onchip", **override}
 
                 def run(override=override):
-                    g = _grad.ChannelGradCall("batch", dy, x, mean, rstd, weight=w, bias=w, channel_axis=1)
-                    return _grad.run_channels(g, None, override=override)
+                    g = gradients.ChannelGradCall("batch", dy, x, mean, rstd, weight=w, bias=w, channel_axis=1)
+                    return gradients.run_channels(g, None, override=override)
 
                 label = f"batch_norm {dtype} {shape} {override or 'the dispatch'}"
                 try:

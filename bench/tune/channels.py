@@ -24,7 +24,7 @@ import numpy as np
 
 import cunorm
 from backward import launch_times  # (bench/tune/backward.py: this script's folder is on sys.path)
-from cunorm import _channels
+from cunorm._engine import channel_norms
 from cunorm.bench._cases import _channel_prepared, copy_bandwidth, fewest_bytes, make_channel_inputs, time_gpu
 
 MB = 1 << 20
@@ -83,7 +83,7 @@ def sweep(name, op, shape, dtype, groups, params, channel_axis=1, *, copy_bw, ro
     x, w, b, running, y = make_channel_inputs(op, shape, dtype, channel_axis, params)
     nbytes = fewest_bytes(x, w, b, False)
     call, prep = _channel_prepared(op, x, groups, w, b, channel_axis, running, y)
-    print(f"{name}: default walk {_channels.execute(call, *prep)[0]}", flush=True)
+    print(f"{name}: default walk {channel_norms.execute(call, *prep)[0]}", flush=True)
     reference = None
     for walk in walks:
         if walk in ("rows", "stream") and (op == "batch_norm" or channel_axis != 1):
@@ -105,20 +105,20 @@ def sweep(name, op, shape, dtype, groups, params, channel_axis=1, *, copy_bw, ro
             row = {"case": name, "override": override}
             try:
                 y.view(np.uint8).fill(0xFF)  # NaN in every float type
-                _channels.execute(call, *prep, override=override)
+                channel_norms.execute(call, *prep, override=override)
                 got = y.copy()
                 if reference is None:
                     reference = as_f32(got)
                 err = float(cupy.max(cupy.abs(as_f32(got) - reference)))
-                _channels.execute(call, *prep, override=override)
+                channel_norms.execute(call, *prep, override=override)
                 same = bool(cupy.all(got.view(np.uint8) == y.view(np.uint8)))
-                ms, lo, hi = time_gpu(lambda: _channels.execute(call, *prep, override=override))
+                ms, lo, hi = time_gpu(lambda: channel_norms.execute(call, *prep, override=override))
                 row.update(ms=ms, floor_pct=100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw, max_abs_diff=err,
                            nan=bool(cupy.isnan(as_f32(got)).any()), repeatable=same)
                 print(f"  {override}: {ms:.4f} ms ({lo:.4f}-{hi:.4f}) {row['floor_pct']:.1f}%  "
                       f"diff {err:.2e} nan {row['nan']} repeatable {same}", flush=True)
                 if channel_axis != 1:
-                    row["launches"] = launch_times(lambda: _channels.execute(call, *prep, override=override),
+                    row["launches"] = launch_times(lambda: channel_norms.execute(call, *prep, override=override),
                                                    verbose=False)
                     print("    " + ", ".join(f"{k} {t * 1e3:.1f} us" for k, t in row["launches"]), flush=True)
             except Exception as err:  # report, keep going

@@ -6,7 +6,7 @@ import operator
 
 import cupy
 
-from .._plan import canonical_strides
+from .._engine.plans import canonical_strides
 from ._scope import device_scope
 
 scope = device_scope  # the launch scope: the array's device
@@ -50,7 +50,7 @@ def from_cupy(y: cupy.ndarray):
     return y
 
 
-# --- the launch cache's half (cunorm/_fast.py) ------------------------------------
+# --- the launch cache's half (cunorm/_engine/launch_cache.py) ------------------------------------
 
 
 def signatures(x, arrays):

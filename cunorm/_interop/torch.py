@@ -21,18 +21,18 @@ import functools
 import cupy
 import torch
 
-from .. import _dtypes
-from .._cache import BoundedCache
-from .._plan import canonical_strides
+from .._engine import dtypes
+from .._engine.caches import BoundedCache
+from .._engine.plans import canonical_strides
 from ._scope import DeviceScope
 
 name = "torch"
 
-NUMPY_DTYPE = {torch.float16: _dtypes.float16, torch.bfloat16: _dtypes.bfloat16, torch.float32: _dtypes.float32,
-                torch.float64: _dtypes.float64}
+NUMPY_DTYPE = {torch.float16: dtypes.float16, torch.bfloat16: dtypes.bfloat16, torch.float32: dtypes.float32,
+                torch.float64: dtypes.float64}
 TORCH_DTYPE = {v: k for k, v in NUMPY_DTYPE.items()}
 #: each dtype's statistics (accumulation) dtype: float32, float64 for float64
-ACCUMULATION = {t: TORCH_DTYPE[_dtypes.accumulation(n)] for t, n in NUMPY_DTYPE.items()}
+ACCUMULATION = {t: TORCH_DTYPE[dtypes.accumulation(n)] for t, n in NUMPY_DTYPE.items()}
 
 
 def owns(x) -> bool:
@@ -51,7 +51,7 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
                         f"pass {arg}.to_dense()")
     dtype = NUMPY_DTYPE.get(x.dtype)
     if dtype is None:
-        raise TypeError(f"{arg} must have dtype {_dtypes.SUPPORTED_NAMES}, got {x.dtype}: cast it first, "
+        raise TypeError(f"{arg} must have dtype {dtypes.SUPPORTED_NAMES}, got {x.dtype}: cast it first, "
                         f"e.g. {arg}.float()")
     itemsize = dtype.itemsize
     shape = tuple(x.shape)
@@ -170,7 +170,7 @@ def wants_autograd(*arrays) -> bool:
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in arrays)
 
 
-# --- the launch cache's half (cunorm/_fast.py) ------------------------------------
+# --- the launch cache's half (cunorm/_engine/launch_cache.py) ------------------------------------
 # Raw: pointers from data_ptr(), outputs and workspaces from torch.empty on
 # the tensors' device, launches on torch's current raw stream. No CuPy
 # array, UnownedMemory or DLPack capsule is built.

@@ -502,7 +502,7 @@ def main(argv=None) -> int:
         for p in written:
             print(p)
         return 0
-    from .._loader import gpu_name
+    from .._engine.loader import gpu_name
 
     gpu = gpu_name()
     if gpu is None:

@@ -19,7 +19,7 @@ import cupy
 import numpy as np
 
 import cunorm
-from cunorm import _dtypes, _ops
+from .._engine import dtypes, row_norms
 
 try:
     import torch
@@ -192,8 +192,8 @@ def bench_lp_case(name, op, shape, axis, target, copy_bw, with_compile):
            "residual": False, "bytes": nbytes, "target_floor_pct": target}
     ms, lo, hi = time_gpu(lambda: _lp_call(op, x, axis, out=y))
     first, last = (0, x.ndim - 1) if axis is None else _axes(axis, x.ndim)
-    norm = "mean_abs" if LP_FORMS[op] is None else _ops.lp_norm_name(LP_FORMS[op])
-    plan, launch = _ops.launch_on(norm, x, y, first=first, last=last, eps=1e-12)
+    norm = "mean_abs" if LP_FORMS[op] is None else row_norms.lp_norm_name(LP_FORMS[op])
+    plan, launch = row_norms.launch_on(norm, x, y, first=first, last=last, eps=1e-12)
     row.update(tier=launch.tier, kernel=launch.steps[0].kernel.expression, ms=ms, ms_min=lo, ms_max=hi)
     row["gbps"] = nbytes / (ms * 1e-3) / 1e9
     row["floor_pct"] = 100 * row["gbps"] / copy_bw
@@ -283,7 +283,7 @@ def _axes(axis, ndim):
 
 
 def make_inputs(op, shape, dtype, axis, params, residual):
-    dt = np.dtype(getattr(_dtypes, dtype))
+    dt = np.dtype(getattr(dtypes, dtype))
     first, last = _axes(axis, len(shape))
     pshape = shape[first : last + 1]
     x = cupy.random.standard_normal(shape, dtype=np.float32).astype(dt)
@@ -317,7 +317,7 @@ def bench_case(name, op, shape, dtype, axis, params, residual, target, copy_bw, 
     first, last = _axes(axis, x.ndim)
     norm = "ln" if op == "layer_norm" else "rms"
     h = cupy.empty_like(x) if residual else None
-    plan, launch = _ops.launch_on(norm, x, y, w=w, b=b, r=r, h=h, first=first, last=last, eps=1e-5)
+    plan, launch = row_norms.launch_on(norm, x, y, w=w, b=b, r=r, h=h, first=first, last=last, eps=1e-5)
     row.update(tier=launch.tier, kernel=launch.steps[0].kernel.expression, ms=ms, ms_min=lo, ms_max=hi)
     row["gbps"] = nbytes / (ms * 1e-3) / 1e9
     row["floor_pct"] = 100 * row["gbps"] / copy_bw
@@ -393,7 +393,7 @@ def backward_call(op, shape, dtype, axis, rng):
     None for "rms". op: "rms",
     "ln" or "group" (axis: the group count). Bytes: x and dy read, dx
     written, the parameters and their gradients once."""
-    dt = np.dtype(getattr(_dtypes, dtype))
+    dt = np.dtype(getattr(dtypes, dtype))
     x = rng.standard_normal(shape, dtype=np.float32).astype(dt)
     dy = rng.standard_normal(shape, dtype=np.float32).astype(dt)
     if op in ("group", "batch"):
@@ -491,18 +491,18 @@ def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_comp
 
 
 def _backward_tier(op, x, axis):
-    from cunorm._ops import axis_span
+    from .._engine.row_norms import axis_span
 
     first, last = axis_span(axis, x.ndim)
     outer = int(np.prod(x.shape[:first]))
     reduced = int(np.prod(x.shape[first:last + 1]))
     inner = int(np.prod(x.shape[last + 1:]))
-    from cunorm import _dispatch_grad, _launch
-    from cunorm._plan import vector_width
+    from .._engine import dispatch_grad, launches
+    from .._engine.plans import vector_width
 
     vec = vector_width(x.itemsize, reduced if inner == 1 else inner, [], [(x.data.ptr, x.itemsize)])
-    return _dispatch_grad.choose_rows_grad("rms" if op == "rms" else "ln", x.dtype, x.dtype, 1, outer, reduced, inner,
-                                      vec, _launch.device_info(x.data.device_id)).tier
+    return dispatch_grad.choose_rows_grad("rms" if op == "rms" else "ln", x.dtype, x.dtype, 1, outer, reduced, inner,
+                                      vec, launches.device_info(x.data.device_id)).tier
 
 
 #: channel cases: the chunks each channel's positions are cut into (the split walk's
@@ -539,7 +539,7 @@ def torch_channel_norm(op, x, groups, w, b, channel_axis, running, training=True
 
 def make_channel_inputs(op, shape, dtype, channel_axis, params):
     """x, weight, bias (or None), running buffers (BatchNorm) and an output."""
-    dt = np.dtype(getattr(_dtypes, dtype))
+    dt = np.dtype(getattr(dtypes, dtype))
     c = shape[channel_axis]
     x = cupy.random.standard_normal(shape, dtype=np.float32).astype(dt)
     w = cupy.random.standard_normal(c, dtype=np.float32).astype(dt) if "w" in params else None
@@ -607,27 +607,27 @@ def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, tar
 
 
 def _channel_prepared(op, x, groups, w, b, channel_axis, running, y, training=True):
-    from cunorm import _channels
+    from .._engine import channel_norms
 
     norm = op.split("_")[0]
     kw = {"num_groups": groups} if op == "group_norm" else {}
     if op == "batch_norm":
         kw.update(running_mean=running[0], running_var=running[1], training=training)
-    call = _channels.ChannelCall(norm, x, weight=w, bias=b, eps=1e-5, channel_axis=channel_axis, out=y, **kw)
-    return call, _channels.prepare(call)
+    call = channel_norms.ChannelCall(norm, x, weight=w, bias=b, eps=1e-5, channel_axis=channel_axis, out=y, **kw)
+    return call, channel_norms.prepare(call)
 
 
 def _channel_tier(op, x, groups, w, b, channel_axis, running, y, training=True):
     """The walk the dispatch picks for a channel case (for the table); runs
     the op once more."""
-    from cunorm import _channels
+    from .._engine import channel_norms
 
     call, prepared = _channel_prepared(op, x, groups, w, b, channel_axis, running, y, training)
-    return _channels.execute(call, *prepared)[0]
+    return channel_norms.execute(call, *prepared)[0]
 
 
 def tune_channel_case(name, op, shape, dtype, groups, channel_axis, params, copy_bw):
-    from cunorm import _channels
+    from .._engine import channel_norms
 
     x, w, b, running, y = make_channel_inputs(op, shape, dtype, channel_axis, params)
     nbytes = fewest_bytes(x, w, b, False)
@@ -635,7 +635,7 @@ def tune_channel_case(name, op, shape, dtype, groups, channel_axis, params, copy
     out = []
     for override in CHANNEL_TUNE.get(name, []):
         try:
-            ms, _, _ = time_gpu(lambda: _channels.execute(call, *prepared, override=override))
+            ms, _, _ = time_gpu(lambda: channel_norms.execute(call, *prepared, override=override))
             out.append({"case": name, "override": override, "ms": ms,
                         "floor_pct": 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw})
         except Exception as err:
@@ -655,7 +655,7 @@ def tune_case(name, op, shape, dtype, axis, params, residual, copy_bw):
     out = []
     for override in TUNE.get(name, []):
         try:
-            ms, lo, hi = time_gpu(lambda: _ops.launch_on(norm, x, y, w=w, b=b, r=r, h=h, first=first, last=last,
+            ms, lo, hi = time_gpu(lambda: row_norms.launch_on(norm, x, y, w=w, b=b, r=r, h=h, first=first, last=last,
                                                          eps=1e-5, override=override))
             out.append({"case": name, "override": override, "ms": ms,
                         "floor_pct": 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw})
@@ -699,7 +699,7 @@ def host_rows(n_calls: int = 2000) -> list[dict]:
                  "us": _per_call_us(lambda: cunorm.rms_norm(x, w, out=y), n_calls, sync), "torch_us": None})
     if torch is None:
         return rows
-    from cunorm import torch as cunorm_torch
+    from .. import torch as cunorm_torch
 
     sync = torch.cuda.synchronize
     F = torch.nn.functional

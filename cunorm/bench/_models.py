@@ -164,7 +164,7 @@ def rows(quick: bool = False, with_compile: bool = True, only: str = "") -> list
     this text (or one of its comma-separated parts)."""
     import torch
 
-    from cunorm import torch as cunorm_torch
+    from .. import torch as cunorm_torch
 
     repeats = 5 if quick else 20
     out = []

@@ -14,7 +14,7 @@
 // No float atomics anywhere (an integer arrival count for the barrier), so
 // every gradient is bitwise the same run to run.
 //
-// Families (cunorm/_grad.py picks):
+// Families (cunorm/_engine/gradients.py picks):
 //   rows_grad_cached   contiguous rows of up to 32 elements (64 bytes of x)
 //                      a thread: a block walks rows with its row in
 //                      registers, reads x and dy once, and keeps its

@@ -61,8 +61,8 @@
 
 namespace cunorm {
 
-constexpr int kChannelBlockThreads = 256;  // mirrors CHANNEL_BLOCK_THREADS in cunorm/_dispatch.py
-// mirror CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED in cunorm/_dispatch_channels.py
+constexpr int kChannelBlockThreads = 256;  // mirrors CHANNEL_BLOCK_THREADS in cunorm/_engine/dispatch_rows.py
+// mirror CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED in cunorm/_engine/dispatch_channels.py
 constexpr int kChannelsFirst = 0;
 constexpr int kChannelsLast = 1;
 constexpr int kChannelsLastGrouped = 2;

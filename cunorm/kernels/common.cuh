@@ -36,7 +36,7 @@ template <class A> struct same_type<A, A> { static constexpr bool value = true; 
 // A 2-D thread layout over a 1-D block: thread (tx, ty) of bx x by is the
 // one of linear index ty * bx + tx, as in a 2-D launch, so warps are made
 // of the same threads. Every launch is 1-D (XLA's custom call, which
-// cunorm/_jax_jit.py launches through, takes no other), and a kernel with a
+// cunorm/jax/_jit.py launches through, takes no other), and a kernel with a
 // 2-D layout is told its bx (the block_x argument).
 struct BlockLayout {
     int tx, ty, bx, by;

@@ -219,7 +219,7 @@ struct L2Norm : SumStatistic<A, SquareTerm> {
 };
 
 // General p > 0 (not 1, 2 or inf):  norm = (sum |x|^p)^(1/p), p a template
-// argument (the bits of the double p: cunorm/_dispatch.py), one
+// argument (the bits of the double p: cunorm/_engine/dispatch_rows.py), one
 // instantiation a p. pow is the accurate library function (a few tens of
 // instructions an element: slower than the three above, which are plain
 // loads and adds).

@@ -17,7 +17,7 @@
 // with Y = none_t writes no y (the statistics alone: a jit program that
 // never reads y).
 //
-// Three tiers, picked by cunorm/_dispatch.py from the row length and count:
+// Three tiers, picked by cunorm/_engine/dispatch_rows.py from the row length and count:
 //
 //   rows_cached    the row is read once into registers, reduced, then scaled
 //                  from registers: one read and one write of every element.
@@ -61,7 +61,7 @@ namespace cunorm {
 //                                      at 81% of copy bandwidth, two at 92%
 // Set by ptxas's spill reports over every instantiation for sm_80 and sm_90
 // (at 64 registers, 8 float4 vectors a thread spilled on sm_80);
-// cunorm/_dispatch.py (cached_cost, block_cache_limit) mirrors it.
+// cunorm/_engine/dispatch_rows.py (cached_cost, block_cache_limit) mirrors it.
 template <class T, class A, int STAT_WORDS, int VEC, int VECS_PER_THREAD, bool RESIDUAL>
 struct RowsCachedBounds {
     static constexpr int kCost = VECS_PER_THREAD * VEC * static_cast<int>(sizeof(T)) * (RESIDUAL ? 4 : 1) *
@@ -307,7 +307,7 @@ __host__ __device__ constexpr int uncached_held_vectors() {
 // rows_uncached: rows too long for registers, when there are enough of them
 // to fill the GPU (problems 38/39: 32768 rows of 65535 floats, 256 KB each).
 // Math: the policy's statistic of the row, then the epilogue, as every tier.
-// Layout: a persistent grid of one 512-thread block an SM (cunorm/_dispatch.py,
+// Layout: a persistent grid of one 512-thread block an SM (cunorm/_engine/dispatch_rows.py,
 // UNCACHED_BLOCKS_PER_SM; capped at what fits), each walking rows
 // blockIdx.x, + gridDim.x, ... and keeping as much of each row on chip as
 // fits: the first stash_vecs vectors in shared memory (the stash, dynamic),
@@ -323,14 +323,14 @@ __host__ __device__ constexpr int uncached_held_vectors() {
 //   3. the rest is read again, backwards (the bytes read last come first,
 //      the likeliest still in L2), marked evict-first as it is read and as y
 //      is written, so spent bytes leave room for those still to be re-read.
-// Measured on the H200 (cunorm/_dispatch.py): problem 39 at 86% of copy
+// Measured on the H200 (cunorm/_engine/dispatch_rows.py): problem 39 at 86% of copy
 // bandwidth with stash and registers, 67.5% reading everything twice.
 // Rows may start off VEC alignment (rows of 65535 floats): each row's head
 // (up to its first aligned element) and tail are folded and written an
 // element at a time by the first threads, the aligned body a vector at a
 // time. The plan allows a misaligned start only when x's and y's rows share
 // it and there are no parameters (whose index would be misaligned too) and
-// no residual (cunorm/_plan.py, peel_vec).
+// no residual (cunorm/_engine/plans.py, peel_vec).
 // With RESIDUAL there is no stash (stash_vecs = 0: h is formed in
 // registers) and the rest's second sweep reads h back (written by other
 // threads of the block: block_reduce's barriers order it). Nor is there
@@ -480,7 +480,7 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
 //
 // Pass 1 of the split tier: partial[row * chunks + chunk] = statistic of the
 // chunk's elements (and h written).
-// The split tier runs 256-thread blocks (cunorm/_dispatch.py, SPLIT_BLOCK_THREADS),
+// The split tier runs 256-thread blocks (cunorm/_engine/dispatch_rows.py, SPLIT_BLOCK_THREADS),
 // up to 128 registers (a batch of x and r vectors with LayerNorm's fold
 // spilled at 64).
 template <template <class> class NormT, class T, bool RESIDUAL, int VEC>

@@ -21,7 +21,7 @@
 // P/FLAGS: the affine parameters, one per channel (reduced index).
 // Per-group statistics go to center_out / scale_out (index o * inner + i)
 // when those are not null. No residual here: cunorm forms h first for a
-// strided axis (cunorm/_ops.py).
+// strided axis (cunorm/_engine/row_norms.py).
 //
 // Dynamic shared memory: by * VEC * bx Stats.
 #include "reduce.cuh"

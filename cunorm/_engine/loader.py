@@ -18,9 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-from ._cache import BoundedCache
+from .caches import BoundedCache
 
-KERNEL_DIR = Path(__file__).parent / "kernels"
+KERNEL_DIR = Path(__file__).parent.parent / "kernels"
 #: options shared by the run-time and the offline (CI) compiles. CuPy adds
 #: -arch for the current device and -ftz=true itself.
 OPTIONS = ("-std=c++17",)
@@ -114,13 +114,13 @@ def precompile(verbose: bool = False, jobs: int | None = None) -> dict:
     (``python -m cunorm check`` compiles without one).
 
     The workers are fresh interpreters running this module (``python -m
-    cunorm._loader``), not multiprocessing's children, so a caller's script
+    cunorm._engine.loader``), not multiprocessing's children, so a caller's script
     is never re-run in them (no ``if __name__ == "__main__"`` guard needed).
     """
     import os
     import subprocess
 
-    from ._catalogue import all_kernels
+    from .catalogue import all_kernels
 
     if gpu_name() is None:
         raise RuntimeError("cunorm.precompile: no CUDA GPU found; precompile builds the kernels for the current "
@@ -133,13 +133,13 @@ def precompile(verbose: bool = False, jobs: int | None = None) -> dict:
     start = time.perf_counter()
     jobs = jobs or os.cpu_count() or 1
     if jobs > 1:
-        package_parent = str(Path(__file__).resolve().parent.parent)
+        package_parent = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
         workers = []
         for i in range(jobs):
             share = "\n".join(f"{k.family} {int(k.cooperative)} {k.expression}" for k in kernels[i::jobs])
-            worker = subprocess.Popen([sys.executable, "-m", "cunorm._loader"], stdin=subprocess.PIPE,
+            worker = subprocess.Popen([sys.executable, "-m", "cunorm._engine.loader"], stdin=subprocess.PIPE,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
             worker.stdin.write(share)
             worker.stdin.close()

@@ -1,6 +1,6 @@
 """cunorm's drop-in torch.nn norm layers, and the forwards they share with
 the timm and transformers layers that replace_norms swaps in
-(cunorm/_torch_zoo.py).
+(cunorm/torch/_zoo.py).
 
 The layers subclass their torch.nn counterparts and replace only
 ``forward``: constructor arguments, parameters, buffers, ``state_dict`` keys
@@ -10,7 +10,7 @@ where that is faster (``runs_original``): under dynamo's tracing
 (torch.compile), and under eager autograd for small inputs when the
 original is one fused torch op. Otherwise, under eager autograd, the
 RMSNorm, LayerNorm, GroupNorm and BatchNorm forwards enter their
-autograd.Function (cunorm/_torch_autograd.py) directly, and in inference
+autograd.Function (cunorm/torch/_autograd.py) directly, and in inference
 they call the array-level ops, which take the launch cache. A forward with
 an ``activation`` runs it in the kernel's epilogue in inference, and as
 torch's op after the norm where autograd records (cunorm.torch.rms_norm
@@ -23,9 +23,10 @@ import math
 import torch
 from torch import Tensor
 
-from . import _fast, norms
-from ._interop import torch as _adapter
-from ._torch_autograd import channel_norm_apply, eager_autograd, needs_grad, row_norm_apply
+from .._engine import launch_cache
+from .. import norms
+from .._interop import torch as _adapter
+from ._autograd import channel_norm_apply, eager_autograd, needs_grad, row_norm_apply
 
 is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
@@ -70,7 +71,7 @@ def original_forward(module, x: Tensor) -> Tensor:
 MEMO_SIGNATURES = 8
 
 _autocast_on = torch.is_autocast_enabled
-_fast_watch = _fast.WATCH
+_fast_watch = launch_cache.WATCH
 
 
 def _memo_key(x: Tensor, tag: int):

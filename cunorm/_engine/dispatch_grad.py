@@ -1,5 +1,5 @@
 """Choosing the backward passes' kernels and launches
-(cunorm/kernels/backward.cu, run by cunorm/_grad.py): pure functions of the
+(cunorm/kernels/backward.cu, run by cunorm/_engine/gradients.py): pure functions of the
 call's shape and the device, returning a frozen GradLaunch.
 
 Contiguous rows of at most GRAD_CACHED_MAX_ELEMS elements (and
@@ -23,11 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import _kernels as K
-from ._dispatch import (MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step, _ceil_div, next_pow2,
-                        norm_info, plane_rows_block)
-from ._dispatch_channels import CHANNEL_PLANE_ROWS_MAX_VECS, first_holding
-from ._plan import ChannelPlan
+from . import declarations as K
+from .dispatch_rows import MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step, _ceil_div, next_pow2, norm_info, plane_rows_block
+from .dispatch_channels import CHANNEL_PLANE_ROWS_MAX_VECS, first_holding
+from .plans import ChannelPlan
 
 #: elements a rows_grad_cached thread holds in registers (x, dy and its
 #: columns' weights): 32 of 16-bit data, 16 of 32-bit, 8 doubles, at most
@@ -219,7 +218,7 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
     inner) arrays, vec elements a vector along the contiguous axis.
     ``cooperative`` False (the jit path, whose launches cannot be): the
     cached tier leaves dweight and dbias to a column_sum launch."""
-    from ._dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
+    from .dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     a = KERNEL_TYPE[accumulation(dtype)]
     t = KERNEL_TYPE[dtype]
@@ -343,7 +342,7 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, overr
     finalize, apply. ``override`` (tests and tuning) may set "walk"
     ("onchip" or "split") and channel_grad_onchip's "threads", "elements"
     (of x a thread) and "cluster"."""
-    from ._dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
+    from .dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     acc = accumulation(plan.dtype)
     a, t = KERNEL_TYPE[acc], KERNEL_TYPE[plan.dtype]

@@ -4,7 +4,7 @@ A call is canonicalized to a ChannelPlan (x dense channels-first or
 channels-last in memory, whichever its strides already are; anything else is
 copied once) and run by the channel family (cunorm/kernels/channels.cu), or
 by the row family when it is a row norm in disguise
-(_dispatch_channels.channel_rows_fast). y has x's memory layout.
+(dispatch_channels.channel_rows_fast). y has x's memory layout.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import numbers
 
 import numpy as np
 
-from . import _dispatch_channels, _dtypes, _fast, _interop, _launch, _ops, _plan
+from . import dispatch_channels, dtypes, launch_cache, launches, row_norms, plans
+from .. import _interop
 
 NORMS = ("group", "instance", "batch")
 
@@ -30,14 +31,14 @@ class ChannelCall:
                  epilogue=0, out_dtype=None):
         fn = f"{norm}_norm"
         self.norm = norm
-        self.epilogue = epilogue  # the activation's FLAGS bits (_plan.activation_flags)
+        self.epilogue = epilogue  # the activation's FLAGS bits (plans.activation_flags)
         # y's dtype where it is not x's (cunorm's GroupNorm layers under
         # autocast: float32 from 16-bit x); internal, without out=
         self.out_dtype = out_dtype
         self.adapter = _interop.adapter_for(x, "x")
         xa = x if self.adapter is _interop.NUMPY else self.adapter.to_cupy(x, "x")
-        _ops.check_dtype(xa.dtype, "x")
-        _ops.check_out_dtype(out_dtype, xa.dtype)
+        row_norms.check_dtype(xa.dtype, "x")
+        row_norms.check_out_dtype(out_dtype, xa.dtype)
         if xa.ndim < 2:
             raise ValueError(f"{fn}: x must have a batch and a channel axis (N, C, ...), got shape {tuple(xa.shape)}")
         self.x = xa
@@ -46,7 +47,7 @@ class ChannelCall:
         channels = shape[self.channel_axis]
         spatial = math.prod(s for a, s in enumerate(shape) if a not in (0, self.channel_axis))
         if norm == "group":
-            num_groups = _ops.check_int(num_groups, "group_norm: num_groups")
+            num_groups = row_norms.check_int(num_groups, "group_norm: num_groups")
             if num_groups < 1 or channels % num_groups:
                 raise ValueError(f"group_norm: num_groups must be >= 1 and divide the {channels} channels, "
                                  f"got {num_groups}")
@@ -56,19 +57,19 @@ class ChannelCall:
         per_group = (channels // max(self.groups, 1)) * spatial * (shape[0] if norm == "batch" else 1)
         self.weight = self._param(weight, "weight", channels)
         self.bias = self._param(bias, "bias", channels)
-        self.eps = _ops.check_eps(eps, xa.dtype)
-        self.return_stats = _ops.check_flag(return_stats, "return_stats")
-        self.training = _ops.check_flag(training, "training")
+        self.eps = row_norms.check_eps(eps, xa.dtype)
+        self.return_stats = row_norms.check_flag(return_stats, "return_stats")
+        self.training = row_norms.check_flag(training, "training")
         self.momentum = _momentum(momentum)
         self.running_mean = self._running(running_mean, "running_mean", channels)
         self.running_var = self._running(running_var, "running_var", channels)
         for name, buf in (("running_mean", self.running_mean), ("running_var", self.running_var)):
-            other = None if buf is None else _ops.first_overlap(buf, (xa, "x"), (self.weight, "weight"),
+            other = None if buf is None else row_norms.first_overlap(buf, (xa, "x"), (self.weight, "weight"),
                                                                 (self.bias, "bias"))
             if other is not None:
                 raise ValueError(f"batch_norm: {name} overlaps {other}; pass a separate buffer")
         if (self.running_mean is not None and self.running_var is not None
-                and _ops._overlaps(self.running_mean, self.running_var)):
+                and row_norms._overlaps(self.running_mean, self.running_var)):
             raise ValueError("batch_norm: running_mean and running_var overlap; pass two separate buffers")
         if norm == "batch" and not self.training and (self.running_mean is None or self.running_var is None):
             raise ValueError("batch_norm with training=False normalizes with the running statistics: "
@@ -80,13 +81,13 @@ class ChannelCall:
         self.out_given = out
         self.out = None if out is None else self._out(out)
 
-    _same_kind = _ops.Call._same_kind
+    _same_kind = row_norms.Call._same_kind
 
     def _param(self, p, name, channels):
         if p is None:
             return None
         pa = self._same_kind(p, name)
-        _ops.check_dtype(pa.dtype, name)
+        row_norms.check_dtype(pa.dtype, name)
         if tuple(pa.shape) != (channels,):
             raise ValueError(f"{self.norm}_norm: {name} must have shape ({channels},), one per channel, "
                              f"got {tuple(pa.shape)}")
@@ -98,28 +99,28 @@ class ChannelCall:
         if self.norm != "batch":
             raise ValueError(f"{name} is a batch_norm argument")
         if self.training:
-            _ops.check_writable(buf, name)
+            row_norms.check_writable(buf, name)
         else:  # (read only in eval mode; a JAX buffer is refused alike: cunorm.jax takes those)
-            _ops.refuse_jax(buf, name)
+            row_norms.refuse_jax(buf, name)
         ba = self._same_kind(buf, name)
-        _ops.check_dtype(ba.dtype, name)
+        row_norms.check_dtype(ba.dtype, name)
         if tuple(ba.shape) != (channels,):
             raise ValueError(f"batch_norm: {name} must have shape ({channels},), got {tuple(ba.shape)}")
         return ba
 
     def _out(self, out):
-        _ops.check_writable(out, "out")
+        row_norms.check_writable(out, "out")
         oa = self._same_kind(out, "out")
         if tuple(oa.shape) != tuple(self.x.shape) or oa.dtype != self.x.dtype:
             raise ValueError(f"out must have x's shape {tuple(self.x.shape)} and dtype {self.x.dtype}, "
                              f"got shape {tuple(oa.shape)} and dtype {oa.dtype}")
-        name = _ops.first_overlap(oa, (self.x, "x"), (self.weight, "weight"), (self.bias, "bias"),
+        name = row_norms.first_overlap(oa, (self.x, "x"), (self.weight, "weight"), (self.bias, "bias"),
                                   (self.running_mean, "running_mean"), (self.running_var, "running_var"))
         if name is not None:
             raise ValueError(f"out overlaps {name}; pass a separate buffer")
         return oa
 
-    on_gpu = _ops.Call.on_gpu
+    on_gpu = row_norms.Call.on_gpu
 
     @property
     def stats_shape(self) -> tuple:
@@ -133,7 +134,7 @@ def stats_shape(norm: str, shape: tuple, channel_axis: int, groups: int) -> tupl
 
 
 def _channel_axis(axis, ndim, fn) -> int:
-    axis = _ops.check_int(axis, f"{fn}: channel_axis")
+    axis = row_norms.check_int(axis, f"{fn}: channel_axis")
     if not -ndim <= axis < ndim or axis % ndim not in (1, ndim - 1):
         raise ValueError(f"{fn}: channel_axis must be 1 (channels-first) or -1 (channels-last) for x of "
                          f"{ndim} dimensions, got {axis}")
@@ -151,11 +152,11 @@ def _momentum(momentum) -> float:
 
 def run(call: ChannelCall, key=None):
     """y (then mean, rstd) as the caller's array type. ``key``: the call's
-    signature in the launch cache (cunorm/_fast.py), which gets an entry
+    signature in the launch cache (cunorm/launch_cache.py), which gets an entry
     when the call ran without copies or conversions."""
     if not call.on_gpu:
         if not call.x.size:  # nothing to normalize; the running buffers are left as they are
-            return _ops.empty_results(call, 1, 2)
+            return row_norms.empty_results(call, 1, 2)
         return _run_reference(call)
     with call.adapter.scope(call.x.data.device_id):
         x, y, last, stats = prepare(call)
@@ -165,30 +166,30 @@ def run(call: ChannelCall, key=None):
         wrap = call.adapter.from_cupy
         results = [call.out_given if call.out is not None else wrap(y)] + [wrap(s) for s in stats]
     if key is not None and program is not None and x is call.x and call.out is None:
-        _fast.CHANNELS.put(key, _channel_entry(call, program, last))
+        launch_cache.CHANNELS.put(key, _channel_entry(call, program, last))
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def _channel_entry(call: ChannelCall, program, last: bool) -> _fast.Entry:
+def _channel_entry(call: ChannelCall, program, last: bool) -> launch_cache.Entry:
     """The launch cache's entry of a channel norm's call that ran
     ``program`` over its arrays as given; called as entry(x, weight, bias,
     running_mean, running_var)."""
     x = call.x
-    order = _plan.channel_orders(x.ndim, call.channel_axis)[last]
+    order = plans.channel_orders(x.ndim, call.channel_axis)[last]
     perm = tuple(int(a) for a in np.argsort(order))
     outputs = {"y": ([x.shape[a] for a in order], call.out_dtype or x.dtype,
                      None if perm == tuple(range(x.ndim)) else perm)}
     if call.return_stats:
-        acc = _dtypes.accumulation(x.dtype)
+        acc = dtypes.accumulation(x.dtype)
         outputs["mean"] = outputs["rstd"] = (call.stats_shape, acc, None)
     mean, rstd = ("mean", "rstd") if call.return_stats else (None, None)
-    if program.slots == _ops.ROW_SLOTS:  # a row norm in disguise
+    if program.slots == row_norms.ROW_SLOTS:  # a row norm in disguise
         slots = ("x", None, "y", None, None, None, mean, rstd)
     else:
         present = lambda name, a: None if a is None else name  # noqa: E731
         slots = ("x", "y", present("w", call.weight), present("b", call.bias), mean, rstd,
                  present("running_mean", call.running_mean), present("running_var", call.running_var))
-    return _fast.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "running_mean", "running_var"),
+    return launch_cache.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "running_mean", "running_var"),
                        outputs, slots, tuple(outputs), arrays={"x": x})
 
 
@@ -200,17 +201,17 @@ def prepare(call: ChannelCall):
 
     ca = call.channel_axis
     x, last = _dense(call.x, ca, call.norm != "batch")
-    order = _plan.channel_orders(x.ndim, ca)[last]
+    order = plans.channel_orders(x.ndim, ca)[last]
     if call.out is not None:
         y = call.out
-        if not _plan.dense_order(y.shape, _elements(y), order):
+        if not plans.dense_order(y.shape, _elements(y), order):
             raise ValueError(f"out must have x's memory layout ({'channels-last' if last else 'channels-first'}, "
                              f"dense), got strides {y.strides}")
     else:
         y = cupy.empty([x.shape[a] for a in order], dtype=call.out_dtype or x.dtype).transpose(np.argsort(order))
-    acc = _dtypes.accumulation(x.dtype)
+    acc = dtypes.accumulation(x.dtype)
     stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2)] if call.return_stats else []
-    if not x.size:  # statistics over no elements (_ops.empty_results)
+    if not x.size:  # statistics over no elements (row_norms.empty_results)
         for s in stats:
             s.fill(np.nan)
     return x, y, last, stats
@@ -222,7 +223,7 @@ def _dense(x, channel_axis: int, per_sample: bool):
     import cupy
 
     strides = _elements(x)
-    last = _plan.channel_layout(x.shape, strides, channel_axis, per_sample)
+    last = plans.channel_layout(x.shape, strides, channel_axis, per_sample)
     if last is None:  # dense in neither layout: one copy, C order
         x = cupy.ascontiguousarray(x)
         last = output_layout(x.shape, strides, channel_axis, per_sample)
@@ -234,12 +235,12 @@ def output_layout(shape, strides, channel_axis: int, per_sample: bool) -> bool:
     ``strides`` (elements): x's own layout when x is dense in one of the two,
     else that of x's C-order copy. (torch.compile's fake tensors take their
     strides from here, so it must agree with prepare.)"""
-    last = _plan.channel_layout(shape, strides, channel_axis, per_sample)
+    last = plans.channel_layout(shape, strides, channel_axis, per_sample)
     if last is None:
         c_order = [1] * len(shape)
         for axis in range(len(shape) - 2, -1, -1):
             c_order[axis] = c_order[axis + 1] * shape[axis + 1]
-        last = _plan.channel_layout(shape, tuple(c_order), channel_axis, per_sample)
+        last = plans.channel_layout(shape, tuple(c_order), channel_axis, per_sample)
         if last is None:  # empty: nothing is laid out
             last = channel_axis != 1
     return last
@@ -247,7 +248,7 @@ def output_layout(shape, strides, channel_axis: int, per_sample: bool) -> bool:
 
 def output_order(shape, strides, channel_axis: int, per_sample: bool) -> tuple[int, ...]:
     """y's axes in memory order, outermost first (see output_layout)."""
-    return _plan.channel_orders(len(shape), channel_axis)[output_layout(shape, strides, channel_axis, per_sample)]
+    return plans.channel_orders(len(shape), channel_axis)[output_layout(shape, strides, channel_axis, per_sample)]
 
 
 def _elements(a):
@@ -255,10 +256,10 @@ def _elements(a):
 
 
 def _run_reference(call):
-    from . import reference
+    from .. import reference
 
     kw = {"eps": call.eps, "channel_axis": call.channel_axis, "return_stats": call.return_stats,
-          "activation": _plan.activation_name(call.epilogue)}
+          "activation": plans.activation_name(call.epilogue)}
     if call.norm == "group":
         results = reference.group_norm(call.x, call.groups, call.weight, call.bias, **kw)
     elif call.norm == "instance":
@@ -268,7 +269,7 @@ def _run_reference(call):
                                        running_var=call.running_var, training=call.training,
                                        momentum=call.momentum, **kw)
     if call.out_dtype is not None:
-        results = _ops._with_y(results, lambda y: y.astype(call.out_dtype))
+        results = row_norms._with_y(results, lambda y: y.astype(call.out_dtype))
     if call.out is None:
         return results
     first = results[0] if isinstance(results, tuple) else results
@@ -281,41 +282,41 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     the walk it took, for the benchmark's table, and the Program that ran,
     None where a parameter or running buffer had to be converted first.
     ``override`` (tests and the tuning script): {"walk": "split", "stream"
-    or "rows"} forces a walk (_dispatch_channels.choose_channel_walk); {"chunks": n}
+    or "rows"} forces a walk (dispatch_channels.choose_channel_walk); {"chunks": n}
     cuts the three launches as told, {"hints": h} sets their L2 hints
-    (_dispatch_channels.choose_channels); "tile_vecs", "slab_bytes", "lag" and
-    "hints" set channel_stream's schedule (_dispatch_channels.choose_channel_stream)."""
+    (dispatch_channels.choose_channels); "tile_vecs", "slab_bytes", "lag" and
+    "hints" set channel_stream's schedule (dispatch_channels.choose_channel_stream)."""
     import cupy
 
     shape = x.shape
     ca = call.channel_axis
     batch, channels = shape[0], shape[ca]
     spatial = x.size // (batch * channels)
-    flags, pdtype = _ops.kernel_params(x.dtype, call.weight, call.bias)
-    w, b = _ops._as_param(call.weight, pdtype), _ops._as_param(call.bias, pdtype)
+    flags, pdtype = row_norms.kernel_params(x.dtype, call.weight, call.bias)
+    w, b = row_norms._as_param(call.weight, pdtype), row_norms._as_param(call.bias, pdtype)
     flags |= call.epilogue
     from_running = call.norm == "batch" and not call.training
     key = (call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial, channels // call.groups,
            call.norm != "batch", x.data.ptr % 32, y.data.ptr % 32, from_running, bool(stats), x.data.device_id,
            tuple(sorted((override or {}).items())), y.dtype if y.dtype != x.dtype else None)
     plan, launch = _planned(*key)
-    acc = _dtypes.accumulation(x.dtype)
+    acc = dtypes.accumulation(x.dtype)
     mean_out, rstd_out = (s.reshape(-1) for s in stats) if stats else (None, None)
     converted = w is not call.weight or b is not call.bias
     if launch is None:  # a row norm in disguise: LayerNorm over each group's contiguous row
         rows = plan.statistic_groups
         xv = cupy.ndarray((rows, x.size // rows), x.dtype, x.data)
         yv = cupy.ndarray((rows, x.size // rows), y.dtype, y.data)
-        _, row_launch, program = _ops._launch_rows("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1,
+        _, row_launch, program = row_norms._launch_rows("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1,
                                                    eps=call.eps, epilogue=call.epilogue, out_dtype=y.dtype)
         return f"rows ({row_launch.tier})", program
     # Running buffers the kernels update in place: accumulation dtype,
     # contiguous (copied back below when they had to be converted).
-    running = [_ops._as_param(buf, acc) for buf in (call.running_mean, call.running_var)]
+    running = [row_norms._as_param(buf, acc) for buf in (call.running_mean, call.running_var)]
     program = channel_program(plan, launch, from_running, call.eps, call.momentum, mean_out is not None,
                               tuple(r is not None for r in running), x.data.device_id)
-    program.run(tuple(_launch.ptr(a) for a in (x, y, w, b, mean_out, rstd_out, *running)), _launch.cupy_stream(),
-                _launch.cupy_alloc)
+    program.run(tuple(launches.ptr(a) for a in (x, y, w, b, mean_out, rstd_out, *running)), launches.cupy_stream(),
+                launches.cupy_alloc)
     for buf, used in zip((call.running_mean, call.running_var), running):
         if buf is not None and used is not buf:
             converted = True  # (the Program ran over the copy: the launch cache must not replay it over buf)
@@ -330,10 +331,10 @@ CHANNEL_SLOTS = ("x", "y", "w", "b", "mean", "rstd", "running_mean", "running_va
 
 @functools.lru_cache(maxsize=1024)
 def channel_program(plan, launch, from_running: bool, eps: float, momentum: float, has_stats: bool,
-                    has_running: tuple[bool, bool], device: int) -> _launch.Program:
+                    has_running: tuple[bool, bool], device: int) -> launches.Program:
     """The Program of the channel family's walk (CHANNEL_SLOTS): absent
     parameters passed as x, absent statistics and running buffers as null."""
-    return build_channels(_launch.ProgramBuilder(CHANNEL_SLOTS, device), plan, launch, from_running, eps, momentum,
+    return build_channels(launches.ProgramBuilder(CHANNEL_SLOTS, device), plan, launch, from_running, eps, momentum,
                           has_stats, has_running).build()
 
 
@@ -343,11 +344,11 @@ def build_channels(pb, plan, launch, from_running: bool, eps: float, momentum: f
     LaunchRecorder); returns pb. Each workspace is its own slot (the jit
     path's custom calls take no pointer into the middle of a buffer)."""
     x = pb["x"]
-    w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
-    b = pb["b"] if plan.flags & _plan.FLAG_BIAS else x
+    w = pb["w"] if plan.flags & plans.FLAG_WEIGHT else x
+    b = pb["b"] if plan.flags & plans.FLAG_BIAS else x
     mean, rstd = (pb["mean"], pb["rstd"]) if has_stats else (None, None)
     rm, rv = (pb[name] if present else None for name, present in zip(("running_mean", "running_var"), has_running))
-    acc_bytes = _dtypes.accumulation(plan.dtype).itemsize
+    acc_bytes = dtypes.accumulation(plan.dtype).itemsize
     dims = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
             "channels_per_group": plan.channels_per_group, "per_sample": int(plan.per_sample)}
     apply = {"x": x, "y": pb["y"], "w": w, "b": b, **dims, "chunks": launch.chunks, "chunk_len": launch.chunk_vecs,
@@ -400,7 +401,7 @@ def batch_statistics(call: ChannelCall):
     """(mean, rstd) per channel of a training-mode BatchNorm call over
     non-empty GPU x, as CuPy arrays, with no y: the three launches'
     channel_partial and channel_finalize alone (x read once).
-    SyncBatchNorm's per-rank statistics (cunorm/_torch_sync.py); with eps
+    SyncBatchNorm's per-rank statistics (cunorm/torch/_sync.py); with eps
     0, rstd ** -2 is the biased variance."""
     import dataclasses
 
@@ -416,11 +417,11 @@ def batch_statistics(call: ChannelCall):
     plan, launch = _planned("batch", x.dtype, None, 0, last, batch, channels, spatial, 1, False, x.data.ptr % 32,
                             x.data.ptr % 32, False, True, device, (("walk", "split"),))
     alone = dataclasses.replace(launch, tier="channel_statistics", steps=launch.steps[:2])
-    acc = _dtypes.accumulation(x.dtype)
+    acc = dtypes.accumulation(x.dtype)
     mean, rstd = (cupy.empty(channels, dtype=acc) for _ in range(2))
     program = channel_program(plan, alone, False, call.eps, 0.0, True, (False, False), device)
-    program.run(tuple(_launch.ptr(a) for a in (x, None, None, None, mean, rstd, None, None)), _launch.cupy_stream(),
-                _launch.cupy_alloc)
+    program.run(tuple(launches.ptr(a) for a in (x, None, None, None, mean, rstd, None, None)), launches.cupy_stream(),
+                launches.cupy_alloc)
     return mean, rstd
 
 
@@ -428,41 +429,41 @@ def batch_statistics(call: ChannelCall):
 def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group, per_sample, x_mod,
              y_mod, from_running, returns_stats, device_id, override_items=(), out_dtype=None):
     """(plan, launch) of a call; launch None for the row family's path."""
-    plan = _plan.make_channel_plan(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group,
+    plan = plans.make_channel_plan(norm, dtype, pdtype, flags, last, batch, channels, spatial, channels_per_group,
                                    per_sample, x_mod, y_mod, out_dtype)
     override = dict(override_items)
     walk = override.pop("walk", None)
     if walk not in (None, "split", "stream", "rows", "onchip"):
         raise ValueError(f"unknown channel walk override {walk!r}; expected 'split', 'stream' or 'rows'")
-    device = _launch.device_info(device_id)
+    device = launches.device_info(device_id)
     if walk is None and not from_running:
-        walk = _dispatch_channels.choose_channel_walk(plan, device)
+        walk = dispatch_channels.choose_channel_walk(plan, device)
     if walk == "rows":
-        if from_running or not _dispatch_channels.channel_rows_fast(plan):
+        if from_running or not dispatch_channels.channel_rows_fast(plan):
             raise ValueError("the rows walk takes GroupNorm and InstanceNorm without parameters, channels-first")
         return plan, None
     if walk == "onchip":
-        if from_running or _dispatch_channels.onchip_shape(plan, device, override) is None:
-            threads, elements, cluster = _dispatch_channels.ONCHIP_SHAPES[-1]
+        if from_running or dispatch_channels.onchip_shape(plan, device, override) is None:
+            threads, elements, cluster = dispatch_channels.ONCHIP_SHAPES[-1]
             raise ValueError("channel_onchip takes training-mode calls whose statistic group fits its shape (at most "
                              f"{threads} threads x {elements} elements x a cluster of {cluster}; clusters from sm_90), "
                              "channels-last only GroupNorm/InstanceNorm groups of whole vectors; got "
                              f"{plan.norm}_norm, groups of "
-                             f"{_dispatch_channels.onchip_group_vecs(plan) * plan.vec} elements, "
+                             f"{dispatch_channels.onchip_group_vecs(plan) * plan.vec} elements, "
                              f"{'channels-last' if plan.channels_last else 'channels-first'}, vectors of {plan.vec}, "
                              f"shape override {override or None}")
-        launch = _dispatch_channels.choose_channel_onchip(plan, device, override)
+        launch = dispatch_channels.choose_channel_onchip(plan, device, override)
     elif walk == "stream":
-        if from_running or not _dispatch_channels.stream_fits(plan, device):
+        if from_running or not dispatch_channels.stream_fits(plan, device):
             raise ValueError("channel_stream takes GroupNorm and InstanceNorm in training, channels-first x in "
                              "16-byte vectors, groups of at most a quarter of L2; got "
                              f"{plan.norm}_norm, {'channels-last' if plan.channels_last else 'channels-first'}, "
                              f"{plan.vec * plan.dtype.itemsize}-byte vectors, groups of "
                              f"{plan.channels_per_group * plan.spatial * plan.dtype.itemsize} bytes")
-        launch = _dispatch_channels.choose_channel_stream(plan, device, override)
+        launch = dispatch_channels.choose_channel_stream(plan, device, override)
     else:
-        launch = _dispatch_channels.choose_channels(plan, device, from_running=from_running, returns_stats=returns_stats,
+        launch = dispatch_channels.choose_channels(plan, device, from_running=from_running, returns_stats=returns_stats,
                                            override=override)
     for step in launch.steps:
-        _launch.check_limits(step, device)
+        launches.check_limits(step, device)
     return plan, launch

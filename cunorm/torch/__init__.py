@@ -11,10 +11,10 @@ here by themselves when autograd or dynamo needs it; in plain eager
 inference they take the shorter direct path, without torch's custom-op
 dispatch (docs/torch.md, "Cost per call").
 
-The modules (cunorm/_torch_layers.py) subclass their ``torch.nn``
+The modules (cunorm/torch/_layers.py) subclass their ``torch.nn``
 counterparts and replace only ``forward``: the constructor arguments,
 parameters, buffers, ``state_dict`` keys and ``repr`` are torch's own, so a
-checkpoint loads into either. ``replace_norms(model)`` (cunorm/_torch_zoo.py)
+checkpoint loads into either. ``replace_norms(model)`` (cunorm/torch/_zoo.py)
 swaps a model's norm layers, torch.nn's, timm's and transformers', for
 cunorm's in place.
 
@@ -39,13 +39,14 @@ except ModuleNotFoundError as err:
                               "(or a torch build for your CUDA from pytorch.org)", name="torch") from err
 from torch import Tensor
 
-from . import _channels, _dispatch, _ops, _plan, backward, norms, reference
-from ._interop import torch as _adapter
-from ._torch_autograd import channel_norm_apply as _channel_norm_apply
-from ._torch_autograd import eager_autograd as _eager_autograd
-from ._torch_autograd import needs_grad as _needs_grad  # (the forward operators then return the statistics)
-from ._torch_autograd import TORCH_ACTIVATIONS as _TORCH_ACTIVATIONS
-from ._torch_autograd import row_norm_apply as _row_norm_apply
+from .._engine import channel_norms, dispatch_rows, row_norms, plans
+from .. import backward, norms, reference
+from .._interop import torch as _adapter
+from ._autograd import channel_norm_apply as _channel_norm_apply
+from ._autograd import eager_autograd as _eager_autograd
+from ._autograd import needs_grad as _needs_grad  # (the forward operators then return the statistics)
+from ._autograd import TORCH_ACTIVATIONS as _TORCH_ACTIVATIONS
+from ._autograd import row_norm_apply as _row_norm_apply
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
            "instance_norm", "batch_norm", "RMSNorm", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d",
@@ -98,7 +99,7 @@ def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
 
 @torch.library.custom_op("cunorm::normalize", mutates_args=())
 def _normalize_op(x: Tensor, norm: str, axes: list[int], eps: float) -> Tensor:
-    _dispatch.norm_info(norm)  # (a caller's string: checked before anything, never pasted into a kernel name)
+    dispatch_rows.norm_info(norm)  # (a caller's string: checked before anything, never pasted into a kernel name)
     return _run_rows(norm, x, None, None, None, tuple(axes) if axes else None, eps, False, 0, None)[0]
 
 
@@ -107,7 +108,7 @@ def _rows_fake(x, residual, axes, return_stats, statistics):
     if residual is not None:
         outputs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
     if return_stats:
-        shape = _ops.stats_shape(tuple(x.shape), *_ops.axis_span(tuple(axes) if axes else None, x.dim()))
+        shape = row_norms.stats_shape(tuple(x.shape), *row_norms.axis_span(tuple(axes) if axes else None, x.dim()))
         outputs += [_stats_like(x, shape) for _ in range(statistics)]
     return outputs
 
@@ -158,11 +159,11 @@ def _batch_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
 
 def _channels_fake(norm, x, channel_axis, groups, return_stats):
     ndim, axis = x.dim(), channel_axis % x.dim()
-    order = _channels.output_order(tuple(x.shape), tuple(x.stride()), axis, norm != "batch")
+    order = channel_norms.output_order(tuple(x.shape), tuple(x.stride()), axis, norm != "batch")
     y = x.new_empty([x.shape[a] for a in order]).permute(*[order.index(a) for a in range(ndim)])
     if not return_stats:
         return [y]
-    shape = _channels.stats_shape(norm, tuple(x.shape), axis, groups)
+    shape = channel_norms.stats_shape(norm, tuple(x.shape), axis, groups)
     return [y] + [_stats_like(x, shape) for _ in range(2)]
 
 
@@ -254,7 +255,7 @@ def _(dy, x, mean, rstd, norm, num_groups, weight, bias, training, eps, channel_
 
 
 # The epilogue's bits the backward operators do not differentiate
-# (_plan.UNFUSED_IN_BACKWARD): the functions below run them as torch ops
+# (plans.UNFUSED_IN_BACKWARD): the functions below run them as torch ops
 # around the norm where autograd records, and the operators refuse a
 # backward through them.
 _UNFUSED = ("cunorm.{op}: the operator was called with an activation or a weight offset (epilogue={bits}) while "
@@ -273,7 +274,7 @@ def _output_grads(grads) -> list:
 
 def _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, statistics, epilogue):
     ctx.kept = return_stats
-    ctx.unfused = epilogue & _plan.UNFUSED_IN_BACKWARD
+    ctx.unfused = epilogue & plans.UNFUSED_IN_BACKWARD
     if not return_stats:
         return
     h = output[1] if residual is not None else x
@@ -338,7 +339,7 @@ def _normalize_backward(ctx, dy):
 
 def _channel_setup(ctx, norm, x, num_groups, weight, bias, channel_axis, return_stats, output, epilogue, training=True,
                    eps=0.0, running=(None, None)):
-    ctx.norm, ctx.unfused = norm, epilogue & _plan.UNFUSED_IN_BACKWARD
+    ctx.norm, ctx.unfused = norm, epilogue & plans.UNFUSED_IN_BACKWARD
     ctx.kept = return_stats or not training
     if not ctx.kept:
         return
@@ -410,8 +411,8 @@ def _axes(axis) -> list[int]:
     if axis is None:
         return _ALL_AXES
     if isinstance(axis, (tuple, list)):
-        return [_ops.check_int(a, "axis") for a in axis]
-    return [_ops.check_int(axis, "axis")]
+        return [row_norms.check_int(a, "axis") for a in axis]
+    return [row_norms.check_int(axis, "axis")]
 
 
 def _unpack(results: list[Tensor]):
@@ -443,9 +444,9 @@ def _offset_weight(x: Tensor, weight: Tensor) -> Tensor:
 def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
              rounding="output", activation=None):
     """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm`` (differentiable)."""
-    stats = _ops.check_flag(return_stats, "return_stats")
-    epilogue = _plan.rms_epilogue(weight_offset, rounding, activation, weight is not None)
-    if epilogue & _plan.UNFUSED_IN_BACKWARD and _needs_grad(x, weight, residual):
+    stats = row_norms.check_flag(return_stats, "return_stats")
+    epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
+    if epilogue & plans.UNFUSED_IN_BACKWARD and _needs_grad(x, weight, residual):
         # the weight offset and the activation as torch ops around the norm, so autograd sees them
         w = _offset_weight(x, weight) if weight_offset else weight
         results = rms_norm(x, w, axis=axis, eps=eps, residual=residual, return_stats=stats, rounding=rounding)
@@ -454,15 +455,15 @@ def rms_norm(x, weight=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, r
         return _unpack(_dropped(list(_row_norm_apply(x, weight, None, residual, "rms", axis, eps, rounding)), stats,
                                 True, 1))
     asked = stats or _needs_grad(x, weight, residual)
-    results = torch.ops.cunorm.rms_norm(x, weight, residual, _axes(axis), _ops.check_eps(eps), asked, epilogue)
+    results = torch.ops.cunorm.rms_norm(x, weight, residual, _axes(axis), row_norms.check_eps(eps), asked, epilogue)
     return _unpack(_dropped(results, stats, asked, 1))
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=norms.DEFAULT_EPS, residual=None, return_stats=False,
                activation=None):
     """:func:`cunorm.layer_norm` as the registered op ``torch.ops.cunorm.layer_norm`` (differentiable)."""
-    stats = _ops.check_flag(return_stats, "return_stats")
-    epilogue = _plan.activation_flags(activation)
+    stats = row_norms.check_flag(return_stats, "return_stats")
+    epilogue = plans.activation_flags(activation)
     if epilogue and _needs_grad(x, weight, bias, residual):  # the activation as torch's op (see rms_norm)
         results = layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=stats)
         return _activated(results, activation)
@@ -470,32 +471,32 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=norms.DEFAULT_EPS, res
         results = _row_norm_apply(x, weight, bias, residual, "ln", axis, eps, "output")
         return _unpack(_dropped(list(results), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias, residual)
-    results = torch.ops.cunorm.layer_norm(x, weight, bias, residual, _axes(axis), _ops.check_eps(eps), asked,
+    results = torch.ops.cunorm.layer_norm(x, weight, bias, residual, _axes(axis), row_norms.check_eps(eps), asked,
                                           epilogue)
     return _unpack(_dropped(results, stats, asked, 2))
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=norms.LP_EPS):
     """:func:`cunorm.normalize` as the registered op ``torch.ops.cunorm.normalize`` (differentiable)."""
-    return torch.ops.cunorm.normalize(x, _ops.lp_norm_name(p), _axes(axis), _ops.check_eps(eps))
+    return torch.ops.cunorm.normalize(x, row_norms.lp_norm_name(p), _axes(axis), row_norms.check_eps(eps))
 
 
 def mean_abs_normalize(x, *, axis=-1, eps=norms.LP_EPS):
     """:func:`cunorm.mean_abs_normalize` as the registered op ``torch.ops.cunorm.normalize``."""
-    return torch.ops.cunorm.normalize(x, "mean_abs", _axes(axis), _ops.check_eps(eps))
+    return torch.ops.cunorm.normalize(x, "mean_abs", _axes(axis), row_norms.check_eps(eps))
 
 
 def frobenius_normalize(x, *, axis=None, eps=norms.LP_EPS):
     """:func:`cunorm.frobenius_normalize` as the registered op ``torch.ops.cunorm.normalize``."""
-    return torch.ops.cunorm.normalize(x, "l2", _axes(axis), _ops.check_eps(eps))
+    return torch.ops.cunorm.normalize(x, "l2", _axes(axis), row_norms.check_eps(eps))
 
 
 def group_norm(x, num_groups, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_axis=1,
                return_stats=False, activation=None):
     """:func:`cunorm.group_norm` as the registered op ``torch.ops.cunorm.group_norm`` (differentiable)."""
-    groups, axis = _ops.check_int(num_groups, "num_groups"), _ops.check_int(channel_axis, "channel_axis")
-    stats = _ops.check_flag(return_stats, "return_stats")
-    epilogue = _plan.activation_flags(activation)
+    groups, axis = row_norms.check_int(num_groups, "num_groups"), row_norms.check_int(channel_axis, "channel_axis")
+    stats = row_norms.check_flag(return_stats, "return_stats")
+    epilogue = plans.activation_flags(activation)
     if epilogue and _needs_grad(x, weight, bias):  # the activation as torch's op (see rms_norm)
         return _activated(group_norm(x, groups, weight, bias, eps=eps, channel_axis=axis, return_stats=stats),
                           activation)
@@ -503,22 +504,22 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, 
         return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, None, None, "group", groups, True, 0.1, eps,
                                                         axis)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias)
-    results = torch.ops.cunorm.group_norm(x, groups, weight, bias, _ops.check_eps(eps), axis, asked, epilogue)
+    results = torch.ops.cunorm.group_norm(x, groups, weight, bias, row_norms.check_eps(eps), axis, asked, epilogue)
     return _unpack(_dropped(results, stats, asked, 2))
 
 
 def instance_norm(x, weight=None, bias=None, *, eps=norms.DEFAULT_EPS, channel_axis=1, return_stats=False,
                   activation=None):
     """:func:`cunorm.instance_norm` as the registered op ``torch.ops.cunorm.instance_norm`` (differentiable)."""
-    axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
-    epilogue = _plan.activation_flags(activation)
+    axis, stats = row_norms.check_int(channel_axis, "channel_axis"), row_norms.check_flag(return_stats, "return_stats")
+    epilogue = plans.activation_flags(activation)
     if epilogue and _needs_grad(x, weight, bias):  # the activation as torch's op (see rms_norm)
         return _activated(instance_norm(x, weight, bias, eps=eps, channel_axis=axis, return_stats=stats), activation)
     if _eager_autograd(x, weight, bias):
         return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, None, None, "instance", None, True, 0.1, eps,
                                                         axis)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias)
-    results = torch.ops.cunorm.instance_norm(x, weight, bias, _ops.check_eps(eps), axis, asked, epilogue)
+    results = torch.ops.cunorm.instance_norm(x, weight, bias, row_norms.check_eps(eps), axis, asked, epilogue)
     return _unpack(_dropped(results, stats, asked, 2))
 
 
@@ -526,13 +527,13 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                eps=norms.DEFAULT_EPS, channel_axis=1, return_stats=False, activation=None):
     """:func:`cunorm.batch_norm` as the registered op ``torch.ops.cunorm.batch_norm``; in training the
     running buffers are updated in place as there (the op returns them, this copies them back)."""
-    axis, stats = _ops.check_int(channel_axis, "channel_axis"), _ops.check_flag(return_stats, "return_stats")
-    training = _ops.check_flag(training, "training")
-    epilogue = _plan.activation_flags(activation)
+    axis, stats = row_norms.check_int(channel_axis, "channel_axis"), row_norms.check_flag(return_stats, "return_stats")
+    training = row_norms.check_flag(training, "training")
+    epilogue = plans.activation_flags(activation)
     if training:  # (the operator updates copies; both buffers are checked before either is written back)
         for buffer, name in ((running_mean, "running_mean"), (running_var, "running_var")):
             if buffer is not None:
-                _ops.check_writable(buffer, name)
+                row_norms.check_writable(buffer, name)
     if epilogue and _needs_grad(x, weight, bias):  # the activation as torch's op (see rms_norm)
         return _activated(batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
                                      training=training, momentum=momentum, eps=eps, channel_axis=axis,
@@ -542,7 +543,7 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                                                         training, momentum, eps, axis)), stats, True, 2))
     asked = stats or (training and _needs_grad(x, weight, bias))
     results = torch.ops.cunorm.batch_norm(x, weight, bias, running_mean, running_var, training,
-                                          _channels._momentum(momentum), _ops.check_eps(eps), axis, asked, epilogue)
+                                          channel_norms._momentum(momentum), row_norms.check_eps(eps), axis, asked, epilogue)
     buffers = [b for b in (running_mean, running_var) if b is not None] if training else []
     if buffers:
         with torch.no_grad():
@@ -553,10 +554,9 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
 
 
 # -- modules ----------------------------------------------------------------------------------------------------------
-# The torch.nn layers (cunorm/_torch_layers.py) and replace_norms with its
-# registry of timm's and transformers' norm layers (cunorm/_torch_zoo.py).
+# The torch.nn layers (cunorm/torch/_layers.py) and replace_norms with its
+# registry of timm's and transformers' norm layers (cunorm/torch/_zoo.py).
 
-from ._torch_layers import (BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, InstanceNorm1d,  # noqa: E402
-                            InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm)
-from ._torch_sync import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
-from ._torch_zoo import NormReport, replace_norms  # noqa: E402
+from ._layers import BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
+from ._sync import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
+from ._zoo import NormReport, replace_norms  # noqa: E402

@@ -1,11 +1,11 @@
 """Launching: a call's kernels as a Program of prepared launches.
 
-A Program is built once per launch signature (cunorm/_ops.py,
+A Program is built once per launch signature (cunorm/_engine/row_norms.py,
 _channels.py and _grad.py build them from the dispatch's Steps and cache
 them): each step's kernel is loaded, opted in to its dynamic shared memory,
 its persistent grid capped at the resident blocks, and its arguments
 packed into a buffer once, in the order and C kinds of the kernel's
-declaration (cunorm/_kernels.py). Running a Program writes the call's
+declaration (cunorm/_engine/declarations.py). Running a Program writes the call's
 pointers (its slots) into those buffers and launches each step through the
 driver (cuLaunchKernel, or cuLaunchCooperativeKernel) on the caller's
 stream: no CuPy array, argument conversion or per-launch lookup.
@@ -24,8 +24,8 @@ import threading
 import numpy as np
 from cupy_backends.cuda.api import driver, runtime
 
-from . import _dispatch, _loader, _targets
-from ._kernels import POINTER_KINDS
+from . import dispatch_rows, loader, targets
+from .declarations import POINTER_KINDS
 
 #: called as hook(step, launch) around each launch when set (the tuning
 #: scripts time each step through it); None on the normal path
@@ -71,7 +71,7 @@ def make_current(device: int) -> None:
 
 
 # The driver calls a run makes, by name: the launch cache's generated
-# launchers (cunorm/_fast.py) bind them when they are built, and the CPU
+# launchers (cunorm/_engine/launch_cache.py) bind them when they are built, and the CPU
 # tests replace them.
 launch_kernel = driver.launchKernel
 launch_cooperative_kernel = driver.launchCooperativeKernel
@@ -107,7 +107,7 @@ class Program:
         allocator on the stream (freed in the stream's order once the owner
         is dropped). Returns the owner (None without workspaces). The
         general path's run; a cached call runs the launcher generated for
-        it (cunorm/_fast.py)."""
+        it (cunorm/_engine/launch_cache.py)."""
         owner = None
         if self.workspaces:
             owner, base = alloc(self.workspace_bytes)
@@ -159,10 +159,10 @@ class ProgramBuilder:
         self.workspaces.append((max(int(nbytes), 1), zeroed))
         return Slot(len(self.slots) + len(self.workspaces) - 1)
 
-    def persistent_grid(self, step: _dispatch.Step) -> tuple[int, ...]:
+    def persistent_grid(self, step: dispatch_rows.Step) -> tuple[int, ...]:
         return persistent_grid(step, self.device)
 
-    def launch(self, step: _dispatch.Step, **args) -> None:
+    def launch(self, step: dispatch_rows.Step, **args) -> None:
         kernel = step.kernel
         fn = step_function(step, self.device)
         grid = step.grid
@@ -212,14 +212,14 @@ class ProgramBuilder:
         return Program(self.steps, self.workspaces, self.slots)
 
 
-def launch_arguments(step: _dispatch.Step, args: dict) -> tuple[list[str], dict]:
+def launch_arguments(step: dispatch_rows.Step, args: dict) -> tuple[list[str], dict]:
     """The kernel's argument names and the call's arguments checked against
     them, block_x added where the kernel takes it."""
     kernel = step.kernel
     if not kernel.signature:
         raise RuntimeError(f"{kernel.expression} has no declared signature")
     names = [n for n, _ in kernel.signature]
-    if "block_x" in names:  # a 2-D layout over the 1-D block (cunorm/_kernels.py)
+    if "block_x" in names:  # a 2-D layout over the 1-D block (cunorm/_engine/declarations.py)
         args = {**args, "block_x": step.block[0]}
     elif any(extent != 1 for extent in step.block[1:]):
         raise RuntimeError(f"{kernel.expression} has a 1-D layout, its step a block of {step.block}")
@@ -240,7 +240,7 @@ class RecordedLaunch:
 
 class LaunchRecorder:
     """ProgramBuilder's interface, recording the launches instead of
-    preparing them (what cunorm/_jax_jit.py lowers into XLA custom calls).
+    preparing them (what cunorm/jax/_jit.py lowers into XLA custom calls).
     ``persistent_grid(step)`` caps a persistent grid; by default the
     device's occupancy, asked through CuPy."""
 
@@ -254,10 +254,10 @@ class LaunchRecorder:
     __getitem__ = ProgramBuilder.__getitem__
     workspace = ProgramBuilder.workspace
 
-    def persistent_grid(self, step: _dispatch.Step) -> tuple[int, ...]:
+    def persistent_grid(self, step: dispatch_rows.Step) -> tuple[int, ...]:
         return self._persistent(step)
 
-    def launch(self, step: _dispatch.Step, **args) -> None:
+    def launch(self, step: dispatch_rows.Step, **args) -> None:
         if step.kernel.cooperative:
             raise RuntimeError(f"{step.kernel.expression} is launched cooperatively, which the recorded launches "
                                f"cannot be")
@@ -274,12 +274,12 @@ class LaunchRecorder:
 
 
 @functools.lru_cache(maxsize=16)
-def device_info(device_id: int) -> _dispatch.Device:
+def device_info(device_id: int) -> dispatch_rows.Device:
     """What the dispatch needs to know about GPU ``device_id``; a negative
-    id names an architecture planned for ahead of time (cunorm/_targets.py),
+    id names an architecture planned for ahead of time (cunorm/targets.py),
     which asks nothing of the driver."""
     if device_id < 0:
-        return _targets.by_id(device_id).device
+        return targets.by_id(device_id).device
     import cupy
 
     dev = cupy.cuda.Device(device_id)
@@ -287,7 +287,7 @@ def device_info(device_id: int) -> _dispatch.Device:
     if cc < 80:
         raise RuntimeError(f"cunorm needs a GPU of compute capability 8.0 or newer; GPU {device_id} is {cc / 10:.1f}")
     attrs = dev.attributes
-    return _dispatch.Device(sm_count=attrs["MultiProcessorCount"], compute_capability=cc,
+    return dispatch_rows.Device(sm_count=attrs["MultiProcessorCount"], compute_capability=cc,
                             max_shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"],
                             l2_bytes=runtime.deviceGetAttribute(runtime.cudaDevAttrL2CacheSize, device_id))
 
@@ -297,7 +297,7 @@ def step_function(step, device: int):
     that is more than the default allows (48 KB less the static): before
     any launch, and before any occupancy query, which otherwise counts no
     block at all of a kernel that asks for more."""
-    fn = _loader.get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
+    fn = loader.get_function(step.kernel.family, step.kernel.expression, device, step.kernel.cooperative)
     if step.shared_bytes > 0 and fn.max_dynamic_shared_size_bytes < step.shared_bytes:
         fn.max_dynamic_shared_size_bytes = step.shared_bytes
     return fn
@@ -309,8 +309,8 @@ def persistent_grid(step, device: int) -> tuple[int, ...]:
     kernel with clusters."""
     cluster = step.kernel.cluster
     if device < 0:  # a target named ahead of time: its occupancy from the compiler's resource report
-        target = _targets.by_id(device)
-        registers, static_shared = _loader.kernel_resources(step.kernel.family, step.kernel.expression, target.arch)
+        target = targets.by_id(device)
+        registers, static_shared = loader.kernel_resources(step.kernel.family, step.kernel.expression, target.arch)
         per_sm = target.resident_per_sm(registers, static_shared, step.threads, step.shared_bytes)
         resident = per_sm * target.device.sm_count // cluster * cluster
     else:
@@ -332,7 +332,7 @@ def resident_blocks(fn, threads: int, shared_bytes: int, device: int) -> int:
 
 def check_limits(step, device=None):
     grid, block = step.grid, step.block
-    if not (0 < grid[0] <= _dispatch.MAX_GRID_X and all(0 < g <= _dispatch.MAX_GRID_Y for g in grid[1:])):
+    if not (0 < grid[0] <= dispatch_rows.MAX_GRID_X and all(0 < g <= dispatch_rows.MAX_GRID_Y for g in grid[1:])):
         raise RuntimeError(f"grid {grid} for {step.kernel.expression} is outside the launch limits")
     shared_limit = 48 * 1024 if device is None else max(48 * 1024, device.max_shared_per_block)
     if not (0 < math.prod(block) <= step.threads <= 1024) or step.shared_bytes > shared_limit:

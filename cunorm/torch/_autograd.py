@@ -3,8 +3,8 @@ array-level ops (cunorm.rms_norm ... and cunorm.backward), for
 cunorm.torch's functions and layers.
 
 Outside torch.compile these Functions run the array-level ops themselves
-(the launch cache, cunorm/_fast.py) forward and backward: the registered
-operators' dispatch (cunorm/torch.py) costs more host time than the
+(the launch cache, cunorm/_engine/launch_cache.py) forward and backward: the registered
+operators' dispatch (cunorm/torch/__init__.py) costs more host time than the
 kernels on small inputs. Under dynamo the operators are the route.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import backward, norms
+from .. import backward, norms
 
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, replace
 
-from ._dispatch import Device
+from .dispatch_rows import Device
 
 
 @dataclass(frozen=True)

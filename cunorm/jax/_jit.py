@@ -2,13 +2,13 @@
 XLA custom calls, with no build step.
 
 Each launch of a call's Program (the same dispatch, the same builders:
-_ops.build_rows, _channels.build_channels, _grad.build_rows_grad,
-_grad.build_channel_grad, recorded by _launch.LaunchRecorder) becomes one
+row_norms.build_rows, channel_norms.build_channels, gradients.build_rows_grad,
+gradients.build_channel_grad, recorded by launches.LaunchRecorder) becomes one
 custom call of jaxlib's "triton_kernel_call" target: the kernel as PTX from
 NVRTC, its grid, its 1-D block and shared memory, its scalar arguments
 baked in, its pointer arguments bound to the call's operands and then its
 results, in order (why every kernel lists the pointers it reads before those
-it writes: cunorm/_kernels.py). XLA allocates every buffer, workspaces
+it writes: cunorm/_engine/declarations.py). XLA allocates every buffer, workspaces
 included (a zeroed workspace is zeroed by the call), and launches the
 kernels on its own stream; the compiled program holds them like any other
 op. Launches that wait on other blocks are not used here (the cooperative
@@ -46,8 +46,8 @@ try:
 except ImportError:  # (jax versions that keep it private)
     from jax._src.core import ShapedArray
 
-from . import _channels, _dispatch_grad, _dtypes, _grad, _launch, _loader, _ops, _plan, _targets
-from ._kernels import POINTER_KINDS
+from .._engine import channel_norms, dispatch_grad, dtypes, gradients, launches, loader, row_norms, plans, targets
+from .._engine.declarations import POINTER_KINDS
 
 #: the jax versions this lowering is tested with: [first, past the last)
 SUPPORTED_JAX = ((0, 10), (0, 12))
@@ -89,7 +89,7 @@ def set_lowering_target(arch=None, *, sm_count: int | None = None, l2_bytes: int
     """Lower for ``arch`` ("sm_80", "sm_86", "sm_89", "sm_90", or the compute
     capability as an int) instead of this process's GPU: what lowering
     and jax.export on a host without the GPU need. The dispatch plans for
-    the architecture's reference part (cunorm/_targets.py), whose
+    the architecture's reference part (cunorm/targets.py), whose
     multiprocessor count and L2 size ``sm_count`` and ``l2_bytes``
     replace; persistent grids are capped by the occupancy the compiler's
     resource report gives for that architecture. None: back to the
@@ -102,8 +102,8 @@ def set_lowering_target(arch=None, *, sm_count: int | None = None, l2_bytes: int
             raise ValueError("sm_count and l2_bytes describe a named target: pass arch too")
         chosen, named = None, None
     else:
-        chosen = _targets.named(arch, sm_count=sm_count, l2_bytes=l2_bytes)
-        named = (_targets.device_id(chosen), chosen.device, chosen.arch)
+        chosen = targets.named(arch, sm_count=sm_count, l2_bytes=l2_bytes)
+        named = (targets.device_id(chosen), chosen.device, chosen.arch)
     if named != _named_target:
         _named_target = named
         jax.clear_caches()
@@ -120,11 +120,11 @@ def target():
 
 @functools.lru_cache(maxsize=1)
 def _gpu_target():
-    if _loader.gpu_name() is None:
+    if loader.gpu_name() is None:
         raise RuntimeError("cunorm.jax: lowering for CUDA needs the GPU the program will run on, and this process "
                            "sees none. Name it first: cunorm.jax.set_lowering_target('sm_90') (or 'sm_80', "
                            "'sm_86', 'sm_89'; docs/jax.md, 'Lowering without a GPU')")
-    device = _launch.device_info(0)
+    device = launches.device_info(0)
     return 0, device, device.compute_capability
 
 
@@ -133,11 +133,11 @@ def kernel_ptx(family: str, expression: str, arch: int) -> tuple[str, str]:
     """(PTX, lowered name) of one instantiation, from NVRTC for compute_<arch>."""
     from cupy_backends.cuda.libs import nvrtc
 
-    prog = nvrtc.createProgram(_loader.source(family), f"{family}.cu", [], [])
+    prog = nvrtc.createProgram(loader.source(family), f"{family}.cu", [], [])
     try:
         nvrtc.addNameExpression(prog, expression)
         try:
-            nvrtc.compileProgram(prog, [f"--gpu-architecture=compute_{arch}", *_loader.OPTIONS, "-ftz=true"])
+            nvrtc.compileProgram(prog, [f"--gpu-architecture=compute_{arch}", *loader.OPTIONS, "-ftz=true"])
         except nvrtc.NVRTCError as err:
             raise RuntimeError(f"NVRTC failed on {family}.cu:\n{nvrtc.getProgramLog(prog)}") from err
         ptx = nvrtc.getPTX(prog)
@@ -156,7 +156,7 @@ class CustomCall:
     or ("scalar", value, kind); operands and results by slot name; results'
     (shape, dtype); ``aliases`` {operand index: result index} (io pointers)."""
 
-    launch: _launch.RecordedLaunch
+    launch: launches.RecordedLaunch
     params: list
     operands: list
     results: list
@@ -164,7 +164,7 @@ class CustomCall:
     aliases: dict
 
 
-def plan_calls(recorder: _launch.LaunchRecorder, inputs, outputs: dict) -> list[CustomCall]:
+def plan_calls(recorder: launches.LaunchRecorder, inputs, outputs: dict) -> list[CustomCall]:
     """The custom calls of a recorded Program. ``inputs``: the slot names the
     caller supplies; ``outputs``: {slot: (shape, dtype)} of what it wants
     back. An ``out`` pointer bound to an input slot is one the kernel never
@@ -269,7 +269,7 @@ class RowSpec:
     axes first..last; which of residual, weight, bias it has, the parameters'
     kernel dtype; whether it returns the statistics; whether it returns y
     (False: set by the dead-code rule, _rows_dce, where the program never
-    reads y); the epilogue's FLAGS bits (_plan: rounding, weight offset,
+    reads y); the epilogue's FLAGS bits (plans: rounding, weight offset,
     activation; the forward's only: the backward lowerings mask them off)."""
 
     norm: str
@@ -288,11 +288,11 @@ class RowSpec:
 
     @property
     def flags(self) -> int:
-        return (_plan.FLAG_WEIGHT if self.weight else 0) | (_plan.FLAG_BIAS if self.bias else 0) | self.epilogue
+        return (plans.FLAG_WEIGHT if self.weight else 0) | (plans.FLAG_BIAS if self.bias else 0) | self.epilogue
 
     @property
     def stats_shape(self) -> tuple:
-        return _ops.stats_shape(self.shape, self.first, self.last)
+        return row_norms.stats_shape(self.shape, self.first, self.last)
 
     def stat_names(self) -> tuple:
         """The statistics the kernels write: LayerNorm's mean (center) and
@@ -327,7 +327,7 @@ def _grad_outputs(forward, param_shape) -> dict:
 
 
 def _rows_outputs(spec: RowSpec) -> dict:
-    acc = _dtypes.accumulation(spec.dtype)
+    acc = dtypes.accumulation(spec.dtype)
     out = {"y": (spec.shape, spec.dtype)} if spec.y else {}
     if spec.residual:
         out["h"] = (spec.shape, spec.dtype)
@@ -352,15 +352,15 @@ def _row_key(spec: RowSpec, device_id: int) -> tuple:
 
 def _record_rows(spec: RowSpec, values: dict, arch: int) -> dict:
     device_id, _, _ = target()
-    plan, launch = _ops._plan_and_choose(_row_key(spec, device_id), None)
+    plan, launch = row_norms._plan_and_choose(_row_key(spec, device_id), None)
     if plan is None or launch is None:
         raise RuntimeError(f"cunorm inside jit: no launch for {spec}")  # (the wrappers send no such call)
     names = spec.stat_names()
-    recorder = _launch.LaunchRecorder(_ops.ROW_SLOTS, device_id)
+    recorder = launches.LaunchRecorder(row_norms.ROW_SLOTS, device_id)
     # without y, the cached tier writes the statistics alone; the others
     # write y anyway (dropped here)
     write_y = spec.y or launch.tier != "cached"
-    _ops.build_rows(recorder, plan, launch, spec.eps, "center" in names, "scale" in names, write_y)
+    row_norms.build_rows(recorder, plan, launch, spec.eps, "center" in names, "scale" in names, write_y)
     return emit(recorder, values, _rows_outputs(dataclasses.replace(spec, y=write_y)), arch)
 
 
@@ -417,15 +417,15 @@ def _rows_grad_lowering(ctx, *args, spec: RowGradSpec):
     reduced = math.prod(f.shape[f.first:f.last + 1])
     inner = math.prod(f.shape[f.last + 1:])
     itemsize = np.dtype(f.dtype).itemsize
-    vec = _plan.vector_width(itemsize, reduced if inner == 1 else inner, [], [])
-    launch = _dispatch_grad.choose_rows_grad(f.norm, np.dtype(f.dtype), f.pdtype, f.flags & _plan.PARAM_FLAGS,
+    vec = plans.vector_width(itemsize, reduced if inner == 1 else inner, [], [])
+    launch = dispatch_grad.choose_rows_grad(f.norm, np.dtype(f.dtype), f.pdtype, f.flags & plans.PARAM_FLAGS,
                                              outer, reduced, inner, vec, device, cooperative=False)
     for step in launch.steps:
-        _launch.check_limits(step, device)
+        launches.check_limits(step, device)
     names = set(spec.inputs())
     present = ("dh" in names, f.weight, "center" in names, "scale" in names, f.weight, f.bias)
-    recorder = _launch.LaunchRecorder(_grad.ROW_GRAD_SLOTS, device_id)
-    _grad.build_rows_grad(recorder, launch, np.dtype(f.dtype), f.pdtype, outer, reduced, inner, f.eps, present)
+    recorder = launches.LaunchRecorder(gradients.ROW_GRAD_SLOTS, device_id)
+    gradients.build_rows_grad(recorder, launch, np.dtype(f.dtype), f.pdtype, outer, reduced, inner, f.eps, present)
     out = emit(recorder, dict(zip(spec.inputs(), args)), spec.outputs(), arch)
     return [out[name] for name in spec.outputs()]
 
@@ -457,7 +457,7 @@ class ChannelSpec:
 
     @property
     def flags(self) -> int:
-        return (_plan.FLAG_WEIGHT if self.weight else 0) | (_plan.FLAG_BIAS if self.bias else 0) | self.epilogue
+        return (plans.FLAG_WEIGHT if self.weight else 0) | (plans.FLAG_BIAS if self.bias else 0) | self.epilogue
 
     @property
     def channels(self) -> int:
@@ -465,7 +465,7 @@ class ChannelSpec:
 
     @property
     def stats_shape(self) -> tuple:
-        return _channels.stats_shape(self.norm, self.shape, len(self.shape) - 1 if self.channels_last else 1,
+        return channel_norms.stats_shape(self.norm, self.shape, len(self.shape) - 1 if self.channels_last else 1,
                                      self.groups)
 
     def inputs(self) -> tuple:
@@ -473,7 +473,7 @@ class ChannelSpec:
             ("running_mean", "running_var") if self.running else ())
 
     def outputs(self) -> dict:
-        acc = _dtypes.accumulation(self.dtype)
+        acc = dtypes.accumulation(self.dtype)
         out = {"y": (self.shape, self.dtype)}
         if self.stats:
             out.update(mean=(self.stats_shape, acc), rstd=(self.stats_shape, acc))
@@ -492,7 +492,7 @@ def _channels_lowering(ctx, *args, spec: ChannelSpec):
     from_running = spec.norm == "batch" and not spec.training
     # the stream walk waits on other blocks: the jit path takes the three launches
     walk = {} if from_running else {"walk": "split"} if _walk(spec, device_id) == "stream" else {}
-    plan, launch = _channels._planned(spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.channels_last,
+    plan, launch = channel_norms._planned(spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.channels_last,
                                       batch, channels, spatial, channels // spec.groups, spec.norm != "batch", 0, 0,
                                       from_running, spec.stats, device_id, tuple(walk.items()))
     values = dict(zip(spec.inputs(), args))
@@ -507,21 +507,21 @@ def _channels_lowering(ctx, *args, spec: ChannelSpec):
             renamed.update(mean=out["center"], rstd=out["scale"])
         # the rows' shapes back to the channel norm's: (rows, n) -> x's, (rows,) -> the statistics'
         return [mlir.reshape(ctx, renamed[name], ShapedArray(*outputs[name])) for name in outputs]
-    recorder = _launch.LaunchRecorder(_channels.CHANNEL_SLOTS, device_id)
-    _channels.build_channels(recorder, plan, launch, from_running, spec.eps, spec.momentum, spec.stats,
+    recorder = launches.LaunchRecorder(channel_norms.CHANNEL_SLOTS, device_id)
+    channel_norms.build_channels(recorder, plan, launch, from_running, spec.eps, spec.momentum, spec.stats,
                              (spec.running, spec.running))
     out = emit(recorder, values, outputs, arch)
     return [out[name] for name in outputs]
 
 
 def _walk(spec: ChannelSpec, device_id: int) -> str | None:
-    plan = _plan.make_channel_plan(spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.channels_last,
+    plan = plans.make_channel_plan(spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.channels_last,
                                    spec.shape[0], spec.channels,
                                    math.prod(spec.shape) // (spec.shape[0] * spec.channels),
                                    spec.channels // spec.groups, spec.norm != "batch", 0, 0)
-    from . import _dispatch_channels
+    from .._engine import dispatch_channels
 
-    return _dispatch_channels.choose_channel_walk(plan, _launch.device_info(device_id))
+    return dispatch_channels.choose_channel_walk(plan, launches.device_info(device_id))
 
 
 mlir.register_lowering(channels_p, _channels_lowering, platform="cuda")
@@ -546,11 +546,11 @@ def _channels_grad_lowering(ctx, *args, spec: ChannelGradSpec):
     f = spec.forward
     batch, channels = f.shape[0], f.channels
     spatial = math.prod(f.shape) // (batch * channels)
-    plan = _plan.make_channel_plan(f.norm, np.dtype(f.dtype), f.pdtype, f.flags & _plan.PARAM_FLAGS, f.channels_last,
+    plan = plans.make_channel_plan(f.norm, np.dtype(f.dtype), f.pdtype, f.flags & plans.PARAM_FLAGS, f.channels_last,
                                    batch, channels, spatial, channels // f.groups, f.norm != "batch", 0, 0)
-    launch = _grad._channel_launch(plan, f.training, device_id)
-    recorder = _launch.LaunchRecorder(_grad.CHANNEL_GRAD_SLOTS, device_id)
-    _grad.build_channel_grad(recorder, plan, launch)
+    launch = gradients._channel_launch(plan, f.training, device_id)
+    recorder = launches.LaunchRecorder(gradients.CHANNEL_GRAD_SLOTS, device_id)
+    gradients.build_channel_grad(recorder, plan, launch)
     out = emit(recorder, dict(zip(spec.inputs(), args)), spec.outputs(), arch)
     return [out[name] for name in spec.outputs()]
 

@@ -8,7 +8,7 @@ etc.; the same arguments without ``out=``).
   the kernels' output buffers, as before.
 - Traced (inside ``jax.jit``, ``jax.grad``, ``jax.vmap``), each call is a
   JAX primitive lowered to XLA custom calls that launch the same kernels on
-  XLA's stream over XLA's buffers (cunorm/_jax_jit.py): no build step, no
+  XLA's stream over XLA's buffers (cunorm/jax/_jit.py): no build step, no
   host round trip. ``jax.grad`` runs cunorm's backward kernels
   (``jax.custom_vjp``); ``jax.vmap`` folds the mapped axis into the rows
   (row norms) or the samples (GroupNorm, InstanceNorm), and otherwise runs
@@ -44,8 +44,9 @@ except ModuleNotFoundError as err:
 import jax.numpy as jnp
 import numpy as np
 
-from . import _channels, _dtypes, _ops, _plan, norms
-from ._ops import DEFAULT_EPS, LP_EPS
+from .._engine import channel_norms, dtypes, row_norms, plans
+from .. import norms
+from .._engine.row_norms import DEFAULT_EPS, LP_EPS
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
            "instance_norm", "batch_norm", "set_lowering_target"]
@@ -96,11 +97,11 @@ JAX_ACTIVATIONS = {"relu": jax.nn.relu, "silu": jax.nn.silu,
 def _activated(outs: tuple, epilogue: int) -> tuple:
     """outs with the epilogue's activation applied to y (the first), in the
     accumulation dtype, rounded once to y's."""
-    name = _plan.activation_name(epilogue)
+    name = plans.activation_name(epilogue)
     if name is None:
         return outs
     y = outs[0]
-    acc = _dtypes.accumulation(np.dtype(y.dtype))
+    acc = dtypes.accumulation(np.dtype(y.dtype))
     return (JAX_ACTIVATIONS[name](y.astype(acc)).astype(y.dtype),) + tuple(outs[1:])
 
 
@@ -123,11 +124,11 @@ def _epilogue_bwd(fused, unfused, spec, pullback, cotangents):
 _epilogue_vjp.defvjp(_epilogue_fwd, _epilogue_bwd)
 
 
-def _jit():
-    from . import _jax_jit
+def _jit_module():
+    from . import _jit
 
-    _jax_jit.check_jax_version()
-    return _jax_jit
+    _jit.check_jax_version()
+    return _jit
 
 
 def set_lowering_target(arch=None, *, sm_count=None, l2_bytes=None):
@@ -147,7 +148,7 @@ def set_lowering_target(arch=None, *, sm_count=None, l2_bytes=None):
     Without a target and without a GPU, lowering raises a RuntimeError
     that names this function.
     """
-    return _jit().set_lowering_target(arch, sm_count=sm_count, l2_bytes=l2_bytes)
+    return _jit_module().set_lowering_target(arch, sm_count=sm_count, l2_bytes=l2_bytes)
 
 
 def _no_out(fn, kwargs):
@@ -160,12 +161,12 @@ def _no_out(fn, kwargs):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _row_vjp(spec, x, r, w, b):
-    jj = _jit()
+    jj = _jit_module()
     return tuple(jj.rows_p.bind(*[a for a in (x, r, w, b) if a is not None], spec=spec))
 
 
 def _rows_fwd(spec, x, r, w, b):
-    jj = _jit()
+    jj = _jit_module()
     full = dataclasses.replace(spec, stats=True)
     named = dict(zip(jj._rows_outputs(full), jj.rows_p.bind(*[a for a in (x, r, w, b) if a is not None],
                                                             spec=full)))
@@ -174,7 +175,7 @@ def _rows_fwd(spec, x, r, w, b):
 
 
 def _rows_bwd(spec, saved, cotangents):
-    jj = _jit()
+    jj = _jit_module()
     x, w, b, center, scale, has_r = saved
     ct = dict(zip(jj._rows_outputs(spec), cotangents))
     grad_spec = jj.RowGradSpec(dataclasses.replace(spec, residual=False, stats=True), dh=has_r)
@@ -193,9 +194,9 @@ def _rows_unfused(spec, x, r, w, b):
     """The row norm with its rounding only (cunorm's backward), the weight
     offset as 1 + w in the accumulation dtype (as the kernel forms it) and
     the activation after it: what jax.grad differentiates."""
-    inner = dataclasses.replace(spec, epilogue=spec.epilogue & ~_plan.UNFUSED_IN_BACKWARD)
-    if spec.epilogue & _plan.FLAG_WEIGHT_OFFSET:
-        acc = _dtypes.accumulation(spec.dtype)
+    inner = dataclasses.replace(spec, epilogue=spec.epilogue & ~plans.UNFUSED_IN_BACKWARD)
+    if spec.epilogue & plans.FLAG_WEIGHT_OFFSET:
+        acc = dtypes.accumulation(spec.dtype)
         w = w.astype(acc) + 1
         inner = dataclasses.replace(inner, pdtype=np.dtype(acc))
     return _activated(_row_vjp(inner, x, r, w, b), spec.epilogue)
@@ -204,9 +205,9 @@ def _rows_unfused(spec, x, r, w, b):
 def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=0):
     if not isinstance(x, _Tracer):
         _check_kind(fn, x)
-    call = _ops.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
+    call = row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
                      residual=_stand_in(residual), return_stats=return_stats)
-    _, pdtype = _ops.kernel_params(call.x.dtype, call.weight, call.bias)
+    _, pdtype = row_norms.kernel_params(call.x.dtype, call.weight, call.bias)
     w = None if weight is None else weight.astype(pdtype)
     b = None if bias is None else bias.astype(pdtype)
     x = jnp.asarray(x)
@@ -214,13 +215,13 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
     if residual is not None and call.last != x.ndim - 1:  # a strided axis: h formed first, unfused
         h = x = (x + residual).astype(x.dtype)
         residual = None
-    spec = _jit().RowSpec(norm, tuple(x.shape), np.dtype(x.dtype), call.first, call.last, call.eps,
+    spec = _jit_module().RowSpec(norm, tuple(x.shape), np.dtype(x.dtype), call.first, call.last, call.eps,
                           residual=residual is not None, weight=w is not None, bias=b is not None,
                           pdtype=None if pdtype is None else np.dtype(pdtype), stats=call.return_stats,
                           epilogue=epilogue)
     if not x.size:
         raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
-    if epilogue & _plan.UNFUSED_IN_BACKWARD:
+    if epilogue & plans.UNFUSED_IN_BACKWARD:
         outs = list(_epilogue_vjp(_row_vjp, _rows_unfused, spec, (x, residual, w, b)))
     else:
         outs = list(_row_vjp(spec, x, residual, w, b))
@@ -234,7 +235,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     _no_out("rms_norm", kwargs)
     if _traced(x, weight, residual):
         _no_unknown_kwargs("rms_norm", kwargs)
-        epilogue = _plan.rms_epilogue(weight_offset, rounding, activation, weight is not None)
+        epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
         return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats, epilogue)
     _check_kind("rms_norm", x)
     return norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
@@ -247,7 +248,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     if _traced(x, weight, bias, residual):
         _no_unknown_kwargs("layer_norm", kwargs)
         return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats,
-                           _plan.activation_flags(activation))
+                           plans.activation_flags(activation))
     _check_kind("layer_norm", x)
     return norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
                             activation=activation, **kwargs)
@@ -257,7 +258,7 @@ def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, **kwargs):
     _no_out("normalize", kwargs)
     if _traced(x):
         _no_unknown_kwargs("normalize", kwargs)
-        return _row_traced("normalize", _ops.lp_norm_name(p), x, None, None, None, axis, eps, False)
+        return _row_traced("normalize", row_norms.lp_norm_name(p), x, None, None, None, axis, eps, False)
     _check_kind("normalize", x)
     return norms.normalize(x, p, axis=axis, eps=eps, **kwargs)
 
@@ -285,12 +286,12 @@ def frobenius_normalize(x, *, axis=None, eps=LP_EPS, **kwargs):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _channel_vjp(spec, x, w, b, rm, rv):
-    jj = _jit()
+    jj = _jit_module()
     return tuple(jj.channels_p.bind(*[a for a in (x, w, b, rm, rv) if a is not None], spec=spec))
 
 
 def _channels_fwd(spec, x, w, b, rm, rv):
-    jj = _jit()
+    jj = _jit_module()
     from_running = spec.norm == "batch" and not spec.training
     full = spec if from_running else dataclasses.replace(spec, stats=True)
     outs = jj.channels_p.bind(*[a for a in (x, w, b, rm, rv) if a is not None], spec=full)
@@ -303,7 +304,7 @@ def _channels_fwd(spec, x, w, b, rm, rv):
 
 
 def _channels_bwd(spec, saved, cotangents):
-    jj = _jit()
+    jj = _jit_module()
     x, w, b, mean, rstd = saved
     ct = dict(zip(spec.outputs(), cotangents))
     grad_spec = jj.ChannelGradSpec(spec)
@@ -324,14 +325,14 @@ def _channels_unfused(spec, x, w, b, rm, rv):
 
 def _channel_jax(fn, norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,
                  channel_axis, return_stats, activation):
-    epilogue = _plan.activation_flags(activation)
-    call = _channels.ChannelCall(norm, _stand_in(x), num_groups=num_groups, weight=_stand_in(weight),
+    epilogue = plans.activation_flags(activation)
+    call = channel_norms.ChannelCall(norm, _stand_in(x), num_groups=num_groups, weight=_stand_in(weight),
                                  bias=_stand_in(bias), eps=eps, channel_axis=channel_axis,
                                  return_stats=return_stats, running_mean=_stand_in(running_mean, True),
                                  running_var=_stand_in(running_var, True), training=training, momentum=momentum)
     if not call.x.size:
         raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
-    _, pdtype = _ops.kernel_params(call.x.dtype, call.weight, call.bias)
+    _, pdtype = row_norms.kernel_params(call.x.dtype, call.weight, call.bias)
     w = None if weight is None else weight.astype(pdtype)
     b = None if bias is None else bias.astype(pdtype)
     x = jnp.asarray(x)
@@ -344,7 +345,7 @@ def _channel_jax(fn, norm, x, num_groups, weight, bias, running_mean, running_va
     running = running_mean is not None
     rm = None if not running else running_mean.astype(acc)
     rv = None if not running else running_var.astype(acc)
-    jj = _jit()
+    jj = _jit_module()
     spec = jj.ChannelSpec(norm, tuple(x.shape), np.dtype(x.dtype), last, call.groups, call.eps,
                           momentum=call.momentum, training=call.training, weight=w is not None, bias=b is not None,
                           pdtype=None if pdtype is None else np.dtype(pdtype), running=running,

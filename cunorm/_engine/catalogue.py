@@ -1,18 +1,14 @@
 """The catalogue: every kernel instantiation the dispatch can pick, for the
 precompile step and CI's compile check (derived from the declarations in
-cunorm/_kernels.py and the choices of cunorm/_dispatch*.py)."""
+cunorm/_engine/declarations.py and the choices of cunorm/_engine/dispatch_*.py)."""
 from __future__ import annotations
 
-from . import _dtypes
-from . import _kernels as K
-from ._dispatch import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
-                        cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
-from ._dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_CACHED_TARGET_THREADS, GRAD_NORMS, _vpt_choices,
-                             column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes, grad_onchip_items,
-                             grad_onchip_max_elements, grad_onchip_shapes, grad_policy)
-from ._dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
-                                 ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
-from ._kernels import Kernel
+from . import dtypes
+from . import declarations as K
+from .dispatch_rows import CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost, cached_loads, group_fits, is_heavy, norm_info, power_norm_name
+from .dispatch_grad import GRAD_CACHED_MAX_THREADS, GRAD_CACHED_TARGET_THREADS, GRAD_NORMS, _vpt_choices, column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes, grad_onchip_items, grad_onchip_max_elements, grad_onchip_shapes, grad_policy
+from .dispatch_channels import CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED, ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items
+from .declarations import Kernel
 
 def _vector_widths(dtype) -> list[int]:
     """Elements a vector access may move: up to 16 bytes."""
@@ -35,10 +31,10 @@ def all_kernels(norms=None) -> list[Kernel]:
         info = norm_info(norm)
         policy = info.policy
         residuals = (False, True) if info.residual else (False,)
-        for dtype in _dtypes.SUPPORTED:
-            t = _dtypes.KERNEL_TYPE[dtype]
-            params = sorted({_dtypes.KERNEL_TYPE[dtype], _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
-            affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in info.flags if f for p in params]
+        for dtype in dtypes.SUPPORTED:
+            t = dtypes.KERNEL_TYPE[dtype]
+            params = sorted({dtypes.KERNEL_TYPE[dtype], dtypes.KERNEL_TYPE[dtypes.accumulation(dtype)]})
+            affine = [(dtypes.NO_PARAMS, 0)] + [(p, f) for f in info.flags if f for p in params]
             for vec in _vector_widths(dtype):
                 vec_bytes = vec * dtype.itemsize
                 for residual in residuals:
@@ -62,9 +58,9 @@ def all_kernels(norms=None) -> list[Kernel]:
                     for cpt in (0,) + VECS_PER_THREAD_CHOICES:
                         if cpt * vec_bytes <= CACHE_BYTES_STRIDED:
                             out.append(K.STRIDED_NORM(policy, t, p, flags, vec, cpt))
-    for dtype in _dtypes.SUPPORTED:
+    for dtype in dtypes.SUPPORTED:
         for vec in _vector_widths(dtype):
-            out.append(K.RESIDUAL_ADD(_dtypes.KERNEL_TYPE[dtype], vec))
+            out.append(K.RESIDUAL_ADD(dtypes.KERNEL_TYPE[dtype], vec))
     # (each once: the dtypes that share an accumulation type share its kernels)
     return list(dict.fromkeys(out + channel_kernels() + backward_kernels()))
 
@@ -72,10 +68,10 @@ def all_kernels(norms=None) -> list[Kernel]:
 def channel_kernels() -> list[Kernel]:
     """Every instantiation of the channel family."""
     out = [K.CHANNEL_FROM_RUNNING(a) for a in ("float", "double")]
-    for dtype in _dtypes.SUPPORTED:
-        t = _dtypes.KERNEL_TYPE[dtype]
-        params = sorted({t, _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]})
-        affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]
+    for dtype in dtypes.SUPPORTED:
+        t = dtypes.KERNEL_TYPE[dtype]
+        params = sorted({t, dtypes.KERNEL_TYPE[dtypes.accumulation(dtype)]})
+        affine = [(dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]
         for layout in (CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED):
             out.append(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, layout))
             for vec in _vector_widths(dtype):
@@ -116,7 +112,7 @@ def statistics_only_kernels() -> list[Kernel]:
     out = {}
     for k in all_kernels():
         if k.name == "rows_cached" and k.template_args[0] in policies:
-            kernel = K.ROWS_CACHED(*k.template_args[:-1], _dtypes.NO_PARAMS)
+            kernel = K.ROWS_CACHED(*k.template_args[:-1], dtypes.NO_PARAMS)
             out[kernel.expression] = kernel
     return list(out.values())
 
@@ -125,16 +121,16 @@ def backward_kernels() -> list[Kernel]:
     """Every instantiation the backward dispatch can pick (the general-p
     norm represented by REPRESENTATIVE_POWER)."""
     out = []
-    for dtype in _dtypes.SUPPORTED:
-        acc = _dtypes.accumulation(dtype)
-        a, t = _dtypes.KERNEL_TYPE[acc], _dtypes.KERNEL_TYPE[dtype]
+    for dtype in dtypes.SUPPORTED:
+        acc = dtypes.accumulation(dtype)
+        a, t = dtypes.KERNEL_TYPE[acc], dtypes.KERNEL_TYPE[dtype]
         params = sorted({t, a})
         for p in params:
             for columns in sorted({1, column_sum_width(a, 0)}):
                 out.append(K.COLUMN_SUM(a, p, columns))
         for norm in (*GRAD_NORMS, power_norm_name(REPRESENTATIVE_POWER)):
             grad = grad_policy(norm, a)
-            affine = [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in norm_info(norm).flags if f for p in params]
+            affine = [(dtypes.NO_PARAMS, 0)] + [(p, f) for f in norm_info(norm).flags if f for p in params]
             out.append(K.ROWS_GRAD_FINALIZE(grad, a))
             out.append(K.ROWS_GRAD_FINALIZE_WIDE(grad, a))
             for vec in _vector_widths(dtype):
@@ -153,7 +149,7 @@ def backward_kernels() -> list[Kernel]:
                     for strided in (False, True):
                         out.append(K.ROWS_GRAD_APPLY(grad, t, p, flags, vec, strided))
         out.append(K.CHANNEL_GRAD_COMBINE(a))
-        for p, flags in [(_dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]:
+        for p, flags in [(dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]:
             for training in (False, True):
                 out.append(K.CHANNEL_GRAD_FINALIZE(a, p, flags, training))
                 for vec in _vector_widths(dtype):
@@ -181,7 +177,7 @@ def representative_kernels(kernels=None) -> list[Kernel]:
     for the second architecture compile these; ``check --all`` and CI's
     first architecture compile everything."""
     kernels = all_kernels() if kernels is None else list(kernels)
-    data_types = set(_dtypes.KERNEL_TYPE.values())
+    data_types = set(dtypes.KERNEL_TYPE.values())
     heaviest: dict[tuple, tuple[int, int]] = {}
     for i, k in enumerate(kernels):
         args = k.template_args

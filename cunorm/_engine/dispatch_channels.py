@@ -1,6 +1,6 @@
 """Choosing the walk and launches of a channel norm (GroupNorm,
 InstanceNorm, BatchNorm; a ChannelPlan) over cunorm/kernels/channels.cu: a
-pure function of the plan and the device, as cunorm/_dispatch.py is for the
+pure function of the plan and the device, as cunorm/_engine/dispatch_rows.py is for the
 row family.
 
 Channel norms (GroupNorm, InstanceNorm, BatchNorm; a ChannelPlan): groups
@@ -14,10 +14,9 @@ Measurements: docs/notes/channel-norms.md.
 """
 from __future__ import annotations
 
-from . import _kernels as K
-from ._dispatch import (MAX_GRID_X, MAX_GRID_Y, NORMS, Device, Launch, Step, StreamShape, _ceil_div, next_pow2,
-                        plane_rows_block)
-from ._plan import PARAM_FLAGS, ChannelPlan, kernel_types, output_type
+from . import declarations as K
+from .dispatch_rows import MAX_GRID_X, MAX_GRID_Y, NORMS, Device, Launch, Step, StreamShape, _ceil_div, next_pow2, plane_rows_block
+from .plans import PARAM_FLAGS, ChannelPlan, kernel_types, output_type
 
 #: channel family (GroupNorm, InstanceNorm, BatchNorm through three
 #: launches): blocks a pass aims for, per SM, as in the split tier ...
@@ -315,7 +314,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     returns its statistics, channel_from_running first (it writes them).
     ``override`` {"chunks": n} forces the chunks a channel's positions are
     cut into (the tuning script)."""
-    from ._dtypes import KERNEL_TYPE, accumulation
+    from .dtypes import KERNEL_TYPE, accumulation
 
     override = override or {}
     t, p = kernel_types(plan)

@@ -1,8 +1,8 @@
 """The shared path of every public op: validate, plan, launch.
 
-The plan, launch and Program (cunorm/_launch.py) of a layout are computed
+The plan, launch and Program (cunorm/launches.py) of a layout are computed
 once and memoized; a call whose whole signature was seen before skips this
-module altogether (cunorm/_fast.py).
+module altogether (cunorm/launch_cache.py).
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import numbers
 
 import numpy as np
 
-from . import _dispatch, _dtypes, _fast, _interop, _launch, _plan
+from . import dispatch_rows, dtypes, launch_cache, launches, plans
+from .. import _interop
 
 DEFAULT_EPS = 1e-5
 #: the Lp family's eps, as torch's F.normalize
@@ -32,7 +33,7 @@ def lp_norm_name(p) -> str:
         return "l2"
     if value == math.inf:
         return "linf"
-    return _dispatch.power_norm_name(value)
+    return dispatch_rows.power_norm_name(value)
 
 
 def check_eps(eps, dtype=None) -> float:
@@ -84,8 +85,8 @@ def check_out_dtype(out_dtype, x_dtype) -> None:
 
 
 def check_dtype(dtype, name: str) -> np.dtype:
-    if dtype not in _dtypes.KERNEL_TYPE:
-        raise TypeError(f"{name} must have dtype {_dtypes.SUPPORTED_NAMES}, got {dtype}")
+    if dtype not in dtypes.KERNEL_TYPE:
+        raise TypeError(f"{name} must have dtype {dtypes.SUPPORTED_NAMES}, got {dtype}")
     return dtype
 
 
@@ -99,7 +100,7 @@ class Call:
     def __init__(self, norm, x, axis, eps, out, *, weight=None, bias=None, residual=None, return_stats=False,
                  epilogue=0, out_dtype=None):
         self.norm = norm
-        self.epilogue = epilogue  # the epilogue's FLAGS bits (_plan: rounding, weight offset, activation)
+        self.epilogue = epilogue  # the epilogue's FLAGS bits (plans: rounding, weight offset, activation)
         # y's dtype where it is not x's (cunorm's layers under autocast: float32
         # from 16-bit x); internal, without out= or a residual
         self.out_dtype = out_dtype
@@ -190,7 +191,7 @@ def axis_span(axis, ndim: int) -> tuple[int, int]:
         if ndim == 0:
             raise ValueError("x must have at least one dimension, got a 0-d array")
         return 0, ndim - 1
-    return _plan.normalize_axes(axis, ndim)
+    return plans.normalize_axes(axis, ndim)
 
 
 def stats_shape(shape: tuple, first: int, last: int) -> tuple:
@@ -262,23 +263,23 @@ def first_overlap(written, *others) -> str | None:
 
 
 def _same_view(a, b) -> bool:
-    return _pointer(a) == _pointer(b) and a.shape == b.shape and _plan.same_layout(a.shape, a.strides, b.strides)
+    return _pointer(a) == _pointer(b) and a.shape == b.shape and plans.same_layout(a.shape, a.strides, b.strides)
 
 
 def run(call: Call, reference, key=None):
     """Compute the call's norm; return y (then h, then the statistics) as the
     caller's array type. ``key``: the call's signature in the launch cache
-    (cunorm/_fast.py), which gets an entry when the call ran without copies."""
+    (cunorm/launch_cache.py), which gets an entry when the call ran without copies."""
     if not call.on_gpu:
         if not call.x.size:
             return empty_results(call, 1 + (call.residual is not None), (2 if call.norm == "ln" else 1))
         kwargs = {"axis": tuple(range(call.first, call.last + 1)), "eps": call.eps}
         if call.norm in ("rms", "ln"):
             kwargs.update(weight=call.weight, residual=call.residual, return_stats=call.return_stats,
-                          activation=_plan.activation_name(call.epilogue))
+                          activation=plans.activation_name(call.epilogue))
         if call.norm == "rms":
-            kwargs.update(weight_offset=int(bool(call.epilogue & _plan.FLAG_WEIGHT_OFFSET)),
-                          rounding="normalized" if call.epilogue & _plan.FLAG_ROUND_NORMALIZED else "output")
+            kwargs.update(weight_offset=int(bool(call.epilogue & plans.FLAG_WEIGHT_OFFSET)),
+                          rounding="normalized" if call.epilogue & plans.FLAG_ROUND_NORMALIZED else "output")
         if call.norm == "ln":
             kwargs["bias"] = call.bias
         results = reference(call.x, **kwargs)
@@ -293,7 +294,7 @@ def run(call: Call, reference, key=None):
     with call.adapter.scope(call.x.data.device_id):
         results, program = _run_gpu(call)
     if key is not None and program is not None:
-        _fast.ROWS.put(key, _rows_entry(call, program))
+        launch_cache.ROWS.put(key, _rows_entry(call, program))
     return results
 
 
@@ -305,7 +306,7 @@ def empty_results(call, arrays: int, stats: int):
     y = np.empty(call.x.shape, call.out_dtype or call.x.dtype) if call.out is None else call.out_given
     results = [y] + [np.empty(call.x.shape, call.x.dtype)] * (arrays - 1)
     if call.return_stats:
-        results += [np.full(call.stats_shape, np.nan, _dtypes.accumulation(call.x.dtype)) for _ in range(stats)]
+        results += [np.full(call.stats_shape, np.nan, dtypes.accumulation(call.x.dtype)) for _ in range(stats)]
     return results[0] if len(results) == 1 else tuple(results)
 
 
@@ -314,11 +315,11 @@ def _with_y(results, change):
     return (change(results[0]),) + tuple(results[1:]) if isinstance(results, tuple) else change(results)
 
 
-def _rows_entry(call: Call, program) -> _fast.Entry:
+def _rows_entry(call: Call, program) -> launch_cache.Entry:
     """The launch cache's entry of a row norm's call that ran ``program``
     over its arrays as given; called as entry(x, weight, bias, residual)."""
     x = call.x
-    acc = _dtypes.accumulation(x.dtype)
+    acc = dtypes.accumulation(x.dtype)
     outputs = {"y": (x.shape, x.dtype if call.out_dtype is None else call.out_dtype, None)}
     if call.residual is not None:
         outputs["h"] = (x.shape, x.dtype, None)
@@ -328,7 +329,7 @@ def _rows_entry(call: Call, program) -> _fast.Entry:
     present = lambda name, a: None if a is None else name  # noqa: E731
     slots = ("x", present("r", call.residual), "y", present("h", call.residual), present("w", call.weight),
              present("b", call.bias), "mean" if "mean" in outputs else None, "rstd" if "rstd" in outputs else None)
-    return _fast.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "r"), outputs, slots, tuple(outputs),
+    return launch_cache.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "r"), outputs, slots, tuple(outputs),
                        arrays={"x": x})
 
 
@@ -343,7 +344,7 @@ def _run_gpu(call: Call):
     h = None if call.residual is None else cupy.empty(x.shape, dtype=x.dtype)
     stats = []
     if call.return_stats:
-        acc = _dtypes.accumulation(x.dtype)
+        acc = dtypes.accumulation(x.dtype)
         stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2 if call.norm == "ln" else 1)]
         if not x.size:  # statistics over no elements (empty_results)
             for s in stats:
@@ -369,12 +370,12 @@ def _run_gpu(call: Call):
 def kernel_params(x_dtype, w, b) -> tuple[int, np.dtype | None]:
     """(flags, dtype) of the affine parameters as the kernels read them:
     which are present (FLAG_WEIGHT | FLAG_BIAS) and the one storage dtype
-    (_dtypes.param_storage; None without parameters). Callers cast what they
+    (dtypes.param_storage; None without parameters). Callers cast what they
     read with _as_param."""
-    flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
+    flags = (plans.FLAG_WEIGHT if w is not None else 0) | (plans.FLAG_BIAS if b is not None else 0)
     if not flags:
         return 0, None
-    return flags, _dtypes.param_storage(x_dtype, [p.dtype for p in (w, b) if p is not None])
+    return flags, dtypes.param_storage(x_dtype, [p.dtype for p in (w, b) if p is not None])
 
 
 def _as_param(p, dtype):
@@ -396,15 +397,15 @@ def _plan_and_choose(key, override):
     """(plan, launch) for a call's key; launch is None when x must be copied
     first (no plan) or when a residual over a strided axis is formed
     unfused first."""
-    plan = _plan.make_plan(*key[:-1])
+    plan = plans.make_plan(*key[:-1])
     if plan is None or (plan.residual and not plan.contiguous_rows):
         return plan, None
-    device = _launch.device_info(key[-1])
-    launch = _dispatch.choose(plan, device, override=override)
+    device = launches.device_info(key[-1])
+    launch = dispatch_rows.choose(plan, device, override=override)
     if launch is None:  # y in another dtype, which this tier does not write
         return plan, None
     for step in launch.steps:
-        _launch.check_limits(step, device)
+        launches.check_limits(step, device)
     return plan, launch
 
 
@@ -427,7 +428,7 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
     """launch_on, returning (plan, launch, program): program is the Program
     that ran over the arrays as given, None when x or r was copied or h
     formed unfused first. ``epilogue``: the FLAGS bits of the epilogue's
-    options (_plan.FLAG_ROUND_NORMALIZED ...). ``out_dtype``: y's dtype
+    options (plans.FLAG_ROUND_NORMALIZED ...). ``out_dtype``: y's dtype
     where it is not x's (no residual); where rows_cached does not take the
     call, x is cast to it first.
 
@@ -437,20 +438,20 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
     strided axis. Nothing re-enters, so nothing can loop."""
     import cupy
 
-    flags = (_plan.FLAG_WEIGHT if w is not None else 0) | (_plan.FLAG_BIAS if b is not None else 0)
+    flags = (plans.FLAG_WEIGHT if w is not None else 0) | (plans.FLAG_BIAS if b is not None else 0)
     pdtype = None if not flags else (w if w is not None else b).dtype
     flags |= epilogue
 
     def plan_for(x, r, h, out_dtype):
         mixed = out_dtype if out_dtype is not None and out_dtype != x.dtype else None
         itemsize = x.itemsize
-        strides = tuple([s // itemsize for s in _plan.canonical_strides(x.shape, x.strides, itemsize)])
+        strides = tuple([s // itemsize for s in plans.canonical_strides(x.shape, x.strides, itemsize)])
         key = (norm, x.dtype, pdtype, flags, r is not None, x.shape, strides, first, last, x.data.ptr % 32,
                y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), mixed, x.data.device_id)
         return (_planned(*key) if override is None else _plan_and_choose(key, override)) + (mixed,)
 
     given = (x, r)
-    if r is not None and not _plan.same_layout(x.shape, r.strides, x.strides):
+    if r is not None and not plans.same_layout(x.shape, r.strides, x.strides):
         x, r = cupy.ascontiguousarray(x), cupy.ascontiguousarray(r)
     plan, launch, mixed = plan_for(x, r, h, out_dtype)
     if mixed is not None and (plan is None or launch is None):  # rows_cached does not take it: cast x first
@@ -467,23 +468,23 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
     if plan is None or launch is None:
         raise RuntimeError(f"cunorm: no {norm} launch for x of shape {x.shape} and strides {x.strides}")
     program = rows_program(plan, launch, float(eps), center is not None, scale is not None, x.data.device_id)
-    program.run(tuple(_launch.ptr(a) for a in (x, r, y, h, w, b, center, scale)), _launch.cupy_stream(),
-                _launch.cupy_alloc)
+    program.run(tuple(launches.ptr(a) for a in (x, r, y, h, w, b, center, scale)), launches.cupy_stream(),
+                launches.cupy_alloc)
     return plan, launch, program if x is given[0] and r is given[1] else None
 
 
 def _residual_add(x, r, h):
-    vec = _plan.vector_width(x.itemsize, x.size, [], [(x.data.ptr, x.itemsize), (r.data.ptr, x.itemsize),
+    vec = plans.vector_width(x.itemsize, x.size, [], [(x.data.ptr, x.itemsize), (r.data.ptr, x.itemsize),
                                                        (h.data.ptr, x.itemsize)])
     program = _residual_add_program(x.dtype, x.size // vec, vec, x.data.device_id)
-    program.run((x.data.ptr, r.data.ptr, h.data.ptr), _launch.cupy_stream())
+    program.run((x.data.ptr, r.data.ptr, h.data.ptr), launches.cupy_stream())
 
 
 @functools.lru_cache(maxsize=256)
-def _residual_add_program(dtype, n_vec: int, vec: int, device: int) -> _launch.Program:
-    step = _dispatch.residual_add_step(dtype, n_vec, vec, _launch.device_info(device))
-    _launch.check_limits(step)
-    pb = _launch.ProgramBuilder(("x", "r", "h"), device)
+def _residual_add_program(dtype, n_vec: int, vec: int, device: int) -> launches.Program:
+    step = dispatch_rows.residual_add_step(dtype, n_vec, vec, launches.device_info(device))
+    launches.check_limits(step)
+    pb = launches.ProgramBuilder(("x", "r", "h"), device)
     pb.launch(step, x=pb["x"], r=pb["r"], h=pb["h"], n_vec=n_vec)
     return pb.build()
 
@@ -493,26 +494,26 @@ ROW_SLOTS = ("x", "r", "y", "h", "w", "b", "center", "scale")
 
 
 @functools.lru_cache(maxsize=1024)
-def rows_program(plan, launch, eps: float, has_center: bool, has_scale: bool, device: int) -> _launch.Program:
+def rows_program(plan, launch, eps: float, has_center: bool, has_scale: bool, device: int) -> launches.Program:
     """The Program of a row norm's launch (ROW_SLOTS): arrays a kernel never
     touches (no residual, no weight) are passed as x, absent statistics as
     null."""
-    return build_rows(_launch.ProgramBuilder(ROW_SLOTS, device), plan, launch, eps, has_center, has_scale).build()
+    return build_rows(launches.ProgramBuilder(ROW_SLOTS, device), plan, launch, eps, has_center, has_scale).build()
 
 
 def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool, write_y: bool = True):
     """rows_program's launches into ``pb`` (a ProgramBuilder, or the jit
     path's LaunchRecorder); returns pb. ``write_y`` False (the cached tier
-    only): the statistics alone (_dispatch.statistics_only), y null."""
+    only): the statistics alone (dispatch_rows.statistics_only), y null."""
     if not write_y:
-        launch = _dispatch.statistics_only(launch)
+        launch = dispatch_rows.statistics_only(launch)
     x, y = pb["x"], pb["y"] if write_y else None
     r, h = (pb["r"], pb["h"]) if plan.residual else (x, x)
-    w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
-    b = pb["b"] if plan.flags & _plan.FLAG_BIAS else x
+    w = pb["w"] if plan.flags & plans.FLAG_WEIGHT else x
+    b = pb["b"] if plan.flags & plans.FLAG_BIAS else x
     center = pb["center"] if has_center else None
     scale = pb["scale"] if has_scale else None
-    acc_bytes = _dtypes.accumulation(plan.dtype).itemsize
+    acc_bytes = dtypes.accumulation(plan.dtype).itemsize
     rows = {"rows": plan.outer, "n": plan.reduced, "x_row_stride": plan.outer_stride}
     outputs = {"y": y, "w": w, "b": b, "center_out": center, "scale_out": scale}
     if launch.tier == "cached":

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import _channels, _dispatch_grad, _dtypes, _fast, _launch, _ops, _plan
+from . import channel_norms, dispatch_grad, dtypes, launch_cache, launches, row_norms, plans
 
 
 
@@ -34,7 +34,7 @@ def _check_stat(call, s, name, shape):
     if s is None:
         raise TypeError(f"{name} is required: pass the forward's {name} (return_stats=True)")
     sa = call._same_kind(s, name)
-    want = _dtypes.accumulation(call.x.dtype)
+    want = dtypes.accumulation(call.x.dtype)
     if sa.dtype != want:
         raise TypeError(f"{name} must have dtype {want} (the forward's statistics for {call.x.dtype} x), "
                         f"got {sa.dtype}")
@@ -49,7 +49,7 @@ class RowGradCall:
     def __init__(self, norm, dy, x, *, axis, eps=0.0, mean=None, rstd=None, weight=None, bias=None, dh=None):
         # The forward's checks of x, axis, weight, bias and eps, then dy,
         # dh and the statistics against them.
-        self.call = call = _ops.Call(norm, x, axis, eps, None, weight=weight, bias=bias)
+        self.call = call = row_norms.Call(norm, x, axis, eps, None, weight=weight, bias=bias)
         self.norm = norm
         self.dy = _check_like(call, dy, "dy")
         self.dh = None if dh is None else _check_like(call, dh, "dh")
@@ -63,7 +63,7 @@ class RowGradCall:
 def run_rows(g: RowGradCall, reference, key=None):
     """(dx, dweight, dbias) for rms/ln (None where there is no parameter), dx
     for the Lp norms; as the caller's array type. ``key``: the call's
-    signature in the launch cache (cunorm/_fast.py), which gets an entry
+    signature in the launch cache (cunorm/launch_cache.py), which gets an entry
     when the call ran without copies or casts."""
     call = g.call
     if not call.on_gpu:
@@ -79,11 +79,11 @@ def run_rows(g: RowGradCall, reference, key=None):
         if g.norm == "ln":
             results.append(None if db is None else wrap(db))
     if key is not None and program is not None:
-        _fast.ROWS_GRAD.put(key, _rows_grad_entry(g, program))
+        launch_cache.ROWS_GRAD.put(key, _rows_grad_entry(g, program))
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def _rows_grad_entry(g: RowGradCall, program) -> _fast.Entry:
+def _rows_grad_entry(g: RowGradCall, program) -> launch_cache.Entry:
     """Called as entry(dy, x, mean, rstd, weight, bias, dh)."""
     call = g.call
     x = call.x
@@ -96,7 +96,7 @@ def _rows_grad_entry(g: RowGradCall, program) -> _fast.Entry:
              present("rstd", g.scale), present("dw", call.weight), present("db", call.bias))
     returns = ["dx"] + [present(n, p) for n, p in (("dw", call.weight), ("db", call.bias))][: {"rms": 1, "ln": 2}.get(
         g.norm, 0)]
-    return _fast.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
+    return launch_cache.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
                        outputs, slots, returns, arrays={"x": x, "w": call.weight, "b": call.bias})
 
 
@@ -113,8 +113,8 @@ def _rows_gpu(g: RowGradCall):
     x, dy, dh = (_contiguous(a) for a in (call.x, g.dy, g.dh))
     clean = x is call.x and dy is g.dy and dh is g.dh
     dx = cupy.empty(x.shape, dtype=x.dtype)
-    flags, pdtype = _ops.kernel_params(x.dtype, call.weight, call.bias)
-    w = _ops._as_param(call.weight, pdtype)  # the bias is not read: only dbias is wanted
+    flags, pdtype = row_norms.kernel_params(x.dtype, call.weight, call.bias)
+    w = row_norms._as_param(call.weight, pdtype)  # the bias is not read: only dbias is wanted
     dw, db = _param_grad_buffers(call, call.norm_shape, pdtype)
     center, scale = (_contiguous(s) for s in (g.center, g.scale))
     clean = clean and center is g.center and scale is g.scale and w is call.weight and x.size > 0
@@ -127,7 +127,7 @@ def _rows_gpu(g: RowGradCall):
         pointers = [(a.data.ptr, x.itemsize) for a in (x, dy, dx, dh) if a is not None]
         if inner == 1 and w is not None:
             pointers.append((w.data.ptr, w.itemsize))
-        vec = _plan.vector_width(x.itemsize, extent, [], pointers)
+        vec = plans.vector_width(x.itemsize, extent, [], pointers)
         launch = _rows_launch(g.norm, x.dtype, pdtype, flags, outer, reduced, inner, vec, x.data.device_id)
         program = _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, call.eps)
     grads = _param_grads(call, dw, db, empty=not x.size)
@@ -167,10 +167,10 @@ def _param_grads(call, dw, db, *, empty: bool):
 
 @functools.lru_cache(maxsize=1024)
 def _rows_launch(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device_id):
-    device = _launch.device_info(device_id)
-    launch = _dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device)
+    device = launches.device_info(device_id)
+    launch = dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device)
     for step in launch.steps:
-        _launch.check_limits(step, device)
+        launches.check_limits(step, device)
     return launch
 
 
@@ -182,19 +182,19 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
     grads = [a for a in (dw, db) if a is not None]
     program = rows_grad_program(launch, x.dtype, grads[0].dtype if grads else None, outer, reduced, inner, float(eps),
                                 tuple(a is not None for a in (dh, w, center, scale, dw, db)), x.data.device_id)
-    program.run(tuple(_launch.ptr(a) for a in (dy, x, dh, dx, w, center, scale, dw, db)), _launch.cupy_stream(),
-                _launch.cupy_alloc)
+    program.run(tuple(launches.ptr(a) for a in (dy, x, dh, dx, w, center, scale, dw, db)), launches.cupy_stream(),
+                launches.cupy_alloc)
     return program
 
 
 @functools.lru_cache(maxsize=1024)
-def rows_grad_program(launch, dtype, pdtype, outer, reduced, inner, eps, present, device) -> _launch.Program:
+def rows_grad_program(launch, dtype, pdtype, outer, reduced, inner, eps, present, device) -> launches.Program:
     """The Program of a row norm's backward (ROW_GRAD_SLOTS); ``present``
     says which of dh, w, center, scale, dw, db the call has, pdtype the
     dtype dweight/dbias are written in. A weight
     absent is passed as x; dh, the statistics, and for the cached tier
     dweight/dbias, as null (for the others as x)."""
-    return build_rows_grad(_launch.ProgramBuilder(ROW_GRAD_SLOTS, device), launch, dtype, pdtype, outer, reduced,
+    return build_rows_grad(launches.ProgramBuilder(ROW_GRAD_SLOTS, device), launch, dtype, pdtype, outer, reduced,
                            inner, eps, present).build()
 
 
@@ -206,7 +206,7 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
     dy, x, dx = pb["dy"], pb["x"], pb["dx"]
     dh, center, scale = (pb[n] if has[n] else None for n in ("dh", "center", "scale"))
     w = pb["w"] if has["w"] else x
-    acc_bytes = _dtypes.accumulation(dtype).itemsize
+    acc_bytes = dtypes.accumulation(dtype).itemsize
     wants = has["dw"] or has["db"]
     if launch.tier == "cached":
         # the partials' rows are the grid's blocks or clusters (capped at the
@@ -228,7 +228,7 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
     groups = outer * inner
     parts = launch.parts
     ws = pb.workspace(groups * launch.chunks * launch.stat_words * acc_bytes)
-    coeffs = pb.workspace(groups * _dispatch_grad.GRAD_COEFF_WORDS * acc_bytes)
+    coeffs = pb.workspace(groups * dispatch_grad.GRAD_COEFF_WORDS * acc_bytes)
     # streamed rows write dweight/dbias themselves when they are one part
     direct = launch.tier == "streamed" and parts == 1
     partial = pb.workspace(2 * parts * reduced * acc_bytes if wants and not direct else acc_bytes)
@@ -254,9 +254,9 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
 
 def _column_sum(pb, dtype, pdtype, has, partial, parts, reduced):
     """dweight and dbias: column_sum over ``parts`` partial rows of each."""
-    a = _dtypes.KERNEL_TYPE[_dtypes.accumulation(dtype)]
-    step = _dispatch_grad.column_sum_step(a, _dtypes.KERNEL_TYPE[pdtype], parts, reduced, 1 if not has["db"] else 2)
-    _launch.check_limits(step)
+    a = dtypes.KERNEL_TYPE[dtypes.accumulation(dtype)]
+    step = dispatch_grad.column_sum_step(a, dtypes.KERNEL_TYPE[pdtype], parts, reduced, 1 if not has["db"] else 2)
+    launches.check_limits(step)
     pb.launch(step, partial=partial, out_w=pb["dw"] if has["dw"] else None, out_b=pb["db"] if has["db"] else None,
               parts=parts, n=reduced)
 
@@ -271,8 +271,8 @@ class ChannelGradCall:
                  training=True, eps=1e-5):
         # the forward's checks (in training mode: the statistics are checked
         # here, as the saved ones or, for eval-mode BatchNorm, the running ones)
-        self.training = _ops.check_flag(training, "training")
-        self.call = call = _channels.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
+        self.training = row_norms.check_flag(training, "training")
+        self.call = call = channel_norms.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
                                                  channel_axis=channel_axis)
         self.norm = norm
         self.dy = _check_like(call, dy, "dy")
@@ -290,7 +290,7 @@ def _check_running(call, buf, name, shape):
     if buf is None:
         raise TypeError(f"{name} is required for batch_norm_backward with training=False")
     ba = call._same_kind(buf, name)
-    _ops.check_dtype(ba.dtype, name)
+    row_norms.check_dtype(ba.dtype, name)
     if tuple(ba.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(ba.shape)}")
     return ba
@@ -310,15 +310,15 @@ def run_channels(g: ChannelGradCall, reference, key=None, override=None):
         wrap = call.adapter.from_cupy
         results = wrap(dx), None if dw is None else wrap(dw), None if db is None else wrap(db)
     if key is not None and program is not None and override is None:
-        _fast.CHANNELS_GRAD.put(key, _channel_grad_entry(g, program, last))
+        launch_cache.CHANNELS_GRAD.put(key, _channel_grad_entry(g, program, last))
     return results
 
 
-def _channel_grad_entry(g: ChannelGradCall, program, last: bool) -> _fast.Entry:
+def _channel_grad_entry(g: ChannelGradCall, program, last: bool) -> launch_cache.Entry:
     """Called as entry(dy, x, mean, rstd, weight, bias, None)."""
     call = g.call
     x = call.x
-    order = _plan.channel_orders(x.ndim, call.channel_axis)[last]
+    order = plans.channel_orders(x.ndim, call.channel_axis)[last]
     perm = tuple(int(a) for a in np.argsort(order))
     outputs = {"dx": ([x.shape[a] for a in order], x.dtype, None if perm == tuple(range(x.ndim)) else perm)}
     for name, p in (("dw", call.weight), ("db", call.bias)):
@@ -327,7 +327,7 @@ def _channel_grad_entry(g: ChannelGradCall, program, last: bool) -> _fast.Entry:
     present = lambda name, a: None if a is None else name  # noqa: E731
     slots = ("dy", "x", "dx", "mean", "rstd", present("w", call.weight), present("dw", call.weight),
              present("db", call.bias))
-    return _fast.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
+    return launch_cache.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
                        outputs, slots, ("dx", present("dw", call.weight), present("db", call.bias)),
                        arrays={"x": x, "w": call.weight, "b": call.bias})
 
@@ -337,22 +337,22 @@ def _channels_gpu(g: ChannelGradCall, override=None):
 
     call = g.call
     # x dense in one of the two layouts (copied if not), dx in the same
-    x, dx, last, _ = _channels.prepare(call)
+    x, dx, last, _ = channel_norms.prepare(call)
     per_sample = call.norm != "batch"
     dy = g.dy
     clean = x is call.x
-    if not _plan.same_layout(x.shape, dy.strides, x.strides) or dy.data.ptr % 16:  # dy into x's (and dx's) layout, 16-byte aligned
+    if not plans.same_layout(x.shape, dy.strides, x.strides) or dy.data.ptr % 16:  # dy into x's (and dx's) layout, 16-byte aligned
         dy = cupy.ndarray(dx.shape, dx.dtype, cupy.cuda.alloc(dx.nbytes), strides=dx.strides)
         dy[...] = g.dy
         clean = False
-    flags, pdtype = _ops.kernel_params(x.dtype, call.weight, call.bias)
-    w = _ops._as_param(call.weight, pdtype)
+    flags, pdtype = row_norms.kernel_params(x.dtype, call.weight, call.bias)
+    w = row_norms._as_param(call.weight, pdtype)
     channels = x.shape[call.channel_axis]
     dw, db = _param_grad_buffers(call, (channels,), pdtype)
-    acc = _dtypes.accumulation(x.dtype)
+    acc = dtypes.accumulation(x.dtype)
     mean, rstd = g.mean, g.rstd
     if call.norm == "batch" and not g.training:
-        mean = _ops._as_param(mean, acc)
+        mean = row_norms._as_param(mean, acc)
         rstd = 1.0 / cupy.sqrt(rstd.astype(acc) + acc.type(call.eps))
         clean = False
     flat = mean.reshape(-1), rstd.reshape(-1)
@@ -362,13 +362,13 @@ def _channels_gpu(g: ChannelGradCall, override=None):
     if x.size:
         batch = x.shape[0]
         spatial = x.size // (batch * channels)
-        plan = _plan.make_channel_plan(call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial,
+        plan = plans.make_channel_plan(call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial,
                                        channels // call.groups, per_sample, x.data.ptr % 32, dx.data.ptr % 32)
         launch = _channel_launch(plan, g.training, x.data.device_id,
                                  None if override is None else tuple(sorted(override.items())))
         program = channel_grad_program(plan, launch, x.data.device_id)
-        program.run(tuple(_launch.ptr(a) for a in (dy, x, dx, mean, rstd, w, dw, db)), _launch.cupy_stream(),
-                    _launch.cupy_alloc)
+        program.run(tuple(launches.ptr(a) for a in (dy, x, dx, mean, rstd, w, dw, db)), launches.cupy_stream(),
+                    launches.cupy_alloc)
     grads = _param_grads(call, dw, db, empty=not x.size)
     clean = clean and grads[0] is dw and grads[1] is db
     return (dx,) + grads, program if clean else None, last
@@ -376,10 +376,10 @@ def _channels_gpu(g: ChannelGradCall, override=None):
 
 @functools.lru_cache(maxsize=1024)
 def _channel_launch(plan, training, device_id, override=None):
-    device = _launch.device_info(device_id)
-    launch = _dispatch_grad.choose_channel_grad(plan, training, device, None if override is None else dict(override))
+    device = launches.device_info(device_id)
+    launch = dispatch_grad.choose_channel_grad(plan, training, device, None if override is None else dict(override))
     for step in launch.steps:
-        _launch.check_limits(step, device)
+        launches.check_limits(step, device)
     return launch
 
 
@@ -388,26 +388,26 @@ CHANNEL_GRAD_SLOTS = ("dy", "x", "dx", "mean", "rstd", "w", "dw", "db")
 
 
 @functools.lru_cache(maxsize=1024)
-def channel_grad_program(plan, launch, device) -> _launch.Program:
+def channel_grad_program(plan, launch, device) -> launches.Program:
     """The Program of a channel norm's backward (CHANNEL_GRAD_SLOTS):
     channel_grad_onchip, or sums, combine, finalize, apply over one
     workspace (the partial sums, the combined sums, the coefficients);
     absent parameters passed as x."""
-    return build_channel_grad(_launch.ProgramBuilder(CHANNEL_GRAD_SLOTS, device), plan, launch).build()
+    return build_channel_grad(launches.ProgramBuilder(CHANNEL_GRAD_SLOTS, device), plan, launch).build()
 
 
 def build_channel_grad(pb, plan, launch):
     """channel_grad_program's launches into ``pb`` (a ProgramBuilder or a
     LaunchRecorder); returns pb."""
     dy, x, mean = pb["dy"], pb["x"], pb["mean"]
-    w = pb["w"] if plan.flags & _plan.FLAG_WEIGHT else x
-    dw = pb["dw"] if plan.flags & _plan.FLAG_WEIGHT else x
-    db = pb["db"] if plan.flags & _plan.FLAG_BIAS else x
+    w = pb["w"] if plan.flags & plans.FLAG_WEIGHT else x
+    dw = pb["dw"] if plan.flags & plans.FLAG_WEIGHT else x
+    db = pb["db"] if plan.flags & plans.FLAG_BIAS else x
     if launch.tier == "channel_onchip":
         pb.launch(launch.steps[0], dy=dy, x=x, dx=pb["dx"], mean=mean, rstd=pb["rstd"], w=w, dw=dw, db=db,
                   batch=plan.batch, plane_vecs=plan.spatial // plan.vec, channels=plan.channels)
         return pb
-    acc_bytes = _dtypes.accumulation(plan.dtype).itemsize
+    acc_bytes = dtypes.accumulation(plan.dtype).itemsize
     members = plan.batch * plan.channels
     ws = pb.workspace(members * launch.chunks * 2 * acc_bytes)  # the partial sums
     sums = pb.workspace(members * 2 * acc_bytes)  # combined

@@ -3,10 +3,10 @@ statistics are those of the batch of every rank of a process group.
 
 Forward, per rank:
   1. its per-channel (count, mean, M2) from cunorm's kernels
-     (``_channels.batch_statistics``: channel_partial and channel_finalize,
+     (``channel_norms.batch_statistics``: channel_partial and channel_finalize,
      x read once; M2 = count / rstd ** 2 with eps 0);
   2. one collective: all ranks' (3, C) statistics gathered;
-  3. every rank combines them in rank order (``_sync_stats.combine``, Chan's
+  3. every rank combines them in rank order (``sync_stats.combine``, Chan's
      pairwise update), so every rank holds the same bits, run to run;
   4. the running buffers updated as torch does (the unbiased variance over
      the global count); y from cunorm's BatchNorm with the global mean and
@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _channels, _sync_stats, backward, norms
-from ._torch_layers import batch_forward
+from .._engine import channel_norms, sync_stats
+from .. import backward, norms
+from ._layers import batch_forward
 
 #: what torch raises for a training step of one value a channel
 _ONE_VALUE = "Expected more than 1 value per channel when training, got input size {}"
@@ -47,9 +48,9 @@ def local_statistics(x: Tensor) -> Tensor:
         out[0] = 1
         out[1] = x.reshape(channels)
     elif count:
-        call = _channels.ChannelCall("batch", x, eps=0.0, channel_axis=1, training=True)
+        call = channel_norms.ChannelCall("batch", x, eps=0.0, channel_axis=1, training=True)
         with call.adapter.scope(call.x.data.device_id):
-            mean, rstd = (call.adapter.from_cupy(s) for s in _channels.batch_statistics(call))
+            mean, rstd = (call.adapter.from_cupy(s) for s in channel_norms.batch_statistics(call))
         out[0] = count
         out[1] = mean
         out[2] = (rstd.double().pow(-2) * count).to(out.dtype)  # (rstd inf: variance 0)
@@ -74,13 +75,13 @@ class SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world):
         stats = gathered(local_statistics(x), group, world)
-        count, mean, m2 = _sync_stats.combine(stats[:, 0], stats[:, 1], stats[:, 2])
+        count, mean, m2 = sync_stats.combine(stats[:, 0], stats[:, 1], stats[:, 2])
         total = int(count[0]) if count.numel() else 0  # (one host sync, as torch's)
         if total <= 1:
             raise ValueError(_ONE_VALUE.format(list(x.shape)))
         var = m2 / total
         if running_mean is not None and running_var is not None:
-            new_mean, new_var = _sync_stats.running_update(running_mean.to(mean.dtype), running_var.to(var.dtype),
+            new_mean, new_var = sync_stats.running_update(running_mean.to(mean.dtype), running_var.to(var.dtype),
                                                            mean, m2, total, momentum)
             running_mean.copy_(new_mean)
             running_var.copy_(new_var)

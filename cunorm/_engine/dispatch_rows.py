@@ -1,7 +1,7 @@
 """Choosing a forward kernel and its launch for a plan: a pure function of
 the plan and the device, returning a frozen Launch (the backward passes'
-choice is cunorm/_dispatch_grad.py, the catalogue of every instantiation
-cunorm/_catalogue.py, the kernels' declarations cunorm/_kernels.py).
+choice is cunorm/_engine/dispatch_grad.py, the catalogue of every instantiation
+cunorm/_engine/catalogue.py, the kernels' declarations cunorm/_engine/declarations.py).
 
 The heuristic. Measurements: NVIDIA H200, copy bandwidth 4282 GB/s,
 floor% = effective bandwidth over copy (bench/bench.py --tune;
@@ -36,7 +36,7 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
      each row's load, barrier and write run one after another; not picked
      (docs/notes/rows.md, "Problem 40", has what was tried since).
 
-Channel norms (GroupNorm, InstanceNorm, BatchNorm): cunorm/_dispatch_channels.py.
+Channel norms (GroupNorm, InstanceNorm, BatchNorm): cunorm/_engine/dispatch_channels.py.
 
 Strided axis (inner > 1): strided_norm with threadIdx.x along inner (up to
 32 vectors: a warp reads 512 contiguous bytes of one channel) and
@@ -50,9 +50,9 @@ import re
 
 from dataclasses import dataclass, replace
 
-from . import _kernels as K
-from ._kernels import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
-from ._plan import Plan, kernel_types, output_type
+from . import declarations as K
+from .declarations import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
+from .plans import Plan, kernel_types, output_type
 
 # --- thresholds --------------------------------------------------------------
 #: vector loads per thread in rows_cached. 4 beat 8 and 2: fp32 65536x1024,
@@ -271,7 +271,7 @@ RESIDUAL_ADD_BLOCKS_PER_SM = 8
 
 def residual_add_step(dtype, n_vec: int, vec: int, device: Device) -> Step:
     """h = x + r over contiguous arrays (the unfused residual of a strided axis)."""
-    from ._dtypes import KERNEL_TYPE
+    from .dtypes import KERNEL_TYPE
 
     grid = max(1, min(_ceil_div(n_vec, RESIDUAL_ADD_BLOCK), RESIDUAL_ADD_BLOCKS_PER_SM * device.sm_count))
     return Step(K.RESIDUAL_ADD(KERNEL_TYPE[dtype], vec), (grid,), (RESIDUAL_ADD_BLOCK,))
@@ -284,7 +284,7 @@ def statistics_only(launch: Launch) -> Launch:
     if launch.tier != "cached":
         raise ValueError(f"the {launch.tier} tier always writes y")
     (step,) = launch.steps
-    from ._dtypes import NO_PARAMS
+    from .dtypes import NO_PARAMS
 
     kernel = K.ROWS_CACHED(*step.kernel.template_args[:-1], NO_PARAMS)
     return replace(launch, steps=(replace(step, kernel=kernel),))
@@ -430,7 +430,7 @@ def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
     if bx * by > STRIDED_BLOCK_THREADS or bx & (bx - 1):
         raise ValueError(f"strided_norm: block ({bx}, {by}) is not allowed")
     if plan.residual:
-        raise ValueError("strided_norm has no residual: form h first (cunorm/_ops.py does)")
+        raise ValueError("strided_norm has no residual: form h first (cunorm/_engine/row_norms.py does)")
     t, p = kernel_types(plan)
     kernel = K.STRIDED_NORM(norm_info(plan.norm).policy, t, p, plan.flags, plan.vec, cpt)
     tiles = _ceil_div(inner_vecs, bx)

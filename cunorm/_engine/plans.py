@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _dtypes
+from . import dtypes
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Plan:
         misalignment and there are no parameters or residual; else vec.
     out_dtype: y's storage dtype where it is not x's (float32 for 16-bit
         x: LayerNorm under autocast), else None. Only rows_cached writes
-        it (cunorm/_dispatch.py); y's alignment counts in vec.
+        it (cunorm/_engine/dispatch_rows.py); y's alignment counts in vec.
     """
 
     norm: str
@@ -285,13 +285,13 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
 def output_type(plan) -> str:
     """The Y template argument of rows_cached and channel_apply (a Plan or
     a ChannelPlan): y's storage type."""
-    return _dtypes.KERNEL_TYPE[plan.dtype if plan.out_dtype is None else plan.out_dtype]
+    return dtypes.KERNEL_TYPE[plan.dtype if plan.out_dtype is None else plan.out_dtype]
 
 
 def kernel_types(plan: Plan) -> tuple[str, str]:
     """The (T, P) template arguments of a plan."""
-    p = _dtypes.NO_PARAMS if plan.param_dtype is None else _dtypes.KERNEL_TYPE[plan.param_dtype]
-    return _dtypes.KERNEL_TYPE[plan.dtype], p
+    p = dtypes.NO_PARAMS if plan.param_dtype is None else dtypes.KERNEL_TYPE[plan.param_dtype]
+    return dtypes.KERNEL_TYPE[plan.dtype], p
 
 
 @dataclass(frozen=True)

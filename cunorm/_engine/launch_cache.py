@@ -4,8 +4,8 @@ dictionary lookup, the outputs' allocation and the launches.
 The first call with a signature (every array's kind, dtype, shape, strides,
 device and pointer alignment; the axes, eps and flags, each of its exact
 Python type) is validated, planned and run by the general path
-(cunorm/_ops.py, _channels.py, _grad.py). Where that path ran a Program
-(cunorm/_launch.py) over the arrays as given, with nothing copied or cast
+(cunorm/_engine/row_norms.py, _channels.py, _grad.py). Where that path ran a Program
+(cunorm/launches.py) over the arrays as given, with nothing copied or cast
 first, it stores an Entry here under the signature; a later call with the
 same signature only checks that the arrays' GPU is the current one,
 allocates its outputs with the caller's framework (torch's caching
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import threading
 
-from . import _launch
-from ._cache import BoundedCache
+from . import launches
+from .caches import BoundedCache
 
 MAX_ENTRIES = 2048
 
@@ -49,7 +49,7 @@ def adapter(x):
     kind = type(x)
     ad = _adapters.get(kind)
     if ad is None and kind not in _adapters:
-        from . import _interop
+        from .. import _interop
 
         try:
             found = _interop.adapter_for(x)
@@ -167,12 +167,12 @@ def launcher(e: Entry):
     current context is handed to ``e`` itself."""
     program, device, n = e.program, int(e.device), len(e.inputs)
     args = ", ".join(f"a{i}" for i in range(n))
-    scope = {"current_device": e.current_device, "generic": e, "launch_module": _launch, "get_stream": e.stream,
+    scope = {"current_device": e.current_device, "generic": e, "launch_module": launches, "get_stream": e.stream,
              "p": e.pointer, "empty_like": getattr(e.ad, "empty_like", None), "empty_beside": e.ad.empty_beside,
-             "alloc": e.alloc, "lock": program.lock, "memset_async": _launch.memset_async,
-             "launch_kernel": _launch.launch_kernel, "launch_cooperative_kernel": _launch.launch_cooperative_kernel,
-             "CUDADriverError": _launch.CUDADriverError, "INVALID_CONTEXT": _launch.INVALID_CONTEXT,
-             "make_current": _launch.make_current}
+             "alloc": e.alloc, "lock": program.lock, "memset_async": launches.memset_async,
+             "launch_kernel": launches.launch_kernel, "launch_cooperative_kernel": launches.launch_cooperative_kernel,
+             "CUDADriverError": launches.CUDADriverError, "INVALID_CONTEXT": launches.INVALID_CONTEXT,
+             "make_current": launches.make_current}
     code = [f"def launch({args}):",
             f"    if current_device() != {device}:",
             "        return None",
@@ -231,7 +231,7 @@ def launcher(e: Entry):
 
 class Watch(threading.local):
     """What a replaced torch layer watches for while its forward runs
-    (cunorm/_torch_layers.py, ``memoized``): ``found`` is set to the
+    (cunorm/torch/_layers.py, ``memoized``): ``found`` is set to the
     (launcher, inputs, results) of the last call of this thread that a
     launcher ran or stored, while ``on``."""
 
