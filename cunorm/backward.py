@@ -21,7 +21,7 @@ and layers are differentiable (these functions are their backward).
 """
 from __future__ import annotations
 
-from ._engine import launch_cache, gradients
+from ._engine import calls
 from . import reference
 from ._engine.row_norms import DEFAULT_EPS, LP_EPS, lp_norm_name
 
@@ -72,7 +72,7 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, axis=-1, dh=None):
 
     {errors}
     """
-    return rows_grad("rms", dy, x, None, rstd, weight, None, dh, axis, 0.0, lambda g: reference.rms_norm_backward(
+    return calls.rows_grad("rms", dy, x, None, rstd, weight, None, dh, axis, 0.0, lambda g: reference.rms_norm_backward(
         g.dy, g.call.x, g.scale, g.call.weight, axis=_axes(g.call), dh=g.dh))
 
 
@@ -103,7 +103,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, d
 
     {errors}
     """
-    return rows_grad("ln", dy, x, mean, rstd, weight, bias, dh, axis, 0.0, lambda g: reference.layer_norm_backward(
+    return calls.rows_grad("ln", dy, x, mean, rstd, weight, bias, dh, axis, 0.0, lambda g: reference.layer_norm_backward(
         g.dy, g.call.x, g.center, g.scale, g.call.weight, g.call.bias, axis=_axes(g.call), dh=g.dh))
 
 
@@ -131,7 +131,7 @@ def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=LP_EPS):
 
     {errors}
     """
-    return rows_grad(lp_norm_name(p), dy, x, None, None, None, None, None, axis, eps,
+    return calls.rows_grad(lp_norm_name(p), dy, x, None, None, None, None, None, axis, eps,
                      lambda g: reference.normalize_backward(g.dy, g.call.x, float(p), axis=_axes(g.call),
                                                             eps=g.call.eps))
 
@@ -139,14 +139,14 @@ def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=LP_EPS):
 def mean_abs_normalize_backward(dy, x, *, axis=-1, eps=LP_EPS):
     """The gradient of :func:`cunorm.mean_abs_normalize` (as
     :func:`normalize_backward`, with ``dN/dx = sign(x) / n``)."""
-    return rows_grad("mean_abs", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
+    return calls.rows_grad("mean_abs", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
         g.dy, g.call.x, 1.0, axis=_axes(g.call), eps=g.call.eps, mean=True))
 
 
 def frobenius_normalize_backward(dy, x, *, axis=None, eps=LP_EPS):
     """The gradient of :func:`cunorm.frobenius_normalize`: ``normalize_backward``
     with p = 2 over every axis by default."""
-    return rows_grad("l2", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
+    return calls.rows_grad("l2", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
         g.dy, g.call.x, 2.0, axis=_axes(g.call), eps=g.call.eps))
 
 
@@ -178,7 +178,7 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None, bias=None, *
 
     {errors}
     """
-    return channel_grad("group", dy, x, mean, rstd, num_groups, weight, bias, channel_axis, True, DEFAULT_EPS,
+    return calls.channel_grad("group", dy, x, mean, rstd, num_groups, weight, bias, channel_axis, True, DEFAULT_EPS,
                          lambda g: reference.group_norm_backward(
         g.dy, g.call.x, g.mean, g.rstd, g.call.groups, g.call.weight, g.call.bias,
         channel_axis=g.call.channel_axis))
@@ -187,7 +187,7 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None, bias=None, *
 def instance_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, channel_axis=1):
     """The gradients of :func:`cunorm.instance_norm`, from its (N, C) mean
     and rstd: :func:`group_norm_backward` with a group per channel."""
-    return channel_grad("instance", dy, x, mean, rstd, None, weight, bias, channel_axis, True, DEFAULT_EPS,
+    return calls.channel_grad("instance", dy, x, mean, rstd, None, weight, bias, channel_axis, True, DEFAULT_EPS,
                          lambda g: reference.instance_norm_backward(
         g.dy, g.call.x, g.mean, g.rstd, g.call.weight, g.call.bias, channel_axis=g.call.channel_axis))
 
@@ -210,7 +210,7 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, training=T
 
     {errors}
     """
-    return channel_grad("batch", dy, x, mean, rstd, None, weight, bias, channel_axis, training, eps,
+    return calls.channel_grad("batch", dy, x, mean, rstd, None, weight, bias, channel_axis, training, eps,
                          lambda g: reference.batch_norm_backward(
         g.dy, g.call.x, g.mean, g.rstd, g.call.weight, g.call.bias, training=g.training, eps=g.call.eps,
         channel_axis=g.call.channel_axis))
@@ -224,27 +224,3 @@ for _f in (rms_norm_backward, layer_norm_backward, normalize_backward, group_nor
            batch_norm_backward):
     _f.__doc__ = _f.__doc__.replace("{errors}", _ERRORS).replace("{dy_x}", _DY_X)
 del _f
-
-
-def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_fn):
-    """A row norm's backward: the launch cache's entry for the call's
-    signature if it has one, else the general path (which fills it). Not
-    exported: the public functions above and cunorm.torch's backward
-    operators call it."""
-    key = launch_cache.grad_key(norm, dy, x, mean, rstd, weight, bias, dh, (axis,), eps)
-    results = launch_cache.replay(launch_cache.ROWS_GRAD, key, dy, x, mean, rstd, weight, bias, dh)
-    if results is not None:
-        return results
-    g = gradients.RowGradCall(norm, dy, x, axis=axis, eps=eps, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh)
-    return gradients.run_rows(g, reference_fn, key=key)
-
-
-def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps, reference_fn):
-    """A channel norm's backward, as rows_grad."""
-    key = launch_cache.grad_key(norm, dy, x, mean, rstd, weight, bias, None, (num_groups, channel_axis, training), eps)
-    results = launch_cache.replay(launch_cache.CHANNELS_GRAD, key, dy, x, mean, rstd, weight, bias, None)
-    if results is not None:
-        return results
-    g = gradients.ChannelGradCall(norm, dy, x, mean, rstd, num_groups=num_groups, weight=weight, bias=bias,
-                              channel_axis=channel_axis, training=training, eps=eps)
-    return gradients.run_channels(g, reference_fn, key=key)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import functools
 
-from ._engine import channel_norms, dtypes, launch_cache, row_norms, plans
-from . import _interop, reference
+from ._engine import calls, dtypes, plans, row_norms
+from . import reference
 from ._engine.row_norms import DEFAULT_EPS, LP_EPS  # the defaults, defined beside the argument checks (backward reads them too)
 
 # The description of x, shared by the docstrings (filled in at the end).
@@ -170,26 +170,6 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     return _row_op("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm,
                    lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
                                                return_stats=return_stats, activation=activation), epilogue)
-
-
-def _layer_norm_float32(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, activation=None):
-    """layer_norm of a 16-bit x returning float32 y, in one pass (no cast of
-    x first): what torch's autocast makes of a LayerNorm, for cunorm's
-    layers in inference (cunorm/torch/_layers.py). Not exported: no
-    residual, statistics or out=; never routed to the registered operators
-    (the layers call it outside autograd and dynamo)."""
-    epilogue = plans.activation_flags(activation)
-    return _row_op("ln", x, weight, bias, None, axis, eps, False, None, reference.layer_norm, None, epilogue,
-                   out_dtype=dtypes.float32)
-
-
-def _group_norm_float32(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, activation=None):
-    """group_norm of a 16-bit x (N, C, *) returning float32 y, in one pass
-    over y (no cast of x first): what torch's autocast makes of a GroupNorm,
-    for cunorm's layers in inference. Not exported, as
-    _layer_norm_float32."""
-    return _channel_op("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, 1, False, None, None,
-                       plans.activation_flags(activation), out_dtype=dtypes.float32)
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
@@ -444,46 +424,20 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                                                    activation=activation), plans.activation_flags(activation))
 
 
-def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, torch_op, epilogue=0,
+def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, route, epilogue=0,
             out_dtype=None):
-    """A row norm: the launch cache's entry for the call's signature if it
-    has one, else the registered torch operator where autograd or dynamo
-    must see the call, else the general path (which fills the cache).
-    ``epilogue``: the validated FLAGS bits of the epilogue's options.
-    ``torch_op`` None: never routed (the registered operators'
-    implementations, cunorm.torch, run here). ``out_dtype``: y's dtype
-    where it is not x's (layer_norm_float32)."""
-    key = None
-    if out is None:
-        key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, out_dtype)
-        results = launch_cache.replay(launch_cache.ROWS, key, x, weight, bias, residual)
-        if results is not None:
-            return results
-    if torch_op is not None and _interop.torch_route(x, weight, bias, residual, out=out):
-        return torch_op()
-    call = row_norms.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual, return_stats=return_stats,
-                     epilogue=epilogue, out_dtype=out_dtype)
-    return launch_cache.stored(launch_cache.ROWS, key, (x, weight, bias, residual), row_norms.run(call, reference_fn, key=key))
+    """A row norm through the engine; ``route``: the call as cunorm.torch's
+    registered operator, where autograd or dynamo must see it (None: never
+    routed)."""
+    return calls.rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, epilogue=epilogue,
+                      out_dtype=out_dtype, route=route)
 
 
 def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
-                return_stats, out, torch_op, epilogue=0, out_dtype=None):
-    """A channel norm, as _row_op."""
-    key = None
-    if out is None:
-        key = launch_cache.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum,
-                                eps, channel_axis, return_stats, epilogue, out_dtype)
-        results = launch_cache.replay(launch_cache.CHANNELS, key, x, weight, bias, running_mean, running_var)
-        if results is not None:
-            return results
-    if torch_op is not None and _interop.torch_route(x, weight, bias, out=out):
-        return torch_op()
-    call = channel_norms.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
-                                 channel_axis=channel_axis, out=out, return_stats=return_stats,
-                                 running_mean=running_mean, running_var=running_var, training=training,
-                                 momentum=momentum, epilogue=epilogue, out_dtype=out_dtype)
-    return launch_cache.stored(launch_cache.CHANNELS, key, (x, weight, bias, running_mean, running_var),
-                        channel_norms.run(call, key=key))
+                return_stats, out, route, epilogue=0, out_dtype=None):
+    """A channel norm through the engine, as _row_op."""
+    return calls.channels(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,
+                          channel_axis, return_stats, out, epilogue=epilogue, out_dtype=out_dtype, route=route)
 
 
 for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (normalize, _ROW_X), (mean_abs_normalize, _ROW_X),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm._engine import dtypes
+from cunorm._engine import calls, dtypes
 from cunorm import reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
@@ -267,14 +267,12 @@ def test_against_torch_with_running_stats(rng):
                          ids=["odd planes", "unet", "1-d"])
 @pytest.mark.parametrize("params", ["none", "w b", "w b 16-bit"])
 def test_group_norm_float32_output_of_16_bit_x(rng, poisoned, dtype, last, shape, groups, params):
-    """The autocast form (norms._group_norm_float32): 16-bit x read as it
+    """The autocast form (calls.group_norm_float32): 16-bit x read as it
     is, float32 y in x's layout (without parameters on channels-first x,
     the row family's LayerNorm writes it), against the float64 reference
     of the same 16-bit values at float32's tolerance; x unchanged, a repeat
     (the launch cache's entry) bitwise equal."""
     import cupy
-
-    from cunorm import norms
 
     x_np = random(rng, shape, dtype, scale=2.0, offset=0.5)
     c = shape[1]
@@ -286,11 +284,11 @@ def test_group_norm_float32_output_of_16_bit_x(rng, poisoned, dtype, last, shape
         x = cupy.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
     w = None if w_np is None else cupy.asarray(w_np)
     b = None if b_np is None else cupy.asarray(b_np)
-    y = norms._group_norm_float32(x, groups, w, b, eps=1e-5)
+    y = calls.group_norm_float32(x, groups, w, b, eps=1e-5)
     assert y.dtype == np.float32 and y.shape == shape and y.strides == tuple(s * 2 for s in x.strides)
     want = reference.group_norm(x_np.astype(np.float64), groups, w_np, b_np, eps=1e-5)
     tol = RTOL[np.dtype(np.float32)]
     assert_close(cupy.asnumpy(y), want, np.float32, rtol=tol, atol=tol * output_scale(want), what="float32 y")
-    again = norms._group_norm_float32(x, groups, w, b, eps=1e-5)
+    again = calls.group_norm_float32(x, groups, w, b, eps=1e-5)
     assert bool((again == y).all())
     np.testing.assert_array_equal(cupy.asnumpy(x), x_np)

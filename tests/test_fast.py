@@ -1,4 +1,4 @@
-"""The launch cache's bookkeeping on CPU (cunorm/launch_cache.py): the bound,
+"""The launch cache's bookkeeping on CPU (cunorm/_engine/launch_cache.py): the bound,
 threads inserting at once, and which calls are keyed."""
 from __future__ import annotations
 

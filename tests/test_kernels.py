@@ -1,4 +1,4 @@
-"""The kernel declarations (cunorm/declarations.py) against the .cu sources:
+"""The kernel declarations (cunorm/_engine/declarations.py) against the .cu sources:
 every __global__ kernel is declared, with its template parameters and its
 arguments' names and kinds as the C++ writes them (CPU only)."""
 from __future__ import annotations
@@ -115,7 +115,7 @@ def test_declaration_matches_the_source(decl):
 @pytest.mark.parametrize("decl", declarations.DECLARATIONS, ids=lambda d: d.name)
 def test_pointers_read_come_before_pointers_written(decl):
     """XLA's custom call binds the pointer arguments to its operands, then to
-    its results, in order (cunorm/jax_jit.py)."""
+    its results, in order (cunorm/jax/_jit.py)."""
     kinds = [k for _, k in decl.args if k in declarations.POINTER_KINDS]
     first_out = kinds.index("out") if "out" in kinds else len(kinds)
     assert all(k == "out" for k in kinds[first_out:]), decl.args

@@ -1,4 +1,4 @@
-"""The launch cache on the GPU (cunorm/launch_cache.py): a repeated signature
+"""The launch cache on the GPU (cunorm/_engine/launch_cache.py): a repeated signature
 replays its prepared launches over new pointers, with outputs poisoned,
 on other streams, under CUDA-graph capture, from threads at once, under
 autocast and through autograd."""

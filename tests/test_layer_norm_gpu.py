@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm._engine import dispatch_rows, dtypes, row_norms
+from cunorm._engine import calls, dispatch_rows, dtypes, row_norms
 from cunorm import reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
@@ -273,15 +273,13 @@ def test_torch_layer_norm_residual_returns_torch(rng):
                          ids=["768", "3-d", "760", "odd", "split tier"])
 @pytest.mark.parametrize("params", ["none", "w", "w b", "w b 16-bit"])
 def test_layer_norm_float32_output_of_16_bit_x(rng, dtype, shape, params):
-    """The autocast form (norms._layer_norm_float32): 16-bit x read as it
+    """The autocast form (calls.layer_norm_float32): 16-bit x read as it
     is, y written in float32 by rows_cached, or, where another tier takes
     the rows (the split tier, long rows), x cast first. y against the
     float64 reference of the same 16-bit values at float32's tolerance;
     poisoned outputs, x unchanged, a repeat (the launch cache's entry)
     bitwise equal."""
     import cupy
-
-    from cunorm import norms
 
     x_np = random(rng, shape, dtype, scale=3.0, offset=1.0)
     n = shape[-1]
@@ -291,12 +289,12 @@ def test_layer_norm_float32_output_of_16_bit_x(rng, dtype, shape, params):
     x = cupy.asarray(x_np)
     w = None if w_np is None else cupy.asarray(w_np)
     b = None if b_np is None else cupy.asarray(b_np)
-    y = norms._layer_norm_float32(x, w, b, eps=1e-5)
+    y = calls.layer_norm_float32(x, w, b, eps=1e-5)
     assert y.dtype == np.float32 and y.shape == shape and y.flags.c_contiguous
     want = reference.layer_norm(x_np.astype(np.float64), w_np, b_np, eps=1e-5, exact=True)
     tol = RTOL[np.dtype(np.float32)]
     assert_close(cupy.asnumpy(y), want, np.float32, rtol=tol, atol=tol * output_scale(want), what="float32 y")
-    again = norms._layer_norm_float32(x, w, b, eps=1e-5)
+    again = calls.layer_norm_float32(x, w, b, eps=1e-5)
     assert again.data.ptr != y.data.ptr and bool((again == y).all())
     np.testing.assert_array_equal(cupy.asnumpy(x), x_np)
 
@@ -304,7 +302,5 @@ def test_layer_norm_float32_output_of_16_bit_x(rng, dtype, shape, params):
 def test_layer_norm_float32_output_refuses_other_dtypes():
     import cupy
 
-    from cunorm import norms
-
     with pytest.raises(TypeError, match="float16 or bfloat16 x, got float32"):
-        norms._layer_norm_float32(cupy.ones((2, 8), np.float32))
+        calls.layer_norm_float32(cupy.ones((2, 8), np.float32))

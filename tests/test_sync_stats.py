@@ -1,4 +1,4 @@
-"""SyncBatchNorm's statistics across simulated ranks (cunorm/sync_stats.py)
+"""SyncBatchNorm's statistics across simulated ranks (cunorm/_engine/sync_stats.py)
 against NumPy's float64 over the concatenated batch: uneven and empty
 ranks, a large mean, one framework's arrays at a time."""
 import numpy as np

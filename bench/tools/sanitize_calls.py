@@ -4,7 +4,7 @@ racecheck, initcheck and synccheck).
 
 CuPy's memory pool is off, so each array is its own cudaMalloc and memcheck
 sees an access past any of them. Every kernel declaration of
-cunorm/declarations.py must have been loaded by the end (the script fails
+cunorm/_engine/declarations.py must have been loaded by the end (the script fails
 naming any that was not), so a new kernel cannot go unsanitized. Exit
 status 0 when every call ran and every declaration was reached.
 """

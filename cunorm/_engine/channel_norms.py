@@ -152,7 +152,7 @@ def _momentum(momentum) -> float:
 
 def run(call: ChannelCall, key=None):
     """y (then mean, rstd) as the caller's array type. ``key``: the call's
-    signature in the launch cache (cunorm/launch_cache.py), which gets an entry
+    signature in the launch cache (cunorm/_engine/launch_cache.py), which gets an entry
     when the call ran without copies or conversions."""
     if not call.on_gpu:
         if not call.x.size:  # nothing to normalize; the running buffers are left as they are

@@ -63,7 +63,7 @@ class RowGradCall:
 def run_rows(g: RowGradCall, reference, key=None):
     """(dx, dweight, dbias) for rms/ln (None where there is no parameter), dx
     for the Lp norms; as the caller's array type. ``key``: the call's
-    signature in the launch cache (cunorm/launch_cache.py), which gets an entry
+    signature in the launch cache (cunorm/_engine/launch_cache.py), which gets an entry
     when the call ran without copies or casts."""
     call = g.call
     if not call.on_gpu:

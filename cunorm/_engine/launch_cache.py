@@ -4,8 +4,8 @@ dictionary lookup, the outputs' allocation and the launches.
 The first call with a signature (every array's kind, dtype, shape, strides,
 device and pointer alignment; the axes, eps and flags, each of its exact
 Python type) is validated, planned and run by the general path
-(cunorm/_engine/row_norms.py, _channels.py, _grad.py). Where that path ran a Program
-(cunorm/launches.py) over the arrays as given, with nothing copied or cast
+(row_norms.py, channel_norms.py, gradients.py). Where that path ran a
+Program (launches.py) over the arrays as given, with nothing copied or cast
 first, it stores an Entry here under the signature; a later call with the
 same signature only checks that the arrays' GPU is the current one,
 allocates its outputs with the caller's framework (torch's caching
@@ -20,8 +20,6 @@ dynamo must see is not keyed here (cunorm.torch has its own routes). The
 caches are bounded (oldest out first) and safe under threads.
 """
 from __future__ import annotations
-
-import threading
 
 from . import launches
 from .caches import BoundedCache
@@ -229,19 +227,6 @@ def launcher(e: Entry):
     return fn
 
 
-class Watch(threading.local):
-    """What a replaced torch layer watches for while its forward runs
-    (cunorm/torch/_layers.py, ``memoized``): ``found`` is set to the
-    (launcher, inputs, results) of the last call of this thread that a
-    launcher ran or stored, while ``on``."""
-
-    on = False
-    found = None
-
-
-WATCH = Watch()
-
-
 def replay(cache, key, *inputs):
     """The results of ``key``'s entry run over ``inputs``; None where there
     is no key or entry, or the entry declines (another GPU is current)."""
@@ -250,20 +235,7 @@ def replay(cache, key, *inputs):
     found = cache.get(key)
     if found is None:
         return None
-    results = found(*inputs)
-    if WATCH.on and results is not None:
-        WATCH.found = (found, inputs, results)
-    return results
-
-
-def stored(cache, key, inputs, results):
-    """``results`` of a general-path call; where a layer watches and the
-    call stored a launcher under ``key``, noted as replay notes it."""
-    if WATCH.on and key is not None:
-        found = cache.get(key)
-        if found is not None:
-            WATCH.found = (found, inputs, results)
-    return results
+    return found(*inputs)
 
 
 def entry(ad, device, program, inputs, outputs, slots, returns, arrays=None):

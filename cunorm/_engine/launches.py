@@ -276,7 +276,7 @@ class LaunchRecorder:
 @functools.lru_cache(maxsize=16)
 def device_info(device_id: int) -> dispatch_rows.Device:
     """What the dispatch needs to know about GPU ``device_id``; a negative
-    id names an architecture planned for ahead of time (cunorm/targets.py),
+    id names an architecture planned for ahead of time (cunorm/_engine/targets.py),
     which asks nothing of the driver."""
     if device_id < 0:
         return targets.by_id(device_id).device

@@ -1,8 +1,8 @@
 """The shared path of every public op: validate, plan, launch.
 
-The plan, launch and Program (cunorm/launches.py) of a layout are computed
+The plan, launch and Program (cunorm/_engine/launches.py) of a layout are computed
 once and memoized; a call whose whole signature was seen before skips this
-module altogether (cunorm/launch_cache.py).
+module altogether (cunorm/_engine/launch_cache.py).
 """
 from __future__ import annotations
 
@@ -269,7 +269,7 @@ def _same_view(a, b) -> bool:
 def run(call: Call, reference, key=None):
     """Compute the call's norm; return y (then h, then the statistics) as the
     caller's array type. ``key``: the call's signature in the launch cache
-    (cunorm/launch_cache.py), which gets an entry when the call ran without copies."""
+    (cunorm/_engine/launch_cache.py), which gets an entry when the call ran without copies."""
     if not call.on_gpu:
         if not call.x.size:
             return empty_results(call, 1 + (call.residual is not None), (2 if call.norm == "ln" else 1))

@@ -89,7 +89,7 @@ def set_lowering_target(arch=None, *, sm_count: int | None = None, l2_bytes: int
     """Lower for ``arch`` ("sm_80", "sm_86", "sm_89", "sm_90", or the compute
     capability as an int) instead of this process's GPU: what lowering
     and jax.export on a host without the GPU need. The dispatch plans for
-    the architecture's reference part (cunorm/targets.py), whose
+    the architecture's reference part (cunorm/_engine/targets.py), whose
     multiprocessor count and L2 size ``sm_count`` and ``l2_bytes``
     replace; persistent grids are capped by the occupancy the compiler's
     resource report gives for that architecture. None: back to the

@@ -1,6 +1,6 @@
 """torch's eager autograd over cunorm: autograd.Functions around the
-array-level ops (cunorm.rms_norm ... and cunorm.backward), for
-cunorm.torch's functions and layers.
+engine's calls of the ops and their backward passes
+(cunorm/_engine/calls.py), for cunorm.torch's functions and layers.
 
 Outside torch.compile these Functions run the array-level ops themselves
 (the launch cache, cunorm/_engine/launch_cache.py) forward and backward: the registered
@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import backward, norms
+from .._engine import calls, plans
+from .._engine.row_norms import DEFAULT_EPS
 
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
@@ -62,11 +63,8 @@ class RowNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, norm, axis, eps, rounding):
-        if norm == "rms":
-            results = norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=True,
-                                     rounding=rounding)
-        else:
-            results = norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=True)
+        epilogue = plans.rms_epilogue(0, rounding, None, weight is not None) if norm == "rms" else 0
+        results = calls.rows(norm, x, weight, bias, residual, axis, eps, True, None, None, epilogue=epilogue)
         statistics = results[-1:] if norm == "rms" else results[-2:]
         h = results[1] if residual is not None else x
         ctx.save_for_backward(h, weight, bias, *statistics)
@@ -83,9 +81,10 @@ class RowNorm(torch.autograd.Function):
         if dy is None:  # only h was used
             dy = torch.zeros_like(h)
         if ctx.norm == "rms":
-            (dx, dw), db = backward.rms_norm_backward(dy, h, statistics[0], weight, axis=ctx.axis, dh=dh), None
+            (dx, dw), db = calls.rows_grad("rms", dy, h, None, statistics[0], weight, None, dh, ctx.axis, 0.0,
+                                           None), None
         else:
-            dx, dw, db = backward.layer_norm_backward(dy, h, *statistics, weight, bias, axis=ctx.axis, dh=dh)
+            dx, dw, db = calls.rows_grad("ln", dy, h, *statistics, weight, bias, dh, ctx.axis, 0.0, None)
         return dx, dw, db, dx if ctx.residual else None, None, None, None, None
 
 
@@ -95,16 +94,8 @@ class ChannelNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, norm, num_groups, training, momentum, eps,
                 channel_axis):
-        if norm == "group":
-            y, mean, rstd = norms.group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
-                                             return_stats=True)
-        elif norm == "instance":
-            y, mean, rstd = norms.instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
-                                                return_stats=True)
-        else:
-            y, mean, rstd = norms.batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var,
-                                             training=training, momentum=momentum, eps=eps,
-                                             channel_axis=channel_axis, return_stats=True)
+        y, mean, rstd = calls.channels(norm, x, num_groups if norm == "group" else None, weight, bias, running_mean,
+                                       running_var, training, momentum, eps, channel_axis, True, None)
         # eval-mode BatchNorm's backward reads the running buffers, not rstd
         saved = (mean, rstd) if training else (running_mean, running_var)
         ctx.save_for_backward(x, *saved, weight, bias)
@@ -120,14 +111,8 @@ class ChannelNorm(torch.autograd.Function):
             return (None,) * 11
         x, mean, rstd, weight, bias = ctx.saved_tensors
         norm, num_groups, training, eps, channel_axis = ctx.args
-        if norm == "group":
-            dx, dw, db = backward.group_norm_backward(dy, x, mean, rstd, num_groups, weight, bias,
-                                                      channel_axis=channel_axis)
-        elif norm == "instance":
-            dx, dw, db = backward.instance_norm_backward(dy, x, mean, rstd, weight, bias, channel_axis=channel_axis)
-        else:
-            dx, dw, db = backward.batch_norm_backward(dy, x, mean, rstd, weight, bias, training=training, eps=eps,
-                                                      channel_axis=channel_axis)
+        dx, dw, db = calls.channel_grad(norm, dy, x, mean, rstd, num_groups if norm == "group" else None, weight,
+                                        bias, channel_axis, training, eps if norm == "batch" else DEFAULT_EPS, None)
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 

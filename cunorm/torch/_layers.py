@@ -11,7 +11,8 @@ where that is faster (``runs_original``): under dynamo's tracing
 original is one fused torch op. Otherwise, under eager autograd, the
 RMSNorm, LayerNorm, GroupNorm and BatchNorm forwards enter their
 autograd.Function (cunorm/torch/_autograd.py) directly, and in inference
-they call the array-level ops, which take the launch cache. A forward with
+they call the engine (cunorm/_engine/calls.py), which takes the launch
+cache, each call noting its launcher in the module's trace for the memo. A forward with
 an ``activation`` runs it in the kernel's epilogue in inference, and as
 torch's op after the norm where autograd records (cunorm.torch.rms_norm
 says why).
@@ -23,9 +24,9 @@ import math
 import torch
 from torch import Tensor
 
-from .._engine import launch_cache
-from .. import norms
+from .._engine import calls, plans
 from .._interop import torch as _adapter
+from . import _functions
 from ._autograd import channel_norm_apply, eager_autograd, needs_grad, row_norm_apply
 
 is_compiling = torch.compiler.is_compiling
@@ -71,7 +72,10 @@ def original_forward(module, x: Tensor) -> Tensor:
 MEMO_SIGNATURES = 8
 
 _autocast_on = torch.is_autocast_enabled
-_fast_watch = launch_cache.WATCH
+#: the key of a module's trace while its memoized forward runs: the list the
+#: engine notes each launcher the forward's calls ran or stored in
+#: (cunorm/_engine/calls.py, ``trace``)
+TRACE = "_cunorm_trace"
 
 
 def _memo_key(x: Tensor, tag: int):
@@ -163,15 +167,18 @@ def memoized(forward, pure=None, tag: int = 0):
             return y
         if pure is not None and not pure(self):
             return forward(self, x)
-        watch = _fast_watch
-        outer, watch.on, watch.found = watch.on, True, None
+        state = self.__dict__
+        outer, trace = state.get(TRACE), []
+        state[TRACE] = trace
         try:
             y = forward(self, x)
-            found = watch.found
         finally:
-            watch.on, watch.found = outer, None
-        if found is not None:
-            _memo_fill(self, x, found, y, tag)
+            if outer is None:
+                state.pop(TRACE, None)
+            else:
+                state[TRACE] = outer
+        if trace:
+            _memo_fill(self, x, trace[-1], y, tag)
         return y
 
     memo_forward.__name__, memo_forward.__qualname__ = forward.__name__, forward.__qualname__
@@ -237,8 +244,11 @@ def rms_cunorm(module, x: Tensor, axis, eps, *, activation=None, weight_offset=0
         x = x.contiguous()
     if activation is None and not weight_offset and eager_autograd(x, weight):
         return row_norm_apply(x, weight, None, None, "rms", axis, eps, rounding)[0]
-    return norms.rms_norm(x, weight, axis=axis, eps=eps, weight_offset=weight_offset, rounding=rounding,
-                          activation=activation)
+    epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
+    return calls.rows("rms", x, weight, None, None, axis, eps, False, None, None, epilogue=epilogue,
+                      route=lambda: _functions.rms_norm(x, weight, axis=axis, eps=eps, weight_offset=weight_offset,
+                                                        rounding=rounding, activation=activation),
+                      trace=module.__dict__.get(TRACE))
 
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -284,15 +294,19 @@ def layer_cunorm(module, x: Tensor, axis, *, activation=None) -> Tensor:
     weight, bias = module.weight, module.bias
     copies = copies_rows(x, axis)
     if float32_in_one_pass(x, weight, bias):
-        return norms._layer_norm_float32(x.contiguous() if copies else x, weight, bias, axis=axis, eps=module.eps,
-                                         activation=activation)
+        return calls.layer_norm_float32(x.contiguous() if copies else x, weight, bias, axis=axis, eps=module.eps,
+                                        activation=activation, trace=module.__dict__.get(TRACE))
     if copies:  # (the copy and autocast's cast one pass)
         x = autocast_float32(x, torch.contiguous_format).contiguous()
     else:
         x = autocast_float32(x)
     if activation is None and eager_autograd(x, weight, bias):
         return row_norm_apply(x, weight, bias, None, "ln", axis, module.eps, "output")[0]
-    return norms.layer_norm(x, weight, bias, axis=axis, eps=module.eps, activation=activation)
+    eps = module.eps
+    return calls.rows("ln", x, weight, bias, None, axis, eps, False, None, None,
+                      epilogue=plans.activation_flags(activation),
+                      route=lambda: _functions.layer_norm(x, weight, bias, axis=axis, eps=eps, activation=activation),
+                      trace=module.__dict__.get(TRACE))
 
 
 def group_forward(module, x: Tensor, *, activation=None) -> Tensor:
@@ -302,12 +316,42 @@ def group_forward(module, x: Tensor, *, activation=None) -> Tensor:
         return original_forward(module, x)
     weight, bias = module.weight, module.bias
     if float32_in_one_pass(x, weight, bias):
-        return norms._group_norm_float32(x, module.num_groups, weight, bias, eps=module.eps, activation=activation)
+        return calls.group_norm_float32(x, module.num_groups, weight, bias, eps=module.eps, activation=activation,
+                                        trace=module.__dict__.get(TRACE))
     x = autocast_float32(x)
     if activation is None and eager_autograd(x, weight, bias):
         return channel_norm_apply(x, weight, bias, None, None, "group", module.num_groups, True, 0.1, module.eps,
                                   1)[0]
-    return norms.group_norm(x, module.num_groups, weight, bias, eps=module.eps, activation=activation)
+    return _group(module, x, weight, bias, module.num_groups, module.eps, activation)
+
+
+def _group(module, x, weight, bias, num_groups, eps, activation):
+    """group_norm of x through the engine, routed to cunorm.torch's function
+    where autograd or dynamo must see it, the launcher noted in the module's
+    trace."""
+    return calls.channels("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, 1, False, None,
+                          epilogue=plans.activation_flags(activation),
+                          route=lambda: _functions.group_norm(x, num_groups, weight, bias, eps=eps,
+                                                              activation=activation),
+                          trace=module.__dict__.get(TRACE))
+
+
+def _batch(module, x, weight, bias, running_mean, running_var, training, momentum, eps, activation):
+    """batch_norm of x (channels first) through the engine, as _group."""
+    return calls.channels("batch", x, None, weight, bias, running_mean, running_var, training, momentum, eps, 1,
+                          False, None, epilogue=plans.activation_flags(activation),
+                          route=lambda: _functions.batch_norm(x, weight, bias, running_mean=running_mean,
+                                                              running_var=running_var, training=training,
+                                                              momentum=momentum, eps=eps, activation=activation),
+                          trace=module.__dict__.get(TRACE))
+
+
+def _instance(module, x, return_stats: bool):
+    """instance_norm of x with the module's parameters and eps, as _group."""
+    weight, bias, eps = module.weight, module.bias, module.eps
+    return calls.channels("instance", x, None, weight, bias, None, None, True, 0.1, eps, 1, return_stats, None,
+                          route=lambda: _functions.instance_norm(x, weight, bias, eps=eps, return_stats=return_stats),
+                          trace=module.__dict__.get(TRACE))
 
 
 def statistics_dtype_running(module, x: Tensor, running_mean: Tensor, running_var: Tensor):
@@ -349,8 +393,8 @@ def batch_forward(module, x: Tensor, *, activation=None) -> Tensor:
     if activation is None and eager_autograd(x, weight, bias):
         return channel_norm_apply(x, weight, bias, running_mean, running_var, "batch", None, training, factor,
                                   module.eps, 1)[0]
-    return norms.batch_norm(x, weight, bias, running_mean=running_mean, running_var=running_var, training=training,
-                            momentum=factor, eps=module.eps, activation=activation)
+    return _batch(module, x, weight, bias, running_mean, running_var, training, factor, module.eps, activation)
+
 
 
 def instance_forward(module, x: Tensor) -> Tensor:
@@ -366,11 +410,10 @@ def instance_forward(module, x: Tensor) -> Tensor:
     use_input_stats = module.training or not module.track_running_stats
     if not use_input_stats:
         running_mean, running_var = statistics_dtype_running(module, x, module.running_mean, module.running_var)
-        return norms.batch_norm(x, module.weight, module.bias, running_mean=running_mean,
-                                running_var=running_var, training=False, eps=module.eps)
+        return _batch(module, x, module.weight, module.bias, running_mean, running_var, False, 0.1, module.eps, None)
     if not (module.track_running_stats and module.running_mean is not None):
-        return norms.instance_norm(x, module.weight, module.bias, eps=module.eps)
-    y, mean, rstd = norms.instance_norm(x, module.weight, module.bias, eps=module.eps, return_stats=True)
+        return _instance(module, x, False)
+    y, mean, rstd = _instance(module, x, True)
     momentum = module.momentum if module.momentum is not None else 0.0
     n = math.prod(x.shape[2:])
     with torch.no_grad():

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._engine import channel_norms, sync_stats
-from .. import backward, norms
+from .._engine import calls, channel_norms, sync_stats
 from ._layers import batch_forward
 
 #: what torch raises for a training step of one value a channel
@@ -85,7 +84,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
                                                            mean, m2, total, momentum)
             running_mean.copy_(new_mean)
             running_var.copy_(new_var)
-        y = norms.batch_norm(x, weight, bias, running_mean=mean, running_var=var, training=False, eps=eps) \
+        y = calls.channels("batch", x, None, weight, bias, mean, var, False, 0.1, eps, 1, False, None) \
             if x.numel() else torch.empty_like(x)
         ctx.save_for_backward(x, weight, mean, var)
         ctx.eps, ctx.group, ctx.world, ctx.total = eps, group, world, total
@@ -100,8 +99,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if x.numel():
             # the eval form: dx0 = dy * w * rstd (unused), dw = sum(dy * xhat), db = sum(dy)
             ones = torch.ones(channels, dtype=acc, device=x.device)
-            _, sum_dy_xhat, sum_dy = backward.batch_norm_backward(dy.contiguous(), x, mean, var, ones, ones,
-                                                                   training=False, eps=ctx.eps)
+            _, sum_dy_xhat, sum_dy = calls.channel_grad("batch", dy.contiguous(), x, mean, var, None, ones, ones, 1,
+                                                        False, ctx.eps, None)
             local = torch.stack([sum_dy.to(acc), sum_dy_xhat.to(acc)])
         else:
             local = torch.zeros(2, channels, dtype=acc, device=x.device)

@@ -1,0 +1,106 @@
+"""The engine's entry: one call of an op, forward or backward.
+
+A call whose whole signature the launch cache (launch_cache.py) holds is
+a dictionary lookup and its launcher; any other call is validated, planned
+and launched by its family's general path (row_norms.py, channel_norms.py,
+gradients.py), which fills the cache where it ran over the arrays as given.
+
+The engine knows no front end. A caller whose framework must see the call
+passes ``route``: when the arrays' adapter says so (a torch tensor that
+autograd records, or a call dynamo traces: ``_interop.torch_route``),
+``route()`` runs instead of the engine, and its results are returned. A
+caller that keeps the launcher a call ran (the torch layers' memo) passes
+``trace``, a list that receives ``(launcher, inputs, results)``.
+"""
+from __future__ import annotations
+
+from . import channel_norms, dtypes, gradients, launch_cache, plans, row_norms
+from .. import _interop, reference
+
+
+def _noted(trace, cache, key, inputs, results):
+    """results, with the launcher stored under ``key`` noted in ``trace``."""
+    if trace is not None and key is not None:
+        found = cache.get(key)
+        if found is not None:
+            trace.append((found, inputs, results))
+    return results
+
+
+def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference, *, epilogue=0, out_dtype=None,
+         route=None, trace=None):
+    """A row norm (``norm``: its policy name). ``epilogue``: the validated
+    FLAGS bits of the epilogue's options; ``out_dtype``: y's dtype where it
+    is not x's (the torch layers under autocast)."""
+    key = None
+    inputs = (x, weight, bias, residual)
+    if out is None:
+        key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, out_dtype)
+        results = launch_cache.replay(launch_cache.ROWS, key, *inputs)
+        if results is not None:
+            return _noted(trace, launch_cache.ROWS, key, inputs, results)
+    if route is not None and _interop.torch_route(x, weight, bias, residual, out=out):
+        return route()
+    call = row_norms.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual,
+                          return_stats=return_stats, epilogue=epilogue, out_dtype=out_dtype)
+    return _noted(trace, launch_cache.ROWS, key, inputs, row_norms.run(call, reference, key=key))
+
+
+def channels(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
+             return_stats, out, *, epilogue=0, out_dtype=None, route=None, trace=None):
+    """A channel norm (``norm``: "group", "instance" or "batch"), as rows."""
+    key = None
+    inputs = (x, weight, bias, running_mean, running_var)
+    if out is None:
+        key = launch_cache.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training,
+                                       momentum, eps, channel_axis, return_stats, epilogue, out_dtype)
+        results = launch_cache.replay(launch_cache.CHANNELS, key, *inputs)
+        if results is not None:
+            return _noted(trace, launch_cache.CHANNELS, key, inputs, results)
+    if route is not None and _interop.torch_route(x, weight, bias, out=out):
+        return route()
+    call = channel_norms.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
+                                     channel_axis=channel_axis, out=out, return_stats=return_stats,
+                                     running_mean=running_mean, running_var=running_var, training=training,
+                                     momentum=momentum, epilogue=epilogue, out_dtype=out_dtype)
+    return _noted(trace, launch_cache.CHANNELS, key, inputs, channel_norms.run(call, key=key))
+
+
+def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference):
+    """A row norm's backward: (dx, dweight[, dbias]) for RMSNorm and
+    LayerNorm, dx for the Lp norms."""
+    key = launch_cache.grad_key(norm, dy, x, mean, rstd, weight, bias, dh, (axis,), eps)
+    results = launch_cache.replay(launch_cache.ROWS_GRAD, key, dy, x, mean, rstd, weight, bias, dh)
+    if results is not None:
+        return results
+    g = gradients.RowGradCall(norm, dy, x, axis=axis, eps=eps, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh)
+    return gradients.run_rows(g, reference, key=key)
+
+
+def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps, reference):
+    """A channel norm's backward: (dx, dweight, dbias)."""
+    key = launch_cache.grad_key(norm, dy, x, mean, rstd, weight, bias, None, (num_groups, channel_axis, training),
+                                eps)
+    results = launch_cache.replay(launch_cache.CHANNELS_GRAD, key, dy, x, mean, rstd, weight, bias, None)
+    if results is not None:
+        return results
+    g = gradients.ChannelGradCall(norm, dy, x, mean, rstd, num_groups=num_groups, weight=weight, bias=bias,
+                                  channel_axis=channel_axis, training=training, eps=eps)
+    return gradients.run_channels(g, reference, key=key)
+
+
+def layer_norm_float32(x, weight=None, bias=None, *, axis=-1, eps=row_norms.DEFAULT_EPS, activation=None, trace=None):
+    """layer_norm of a 16-bit x returning float32 y in one pass (no cast of
+    x first): what torch's autocast makes of a LayerNorm, for cunorm's torch
+    layers in inference. No residual, statistics or out=; never routed (the
+    layers call it outside autograd and dynamo)."""
+    return rows("ln", x, weight, bias, None, axis, eps, False, None, reference.layer_norm,
+                epilogue=plans.activation_flags(activation), out_dtype=dtypes.float32, trace=trace)
+
+
+def group_norm_float32(x, num_groups, weight=None, bias=None, *, eps=row_norms.DEFAULT_EPS, activation=None,
+                       trace=None):
+    """group_norm of a 16-bit x (N, C, *) returning float32 y in one pass,
+    as layer_norm_float32."""
+    return channels("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, 1, False, None,
+                    epilogue=plans.activation_flags(activation), out_dtype=dtypes.float32, trace=trace)
