@@ -1,5 +1,5 @@
 """The repository's benchmark of record (docs/performance.md): every case of
-cunorm/bench/_cases.py's CASES, CHANNEL_CASES, LP_CASES and BACKWARD_CASES
+cunorm/bench's CASES, CHANNEL_CASES, LP_CASES and BACKWARD_CASES
 against torch eager and torch.compile, host overhead per call, and (--tune) a
 sweep of launch overrides for the main cases. Writes bench.json and bench.md
 to --out. The user-facing suites are ``python -m cunorm bench``.
@@ -17,7 +17,21 @@ from pathlib import Path
 import cupy
 
 import cunorm
-from cunorm.bench._cases import BACKWARD_CASES, CASES, CHANNEL_CASES, CHANNEL_TUNE, LP_CASES, TUNE, bench_backward_case, bench_case, bench_channel_case, bench_lp_case, copy_bandwidth, host_overhead, torch, tune_case, tune_channel_case
+from cunorm.bench._cases import BACKWARD_CASES, CASES, LP_CASES, bench_backward_case, bench_case, bench_lp_case
+from cunorm.bench._channel_cases import CHANNEL_CASES, bench_channel_case
+from cunorm.bench._host import host_rows
+from cunorm.bench._timing import copy_bandwidth, torch
+from tune.forward import CHANNEL_TUNE, TUNE, tune_case, tune_channel_case  # (bench/tune/: this script's folder is on sys.path)
+
+
+def host_overhead(n_calls=2000) -> dict:
+    """The host suite as {case: us} (bench/bench.py's table)."""
+    out = {}
+    for r in host_rows(n_calls):
+        out[r["case"]] = r["us"]
+        if r.get("torch_us"):
+            out[r["case"] + " [torch]"] = r["torch_us"]
+    return out
 
 
 def fmt(v, spec=".1f"):

@@ -36,7 +36,7 @@ def test_suites_cover_the_issue():
     assert {c.op for c in bench.cases(("sweep",))} >= {"rms_norm", "layer_norm", "group_norm", "instance_norm",
                                                         "batch_norm", "normalize", "frobenius_normalize"}
     assert len(bench.cases(("backward",))) >= 4
-    assert bench.cases(("host",)) == []  # its rows come from _cases.host_rows
+    assert bench.cases(("host",)) == []  # its rows come from _host.host_rows
 
 
 def test_quick_shapes_are_smaller():

@@ -16,6 +16,7 @@ jnp = jax.numpy
 jax_export = pytest.importorskip("jax.export")
 
 from cunorm._engine import dispatch_rows, declarations, launches, loader  # noqa: E402
+from cunorm.jax import _custom_call as cc  # noqa: E402
 
 H100 = dispatch_rows.Device(sm_count=132, compute_capability=90, max_shared_per_block=227 * 1024,
                         l2_bytes=50 * 1024 * 1024)
@@ -47,7 +48,7 @@ def lowering(monkeypatch):
         return json.dumps({"kernel": launch.kernel.expression, "grid": list(launch.grid), "threads": launch.threads,
                            "shared": launch.shared, "params": [list(p) for p in call.params]}).encode()
 
-    monkeypatch.setattr(jj, "backend_config", stub)
+    monkeypatch.setattr(cc, "backend_config", stub)
     x64 = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)  # float64 x, as cunorm takes it
 
@@ -155,7 +156,7 @@ def test_plan_calls_binds_operands_results_and_aliases(lowering):
     gradients.build_rows_grad(recorder, launch, np.dtype("float32"), np.dtype("float32"), 4096, 1 << 20, 1, 1e-6,
                           (False, True, False, True, True, False))
     outputs = {"dx": ((4096, 1 << 20), np.float32), "dw": (((1 << 20),), np.float32)}
-    calls = jj.plan_calls(recorder, {"dy": None, "x": None, "w": None, "scale": None}, outputs)
+    calls = cc.plan_calls(recorder, {"dy": None, "x": None, "w": None, "scale": None}, outputs)
     assert [c.launch.kernel.name for c in calls] == [ln.kernel.name for ln in recorder.launches]
     written = [slot for c in calls for slot in c.results]
     assert len(written) == len(set(written)) and {"dx", "dw"} <= set(written)
@@ -168,7 +169,7 @@ def test_plan_calls_binds_operands_results_and_aliases(lowering):
             if c.launch.args[name] is None:
                 assert by_name[name] == ("scalar", 0, "i64"), (c.launch.kernel.name, name)
     with pytest.raises(RuntimeError, match="reads dy before anything wrote it"):
-        jj.plan_calls(recorder, {"x": None, "w": None, "scale": None}, outputs)
+        cc.plan_calls(recorder, {"x": None, "w": None, "scale": None}, outputs)
 
 
 def test_the_ptx_names_the_kernel_with_its_parameters(lowering):
@@ -176,7 +177,7 @@ def test_the_ptx_names_the_kernel_with_its_parameters(lowering):
     lowered name, one .param for each declared argument."""
     jj, _ = lowering
     kernel = declarations.COLUMN_SUM("float", "float", 4)
-    ptx, lowered = jj.kernel_ptx(kernel.family, kernel.expression, 90)
+    ptx, lowered = cc.kernel_ptx(kernel.family, kernel.expression, 90)
     entry = re.search(r"\.entry\s+(\S+)\s*\(([^)]*)\)", ptx)
     assert entry and entry.group(1) == lowered
     assert entry.group(2).count(".param") == len(kernel.signature)
@@ -184,12 +185,12 @@ def test_the_ptx_names_the_kernel_with_its_parameters(lowering):
 
 def test_versions_outside_the_tested_range_are_refused(lowering):
     jj, _ = lowering
-    low, high = jj.SUPPORTED_JAX
-    jj.check_jax_version(f"{low[0]}.{low[1]}.0")
+    low, high = cc.SUPPORTED_JAX
+    cc.check_jax_version(f"{low[0]}.{low[1]}.0")
     with pytest.raises(RuntimeError, match="needs jax"):
-        jj.check_jax_version(f"{high[0]}.{high[1]}.0")
+        cc.check_jax_version(f"{high[0]}.{high[1]}.0")
     with pytest.raises(RuntimeError, match="needs jax"):
-        jj.check_jax_version("0.4.30")
+        cc.check_jax_version("0.4.30")
 
 
 def _y_param(config):
@@ -311,7 +312,6 @@ def test_traced_calls_check_the_epilogue_as_eager_calls_do():
 def named_target(monkeypatch):
     """The jit module with only the proto stubbed: the target comes from
     set_lowering_target, and nothing may ask the driver (gpu_name raises)."""
-    from cunorm.jax import _jit as jj
     import cunorm.jax as cj
 
     _clear_caches()
@@ -320,7 +320,7 @@ def named_target(monkeypatch):
         raise AssertionError("asked the CUDA driver while lowering for a named target")
 
     monkeypatch.setattr(loader, "gpu_name", no_driver)
-    monkeypatch.setattr(jj, "backend_config", lambda call, arch: json.dumps(
+    monkeypatch.setattr(cc, "backend_config", lambda call, arch: json.dumps(
         {"kernel": call.launch.kernel.expression, "grid": list(call.launch.grid), "threads": call.launch.threads,
          "shared": call.launch.shared, "arch": arch}).encode())
     yield cj
@@ -335,17 +335,16 @@ def _lowered_configs(f, *shape_dtypes):
 
 
 def test_lowering_without_a_gpu_or_a_target_names_the_setting(monkeypatch):
-    from cunorm.jax import _jit as jj
     import cunorm.jax as cj
 
     monkeypatch.setattr(loader, "gpu_name", lambda: None)
-    jj._gpu_target.cache_clear()
+    cc._gpu_target.cache_clear()
     cj.set_lowering_target(None)
     try:
         with pytest.raises(RuntimeError, match=r"sees none\. Name it first: cunorm\.jax\.set_lowering_target"):
             _lowered_configs(lambda a, b: cj.rms_norm(a, b), ((8, 4096), BF16), ((4096,), jnp.float32))
     finally:
-        jj._gpu_target.cache_clear()
+        cc._gpu_target.cache_clear()
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", 89, "sm_86"])

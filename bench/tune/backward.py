@@ -28,7 +28,8 @@ import cupy
 import numpy as np
 
 from cunorm._engine import dispatch_grad, dtypes, launch_cache, gradients, launches
-from cunorm.bench._cases import backward_call, copy_bandwidth, time_gpu
+from cunorm.bench._cases import backward_call
+from cunorm.bench._timing import copy_bandwidth, time_gpu
 
 
 def launch_times(run, before=None, verbose=True):

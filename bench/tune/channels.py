@@ -25,7 +25,9 @@ import numpy as np
 import cunorm
 from backward import launch_times  # (bench/tune/backward.py: this script's folder is on sys.path)
 from cunorm._engine import channel_norms
-from cunorm.bench._cases import _channel_prepared, copy_bandwidth, fewest_bytes, make_channel_inputs, time_gpu
+from cunorm.bench._cases import fewest_bytes
+from cunorm.bench._channel_cases import _channel_prepared, make_channel_inputs
+from cunorm.bench._timing import copy_bandwidth, time_gpu
 
 MB = 1 << 20
 #: (name, op, shape, dtype, groups, params)

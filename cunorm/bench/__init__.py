@@ -259,7 +259,7 @@ def run_case(case: Case, copy_gbps: float, with_compile: bool) -> dict:
     failure)."""
     import cupy
 
-    from . import _cases
+    from . import _cases, _channel_cases, _timing
 
     base = {"suite": case.suite, "case": case.name, "series": case.op}
     free, _ = cupy.cuda.runtime.memGetInfo()
@@ -267,14 +267,14 @@ def run_case(case: Case, copy_gbps: float, with_compile: bool) -> dict:
     need = case.footprint * case.x_bytes
     if need > free + cupy.get_default_memory_pool().total_bytes():
         return base | {"skipped": f"needs about {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB free"}
-    runner = {"rows": _cases.bench_case, "channels": _cases.bench_channel_case, "lp": _cases.bench_lp_case,
+    runner = {"rows": _cases.bench_case, "channels": _channel_cases.bench_channel_case, "lp": _cases.bench_lp_case,
               "backward": _cases.bench_backward_case}[case.runner]
     try:
         row = runner(case.name, *case.args, copy_gbps, with_compile=with_compile)
     except Exception as err:  # out of memory (cupy's or torch's): skip with a note
         if "OutOfMemory" not in type(err).__name__ and "out of memory" not in str(err).lower():
             raise
-        _cases.release()
+        _timing.release()
         return base | {"skipped": f"out of GPU memory ({type(err).__name__})"}
     row = base | row
     for peer in ("torch", "compile", "liger"):
@@ -366,15 +366,15 @@ def run(suites=DEFAULT_SUITES, *, quick=False, with_compile=None, only="", progr
     """Measure the copy bandwidth, then every case of the suites. Returns
     ``{"meta": ..., "cases": [row, ...]}``; with_compile defaults to not
     quick."""
-    from . import _cases
+    from . import _host, _timing
 
     with_compile = (not quick) if with_compile is None else with_compile
     chosen = [c for c in cases(suites, quick) if only in c.name]
     meta = metadata(quick, suites)
     bar = Progress(len(chosen) + 1, progress)
     bar.update("copy bandwidth")
-    meta["copy_gbps"] = _cases.copy_bandwidth(256 << 20 if quick else 4 << 30)
-    meta["torch_compile"] = with_compile and _cases.torch is not None
+    meta["copy_gbps"] = _timing.copy_bandwidth(256 << 20 if quick else 4 << 30)
+    meta["torch_compile"] = with_compile and _timing.torch is not None
     bar.step(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")
     rows = []
     for case in chosen:
@@ -384,7 +384,7 @@ def run(suites=DEFAULT_SUITES, *, quick=False, with_compile=None, only="", progr
     bar.close()
     result = {"meta": meta, "cases": rows}
     if "host" in suites:
-        result["host"] = _cases.host_rows(200 if quick else 2000)
+        result["host"] = _host.host_rows(200 if quick else 2000)
     if "models" in suites:
         from . import _models
 

@@ -125,9 +125,9 @@ _epilogue_vjp.defvjp(_epilogue_fwd, _epilogue_bwd)
 
 
 def _jit_module():
-    from . import _jit
+    from . import _custom_call, _jit
 
-    _jit.check_jax_version()
+    _custom_call.check_jax_version()
     return _jit
 
 
@@ -148,7 +148,10 @@ def set_lowering_target(arch=None, *, sm_count=None, l2_bytes=None):
     Without a target and without a GPU, lowering raises a RuntimeError
     that names this function.
     """
-    return _jit_module().set_lowering_target(arch, sm_count=sm_count, l2_bytes=l2_bytes)
+    _jit_module()
+    from . import _custom_call
+
+    return _custom_call.set_lowering_target(arch, sm_count=sm_count, l2_bytes=l2_bytes)
 
 
 def _no_out(fn, kwargs):
