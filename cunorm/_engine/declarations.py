@@ -176,14 +176,15 @@ ROWS_GRAD_FINALIZE_WIDE = KernelDecl("backward", "rows_grad_finalize_wide", ("Gr
 ROWS_GRAD_APPLY = KernelDecl("backward", "rows_grad_apply", ("Grad", "T", "P", "FLAGS", "VEC", "STRIDED"),
                              _args("dy x dh w coeffs:in dx partial dw db:out outer reduced inner chunks "
                                    "chunk_len:i64"))
-CHANNEL_GRAD_SUMS = KernelDecl("backward", "channel_grad_sums", ("T", "VEC", "LAST"),
+# channel_grads.cu
+CHANNEL_GRAD_SUMS = KernelDecl("channel_grads", "channel_grad_sums", ("T", "VEC", "LAST"),
                                _args(f"dy x mean:in partial:out {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64 "
                                      f"block_x:i32"))
-CHANNEL_GRAD_COMBINE = KernelDecl("backward", "channel_grad_combine", ("A",),
+CHANNEL_GRAD_COMBINE = KernelDecl("channel_grads", "channel_grad_combine", ("A",),
                                   _args("partial:in sums:out members chunks:i64"))
-CHANNEL_GRAD_FINALIZE = KernelDecl("backward", "channel_grad_finalize", ("A", "P", "FLAGS", "TRAINING"),
+CHANNEL_GRAD_FINALIZE = KernelDecl("channel_grads", "channel_grad_finalize", ("A", "P", "FLAGS", "TRAINING"),
                                    _args(f"sums mean rstd w:in coeffs dw db:out {_CHANNEL_DIMS} stat_batch:i32"))
-CHANNEL_GRAD_APPLY = KernelDecl("backward", "channel_grad_apply", ("T", "VEC", "LAST"),
+CHANNEL_GRAD_APPLY = KernelDecl("channel_grads", "channel_grad_apply", ("T", "VEC", "LAST"),
                                 _args(f"dy x mean coeffs:in dx:out {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64 "
                                       f"block_x:i32"))
 

@@ -1,6 +1,6 @@
-"""Choosing the backward passes' kernels and launches
-(cunorm/kernels/backward.cu, run by cunorm/_engine/gradients.py): pure functions of the
-call's shape and the device, returning a frozen GradLaunch.
+"""Choosing the backward passes' kernels and launches (cunorm/kernels/
+backward.cu and channel_grads.cu, run by gradients.py): pure functions of
+the call's shape and the device, returning a frozen GradLaunch.
 
 Contiguous rows of at most GRAD_CACHED_MAX_ELEMS elements (and
 GRAD_CACHED_MAX_BYTES of x) a thread x 512 threads (16384 elements of

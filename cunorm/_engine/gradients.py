@@ -1,6 +1,7 @@
 """The backward passes: validation, planning and launch (the public
 functions are in cunorm/backward.py, the kernels in
-cunorm/kernels/backward.cu, their choice in _dispatch.choose_*_grad).
+cunorm/kernels/backward.cu and channel_grads.cu, their choice in
+dispatch_grad.choose_*_grad).
 
 A backward call mirrors its forward call: the same x (h for the residual
 forms), axes or channel layout, parameters and the forward's saved

@@ -178,4 +178,51 @@ __device__ __forceinline__ A grad_of(A x, A g, const GradCoeffs<A>& c) {
     return fma(c.scale, g, fma(c.slope, Grad::phi(x, c), c.offset));
 }
 
+// --- shared by the backward passes (backward.cu, channel_grads.cu) ---------------
+
+// Every kernel here states a minimum of resident blocks in its launch
+// bounds: with the maximum alone, ptxas (CUDA 12, sm_80) capped some
+// instantiations at 32 or 64 registers and spilled 8-56 bytes; with (max,
+// 1) none spill. rows_grad_cached takes its bounds as template arguments
+// (the dispatch's choice: its preferred block asks for more blocks an SM).
+// Block of the streaming passes (rows_grad_chunks/sums/apply, channel_grad_*).
+constexpr int kGradBlockThreads = 256;
+// Block of rows_grad_finalize_wide (at most).
+constexpr int kGradFinalizeThreads = 1024;
+
+// What a streaming sweep keeps in flight per position: the x and dy vectors
+// (and the weights of the positions, or one weight for all of them).
+template <class T, int VEC>
+struct GradPair {
+    Vec<T, VEC> x, dy;
+};
+template <class T, class P, int VEC>
+struct GradItem {
+    Vec<T, VEC> x, dy;
+    Vec<P, VEC> w;
+};
+template <class T, class A, int VEC>
+struct GradItemScalarWeight {
+    Vec<T, VEC> x, dy;
+    A w;
+};
+
+template <class T, int VEC>
+__device__ __forceinline__ GradPair<T, VEC> load_pair(const T* x, const T* dy, long long e) {
+    return GradPair<T, VEC>{load_vec<T, VEC>(x + e), load_vec<T, VEC>(dy + e)};
+}
+
+// g = dy * weight of one lane of a vector.
+template <class A, class P, int FLAGS, int VEC>
+__device__ __forceinline__ A scaled_grad(A dy, const Vec<P, VEC>& w, int j) {
+    if constexpr (FLAGS & kWeight) return dy * static_cast<A>(widen(w.v[j]));
+    else return dy;
+}
+// g = dy * weight, the weight already widened.
+template <int FLAGS, class A>
+__device__ __forceinline__ A weighted(A dy, A w) {
+    if constexpr (FLAGS & kWeight) return dy * w;
+    else return dy;
+}
+
 }  // namespace cunorm

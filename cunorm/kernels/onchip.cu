@@ -1,8 +1,8 @@
 // onchip.cu: the channel family's one-read walks for statistic groups that
 // fit on chip, forward (channel_onchip; cunorm/kernels/channels.cu has the
 // layouts and the other walks; same statistic, same epilogue) and
-// BatchNorm's backward (channel_grad_onchip; backward.cu has the other
-// walks, same gradient). The cluster helpers: cluster.cuh.
+// BatchNorm's backward (channel_grad_onchip; channel_grads.cu has the
+// other walks, same gradient). The cluster helpers: cluster.cuh.
 #include "cluster.cuh"
 #include "reduce.cuh"
 
