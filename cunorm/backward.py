@@ -22,8 +22,8 @@ and layers are differentiable (these functions are their backward).
 from __future__ import annotations
 
 from ._engine import calls
-from . import reference
-from ._engine.row_norms import DEFAULT_EPS, LP_EPS, lp_norm_name
+from ._engine.ops import DEFAULT_EPS, LP_EPS
+from ._engine.row_norms import lp_norm_name
 
 __all__ = ["rms_norm_backward", "layer_norm_backward", "normalize_backward", "mean_abs_normalize_backward",
            "frobenius_normalize_backward", "group_norm_backward", "instance_norm_backward", "batch_norm_backward"]
@@ -72,8 +72,7 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, axis=-1, dh=None):
 
     {errors}
     """
-    return calls.rows_grad("rms", dy, x, None, rstd, weight, None, dh, axis, 0.0, lambda g: reference.rms_norm_backward(
-        g.dy, g.call.x, g.scale, g.call.weight, axis=_axes(g.call), dh=g.dh))
+    return calls.rows_grad("rms", dy, x, None, rstd, weight, None, dh, axis, 0.0)
 
 
 def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, dh=None):
@@ -103,8 +102,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, d
 
     {errors}
     """
-    return calls.rows_grad("ln", dy, x, mean, rstd, weight, bias, dh, axis, 0.0, lambda g: reference.layer_norm_backward(
-        g.dy, g.call.x, g.center, g.scale, g.call.weight, g.call.bias, axis=_axes(g.call), dh=g.dh))
+    return calls.rows_grad("ln", dy, x, mean, rstd, weight, bias, dh, axis, 0.0)
 
 
 def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=LP_EPS):
@@ -131,23 +129,19 @@ def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=LP_EPS):
 
     {errors}
     """
-    return calls.rows_grad(lp_norm_name(p), dy, x, None, None, None, None, None, axis, eps,
-                     lambda g: reference.normalize_backward(g.dy, g.call.x, float(p), axis=_axes(g.call),
-                                                            eps=g.call.eps))
+    return calls.rows_grad(lp_norm_name(p), dy, x, None, None, None, None, None, axis, eps)
 
 
 def mean_abs_normalize_backward(dy, x, *, axis=-1, eps=LP_EPS):
     """The gradient of :func:`cunorm.mean_abs_normalize` (as
     :func:`normalize_backward`, with ``dN/dx = sign(x) / n``)."""
-    return calls.rows_grad("mean_abs", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
-        g.dy, g.call.x, 1.0, axis=_axes(g.call), eps=g.call.eps, mean=True))
+    return calls.rows_grad("mean_abs", dy, x, None, None, None, None, None, axis, eps)
 
 
 def frobenius_normalize_backward(dy, x, *, axis=None, eps=LP_EPS):
     """The gradient of :func:`cunorm.frobenius_normalize`: ``normalize_backward``
     with p = 2 over every axis by default."""
-    return calls.rows_grad("l2", dy, x, None, None, None, None, None, axis, eps, lambda g: reference.normalize_backward(
-        g.dy, g.call.x, 2.0, axis=_axes(g.call), eps=g.call.eps))
+    return calls.rows_grad("l2", dy, x, None, None, None, None, None, axis, eps)
 
 
 def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None, bias=None, *, channel_axis=1):
@@ -178,18 +172,13 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None, bias=None, *
 
     {errors}
     """
-    return calls.channel_grad("group", dy, x, mean, rstd, num_groups, weight, bias, channel_axis, True, DEFAULT_EPS,
-                         lambda g: reference.group_norm_backward(
-        g.dy, g.call.x, g.mean, g.rstd, g.call.groups, g.call.weight, g.call.bias,
-        channel_axis=g.call.channel_axis))
+    return calls.channel_grad("group", dy, x, mean, rstd, num_groups, weight, bias, channel_axis, True, DEFAULT_EPS)
 
 
 def instance_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, channel_axis=1):
     """The gradients of :func:`cunorm.instance_norm`, from its (N, C) mean
     and rstd: :func:`group_norm_backward` with a group per channel."""
-    return calls.channel_grad("instance", dy, x, mean, rstd, None, weight, bias, channel_axis, True, DEFAULT_EPS,
-                         lambda g: reference.instance_norm_backward(
-        g.dy, g.call.x, g.mean, g.rstd, g.call.weight, g.call.bias, channel_axis=g.call.channel_axis))
+    return calls.channel_grad("instance", dy, x, mean, rstd, None, weight, bias, channel_axis, True, DEFAULT_EPS)
 
 
 def batch_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, training=True, eps=DEFAULT_EPS,
@@ -210,14 +199,7 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, training=T
 
     {errors}
     """
-    return calls.channel_grad("batch", dy, x, mean, rstd, None, weight, bias, channel_axis, training, eps,
-                         lambda g: reference.batch_norm_backward(
-        g.dy, g.call.x, g.mean, g.rstd, g.call.weight, g.call.bias, training=g.training, eps=g.call.eps,
-        channel_axis=g.call.channel_axis))
-
-
-def _axes(call):
-    return tuple(range(call.first, call.last + 1))
+    return calls.channel_grad("batch", dy, x, mean, rstd, None, weight, bias, channel_axis, training, eps)
 
 
 for _f in (rms_norm_backward, layer_norm_backward, normalize_backward, group_norm_backward, instance_norm_backward,

@@ -5,7 +5,7 @@ import functools
 
 from ._engine import calls, dtypes, plans, row_norms
 from . import reference
-from ._engine.row_norms import DEFAULT_EPS, LP_EPS  # the defaults, defined beside the argument checks (backward reads them too)
+from ._engine.ops import DEFAULT_EPS, LP_EPS  # the defaults, in the table of ops
 
 # The description of x, shared by the docstrings (filled in at the end).
 _ROW_X = """x : array

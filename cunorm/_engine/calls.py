@@ -14,7 +14,7 @@ caller that keeps the launcher a call ran (the torch layers' memo) passes
 """
 from __future__ import annotations
 
-from . import channel_norms, dtypes, gradients, launch_cache, plans, row_norms
+from . import channel_norms, dtypes, gradients, launch_cache, ops, plans, row_norms
 from .. import _interop, reference
 
 
@@ -66,9 +66,10 @@ def channels(norm, x, num_groups, weight, bias, running_mean, running_var, train
     return _noted(trace, launch_cache.CHANNELS, key, inputs, channel_norms.run(call, key=key))
 
 
-def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference):
+def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference=None):
     """A row norm's backward: (dx, dweight[, dbias]) for RMSNorm and
-    LayerNorm, dx for the Lp norms."""
+    LayerNorm, dx for the Lp norms. ``reference``: the float64 backward of
+    a NumPy call (default: the table's, gradients.reference_rows)."""
     key = launch_cache.grad_key(norm, dy, x, mean, rstd, weight, bias, dh, (axis,), eps)
     results = launch_cache.replay(launch_cache.ROWS_GRAD, key, dy, x, mean, rstd, weight, bias, dh)
     if results is not None:
@@ -77,7 +78,7 @@ def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference):
     return gradients.run_rows(g, reference, key=key)
 
 
-def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps, reference):
+def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps, reference=None):
     """A channel norm's backward: (dx, dweight, dbias)."""
     key = launch_cache.grad_key(norm, dy, x, mean, rstd, weight, bias, None, (num_groups, channel_axis, training),
                                 eps)
@@ -89,7 +90,7 @@ def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis
     return gradients.run_channels(g, reference, key=key)
 
 
-def layer_norm_float32(x, weight=None, bias=None, *, axis=-1, eps=row_norms.DEFAULT_EPS, activation=None, trace=None):
+def layer_norm_float32(x, weight=None, bias=None, *, axis=-1, eps=ops.DEFAULT_EPS, activation=None, trace=None):
     """layer_norm of a 16-bit x returning float32 y in one pass (no cast of
     x first): what torch's autocast makes of a LayerNorm, for cunorm's torch
     layers in inference. No residual, statistics or out=; never routed (the
@@ -98,7 +99,7 @@ def layer_norm_float32(x, weight=None, bias=None, *, axis=-1, eps=row_norms.DEFA
                 epilogue=plans.activation_flags(activation), out_dtype=dtypes.float32, trace=trace)
 
 
-def group_norm_float32(x, num_groups, weight=None, bias=None, *, eps=row_norms.DEFAULT_EPS, activation=None,
+def group_norm_float32(x, num_groups, weight=None, bias=None, *, eps=ops.DEFAULT_EPS, activation=None,
                        trace=None):
     """group_norm of a 16-bit x (N, C, *) returning float32 y in one pass,
     as layer_norm_float32."""

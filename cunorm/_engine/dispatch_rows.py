@@ -211,6 +211,18 @@ def power_norm_name(p: float) -> str:
 _POWER_NORM = re.compile(re.escape(POWER_NORM_PREFIX) + "[0-9a-f]{16}")
 
 
+def lp_power(norm: str) -> tuple[float, bool]:
+    """(p, mean) of an Lp-family norm name: its p, and whether it divides
+    by the mean (mean_abs) rather than the norm."""
+    import struct
+
+    fixed = {"l1": (1.0, False), "l2": (2.0, False), "linf": (float("inf"), False), "mean_abs": (1.0, True)}
+    if norm in fixed:
+        return fixed[norm]
+    norm_info(norm)
+    return struct.unpack("<d", struct.pack("<Q", int(norm[len(POWER_NORM_PREFIX):], 16)))[0], False
+
+
 def norm_info(norm: str) -> NormInfo:
     """The norm's policy. Nothing of ``norm`` reaches a kernel name but a
     number cunorm formats itself: a general p's 16 hex digits are parsed

@@ -16,7 +16,8 @@ import math
 
 import numpy as np
 
-from . import channel_norms, dispatch_grad, dtypes, launch_cache, launches, row_norms, plans
+from . import channel_norms, dispatch_grad, dispatch_rows, dtypes, launch_cache, launches, ops, plans, row_norms
+from .. import reference
 
 
 
@@ -55,13 +56,29 @@ class RowGradCall:
         self.dy = _check_like(call, dy, "dy")
         self.dh = None if dh is None else _check_like(call, dh, "dh")
         self.center = self.scale = None
-        if norm == "ln":
+        statistics = ops.statistics_of(norm)  # (what the forward saved: mean centers, rstd scales)
+        if "mean" in statistics:
             self.center = _check_stat(call, mean, "mean", call.stats_shape)
-        if norm in ("rms", "ln"):
+        if "rstd" in statistics:
             self.scale = _check_stat(call, rstd, "rstd", call.stats_shape)
 
 
-def run_rows(g: RowGradCall, reference, key=None):
+def reference_rows(g: RowGradCall):
+    """The float64 reference of a row norm's backward (NumPy arrays): the
+    table's reference_backward with the op's statistics and parameters
+    (ops.OPS); the Lp family's with its p."""
+    call = g.call
+    axis = tuple(range(call.first, call.last + 1))
+    op = ops.BY_NORM.get(g.norm)
+    if op is None or not op.statistics:
+        p, mean = dispatch_rows.lp_power(g.norm)
+        return reference.normalize_backward(g.dy, call.x, p, axis=axis, eps=call.eps, mean=mean)
+    saved = {"mean": g.center, "rstd": g.scale}
+    return op.reference_backward(g.dy, call.x, *(saved[name] for name in op.statistics),
+                                 *(getattr(call, name) for name in op.params), axis=axis, dh=g.dh)
+
+
+def run_rows(g: RowGradCall, reference=None, key=None):
     """(dx, dweight, dbias) for rms/ln (None where there is no parameter), dx
     for the Lp norms; as the caller's array type. ``key``: the call's
     signature in the launch cache (cunorm/_engine/launch_cache.py), which gets an entry
@@ -69,16 +86,13 @@ def run_rows(g: RowGradCall, reference, key=None):
     call = g.call
     if not call.on_gpu:
         if not call.x.size:
-            return _empty_grads(call, {"rms": 1, "ln": 2}.get(g.norm, 0))
-        return reference(g)
+            return _empty_grads(call, len(ops.params_of(g.norm)))
+        return (reference or reference_rows)(g)
     with call.adapter.scope(call.x.data.device_id):
         (dx, dw, db), program = _rows_gpu(g)
         wrap = call.adapter.from_cupy
-        results = [wrap(dx)]
-        if g.norm in ("rms", "ln"):
-            results.append(None if dw is None else wrap(dw))
-        if g.norm == "ln":
-            results.append(None if db is None else wrap(db))
+        grads = {"weight": dw, "bias": db}
+        results = [wrap(dx)] + [None if grads[name] is None else wrap(grads[name]) for name in ops.params_of(g.norm)]
     if key is not None and program is not None:
         launch_cache.ROWS_GRAD.put(key, _rows_grad_entry(g, program))
     return results[0] if len(results) == 1 else tuple(results)
@@ -95,8 +109,7 @@ def _rows_grad_entry(g: RowGradCall, program) -> launch_cache.Entry:
     present = lambda name, a: None if a is None else name  # noqa: E731
     slots = ("dy", "x", present("dh", g.dh), "dx", present("w", call.weight), present("mean", g.center),
              present("rstd", g.scale), present("dw", call.weight), present("db", call.bias))
-    returns = ["dx"] + [present(n, p) for n, p in (("dw", call.weight), ("db", call.bias))][: {"rms": 1, "ln": 2}.get(
-        g.norm, 0)]
+    returns = ["dx"] + [present(n, p) for n, p in (("dw", call.weight), ("db", call.bias))][:len(ops.params_of(g.norm))]
     return launch_cache.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
                        outputs, slots, returns, arrays={"x": x, "w": call.weight, "b": call.bias})
 
@@ -297,7 +310,18 @@ def _check_running(call, buf, name, shape):
     return ba
 
 
-def run_channels(g: ChannelGradCall, reference, key=None, override=None):
+def reference_channels(g: ChannelGradCall):
+    """The float64 reference of a channel norm's backward (NumPy arrays),
+    as reference_rows: BatchNorm's with its mode and eps."""
+    call = g.call
+    op = ops.BY_NORM[g.norm]
+    groups = (call.groups,) if "num_groups" in op.forward.arguments else ()
+    mode = {"training": g.training, "eps": call.eps} if op.running else {}
+    return op.reference_backward(g.dy, call.x, g.mean, g.rstd, *groups, call.weight, call.bias,
+                                 channel_axis=call.channel_axis, **mode)
+
+
+def run_channels(g: ChannelGradCall, reference=None, key=None, override=None):
     """(dx, dweight, dbias) as the caller's array type. ``key``: as for
     run_rows; ``override``: as for choose_channel_grad (tests and tuning;
     not memoized)."""
@@ -305,7 +329,7 @@ def run_channels(g: ChannelGradCall, reference, key=None, override=None):
     if not call.on_gpu:
         if not call.x.size:
             return _empty_grads(call, 2)
-        return reference(g)
+        return (reference or reference_channels)(g)
     with call.adapter.scope(call.x.data.device_id):
         (dx, dw, db), program, last = _channels_gpu(g, override)
         wrap = call.adapter.from_cupy

@@ -12,12 +12,9 @@ import numbers
 
 import numpy as np
 
-from . import dispatch_rows, dtypes, launch_cache, launches, plans
+from . import dispatch_rows, dtypes, launch_cache, launches, ops, plans
 from .. import _interop
 
-DEFAULT_EPS = 1e-5
-#: the Lp family's eps, as torch's F.normalize
-LP_EPS = 1e-12
 
 
 def lp_norm_name(p) -> str:
@@ -272,17 +269,8 @@ def run(call: Call, reference, key=None):
     (cunorm/_engine/launch_cache.py), which gets an entry when the call ran without copies."""
     if not call.on_gpu:
         if not call.x.size:
-            return empty_results(call, 1 + (call.residual is not None), (2 if call.norm == "ln" else 1))
-        kwargs = {"axis": tuple(range(call.first, call.last + 1)), "eps": call.eps}
-        if call.norm in ("rms", "ln"):
-            kwargs.update(weight=call.weight, residual=call.residual, return_stats=call.return_stats,
-                          activation=plans.activation_name(call.epilogue))
-        if call.norm == "rms":
-            kwargs.update(weight_offset=int(bool(call.epilogue & plans.FLAG_WEIGHT_OFFSET)),
-                          rounding="normalized" if call.epilogue & plans.FLAG_ROUND_NORMALIZED else "output")
-        if call.norm == "ln":
-            kwargs["bias"] = call.bias
-        results = reference(call.x, **kwargs)
+            return empty_results(call, 1 + (call.residual is not None), len(ops.statistics_of(call.norm)))
+        results = reference(call.x, **reference_arguments(call))
         if call.out_dtype is not None:
             results = _with_y(results, lambda y: y.astype(call.out_dtype))
         if call.out is None:
@@ -296,6 +284,28 @@ def run(call: Call, reference, key=None):
     if key is not None and program is not None:
         launch_cache.ROWS.put(key, _rows_entry(call, program))
     return results
+
+
+def reference_arguments(call: Call) -> dict:
+    """The keyword arguments of the call's reference function: what its op
+    takes (ops.OPS: parameters, residual, statistics, the epilogue's
+    options) from the validated call."""
+    op = ops.BY_NORM.get(call.norm)
+    kwargs = {"axis": tuple(range(call.first, call.last + 1)), "eps": call.eps}
+    if op is None:  # (the Lp family: x, axis, eps)
+        return kwargs
+    kwargs.update((name, getattr(call, name)) for name in op.params)
+    if op.residual:
+        kwargs["residual"] = call.residual
+    if op.statistics:
+        kwargs["return_stats"] = call.return_stats
+    if "activation" in op.options:
+        kwargs["activation"] = plans.activation_name(call.epilogue)
+    if "weight_offset" in op.options:
+        kwargs["weight_offset"] = int(bool(call.epilogue & plans.FLAG_WEIGHT_OFFSET))
+    if "rounding" in op.options:
+        kwargs["rounding"] = "normalized" if call.epilogue & plans.FLAG_ROUND_NORMALIZED else "output"
+    return kwargs
 
 
 def empty_results(call, arrays: int, stats: int):
@@ -324,7 +334,7 @@ def _rows_entry(call: Call, program) -> launch_cache.Entry:
     if call.residual is not None:
         outputs["h"] = (x.shape, x.dtype, None)
     if call.return_stats:
-        for name in ("mean", "rstd") if call.norm == "ln" else ("rstd",):
+        for name in ops.statistics_of(call.norm):
             outputs[name] = (call.stats_shape, acc, None)
     present = lambda name, a: None if a is None else name  # noqa: E731
     slots = ("x", present("r", call.residual), "y", present("h", call.residual), present("w", call.weight),
@@ -345,7 +355,7 @@ def _run_gpu(call: Call):
     stats = []
     if call.return_stats:
         acc = dtypes.accumulation(x.dtype)
-        stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in range(2 if call.norm == "ln" else 1)]
+        stats = [cupy.empty(call.stats_shape, dtype=acc) for _ in ops.statistics_of(call.norm)]
         if not x.size:  # statistics over no elements (empty_results)
             for s in stats:
                 s.fill(np.nan)
@@ -353,7 +363,8 @@ def _run_gpu(call: Call):
     if x.size:
         _, pdtype = kernel_params(x.dtype, call.weight, call.bias)
         w, b = _as_param(call.weight, pdtype), _as_param(call.bias, pdtype)
-        center, scale = (stats if call.norm == "ln" else [None] + stats) if stats else (None, None)
+        named = dict(zip(ops.statistics_of(call.norm), stats))
+        center, scale = named.get("mean"), named.get("rstd")
         _, _, program = _launch_rows(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
                                      first=call.first, last=call.last, eps=call.eps, epilogue=call.epilogue,
                                      out_dtype=call.out_dtype)

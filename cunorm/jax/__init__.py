@@ -46,7 +46,7 @@ import numpy as np
 
 from .._engine import channel_norms, dtypes, row_norms, plans
 from .. import norms
-from .._engine.row_norms import DEFAULT_EPS, LP_EPS
+from .._engine.ops import DEFAULT_EPS, LP_EPS
 
 __all__ = ["rms_norm", "layer_norm", "normalize", "mean_abs_normalize", "frobenius_normalize", "group_norm",
            "instance_norm", "batch_norm", "set_lowering_target"]

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .._engine import calls, plans
-from .._engine.row_norms import DEFAULT_EPS
+from .._engine.ops import DEFAULT_EPS
 
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling

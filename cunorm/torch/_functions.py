@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .._engine import channel_norms, plans, row_norms
-from .._engine.row_norms import DEFAULT_EPS, LP_EPS
+from .._engine.ops import DEFAULT_EPS, LP_EPS
 from .._interop import torch as _adapter
 from . import _operators  # noqa: F401  (registers torch.ops.cunorm.*)
 from ._autograd import TORCH_ACTIVATIONS as _TORCH_ACTIVATIONS

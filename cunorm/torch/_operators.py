@@ -1,224 +1,152 @@
-"""cunorm's registered torch operators (``torch.ops.cunorm.*``): each op's
-forward and backward as a ``torch.library.custom_op``, its fake
-implementation (each output's shape, dtype and strides, which inductor
-trusts) and its autograd formula (the backward operators).
+"""cunorm's registered torch operators (``torch.ops.cunorm.*``), built from
+the table of ops (cunorm/_engine/ops.py): for each operator there, its
+schema (the table's arguments in order, typed by TORCH_TYPES), its
+implementation, its fake implementation (each output's shape, dtype and
+strides, which inductor trusts) and, for the forward operators, the
+autograd formula that calls the backward operator.
 
 The implementations call the engine (cunorm/_engine/calls.py) on the
 tensors: the launch cache, else the general path, never routed again.
+Each forward operator returns a list (y, then h, then the statistics, then
+BatchNorm's updated running buffers) so one operator serves every return
+form; the Lp family's return y alone. BatchNorm's operator is functional
+(autograd is registered on functional operators only): in training it
+updates copies of the running buffers and returns them, and its caller
+writes them back (cunorm/torch/_functions.py).
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .._engine import calls, channel_norms, dispatch_rows, plans, row_norms
+from .._engine.ops import ARGUMENTS, OPS, Op, Operator
 from .._interop import torch as _adapter
 
+#: each argument kind of the table (ARGUMENTS) as a schema type
+TORCH_TYPES = {"array": "Tensor", "optional array": "Tensor?", "ints": "SymInt[]", "float": "float", "bool": "bool",
+               "int": "SymInt", "name": "str"}
 
-# -- the registered operators --------------------------------------------------------------------------------------
-# Each returns a list of tensors (y, then h, then the statistics, as the
-# array-level op returns them), so one operator serves every return form.
+
+def schema(operator: Operator) -> str:
+    """The operator's schema, from the table."""
+    arguments = ", ".join(f"{TORCH_TYPES[ARGUMENTS[name]]} {name}" for name in operator.arguments)
+    return f"({arguments}) -> {'Tensor' if operator.single else 'Tensor[]'}"
+
 
 def _as_list(results) -> list[Tensor]:
     return list(results) if isinstance(results, tuple) else [results]
-
-
-def _run_rows(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, reference_fn) -> list[Tensor]:
-    """A row operator's implementation: the array-level op's launch cache,
-    else its general path (the registered operators run here on every call
-    of a compiled graph)."""
-    return _as_list(calls.rows(norm, x, weight, bias, residual, axis, eps, return_stats, None, reference_fn,
-                               epilogue=epilogue))
-
-
-def _run_channels(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
-                  return_stats, epilogue) -> list[Tensor]:
-    """A channel operator's implementation, as _run_rows."""
-    return _as_list(calls.channels(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum,
-                                   eps, channel_axis, return_stats, None, epilogue=epilogue))
-
-
-def _stats_like(x: Tensor, shape) -> Tensor:
-    """An empty statistics tensor: the accumulation dtype of x's dtype."""
-    dtype = _adapter.ACCUMULATION[x.dtype]
-    return x.new_empty(shape, dtype=dtype)
-
-
-@torch.library.custom_op("cunorm::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], axes: list[int], eps: float,
-                 return_stats: bool, epilogue: int) -> list[Tensor]:
-    return _run_rows("rms", x, weight, None, residual, tuple(axes), eps, return_stats, epilogue, None)
-
-
-@torch.library.custom_op("cunorm::layer_norm", mutates_args=())
-def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                   axes: list[int], eps: float, return_stats: bool, epilogue: int) -> list[Tensor]:
-    return _run_rows("ln", x, weight, bias, residual, tuple(axes), eps, return_stats, epilogue, None)
-
-
-@torch.library.custom_op("cunorm::normalize", mutates_args=())
-def _normalize_op(x: Tensor, norm: str, axes: list[int], eps: float) -> Tensor:
-    dispatch_rows.norm_info(norm)  # (a caller's string: checked before anything, never pasted into a kernel name)
-    return _run_rows(norm, x, None, None, None, tuple(axes) if axes else None, eps, False, 0, None)[0]
-
-
-def _rows_fake(x, residual, axes, return_stats, statistics):
-    outputs = [torch.empty_like(x, memory_format=torch.contiguous_format)]
-    if residual is not None:
-        outputs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
-    if return_stats:
-        shape = row_norms.stats_shape(tuple(x.shape), *row_norms.axis_span(tuple(axes) if axes else None, x.dim()))
-        outputs += [_stats_like(x, shape) for _ in range(statistics)]
-    return outputs
-
-
-@_rms_norm_op.register_fake
-def _(x, weight, residual, axes, eps, return_stats, epilogue):
-    return _rows_fake(x, residual, axes, return_stats, 1)
-
-
-@_layer_norm_op.register_fake
-def _(x, weight, bias, residual, axes, eps, return_stats, epilogue):
-    return _rows_fake(x, residual, axes, return_stats, 2)
-
-
-@_normalize_op.register_fake
-def _(x, norm, axes, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("cunorm::group_norm", mutates_args=())
-def _group_norm_op(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                   channel_axis: int, return_stats: bool, epilogue: int) -> list[Tensor]:
-    return _run_channels("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
-                         epilogue)
-
-
-@torch.library.custom_op("cunorm::instance_norm", mutates_args=())
-def _instance_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, channel_axis: int,
-                      return_stats: bool, epilogue: int) -> list[Tensor]:
-    return _run_channels("instance", x, None, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
-                         epilogue)
-
-
-@torch.library.custom_op("cunorm::batch_norm", mutates_args=())
-def _batch_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], running_mean: Optional[Tensor],
-                   running_var: Optional[Tensor], training: bool, momentum: float, eps: float, channel_axis: int,
-                   return_stats: bool, epilogue: int) -> list[Tensor]:
-    # Functional (autograd can only be registered on functional operators):
-    # in training the updated running buffers are returned, computed into
-    # copies, and the caller writes them back (batch_norm below).
-    if training:
-        running_mean = None if running_mean is None else running_mean.clone()
-        running_var = None if running_var is None else running_var.clone()
-    updated = [b for b in (running_mean, running_var) if b is not None] if training else []
-    return _run_channels("batch", x, None, weight, bias, running_mean, running_var, training, momentum, eps,
-                         channel_axis, return_stats, epilogue) + updated
-
-
-def _channels_fake(norm, x, channel_axis, groups, return_stats):
-    ndim, axis = x.dim(), channel_axis % x.dim()
-    order = channel_norms.output_order(tuple(x.shape), tuple(x.stride()), axis, norm != "batch")
-    y = x.new_empty([x.shape[a] for a in order]).permute(*[order.index(a) for a in range(ndim)])
-    if not return_stats:
-        return [y]
-    shape = channel_norms.stats_shape(norm, tuple(x.shape), axis, groups)
-    return [y] + [_stats_like(x, shape) for _ in range(2)]
-
-
-@_group_norm_op.register_fake
-def _(x, num_groups, weight, bias, eps, channel_axis, return_stats, epilogue):
-    return _channels_fake("group", x, channel_axis, num_groups, return_stats)
-
-
-@_instance_norm_op.register_fake
-def _(x, weight, bias, eps, channel_axis, return_stats, epilogue):
-    return _channels_fake("instance", x, channel_axis, None, return_stats)
-
-
-@_batch_norm_op.register_fake
-def _(x, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis, return_stats, epilogue):
-    updated = [torch.empty_like(b) for b in (running_mean, running_var) if b is not None] if training else []
-    return _channels_fake("batch", x, channel_axis, None, return_stats) + updated
-
-
-# -- backward ---------------------------------------------------------------------------------------------------------
-# The backward passes are operators too (so torch.compile sees them as
-# opaque ops with fake implementations), registered as the forward
-# operators' autograd formulas. They compute from what the forward saved: x
-# (or the h it returned), its statistics, the weight. The forward operators
-# return their statistics whenever autograd needs them (the functions below
-# ask for them and drop them again); the statistics outputs themselves are
-# not differentiated through.
-
-
-def _param_grads(results: list[Tensor], weight, bias):
-    """(dweight, dbias) from a backward operator's [dx, dweight?, dbias?]."""
-    rest = iter(results[1:])
-    return (next(rest) if weight is not None else None), (next(rest) if bias is not None else None)
 
 
 def _present(*tensors) -> list[Tensor]:
     return [t for t in tensors if t is not None]
 
 
-@torch.library.custom_op("cunorm::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(dy: Tensor, x: Tensor, rstd: Tensor, weight: Optional[Tensor], dh: Optional[Tensor],
-                          axes: list[int]) -> list[Tensor]:
-    dx, dw = calls.rows_grad("rms", dy, x, None, rstd, weight, None, dh, tuple(axes), 0.0, None)
-    return [dx] + _present(dw)
+def _axis(axes, op: Op):
+    """The engine's axis of an operator's ``axes``: empty is every axis
+    for the Lp family (axis=None), else as given."""
+    return tuple(axes) if axes or op.statistics else None
 
 
-@torch.library.custom_op("cunorm::layer_norm_backward", mutates_args=())
-def _layer_norm_backward_op(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
-                            bias: Optional[Tensor], dh: Optional[Tensor], axes: list[int]) -> list[Tensor]:
-    dx, dw, db = calls.rows_grad("ln", dy, x, mean, rstd, weight, bias, dh, tuple(axes), 0.0, None)
+def _stats_like(x: Tensor, shape) -> Tensor:
+    """An empty statistics tensor: the accumulation dtype of x's dtype."""
+    return x.new_empty(shape, dtype=_adapter.ACCUMULATION[x.dtype])
+
+
+# -- implementations ------------------------------------------------------------------------------------------------
+
+def _forward(op: Op, a: dict):
+    """A forward operator's implementation, its arguments by name."""
+    x = a["x"]
+    if op.family == "rows":
+        norm = op.norm
+        if "norm" in a:
+            norm = a["norm"]
+            dispatch_rows.norm_info(norm)  # (a caller's string: checked first, never pasted into a kernel name)
+        results = _as_list(calls.rows(norm, x, a.get("weight"), a.get("bias"), a.get("residual"), _axis(a["axes"], op),
+                                      a["eps"], a.get("return_stats", False), None, None,
+                                      epilogue=a.get("epilogue", 0)))
+        return results[0] if op.forward.single else results
+    training = a.get("training", True)
+    running = [a.get("running_mean"), a.get("running_var")]
+    if training and op.running:  # (copies: the operator is functional)
+        running = [None if b is None else b.clone() for b in running]
+    results = _as_list(calls.channels(op.norm, x, a.get("num_groups"), a.get("weight"), a.get("bias"), *running,
+                                      training, a.get("momentum", 0.1), a["eps"], a["channel_axis"],
+                                      a["return_stats"], None, epilogue=a["epilogue"]))
+    return results + ([b for b in running if b is not None] if training and op.running else [])
+
+
+def _backward(op: Op, a: dict):
+    """A backward operator's implementation, its arguments by name:
+    [dx, dweight?, dbias?] (dx alone for the Lp family)."""
+    if op.family == "rows":
+        norm = a.get("norm", op.norm)
+        results = calls.rows_grad(norm, a["dy"], a["x"], a.get("mean"), a.get("rstd"), a.get("weight"), a.get("bias"),
+                                  a.get("dh"), _axis(a["axes"], op), a.get("eps", 0.0), None)
+        if op.backward.single:
+            return results
+        dx, *grads = results
+        return [dx] + _present(*grads)
+    norm = a["norm"]
+    dx, dw, db = calls.channel_grad(norm, a["dy"], a["x"], a["mean"], a["rstd"],
+                                    a["num_groups"] if norm == "group" else None, a.get("weight"), a.get("bias"),
+                                    a["channel_axis"], a["training"], a["eps"], None)
     return [dx] + _present(dw, db)
 
 
-@torch.library.custom_op("cunorm::normalize_backward", mutates_args=())
-def _normalize_backward_op(dy: Tensor, x: Tensor, norm: str, axes: list[int], eps: float) -> Tensor:
-    return calls.rows_grad(norm, dy, x, None, None, None, None, None, tuple(axes) if axes else None, eps, None)
+# -- fakes -----------------------------------------------------------------------------------------------------------
+
+def _channel_y(norm: str, x: Tensor, channel_axis: int) -> Tensor:
+    """y of a channel norm as the launch makes it: x's memory layout."""
+    ndim, axis = x.dim(), channel_axis % x.dim()
+    order = channel_norms.output_order(tuple(x.shape), tuple(x.stride()), axis, norm != "batch")
+    return x.new_empty([x.shape[a] for a in order]).permute(*[order.index(a) for a in range(ndim)])
 
 
-@torch.library.custom_op("cunorm::channel_norm_backward", mutates_args=())
-def _channel_norm_backward_op(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, norm: str, num_groups: int,
-                              weight: Optional[Tensor], bias: Optional[Tensor], training: bool, eps: float,
-                              channel_axis: int) -> list[Tensor]:
-    dx, dw, db = calls.channel_grad(norm, dy, x, mean, rstd, num_groups if norm == "group" else None, weight, bias,
-                                    channel_axis, training, eps, None)
-    return [dx] + _present(dw, db)
+def _forward_fake(op: Op, a: dict):
+    x = a["x"]
+    if op.family == "rows":
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if op.forward.single:
+            return y
+        outputs = [y]
+        if a.get("residual") is not None:
+            outputs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
+        if a["return_stats"]:
+            axes = a["axes"]
+            shape = row_norms.stats_shape(tuple(x.shape), *row_norms.axis_span(tuple(axes) if axes else None, x.dim()))
+            outputs += [_stats_like(x, shape) for _ in op.statistics]
+        return outputs
+    outputs = [_channel_y(op.norm, x, a["channel_axis"])]
+    if a["return_stats"]:
+        shape = channel_norms.stats_shape(op.norm, tuple(x.shape), a["channel_axis"] % x.dim(), a.get("num_groups"))
+        outputs += [_stats_like(x, shape) for _ in op.statistics]
+    if op.running and a["training"]:
+        outputs += [torch.empty_like(b) for b in (a["running_mean"], a["running_var"]) if b is not None]
+    return outputs
 
 
-@_rms_norm_backward_op.register_fake
-def _(dy, x, rstd, weight, dh, axes):
-    return [torch.empty_like(x, memory_format=torch.contiguous_format)] + [torch.empty_like(p) for p in
-                                                                          _present(weight)]
+def _backward_fake(op: Op, a: dict):
+    x = a["x"]
+    if op.family == "rows":
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        dx = _channel_y(a["norm"], x, a["channel_axis"])
+    if op.backward.single:
+        return dx
+    return [dx] + [torch.empty_like(p) for p in _present(*(a.get(name) for name in op.params))]
 
 
-@_layer_norm_backward_op.register_fake
-def _(dy, x, mean, rstd, weight, bias, dh, axes):
-    return [torch.empty_like(x, memory_format=torch.contiguous_format)] + [torch.empty_like(p) for p in
-                                                                          _present(weight, bias)]
+# -- autograd -------------------------------------------------------------------------------------------------------
+# The forward operators return their statistics whenever autograd needs
+# them (cunorm.torch's functions and layers ask for them and drop them
+# again); the statistics outputs are not differentiated through. The
+# epilogue's bits the backward operators do not differentiate
+# (plans.UNFUSED_IN_BACKWARD) run as torch ops around the norm where
+# autograd records (cunorm/torch/_functions.py), and a backward through
+# an operator called with them raises.
 
-
-@_normalize_backward_op.register_fake
-def _(dy, x, norm, axes, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@_channel_norm_backward_op.register_fake
-def _(dy, x, mean, rstd, norm, num_groups, weight, bias, training, eps, channel_axis):
-    dx = _channels_fake(norm, x, channel_axis, num_groups, False)[0]
-    return [dx] + [torch.empty_like(p) for p in _present(weight, bias)]
-
-
-# The epilogue's bits the backward operators do not differentiate
-# (plans.UNFUSED_IN_BACKWARD): the functions below run them as torch ops
-# around the norm where autograd records, and the operators refuse a
-# backward through them.
 _UNFUSED = ("cunorm.{op}: the operator was called with an activation or a weight offset (epilogue={bits}) while "
             "autograd recorded it; its backward does not differentiate them. Call it through cunorm.torch.{op} "
             "(or cunorm.{op}), which runs them as torch ops where autograd records.")
@@ -233,130 +161,98 @@ def _output_grads(grads) -> list:
     return list(grads[0]) if len(grads) == 1 and isinstance(grads[0], (list, tuple)) else list(grads)
 
 
-def _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, statistics, epilogue):
-    ctx.kept = return_stats
-    ctx.unfused = epilogue & plans.UNFUSED_IN_BACKWARD
-    if not return_stats:
+def _setup(op: Op, ctx, a: dict, output) -> None:
+    """What the backward needs: for the normalizing ops with statistics,
+    the normalized input (h where the forward formed it), the parameters
+    and the statistics (BatchNorm in eval: its running buffers); for the
+    Lp family, x."""
+    if not op.statistics:
+        ctx.save_for_backward(a["x"])
+        ctx.norm, ctx.axes, ctx.eps = a["norm"], a["axes"], a["eps"]
         return
-    h = output[1] if residual is not None else x
-    ctx.save_for_backward(h, weight, bias, *output[-statistics:])
-    ctx.axes, ctx.residual = axes, residual is not None
-
-
-def _check_kept(ctx):
-    if ctx.unfused:
-        raise RuntimeError(_UNFUSED.format(op=ctx.op, bits=ctx.unfused))
+    ctx.unfused = a["epilogue"] & plans.UNFUSED_IN_BACKWARD
+    training = a.get("training", True)
+    ctx.kept = a["return_stats"] or not training
+    ctx.residual = a.get("residual") is not None
     if not ctx.kept:
-        raise RuntimeError(_NO_STATS.format(op=ctx.op))
+        return
+    if op.family == "rows":
+        h = output[1] if ctx.residual else a["x"]
+        ctx.save_for_backward(h, a.get("weight"), a.get("bias"), *output[-len(op.statistics):])
+        ctx.axes = a["axes"]
+        return
+    statistics = (output[1], output[2]) if training else (a["running_mean"], a["running_var"])
+    ctx.save_for_backward(a["x"], *statistics, a.get("weight"), a.get("bias"))
+    ctx.num_groups, ctx.channel_axis, ctx.training = a.get("num_groups") or 0, a["channel_axis"], training
+    ctx.eps = a["eps"] if op.running else 0.0
 
 
-def _rows_dy(ctx, grads, h):
-    """(dy, dh): the gradients of y and of the returned h (residual form)."""
+def _gradients(op: Op, ctx, grads) -> tuple:
+    """The gradients of the forward operator's arguments, in order: dx for
+    x (and for the residual), dweight and dbias; None for the rest."""
+    backward = getattr(torch.ops.cunorm, op.backward.name)
+    if not op.statistics:
+        (x,) = ctx.saved_tensors
+        found = {"x": backward(grads[0], x, ctx.norm, ctx.axes, ctx.eps)}
+        return tuple(found.get(name) for name in op.forward.arguments)
+    if ctx.unfused:
+        raise RuntimeError(_UNFUSED.format(op=op.name, bits=ctx.unfused))
+    if not ctx.kept:
+        raise RuntimeError(_NO_STATS.format(op=op.name))
     grads = _output_grads(grads)
-    dy = grads[0] if grads[0] is not None else torch.zeros_like(h)
-    return dy, (grads[1] if ctx.residual else None)
+    if op.family == "rows":
+        h, weight, bias, *statistics = ctx.saved_tensors
+        dy = grads[0] if grads[0] is not None else torch.zeros_like(h)
+        dh = grads[1] if ctx.residual else None
+        params = [p for name, p in (("weight", weight), ("bias", bias)) if name in op.params]
+        results = backward(dy, h, *statistics, *params, dh, ctx.axes)
+    else:
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        dy = grads[0] if grads[0] is not None else torch.zeros_like(x)
+        results = backward(dy, x, mean, rstd, op.norm, ctx.num_groups, weight, bias, ctx.training, ctx.eps,
+                           ctx.channel_axis)
+    rest = iter(results[1:])
+    found = {"x": results[0], "weight": next(rest) if weight is not None else None,
+             "bias": next(rest) if "bias" in op.params and bias is not None else None,
+             "residual": results[0] if ctx.residual else None}
+    return tuple(found.get(name) for name in op.forward.arguments)
 
 
-def _rms_setup(ctx, inputs, output):
-    x, weight, residual, axes, eps, return_stats, epilogue = inputs
-    ctx.op = "rms_norm"
-    _rows_setup(ctx, x, weight, None, residual, axes, return_stats, output, 1, epilogue)
+# -- registration ---------------------------------------------------------------------------------------------------
+
+def _by_name(operator: Operator, fn):
+    """fn(a) as a function of the operator's arguments in order."""
+    names = operator.arguments
+
+    def call(*args, **kwargs):
+        a = dict(zip(names, args))
+        a.update(kwargs)
+        return fn(a)
+
+    return call
 
 
-def _rms_backward(ctx, *grads):
-    _check_kept(ctx)
-    h, weight, _, rstd = ctx.saved_tensors
-    dy, dh = _rows_dy(ctx, grads, h)
-    results = torch.ops.cunorm.rms_norm_backward(dy, h, rstd, weight, dh, ctx.axes)
-    dw, _ = _param_grads(results, weight, None)
-    return results[0], dw, results[0] if ctx.residual else None, None, None, None, None
+def _register() -> dict:
+    """Every operator of the table, registered once; the forward ones with
+    their autograd formula. Returns {name: CustomOpDef}."""
+    registered, differentiated = {}, set()
+    for op in OPS.values():
+        for operator, impl, fake in ((op.forward, _forward, _forward_fake), (op.backward, _backward, _backward_fake)):
+            if operator.name in registered:
+                continue
+            custom = torch.library.custom_op(f"cunorm::{operator.name}", _by_name(operator, lambda a, op=op, f=impl:
+                                                                                    f(op, a)),
+                                             mutates_args=(), schema=schema(operator))
+            custom.register_fake(_by_name(operator, lambda a, op=op, f=fake: f(op, a)))
+            registered[operator.name] = custom
+        if op.forward.name not in differentiated:
+            names = op.forward.arguments
+            registered[op.forward.name].register_autograd(
+                lambda ctx, *grads, op=op: _gradients(op, ctx, grads),
+                setup_context=lambda ctx, inputs, output, op=op, names=names: _setup(op, ctx, dict(zip(names, inputs)),
+                                                                                     output))
+            differentiated.add(op.forward.name)
+    return registered
 
 
-def _ln_setup(ctx, inputs, output):
-    x, weight, bias, residual, axes, eps, return_stats, epilogue = inputs
-    ctx.op = "layer_norm"
-    _rows_setup(ctx, x, weight, bias, residual, axes, return_stats, output, 2, epilogue)
-
-
-def _ln_backward(ctx, *grads):
-    _check_kept(ctx)
-    h, weight, bias, mean, rstd = ctx.saved_tensors
-    dy, dh = _rows_dy(ctx, grads, h)
-    results = torch.ops.cunorm.layer_norm_backward(dy, h, mean, rstd, weight, bias, dh, ctx.axes)
-    dw, db = _param_grads(results, weight, bias)
-    return results[0], dw, db, results[0] if ctx.residual else None, None, None, None, None
-
-
-def _normalize_setup(ctx, inputs, output):
-    x, norm, axes, eps = inputs
-    ctx.save_for_backward(x)
-    ctx.norm, ctx.axes, ctx.eps = norm, axes, eps
-
-
-def _normalize_backward(ctx, dy):
-    (x,) = ctx.saved_tensors
-    return torch.ops.cunorm.normalize_backward(dy, x, ctx.norm, ctx.axes, ctx.eps), None, None, None
-
-
-def _channel_setup(ctx, norm, x, num_groups, weight, bias, channel_axis, return_stats, output, epilogue, training=True,
-                   eps=0.0, running=(None, None)):
-    ctx.norm, ctx.unfused = norm, epilogue & plans.UNFUSED_IN_BACKWARD
-    ctx.kept = return_stats or not training
-    if not ctx.kept:
-        return
-    mean, rstd = (output[1], output[2]) if training else running
-    ctx.save_for_backward(x, mean, rstd, weight, bias)
-    ctx.num_groups, ctx.channel_axis, ctx.training, ctx.eps = num_groups, channel_axis, training, eps
-
-
-def _channel_grads(ctx, grads):
-    if ctx.unfused:
-        raise RuntimeError(_UNFUSED.format(op=f"{ctx.norm}_norm", bits=ctx.unfused))
-    if not ctx.kept:
-        raise RuntimeError(_NO_STATS.format(op=f"{ctx.norm}_norm"))
-    x, mean, rstd, weight, bias = ctx.saved_tensors
-    dy = _output_grads(grads)[0]
-    if dy is None:
-        dy = torch.zeros_like(x)
-    results = torch.ops.cunorm.channel_norm_backward(dy, x, mean, rstd, ctx.norm, ctx.num_groups, weight, bias,
-                                                     ctx.training, ctx.eps, ctx.channel_axis)
-    return (results[0],) + _param_grads(results, weight, bias)
-
-
-def _group_setup(ctx, inputs, output):
-    x, num_groups, weight, bias, eps, channel_axis, return_stats, epilogue = inputs
-    _channel_setup(ctx, "group", x, num_groups, weight, bias, channel_axis, return_stats, output, epilogue)
-
-
-def _group_backward(ctx, *grads):
-    dx, dw, db = _channel_grads(ctx, grads)
-    return dx, None, dw, db, None, None, None, None
-
-
-def _instance_setup(ctx, inputs, output):
-    x, weight, bias, eps, channel_axis, return_stats, epilogue = inputs
-    _channel_setup(ctx, "instance", x, 0, weight, bias, channel_axis, return_stats, output, epilogue)
-
-
-def _instance_backward(ctx, *grads):
-    dx, dw, db = _channel_grads(ctx, grads)
-    return dx, dw, db, None, None, None, None
-
-
-def _batch_setup(ctx, inputs, output):
-    x, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis, return_stats, epilogue = inputs
-    _channel_setup(ctx, "batch", x, 0, weight, bias, channel_axis, return_stats, output, epilogue, training, eps,
-                   (running_mean, running_var))
-
-
-def _batch_backward(ctx, *grads):
-    dx, dw, db = _channel_grads(ctx, grads)
-    return dx, dw, db, None, None, None, None, None, None, None, None
-
-
-_rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
-_layer_norm_op.register_autograd(_ln_backward, setup_context=_ln_setup)
-_normalize_op.register_autograd(_normalize_backward, setup_context=_normalize_setup)
-_group_norm_op.register_autograd(_group_backward, setup_context=_group_setup)
-_instance_norm_op.register_autograd(_instance_backward, setup_context=_instance_setup)
-_batch_norm_op.register_autograd(_batch_backward, setup_context=_batch_setup)
+OPERATORS = _register()
