@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from ._engine import calls, dtypes, plans, row_norms
+from ._engine import calls, plans, row_norms
 from . import reference
 from ._engine.ops import DEFAULT_EPS, LP_EPS  # the defaults, in the table of ops
 
@@ -23,7 +23,10 @@ _cunorm_torch = None
 
 
 def _torch():
-    """cunorm.torch (imported on first need: it registers the torch operators)."""
+    """cunorm.torch, imported on first need (it registers the torch
+    operators). This module is the layer above the front ends: it routes a
+    torch call that autograd or dynamo must see to cunorm.torch's function,
+    which calls the engine itself, never this module."""
     global _cunorm_torch
     if _cunorm_torch is None:
         from . import torch as cunorm_torch
@@ -106,10 +109,10 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     (``|x|`` beyond about 1e19). Other groups are unaffected.
     """
     epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
-    return _row_op("rms", x, weight, None, residual, axis, eps, return_stats, out, reference.rms_norm,
-                   lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
-                                             return_stats=return_stats, weight_offset=weight_offset,
-                                             rounding=rounding, activation=activation), epilogue)
+    return calls.rows("rms", x, weight, None, residual, axis, eps, return_stats, out, reference.rms_norm, epilogue,
+                      None, lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
+                                                      return_stats=return_stats, weight_offset=weight_offset,
+                                                      rounding=rounding, activation=activation))
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
@@ -167,9 +170,9 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     unaffected.
     """
     epilogue = plans.activation_flags(activation)
-    return _row_op("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm,
-                   lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
-                                               return_stats=return_stats, activation=activation), epilogue)
+    return calls.rows("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm, epilogue,
+                      None, lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
+                                                        return_stats=return_stats, activation=activation))
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
@@ -218,8 +221,9 @@ def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
     ``|x|`` beyond about 1e19; for large p much sooner: ``|x|**p`` is summed).
     Other groups are unaffected.
     """
-    return _row_op(row_norms.lp_norm_name(p), x, None, None, None, axis, eps, False, out,
-                   functools.partial(reference.normalize, p=float(p)), lambda: _torch().normalize(x, p, axis=axis, eps=eps))
+    return calls.rows(row_norms.lp_norm_name(p), x, None, None, None, axis, eps, False, out,
+                      functools.partial(reference.normalize, p=float(p)), 0, None,
+                      lambda: _torch().normalize(x, p, axis=axis, eps=eps))
 
 
 def mean_abs_normalize(x, *, axis=-1, eps=LP_EPS, out=None):
@@ -242,8 +246,8 @@ def mean_abs_normalize(x, *, axis=-1, eps=LP_EPS, out=None):
     -------
     y
     """
-    return _row_op("mean_abs", x, None, None, None, axis, eps, False, out, reference.mean_abs_normalize,
-                   lambda: _torch().mean_abs_normalize(x, axis=axis, eps=eps))
+    return calls.rows("mean_abs", x, None, None, None, axis, eps, False, out, reference.mean_abs_normalize, 0, None,
+                      lambda: _torch().mean_abs_normalize(x, axis=axis, eps=eps))
 
 
 def frobenius_normalize(x, *, axis=None, eps=LP_EPS, out=None):
@@ -271,8 +275,8 @@ def frobenius_normalize(x, *, axis=None, eps=LP_EPS, out=None):
     TypeError, ValueError
         As for :func:`normalize`.
     """
-    return _row_op("l2", x, None, None, None, axis, eps, False, out, reference.frobenius_normalize,
-                   lambda: _torch().frobenius_normalize(x, axis=axis, eps=eps))
+    return calls.rows("l2", x, None, None, None, axis, eps, False, out, reference.frobenius_normalize, 0, None,
+                      lambda: _torch().frobenius_normalize(x, axis=axis, eps=eps))
 
 
 _CHANNEL_X = """x : array
@@ -334,10 +338,10 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
     -----
     A group holding Inf or NaN comes out all NaN; other groups are unaffected.
     """
-    return _channel_op("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
-                       out, lambda: _torch().group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
-                                                        return_stats=return_stats, activation=activation),
-                       plans.activation_flags(activation))
+    return calls.channels("group", x, num_groups, weight, bias, None, None, True, 0.1, eps, channel_axis,
+                          return_stats, out, plans.activation_flags(activation), None,
+                          lambda: _torch().group_norm(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis,
+                                                      return_stats=return_stats, activation=activation))
 
 
 def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1, return_stats=False,
@@ -367,10 +371,10 @@ def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1,
         As for :func:`group_norm`; ValueError also for a single spatial
         element.
     """
-    return _channel_op("instance", x, None, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
-                       out, lambda: _torch().instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
-                                                           return_stats=return_stats, activation=activation),
-                       plans.activation_flags(activation))
+    return calls.channels("instance", x, None, weight, bias, None, None, True, 0.1, eps, channel_axis, return_stats,
+                          out, plans.activation_flags(activation), None,
+                          lambda: _torch().instance_norm(x, weight, bias, eps=eps, channel_axis=channel_axis,
+                                                         return_stats=return_stats, activation=activation))
 
 
 def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None, training=True, momentum=0.1,
@@ -416,28 +420,12 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
         training=False without both running buffers; training with a single
         value per channel; momentum outside [0, 1].
     """
-    return _channel_op("batch", x, None, weight, bias, running_mean, running_var, training, momentum, eps,
-                       channel_axis, return_stats, out,
-                       lambda: _torch().batch_norm(x, weight, bias, running_mean=running_mean,
-                                                   running_var=running_var, training=training, momentum=momentum,
-                                                   eps=eps, channel_axis=channel_axis, return_stats=return_stats,
-                                                   activation=activation), plans.activation_flags(activation))
-
-
-def _row_op(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, route, epilogue=0,
-            out_dtype=None):
-    """A row norm through the engine; ``route``: the call as cunorm.torch's
-    registered operator, where autograd or dynamo must see it (None: never
-    routed)."""
-    return calls.rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, epilogue=epilogue,
-                      out_dtype=out_dtype, route=route)
-
-
-def _channel_op(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
-                return_stats, out, route, epilogue=0, out_dtype=None):
-    """A channel norm through the engine, as _row_op."""
-    return calls.channels(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,
-                          channel_axis, return_stats, out, epilogue=epilogue, out_dtype=out_dtype, route=route)
+    return calls.channels("batch", x, None, weight, bias, running_mean, running_var, training, momentum, eps,
+                          channel_axis, return_stats, out, plans.activation_flags(activation), None,
+                          lambda: _torch().batch_norm(x, weight, bias, running_mean=running_mean,
+                                                      running_var=running_var, training=training, momentum=momentum,
+                                                      eps=eps, channel_axis=channel_axis, return_stats=return_stats,
+                                                      activation=activation))
 
 
 for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (normalize, _ROW_X), (mean_abs_normalize, _ROW_X),

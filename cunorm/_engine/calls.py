@@ -27,7 +27,7 @@ def _noted(trace, cache, key, inputs, results):
     return results
 
 
-def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference, *, epilogue=0, out_dtype=None,
+def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference, epilogue=0, out_dtype=None,
          route=None, trace=None):
     """A row norm (``norm``: its policy name). ``epilogue``: the validated
     FLAGS bits of the epilogue's options; ``out_dtype``: y's dtype where it
@@ -47,7 +47,7 @@ def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, referenc
 
 
 def channels(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
-             return_stats, out, *, epilogue=0, out_dtype=None, route=None, trace=None):
+             return_stats, out, epilogue=0, out_dtype=None, route=None, trace=None):
     """A channel norm (``norm``: "group", "instance" or "batch"), as rows."""
     key = None
     inputs = (x, weight, bias, running_mean, running_var)
