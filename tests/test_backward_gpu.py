@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm._engine import dispatch_grad, dtypes, launches
+from cunorm._engine import dispatch_grad, dtypes, launches, tuning
 from cunorm import reference
 from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
 
@@ -175,7 +175,7 @@ def test_streamed_backward_one_part(dtype, rng):
     from cunorm._engine import gradients
 
     device = launches.device_info(0)
-    n = dispatch_grad.GRAD_APPLY_BLOCKS_PER_SM * device.sm_count * dispatch_grad.GRAD_BLOCK_THREADS * 8 + 8
+    n = tuning.of(device).grad_apply_blocks_per_sm * device.sm_count * dispatch_grad.GRAD_BLOCK_THREADS * 8 + 8
     x = random(rng, (2, n), dtype)
     vec = 16 // x.itemsize
     launch = gradients._rows_launch("ln", np.dtype(dtype), np.dtype(dtype), 3, 2, n, 1, vec, 0)
@@ -337,7 +337,7 @@ def check_param_grads(grads, refs, params, dtype, rows, what):
 
 # (2, 4, 128, 130): channels of 16640 positions, several chunks each (the
 # last one partial) in channels-first memory; the small planes run as plane
-# rows (_dispatch_channels.CHANNEL_PLANE_ROWS_MAX_VECS), (4, 37, 7, 7) with a block's
+# rows (Tuning.channel_plane_rows_max_vecs), (4, 37, 7, 7) with a block's
 # last rows past the last channel, (2, 300, 14, 14) over 38 blocks of them
 CHANNEL_CASES = [
     ("group", (3, 8, 5, 7), 4), ("group", (2, 6, 33), 1), ("group", (2, 6, 33), 6), ("group", (4, 64, 9, 9), 8),

@@ -1,6 +1,6 @@
 """Batch invariance (docs/ops.md): a row's results do not depend on how many
 rows the call has. The CPU tests hold the dispatch to its rule (below
-SPLIT_MIN_ROW_BYTES a row, and for rows one backward block holds, the
+split_min_row_bytes a row, and for rows one backward block holds, the
 kernel, its block and its per-row layout follow the row alone); the GPU
 tests check the bits: every prefix of a batch gives the first rows of the
 whole batch's results exactly, forward (y, h, statistics) and backward
@@ -8,7 +8,7 @@ whole batch's results exactly, forward (y, h, statistics) and backward
 import numpy as np
 import pytest
 
-from cunorm._engine import dispatch_rows, dispatch_grad, dtypes
+from cunorm._engine import dispatch_rows, dispatch_grad, dtypes, tuning
 from cunorm._engine.plans import make_plan
 
 H100 = dispatch_rows.Device(sm_count=132)
@@ -34,7 +34,7 @@ def _forward(norm, dtype, n, rows, residual, params, device):
 @pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
 @pytest.mark.parametrize("norm", ["rms", "ln", "l2"])
 def test_forward_dispatch_follows_the_row_alone(norm, device):
-    """Every row length under SPLIT_MIN_ROW_BYTES (odd ones too), every
+    """Every row length under split_min_row_bytes (odd ones too), every
     dtype, with and without residual and parameters: one launch shape for
     every number of rows."""
     lengths = sorted({1, 3, 64, 760, 896, 1000, 2048, 4095, 4096, 5120, 7168, 8192, 12288, 16383, 16384, 20000,
@@ -42,7 +42,7 @@ def test_forward_dispatch_follows_the_row_alone(norm, device):
     checked = 0
     for dtype in DTYPES:
         for n in lengths:
-            if n * np.dtype(dtype).itemsize >= dispatch_rows.SPLIT_MIN_ROW_BYTES:
+            if n * np.dtype(dtype).itemsize >= tuning.SM90.split_min_row_bytes:
                 continue
             for residual in ((False, True) if norm != "l2" else (False,)):
                 for params in ((False, True) if norm != "l2" else (False,)):
@@ -53,9 +53,9 @@ def test_forward_dispatch_follows_the_row_alone(norm, device):
 
 
 def test_long_rows_are_the_documented_exception():
-    """At and past SPLIT_MIN_ROW_BYTES a row, few rows are split across
+    """At and past split_min_row_bytes a row, few rows are split across
     blocks: the one place the number of rows chooses the tier."""
-    n = dispatch_rows.SPLIT_MIN_ROW_BYTES // 2
+    n = tuning.SM90.split_min_row_bytes // 2
     assert _forward("rms", dtypes.bfloat16, n, 1, False, True, H100).tier == "split"
     assert _forward("rms", dtypes.bfloat16, n, 4096, False, True, H100).tier == "cached"
     assert _forward("rms", dtypes.bfloat16, n - 8, 1, False, True, H100).tier == "cached"
@@ -71,7 +71,7 @@ def test_backward_dispatch_follows_the_row_alone(norm, device):
         itemsize = np.dtype(dtype).itemsize
         for n in (64, 760, 1024, 2048, 4096, 5120, 8192, 12288, 16384):
             vec = max(v for v in (1, 2, 4, 8) if v * itemsize <= 16 and n % v == 0)
-            shape = dispatch_grad.grad_cached_shape(n // vec, vec, itemsize)
+            shape = dispatch_grad.grad_cached_shape(n // vec, vec, itemsize, tuning.SM90)
             if shape is None or shape[2] != 1:
                 continue
             for flags in (0, 1, 3):

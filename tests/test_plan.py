@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from cunorm._engine import catalogue, dispatch_rows, dispatch_channels, dispatch_grad, dtypes, launches
+from cunorm._engine import catalogue, dispatch_rows, dispatch_channels, dispatch_grad, dtypes, launches, tuning
 from cunorm._engine.plans import canonical_view, collapse, make_plan, normalize_axes, vector_width
 
 H200 = dispatch_rows.Device(sm_count=132)
@@ -282,7 +282,7 @@ def test_channels_last_grouped_walk():
     """Channels-last GroupNorm and InstanceNorm take the three launches
     grouped (a statistic a thread: channel_partial's, channel_finalize's and
     channel_apply's LAYOUT 2) where a vector of at least
-    GROUPED_MIN_VEC_BYTES divides the groups and a group's vectors lie in one
+    grouped_min_vec_bytes divides the groups and a group's vectors lie in one
     tile, with the widest such vector; else a statistic per channel (LAYOUT
     1) at the plan's vector. BatchNorm, channels-first x and the override
     {"grouped": False} never group. A tile is a position's vectors exactly
@@ -298,11 +298,11 @@ def test_channels_last_grouped_walk():
     for (channels, groups), wants in cases.items():
         for dtype, (vec, layout) in zip((bf16, f32, f64), wants):
             p = make_channel_plan("group", dtype, dtype, 3, True, 2, channels, 35, channels // groups, True, 0, 0)
-            got = dispatch_channels.channels_last_walk(p, {})
+            got = dispatch_channels.channels_last_walk(p, {}, tuning.SM90)
             assert got[:2] == (vec, layout), (channels, groups, dtype, got)
             vecs = channels // vec
             # a tile of exactly a position's vectors (up to 256); on request a power of two
-            pow2 = dispatch_channels.channels_last_walk(p, {"exact_tile": False})
+            pow2 = dispatch_channels.channels_last_walk(p, {"exact_tile": False}, tuning.SM90)
             assert pow2[:2] == got[:2] and pow2[2] == min(256, dispatch_rows.next_pow2(vecs))
             assert got[2] == min(vecs, 256) and got[3] == -(-vecs // got[2])
             launch = dispatch_channels.choose_channels(p, H200)
@@ -321,7 +321,7 @@ def test_channels_last_grouped_walk():
             forced = dispatch_channels.choose_channels(p, H200, override={"grouped": False})
             assert forced.steps[0].kernel.template_args[2:] == (p.vec, 1)
     batch = make_channel_plan("batch", f64, None, 0, True, 4, 16, 35, 1, False, 0, 0)
-    assert dispatch_channels.channels_last_walk(batch, {})[:2] == (2, 1)
+    assert dispatch_channels.channels_last_walk(batch, {}, tuning.SM90)[:2] == (2, 1)
     first = dispatch_channels.choose_channels(channel_plan(flags=3), H200)
     assert {s.kernel.template_args[-2 if "apply" in s.kernel.name else -1] for s in first.steps} == {0}
 
@@ -394,12 +394,12 @@ def test_small_channels_first_planes_run_as_plane_rows():
 
 def test_channel_backward_chunks_cap_their_bytes():
     """Problem 35's 1 MB channels (fp32, channels-first) go in chunks of at
-    most GRAD_CHANNEL_MAX_CHUNK_BYTES, both passes on the same grid."""
+    most grad_channel_max_chunk_bytes, both passes on the same grid."""
     plan = channel_plan("group", flags=3, batch=112, channels=64, spatial=512 * 512, cpg=8)
     launch = dispatch_grad.choose_channel_grad(plan, True, H200)
     sums, apply = launch.steps[0], launch.steps[-1]
-    assert launch.chunk_len * plan.vec * 4 <= dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
-    assert launch.chunks == 512 * 512 * 4 // dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
+    assert launch.chunk_len * plan.vec * 4 <= tuning.SM90.grad_channel_max_chunk_bytes
+    assert launch.chunks == 512 * 512 * 4 // tuning.SM90.grad_channel_max_chunk_bytes
     assert sums.grid == apply.grid == (launch.chunks, 64, 112)
 
 
@@ -589,7 +589,7 @@ def test_channel_stream_schedule():
                                           H200)
     s = p35.stream
     assert (p35.chunk_vecs, p35.chunks, s.slab_tiles, s.lag) == (1024, 512, 512, 2)
-    assert p35.hints == dispatch_channels.STREAM_HINTS and p35.steps[0].kernel.persistent
+    assert p35.hints == tuning.SM90.stream_hints and p35.steps[0].kernel.persistent
     assert p35.workspace_words == 112 * 8 * 512 * 3 + 3 * 112 * 8
     inst = dispatch_channels.choose_channel_stream(channel_plan("instance", flags=3, cpg=1, batch=4, channels=128,
                                                         spatial=512 * 512), H200)

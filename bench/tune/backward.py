@@ -3,31 +3,32 @@ bandwidth of the same run, plus the time of each launch of one call (a
 1 GB fill before it, as in the benchmark):
 
 - rows_grad_cached on bf16 32768x4096 (RMSNorm, LayerNorm): the preferred
-  block (GRAD_CACHED_TARGET_THREADS) and the blocks an SM its launch bounds
-  ask for (GRAD_CACHED_TARGET_MIN_BLOCKS) x the next row fetched into L2
-  ahead or not (GRAD_CACHED_PREFETCH_NEXT);
+  block (tuning.grad_cached_target_threads) and the blocks an SM its launch bounds
+  ask for (tuning.grad_cached_target_min_blocks) x the next row fetched into L2
+  ahead or not (tuning.grad_cached_prefetch_next);
 - rows_grad_cluster (rows a block cannot hold) against the streamed rows:
   the most blocks a cluster and threads a block (GRAD_CACHED_MAX_CLUSTER,
   GRAD_CACHED_CLUSTER_THREADS; a shape that cannot hold the row streams)
   x the next row fetched ahead or not;
 - the streamed rows (problem 40, LayerNorm bf16 4096x32768): the blocks an
-  SM of pass 1 (GRAD_CHUNK_BLOCKS_PER_SM), and their launches;
+  SM of pass 1 (tuning.grad_chunk_blocks_per_sm), and their launches;
 - the streamed rows' pass 2 on few long rows to many (LayerNorm bf16 16x2M
   .. 4096x32768): the column-tile blocks an SM it aims at before it cuts
-  the rows into parts (GRAD_APPLY_BLOCKS_PER_SM);
+  the rows into parts (tuning.grad_apply_blocks_per_sm);
 - the channel backward (problem 35): the most bytes of x a channels-first
-  chunk holds (GRAD_CHANNEL_MAX_CHUNK_BYTES), and its launches;
+  chunk holds (tuning.grad_channel_max_chunk_bytes), and its launches;
 - BatchNorm's backward on ResNet-50's activations (onchip): the four
   launches against channel_grad_onchip's shapes.
 
 PYTHONPATH=. python bench/tune/backward.py [--only TEXT]"""
 import argparse
 import contextlib
+import dataclasses
 
 import cupy
 import numpy as np
 
-from cunorm._engine import dispatch_grad, dtypes, launch_cache, gradients, launches
+from cunorm._engine import dispatch_grad, dtypes, gradients, launch_cache, launches, tuning
 from cunorm.bench._cases import backward_call
 from cunorm.bench._timing import copy_bandwidth, time_gpu
 
@@ -77,24 +78,32 @@ def report(label, run, nbytes, bw, steps=False):
 
 @contextlib.contextmanager
 def overridden(**values):
-    """The named dispatch_grad constants set to values inside the block, the
-    launch caches (the call path's included) cleared on the way in and out."""
-    saved = {name: getattr(dispatch_grad, name) for name in values}
+    """The named thresholds set to values inside the block: a Tuning field
+    (tuning.py, by its constant-style name) in every architecture's
+    Tuning, else a dispatch_grad constant; the launch caches (the call
+    path's included) cleared on the way in and out."""
+    fields = {f.name for f in dataclasses.fields(tuning.Tuning)}
+    saved_tunings = dict(tuning.BY_ARCH)
+    saved = {name: getattr(dispatch_grad, name) for name in values if name.lower() not in fields}
 
-    def apply(settings):
+    def apply(settings, tunings):
+        tuned = {name.lower(): value for name, value in settings.items() if name.lower() in fields}
+        for arch, t in tunings.items():
+            tuning.BY_ARCH[arch] = dataclasses.replace(t, **tuned)
         for name, value in settings.items():
-            setattr(dispatch_grad, name, value)
+            if name.lower() not in fields:
+                setattr(dispatch_grad, name, value)
         gradients._rows_launch.cache_clear()
         gradients._channel_launch.cache_clear()
         gradients.rows_grad_program.cache_clear()
         gradients.channel_grad_program.cache_clear()
         launch_cache.clear()  # (the signature-keyed launches, which would replay the first setting's)
 
-    apply(values)
+    apply(values, saved_tunings)
     try:
         yield
     finally:
-        apply(saved)
+        apply(saved, saved_tunings)
 
 
 def main():
@@ -146,7 +155,7 @@ def main():
         for label, shape, dtype, axis in (("problem 40", (16, 64, 256, 256), "float32", (1, 2, 3)),
                                           ("ln bf16 4096x32768", (4096, 32768), "bfloat16", -1)):
             run, nbytes = case("ln", shape, dtype, axis)
-            default = dispatch_grad.GRAD_CHUNK_BLOCKS_PER_SM
+            default = tuning.SM90.grad_chunk_blocks_per_sm
             for per_sm in (3, 6, 8, 12, 24):
                 with overridden(GRAD_CHUNK_BLOCKS_PER_SM=per_sm):
                     report(f"{label}, streamed, pass-1 blocks an SM {per_sm}", run, nbytes, bw,
@@ -154,7 +163,7 @@ def main():
             del run
     if "channels" in args.only or not args.only:
         run, nbytes = case("group", (112, 64, 512, 512), "float32", 8)
-        default = dispatch_grad.GRAD_CHANNEL_MAX_CHUNK_BYTES
+        default = tuning.SM90.grad_channel_max_chunk_bytes
         for cap in (None, 256 << 10, 64 << 10, 16 << 10):
             with overridden(GRAD_CHANNEL_MAX_CHUNK_BYTES=cap):
                 report(f"problem 35 group_norm(8), chunks of at most {cap} bytes", run, nbytes, bw,

@@ -4,12 +4,12 @@ timed call, as in the benchmark):
 
 - channel_stream against the three launches (split) and the row family
   (rows) on the benchmark's problems and on real activations, and
-  channel_stream's knobs: its L2 hints (STREAM_HINTS), the slabs' lag, the
-  slab size (STREAM_SLAB_L2_SHARE) and the tile size (STREAM_TILE_BYTES);
+  channel_stream's knobs: its L2 hints (tuning.stream_hints), the slabs' lag, the
+  slab size (tuning.stream_slab_l2_share) and the tile size (tuning.stream_tile_bytes);
   each stream variant's output is checked against the split walk's and
   its bytes against a second run;
 - the L2 hints of the three launches' epilogue (channel_apply:
-  CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE), and the time of each launch of
+  tuning.channel_apply_hints_max_x_l2_share), and the time of each launch of
   problems 33 and 37 (the two-read walks);
 - on channels-last x, the three launches' tiles, chunks and grouping
   (TILE_VARIANTS), with the time of each launch.

@@ -3,10 +3,10 @@ precompile step and CI's compile check (derived from the declarations in
 cunorm/_engine/declarations.py and the choices of cunorm/_engine/dispatch_*.py)."""
 from __future__ import annotations
 
-from . import dtypes
+from . import dtypes, tuning
 from . import declarations as K
 from .dispatch_rows import CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost, cached_loads, group_fits, is_heavy, norm_info, power_norm_name
-from .dispatch_grad import GRAD_CACHED_MAX_THREADS, GRAD_CACHED_TARGET_THREADS, GRAD_NORMS, _vpt_choices, column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes, grad_onchip_items, grad_onchip_max_elements, grad_onchip_shapes, grad_policy
+from .dispatch_grad import GRAD_CACHED_MAX_THREADS, GRAD_NORMS, _vpt_choices, column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes, grad_onchip_items, grad_onchip_max_elements, grad_onchip_shapes, grad_policy
 from .dispatch_channels import CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED, ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items
 from .declarations import Kernel
 
@@ -117,10 +117,18 @@ def statistics_only_kernels() -> list[Kernel]:
     return list(out.values())
 
 
+def _tunings() -> list[tuning.Tuning]:
+    """The distinct Tunings of the architectures cunorm plans for: the
+    catalogue holds what the dispatch picks under each."""
+    return list({tuning.replace(t, name=""): t for t in tuning.BY_ARCH.values()}.values())
+
+
 def backward_kernels() -> list[Kernel]:
-    """Every instantiation the backward dispatch can pick (the general-p
-    norm represented by REPRESENTATIVE_POWER)."""
+    """Every instantiation the backward dispatch can pick under any
+    architecture's Tuning (the general-p norm represented by
+    REPRESENTATIVE_POWER)."""
     out = []
+    tunes = _tunings()
     for dtype in dtypes.SUPPORTED:
         acc = dtypes.accumulation(dtype)
         a, t = dtypes.KERNEL_TYPE[acc], dtypes.KERNEL_TYPE[dtype]
@@ -136,11 +144,14 @@ def backward_kernels() -> list[Kernel]:
             for vec in _vector_widths(dtype):
                 for p, flags in affine:
                     for vpt in _vpt_choices(vec, dtype.itemsize):
-                        for threads in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
-                            out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *grad_cached_bounds(threads, vpt),
-                                                          cooperative=flags != 0, persistent=True))
-                    for bounds in sorted({(vpt, cluster, *grad_cached_bounds(threads, vpt))
-                                          for vpt, cluster, threads in grad_cached_cluster_shapes(vec, dtype.itemsize)}):
+                        for tune in tunes:
+                            for threads in (tune.grad_cached_target_threads, GRAD_CACHED_MAX_THREADS):
+                                out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt,
+                                                              *grad_cached_bounds(threads, vpt, tune),
+                                                              cooperative=flags != 0, persistent=True))
+                    for bounds in sorted({(vpt, cluster, *grad_cached_bounds(threads, vpt, tune)) for tune in tunes
+                                          for vpt, cluster, threads in grad_cached_cluster_shapes(vec, dtype.itemsize,
+                                                                                                  tune)}):
                         vpt, cluster, most, fewest = bounds
                         out.append(K.ROWS_GRAD_CLUSTER(grad, t, p, flags, vec, vpt, most, fewest, cluster,
                                                        persistent=True))
@@ -155,7 +166,7 @@ def backward_kernels() -> list[Kernel]:
                 for vec in _vector_widths(dtype):
                     held = 0  # the most elements the shapes before hold: a shape past the limit is never taken
                     for threads, elements, cluster in grad_onchip_shapes(dtype.itemsize):
-                        if held >= grad_onchip_max_elements(dtype.itemsize):
+                        if held >= max(grad_onchip_max_elements(dtype.itemsize, tune) for tune in tunes):
                             break
                         items = grad_onchip_items(dtype.itemsize, vec, threads, elements)
                         out.append(K.CHANNEL_GRAD_ONCHIP(t, p, flags, vec, training, threads, items, cluster))

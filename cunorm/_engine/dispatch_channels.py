@@ -7,83 +7,21 @@ Channel norms (GroupNorm, InstanceNorm, BatchNorm; a ChannelPlan): groups
 of whole channels without parameters on channels-first memory are rows and
 go to the rows tiers as LayerNorm (channel_rows_fast); the rest run the
 channel family's three launches (choose_channels), chunked so each pass has at least
-CHANNEL_BLOCKS_PER_SM blocks an SM (channels-first, chunks of at most
-CHANNEL_MAX_CHUNK_BYTES) or CHANNEL_LAST_BLOCKS_PER_SM (channels-last).
+tuning.channel_blocks_per_sm blocks an SM (channels-first, chunks of at most
+tuning.channel_max_chunk_bytes) or tuning.channel_last_blocks_per_sm (channels-last).
 
 Measurements: docs/notes/channel-norms.md.
 """
 from __future__ import annotations
 
 from . import declarations as K
+from . import tuning
 from .dispatch_rows import MAX_GRID_X, MAX_GRID_Y, NORMS, Device, Launch, Step, StreamShape, _ceil_div, next_pow2, plane_rows_block
 from .plans import PARAM_FLAGS, ChannelPlan, kernel_types, output_type
 
-#: channel family (GroupNorm, InstanceNorm, BatchNorm through three
-#: launches): blocks a pass aims for, per SM, as in the split tier ...
-CHANNEL_BLOCKS_PER_SM = 8
-#: ... but channels-first chunks of at most this many bytes: 1 MB channels
-#: cut in 4 (many more blocks than fit at once: the last wave is a small
-#: part of the pass): problem 33 61.2% -> 61.8%, problem 35 62.2% -> 62.8%;
-#: in 8, the same; in 2, 61.7% / 62.6% ...
-CHANNEL_MAX_CHUNK_BYTES = 256 * 1024
-#: ... and channels-last blocks of a whole tile of channels aim for 2 an SM:
-#: group_norm(32) bf16 (8,128,128,512), 33 chunks a sample 41.4%, 66 38.9%,
-#: 132 (8 an SM) 37.3%, 16 31.5% (not profiled; a block re-reads its
-#: tile's parameters and pivots and combines its partials once per chunk);
-#: grouped: 33 0.180 ms, 66 0.187, 132 0.184, 16 0.247.
-CHANNEL_LAST_BLOCKS_PER_SM = 2
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
 #: the three launches' LAYOUT template argument (channels.cu's header)
 CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED = 0, 1, 2
-#: channels-last x goes grouped (channels_last_walk) with vectors of at
-#: least this many bytes. H100, GroupNorm(32) bf16 +w+b, grouped against a
-#: statistic per channel: (8,128,128,512) 16-byte vectors 0.180 / 0.190 ms;
-#: (8,32,32,640) 8-byte 0.026 / 0.035; (8,64,64,320) 4-byte 0.055 / 0.053
-#: (docs/notes/channel-norms.md).
-GROUPED_MIN_VEC_BYTES = 8
-#: channels-first planes (a channel's positions of one sample) of at most
-#: this many vectors run as "plane rows": a row of up to 32 threads a plane,
-#: 256 / that many planes a block, where a 256-thread block a plane would
-#: leave most of its threads idle (up to 4 vectors a thread: for_each_batched's
-#: batch). BatchNorm2d on ResNet-50's (32,2048,7,7) fp32, one training step:
-#: 776 us of GPU time before, 107 us after (with the finalize rows below);
-#: at most 1024 rather than 256 vectors: (32,256,56,56) bf16 273 -> 240 us
-#: (docs/notes/models.md).
-CHANNEL_PLANE_ROWS_MAX_VECS = 1024
-#: statistic groups of at most this many partials are finalized by a row of
-#: up to 32 threads each, 256 / that many groups a block (a block a group
-#: spent 48 us on BatchNorm's 2048 channels of 32 partials).
-CHANNEL_FINALIZE_ROWS_MAX_MEMBERS = 256
-#: channel_apply's L2 hints (Launch.hints: 1, y stored streaming; 2, x's
-#: re-read as a last use): 1, and 3 for x of L2's size to 8 times it, where
-#: part of the re-read still hits L2. H100, bench/tune/channels.py, hints 0 / 1 /
-#: 3: BatchNorm (64,256,56,56) fp32 44.8 / 45.3 / 50.5%, bf16 35.5 / 38.4 /
-#: 39.6%; problem 33 64.4 / 64.6 / 64.0%; GroupNorm(32) bf16 (8,640,32,32)
-#: 26.9 / 29.0 / 27.0% (docs/notes/channel-norms.md).
-CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE = 8
-#: channel_stream (GroupNorm and InstanceNorm with parameters, channels-first:
-#: x read from DRAM once) for x larger than L2 (smaller x's re-read hits L2
-#: in the three launches too, which won there: GroupNorm(32) bf16
-#: (8,320,64,64) 0.036 against 0.041 ms); tiles of STREAM_TILE_BYTES ...
-STREAM_TILE_BYTES = 32 * 1024
-#: ... slabs of whole groups of about this share of L2 ...
-STREAM_SLAB_L2_SHARE = 0.25
-#: ... re-read lag slabs later: the fewest slabs that put at least half the
-#: resident blocks' tickets (STREAM_BLOCKS_PER_SM an SM, a ticket a block)
-#: between a group's last partial tile and its first apply tile, so an
-#: apply tile rarely waits; where that puts more than
-#: STREAM_MAX_REREAD_L2_SHARE of L2 between the two reads, tiles of half the
-#: size. Problem 35 (8 MB groups): 1 group a slab, 32 KB tiles, lag 1 38.7%;
-#: 16 KB tiles, lag 2 68.1% (three launches 65.2%); instance_norm
-#: (4,128,512,512) +w+b: 70.4% (three launches 61.2%).
-STREAM_BLOCKS_PER_SM = 4
-STREAM_MAX_REREAD_L2_SHARE = 1 / 3
-#: channel_stream's hints (as channel_apply's): 3 against 0: problem 35
-#: 38.7 / 34.5%, instance_norm (4,128,512,512) 70.4 / 61.0%.
-STREAM_HINTS = 3
-#: groups of at most this share of L2 (a bigger group is not resident when it
-#: is re-read)
-STREAM_MAX_GROUP_L2_SHARE = 0.25
 STREAM_BLOCK_THREADS = 256
 #: channel_onchip's shapes, (threads, elements a thread, cluster), in the
 #: order tried: the first whose capacity (their product) holds a group
@@ -106,14 +44,6 @@ ONCHIP_SHAPES = ((256, 16, 1), (512, 32, 1), (1024, 32, 1), (256, 32, 8), (1024,
 #: (512 KB) 41.3% against 52.8%; BatchNorm bf16 (64,512,28,28) (98 KB) 0.0857
 #: against 0.0890 (a tie). float32 won or tied at every size.
 ONCHIP_MAX_GROUP_BYTES_16BIT = 64 * 1024
-#: BatchNorm goes on chip only for channels of at most this many elements
-#: (the 256-thread clusters): (64,256,56,56) fp32 (200704 elements, 1024-
-#: thread clusters) 0.256 ms against the three launches' 0.241 and torch
-#: eager's 0.248; (64,512,28,28) 0.102 against 0.131.
-ONCHIP_MAX_BATCH_GROUP_ELEMENTS = 65536
-#: a row norm in disguise stays in the row family up to this many bytes a
-#: group (rows_cached keeps a row of up to 128 KB in registers)
-ROWS_MAX_GROUP_BYTES = 128 * 1024
 #: the channel family's statistic: mean and variance (Chan's pairwise update)
 CHANNEL_NORM = "cunorm::LayerNorm"
 
@@ -130,14 +60,15 @@ def choose_channel_walk(plan: ChannelPlan, device: Device) -> str:
     """The walk of a channel norm in training mode:
       "rows"    the row family, for a row norm in disguise (GroupNorm and
                 InstanceNorm without parameters, channels-first) whose
-                groups the row family keeps on chip (ROWS_MAX_GROUP_BYTES);
+                groups the row family keeps on chip (tune.rows_max_group_bytes);
       "onchip"  channel_onchip, x read once, where onchip_pays;
       "rows"    again for the other row norms in disguise;
       "stream"  channel_stream, x read from DRAM once, for x larger than L2
                 (stream_fits);
       "split"   three launches, x read twice."""
+    tune = tuning.of(device)
     group_bytes = onchip_group_vecs(plan) * plan.vec * plan.dtype.itemsize
-    if channel_rows_fast(plan) and group_bytes <= ROWS_MAX_GROUP_BYTES:
+    if channel_rows_fast(plan) and group_bytes <= tune.rows_max_group_bytes:
         return "rows"
     if onchip_pays(plan, device):
         return "onchip"
@@ -149,44 +80,47 @@ def choose_channel_walk(plan: ChannelPlan, device: Device) -> str:
 
 
 def channel_apply_hints(plan: ChannelPlan, device: Device) -> int:
-    """channel_apply's L2 hints (CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE)."""
-    return 3 if device.l2_bytes < plan.nbytes <= CHANNEL_APPLY_HINTS_MAX_X_L2_SHARE * device.l2_bytes else 1
+    """channel_apply's L2 hints (tune.channel_apply_hints_max_x_l2_share)."""
+    tune = tuning.of(device)
+    return 3 if device.l2_bytes < plan.nbytes <= tune.channel_apply_hints_max_x_l2_share * device.l2_bytes else 1
 
 
 def stream_fits(plan: ChannelPlan, device: Device) -> bool:
     """Whether channel_stream can run ``plan``: per-sample groups of a
     channels-first x in 16-byte vectors, a group under 2**31 vectors and
-    no larger than STREAM_MAX_GROUP_L2_SHARE of L2 (a bigger group is not
+    no larger than tune.stream_max_group_l2_share of L2 (a bigger group is not
     resident when it is re-read)."""
+    tune = tuning.of(device)
     itemsize = plan.dtype.itemsize
     group_bytes = plan.channels_per_group * plan.spatial * itemsize
     return (plan.per_sample and not plan.channels_last and plan.vec * itemsize == 16
             and plan.channels_per_group * plan.spatial // plan.vec < 2**31
-            and group_bytes <= STREAM_MAX_GROUP_L2_SHARE * device.l2_bytes)
+            and group_bytes <= tune.stream_max_group_l2_share * device.l2_bytes)
 
 
 def choose_channel_stream(plan: ChannelPlan, device: Device, override: dict | None = None) -> Launch:
     """channel_stream's launch for ``plan`` (stream_fits): tiles of
-    STREAM_TILE_BYTES, slabs of whole groups of STREAM_SLAB_L2_SHARE of L2,
+    tune.stream_tile_bytes, slabs of whole groups of tune.stream_slab_l2_share of L2,
     a persistent grid. ``override`` may set "tile_vecs", "slab_bytes",
     "lag" and "hints" (the tuning script)."""
+    tune = tuning.of(device)
     override = override or {}
     t, p = kernel_types(plan)
     vec_bytes = plan.vec * plan.dtype.itemsize
     group_vecs = plan.channels_per_group * plan.spatial // plan.vec
     groups = plan.statistic_groups
-    slab_bytes = override.get("slab_bytes", int(STREAM_SLAB_L2_SHARE * device.l2_bytes))
+    slab_bytes = override.get("slab_bytes", int(tune.stream_slab_l2_share * device.l2_bytes))
     slab_groups = min(max(1, slab_bytes // (group_vecs * vec_bytes)), groups)
-    in_flight = STREAM_BLOCKS_PER_SM * device.sm_count
+    in_flight = tune.stream_blocks_per_sm * device.sm_count
 
     def schedule(tile_vecs):  # (row_tiles, slab_tiles, lag) of tiles of tile_vecs
         row_tiles = _ceil_div(group_vecs, tile_vecs)
         slab_tiles = slab_groups * row_tiles
         return row_tiles, slab_tiles, max(1, _ceil_div(in_flight // 2 + row_tiles, slab_tiles))
 
-    tile_vecs = STREAM_TILE_BYTES // vec_bytes
+    tile_vecs = tune.stream_tile_bytes // vec_bytes
     row_tiles, slab_tiles, lag = schedule(tile_vecs)
-    while lag * slab_tiles * tile_vecs * vec_bytes > STREAM_MAX_REREAD_L2_SHARE * device.l2_bytes and tile_vecs > 256:
+    while lag * slab_tiles * tile_vecs * vec_bytes > tune.stream_max_reread_l2_share * device.l2_bytes and tile_vecs > 256:
         tile_vecs //= 2
         row_tiles, slab_tiles, lag = schedule(tile_vecs)
     if "tile_vecs" in override:  # (the lag stays the default tiles' unless forced too)
@@ -199,7 +133,7 @@ def choose_channel_stream(plan: ChannelPlan, device: Device, override: dict | No
     acc_words = groups * row_tiles * NORMS["ln"].stat_words + 3 * groups
     step = Step(kernel, (device.sm_count * 8,), (STREAM_BLOCK_THREADS,))
     return Launch("channel_stream", (step,), chunks=row_tiles, chunk_vecs=tile_vecs, workspace_words=acc_words,
-                  hints=override.get("hints", STREAM_HINTS),
+                  hints=override.get("hints", tune.stream_hints),
                   stream=StreamShape(slab_tiles=slab_tiles, lag=lag))
 
 
@@ -249,12 +183,13 @@ def first_holding(shapes, vecs: int, vec: int, device: Device, override: dict, e
 def onchip_pays(plan: ChannelPlan, device: Device) -> bool:
     """Whether channel_onchip takes a training-mode call: a group fits
     (onchip_shape), a BatchNorm channel has at most
-    ONCHIP_MAX_BATCH_GROUP_ELEMENTS elements, and for 16-bit data a group
+    tune.onchip_max_batch_group_elements elements, and for 16-bit data a group
     is at most ONCHIP_MAX_GROUP_BYTES_16BIT."""
+    tune = tuning.of(device)
     if onchip_shape(plan, device) is None:
         return False
     elements = onchip_group_vecs(plan) * plan.vec
-    if not plan.per_sample and elements > ONCHIP_MAX_BATCH_GROUP_ELEMENTS:
+    if not plan.per_sample and elements > tune.onchip_max_batch_group_elements:
         return False
     return plan.dtype.itemsize >= 4 or elements * 2 <= ONCHIP_MAX_GROUP_BYTES_16BIT
 
@@ -269,12 +204,12 @@ def choose_channel_onchip(plan: ChannelPlan, device: Device, override: dict | No
     return Launch("channel_onchip", (Step(kernel, (plan.statistic_groups * cluster,), (threads,)),))
 
 
-def channels_last_walk(plan: ChannelPlan, override: dict) -> tuple[int, int, int, int]:
+def channels_last_walk(plan: ChannelPlan, override: dict, tune: tuning.Tuning) -> tuple[int, int, int, int]:
     """(vec, layout, tile_vecs, tiles) of the three launches on channels-last
     x: a row of up to 256 threads along a position's vectors (tile_vecs of
     them), tiles of them across the channels. Grouped (CHANNELS_LAST_GROUPED,
     a thread keeps one statistic) where the statistics are per sample, a
-    vector of at least GROUPED_MIN_VEC_BYTES divides the groups (the widest
+    vector of at least tune.grouped_min_vec_bytes divides the groups (the widest
     such, up to the plan's) and each group's vectors lie in one tile; else a
     statistic per channel, vectors of the plan's width. A tile is a
     position's vectors where they are at most CHANNEL_BLOCK_THREADS, else
@@ -297,7 +232,7 @@ def channels_last_walk(plan: ChannelPlan, override: dict) -> tuple[int, int, int
     vec = plan.vec
     while plan.channels_per_group % vec:
         vec //= 2
-    if plan.per_sample and override.get("grouped", True) and vec * plan.dtype.itemsize >= GROUPED_MIN_VEC_BYTES:
+    if plan.per_sample and override.get("grouped", True) and vec * plan.dtype.itemsize >= tune.grouped_min_vec_bytes:
         bx, tiles = tiling(vec)
         if tiles == 1 or bx % (plan.channels_per_group // vec) == 0:
             return vec, CHANNELS_LAST_GROUPED, bx, tiles
@@ -314,6 +249,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     returns its statistics, channel_from_running first (it writes them).
     ``override`` {"chunks": n} forces the chunks a channel's positions are
     cut into (the tuning script)."""
+    tune = tuning.of(device)
     from .dtypes import KERNEL_TYPE, accumulation
 
     override = override or {}
@@ -324,14 +260,14 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         # so a block reads whole positions, contiguous: group_norm(32) bf16
         # (8,128,128,512) channels-last, 64-vector rows: bx 32 (half a
         # position a row) ran the two passes at 16.9% of copy bandwidth.
-        vec, layout, bx, tiles = channels_last_walk(plan, override)
+        vec, layout, bx, tiles = channels_last_walk(plan, override, tune)
         by = CHANNEL_BLOCK_THREADS // bx
         # whole warps (XLA's launches, the jit path, count threads in warps):
         # the threads past the rows idle
         padded = -(-bx * by // 32) * 32
         padded = 0 if padded == bx * by else padded
         block = (bx, by)
-        want_chunks = max(1, _ceil_div(CHANNEL_LAST_BLOCKS_PER_SM * device.sm_count, plan.batch * tiles))
+        want_chunks = max(1, _ceil_div(tune.channel_last_blocks_per_sm * device.sm_count, plan.batch * tiles))
         # at least 4 positions a thread row per chunk (for_each_batched's batch)
         chunk_len = max(4 * by, _ceil_div(plan.spatial, want_chunks))
         if "chunks" in override:
@@ -341,7 +277,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         acc_bytes = accumulation(plan.dtype).itemsize
         kept = 1 if layout == CHANNELS_LAST_GROUPED else vec  # statistics a thread keeps
         partial_shared = by * bx * kept * NORMS["ln"].stat_words * acc_bytes
-    elif plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS:
+    elif plan.spatial // plan.vec <= tune.channel_plane_rows_max_vecs:
         vec, layout = plan.vec, CHANNELS_FIRST
         vecs = plan.spatial // plan.vec
         block = plane_rows_block(vecs, CHANNEL_BLOCK_THREADS)
@@ -353,9 +289,9 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         vecs = plan.spatial // plan.vec
         block = (CHANNEL_BLOCK_THREADS,)
         rows = plan.batch * plan.channels
-        want_chunks = max(1, _ceil_div(CHANNEL_BLOCKS_PER_SM * device.sm_count, rows))
+        want_chunks = max(1, _ceil_div(tune.channel_blocks_per_sm * device.sm_count, rows))
         chunk_len = max(4 * CHANNEL_BLOCK_THREADS,
-                        min(_ceil_div(vecs, want_chunks), CHANNEL_MAX_CHUNK_BYTES // (plan.vec * plan.dtype.itemsize)))
+                        min(_ceil_div(vecs, want_chunks), tune.channel_max_chunk_bytes // (plan.vec * plan.dtype.itemsize)))
         if "chunks" in override:
             chunk_len = _ceil_div(vecs, override["chunks"])
         chunks = _ceil_div(vecs, chunk_len)
@@ -381,7 +317,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     if layout != CHANNELS_LAST_GROUPED:
         group_partials *= plan.channels_per_group
     finalize_block, groups_a_block = (CHANNEL_BLOCK_THREADS,), 1
-    if group_partials <= CHANNEL_FINALIZE_ROWS_MAX_MEMBERS:
+    if group_partials <= tune.channel_finalize_rows_max_members:
         finalize_block = plane_rows_block(group_partials, CHANNEL_BLOCK_THREADS)
         groups_a_block = finalize_block[1]
     finalize = Step(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, layout),

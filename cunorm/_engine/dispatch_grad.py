@@ -6,7 +6,7 @@ Contiguous rows of at most GRAD_CACHED_MAX_ELEMS elements (and
 GRAD_CACHED_MAX_BYTES of x) a thread x 512 threads (16384 elements of
 16-bit data, 8192 of 32-bit) run rows_grad_cached: threads = n_vec / vpt
 with the fewest vectors a thread (vpt) that keeps the block within
-GRAD_CACHED_TARGET_THREADS, else within 512; as many blocks as are
+tuning.grad_cached_target_threads, else within 512; as many blocks as are
 resident, walking rows, their column sums in shared memory (so rows the
 shared memory cannot hold stream), launched cooperatively where it has
 parameters: the grid adds its blocks' partials itself behind a grid
@@ -16,16 +16,17 @@ thread-block clusters, a cluster a row, their partials added by
 column_sum), where there are rows enough to fill the SMs. Longer contiguous rows (and the whole
 array) run rows_grad_chunks + rows_grad_finalize_wide + rows_grad_apply, a
 strided axis rows_grad_sums + rows_grad_finalize + rows_grad_apply, each
-pass chunked to about GRAD_BLOCKS_PER_SM blocks an SM (the contiguous
-rows' passes to GRAD_CHUNK_BLOCKS_PER_SM and GRAD_APPLY_BLOCKS_PER_SM).
+pass chunked to about tuning.grad_blocks_per_sm blocks an SM (the contiguous
+rows' passes to tuning.grad_chunk_blocks_per_sm and tuning.grad_apply_blocks_per_sm).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from . import declarations as K
+from . import tuning
 from .dispatch_rows import MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step, _ceil_div, next_pow2, norm_info, plane_rows_block
-from .dispatch_channels import CHANNEL_PLANE_ROWS_MAX_VECS, first_holding
+from .dispatch_channels import first_holding
 from .plans import ChannelPlan
 
 #: elements a rows_grad_cached thread holds in registers (x, dy and its
@@ -33,21 +34,6 @@ from .plans import ChannelPlan
 #: 128 registers and no spill on sm_80/sm_90 in the compile check
 GRAD_CACHED_MAX_ELEMS = 32
 GRAD_CACHED_MAX_BYTES = 64
-#: block of rows_grad_cached when the row allows (more blocks an SM): bf16
-#: 32768x4096 backward, 128 threads x 4 vectors (4 blocks an SM) against
-#: 256 x 2 (2-3 blocks) and 512 x 1: RMSNorm 88.7% / 69.8% / 45.0%,
-#: LayerNorm 65.8% / 65.7% / 58.7% (H200, bench/tune/backward.py).
-#: Loading the next row during the reduction (tried the same day) needed
-#: 108 registers for LayerNorm's 256 x 2 and read less: 61.9% / 79.0%.
-GRAD_CACHED_TARGET_THREADS = 256
-#: blocks of the preferred size an SM that its launch bounds ask for (the
-#: registers then fit that many)
-GRAD_CACHED_TARGET_MIN_BLOCKS = 3
-#: a rows_grad_cached block fetches its next row (row + grid) into L2
-#: while it works on the current one: LayerNorm / RMSNorm bf16 32768x4096
-#: 81.6 / 90.6% with, 76.4 / 87.2% without (H200, one run; two
-#: rows ahead read less, 61-68%)
-GRAD_CACHED_PREFETCH_NEXT = True
 GRAD_CACHED_MAX_THREADS = 512
 #: rows longer than a block holds run rows_grad_cluster: a thread-block
 #: cluster (sm_90) of at most GRAD_CACHED_MAX_CLUSTER blocks of at most
@@ -61,37 +47,8 @@ GRAD_CACHED_CLUSTER_THREADS = 512
 GRAD_CACHED_MAX_CLUSTER = 2
 GRAD_BLOCK_THREADS = 256  # mirrors kGradBlockThreads
 GRAD_COEFF_WORDS = 5  # mirrors kCoeffWords (grads.cuh)
-GRAD_BLOCKS_PER_SM = 8
-#: pass 2 of streamed rows splits the rows into as few chunks (parameter
-#: partials, added by column_sum) as give it about this many column-tile
-#: blocks an SM: one wave of resident blocks. Floor% with 8 / 4 / 3 / 2
-#: (H200, bench/tune/backward.py --only apply): LayerNorm bf16
-#: 16x2M 30.2 / 46.0 / 45.5 / 45.8, bf16 8x1M 12.4 / 17.1 / 33.4 / 33.7,
-#: fp32 4x1M 25.6 / 38.7 / 39.5 / 39.8, fp32 64x100000 28.4 / 33.2 / 33.0 /
-#: 35.1, bf16 4096x32768 49.9 / 51.4 / 49.0 / 43.0, bf16 1024x65536 40.6 /
-#: 41.4 / 44.4 / 40.4; RMSNorm bf16 256x262144 46.0 / 47.9 / 48.8 / 48.3.
-#: At 8, few long rows were cut in two or three for 1056 blocks where
-#: their 512-1024 tiles already filled the GPU, and the partials of every
-#: part cost a write and a read of n floats.
-GRAD_APPLY_BLOCKS_PER_SM = 3
-#: rows_grad_chunks' blocks an SM (pass 1 of streamed rows; it runs 3 at
-#: a time an SM): problem 40 backward with 3 / 6 / 8 / 12 / 24, 55.7 /
-#: 58.0 / 58.3 / 58.9 / 58.7%; LayerNorm bf16 4096x32768 49.2-49.3% for
-#: all (H200, bench/tune/backward.py)
-GRAD_CHUNK_BLOCKS_PER_SM = 12
-#: channels-first chunks of the channel backward's passes hold at most
-#: this many bytes of x (None: a pass aims at GRAD_BLOCKS_PER_SM blocks an
-#: SM alone, which leaves problem 35's 1 MB channels whole, 7168 blocks).
-#: Problem 35 backward, chunks of 1 MB (None) / 256 / 128 / 64 / 32 / 16
-#: KB: 59.7 / 60.4 / 61.2 / 61.6 / 62.2 / 62.6% (H200, twice
-#: each, the same to 0.1; bench/tune/backward.py). 16 KB is also the least
-#: chunk, GRAD_MIN_CHUNK_PER_THREAD vectors a thread: the blocks resident
-#: together then cover one contiguous front of memory, as in a copy.
-GRAD_CHANNEL_MAX_CHUNK_BYTES = 16 << 10
 #: block of rows_grad_finalize_wide (at most; a block a row, over its chunks)
 GRAD_FINALIZE_THREADS = 1024  # mirrors kGradFinalizeThreads
-#: a pass-1 chunk is at least this many vectors a thread (for_each_batched's batch)
-GRAD_MIN_CHUNK_PER_THREAD = 4
 #: channel_grad_onchip's shapes (BatchNorm, channels-first: a channel held
 #: on chip, x and dy read once), (threads, elements of x and as many of dy
 #: a thread, cluster), in the order tried: the first whose capacity holds
@@ -111,14 +68,6 @@ GRAD_ONCHIP_SHAPES = ((256, 16, 1), (256, 32, 1), (1024, 16, 1), (256, 16, 8), (
 #: 0.063, 0.078 (torch eager 0.054); (128,2048,7,7) (256, 32, 1) 0.098,
 #: (1024, 16, 1) 0.125, 0.147; (64,1024,14,14) (1024, 16, 1) 0.057, 0.072.
 GRAD_ONCHIP_SHAPES_16BIT = ((256, 32, 1), (1024, 16, 1), (256, 16, 8))
-#: BatchNorm's backward goes on chip for channels of at most this many
-#: elements (0: never): 32-bit and 64-bit data (the ladder's largest holds
-#: (32,256,56,56) fp32's 100352) ...
-GRAD_ONCHIP_MAX_ELEMENTS = 131072
-#: ... and 16-bit data: bf16 (64,1024,14,14) (12544 elements) 0.058 ms
-#: against the four launches' 0.072, but (32,512,28,28) (25088) 0.073
-#: against 0.062 and (64,512,28,28) 0.136 against 0.110.
-GRAD_ONCHIP_MAX_ELEMENTS_16BIT = 16384
 
 
 def grad_policy(norm: str, acc: str) -> str:
@@ -133,14 +82,14 @@ def grad_policy(norm: str, acc: str) -> str:
     return f"cunorm::LpGrad<{forward}<{acc}>, {acc}>"
 
 
-def grad_cached_bounds(threads: int, vpt: int) -> tuple[int, int]:
+def grad_cached_bounds(threads: int, vpt: int, tune: tuning.Tuning) -> tuple[int, int]:
     """rows_grad_cached's launch bounds (most threads, fewest blocks an SM)
     for a block of ``threads``, ``vpt`` vectors a thread: the preferred
     block's, which caps the registers for more blocks an SM (4 and 8
     vectors a thread spilled at 3 blocks' 80 registers: 2 blocks, 128), or
     the largest block's."""
-    if threads <= GRAD_CACHED_TARGET_THREADS:
-        return GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_TARGET_MIN_BLOCKS if vpt <= 2 else 2
+    if threads <= tune.grad_cached_target_threads:
+        return tune.grad_cached_target_threads, tune.grad_cached_target_min_blocks if vpt <= 2 else 2
     return GRAD_CACHED_MAX_THREADS, 1
 
 
@@ -153,12 +102,13 @@ def _vpt_choices(vec: int, itemsize: int) -> list[int]:
             if v * vec <= GRAD_CACHED_MAX_ELEMS and v * vec * itemsize <= GRAD_CACHED_MAX_BYTES]
 
 
-def grad_cached_shape(n_vec: int, vec: int, itemsize: int, max_cluster: int = 1) -> tuple[int, int, int] | None:
+def grad_cached_shape(n_vec: int, vec: int, itemsize: int, tune: tuning.Tuning,
+                      max_cluster: int = 1) -> tuple[int, int, int] | None:
     """(threads, vectors a thread, cluster) of rows_grad_cached for rows of
     n_vec vectors: one block where it holds the row, else (clusters of at
     most ``max_cluster`` blocks) the fewest blocks of at most
     GRAD_CACHED_CLUSTER_THREADS that hold it; None when none does."""
-    for cap in (GRAD_CACHED_TARGET_THREADS, GRAD_CACHED_MAX_THREADS):
+    for cap in (tune.grad_cached_target_threads, GRAD_CACHED_MAX_THREADS):
         for vpt in _vpt_choices(vec, itemsize):
             threads = _ceil_div(_ceil_div(n_vec, vpt), 32) * 32
             if threads <= cap:
@@ -176,14 +126,14 @@ def _cluster_sizes(most: int) -> list[int]:
     return [c for c in (2, 4, 8, 16) if c <= most]
 
 
-def grad_cached_cluster_shapes(vec: int, itemsize: int) -> set[tuple[int, int, int]]:
+def grad_cached_cluster_shapes(vec: int, itemsize: int, tune: tuning.Tuning) -> set[tuple[int, int, int]]:
     """The (vectors a thread, cluster, threads) grad_cached_shape can pick
     for a cluster, over every row length (what the catalogue compiles). A
     shape it picks for some row it picks for the longest row it holds, so
     those lengths are the ones tried."""
     lengths = {cluster * vpt * threads for cluster in _cluster_sizes(GRAD_CACHED_MAX_CLUSTER)
                for vpt in _vpt_choices(vec, itemsize) for threads in range(32, GRAD_CACHED_CLUSTER_THREADS + 1, 32)}
-    shapes = (grad_cached_shape(n_vec, vec, itemsize, GRAD_CACHED_MAX_CLUSTER) for n_vec in lengths)
+    shapes = (grad_cached_shape(n_vec, vec, itemsize, tune, GRAD_CACHED_MAX_CLUSTER) for n_vec in lengths)
     return {(vpt, cluster, threads) for threads, vpt, cluster in filter(None, shapes) if cluster > 1}
 
 
@@ -218,6 +168,7 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
     inner) arrays, vec elements a vector along the contiguous axis.
     ``cooperative`` False (the jit path, whose launches cannot be): the
     cached tier leaves dweight and dbias to a column_sum launch."""
+    tune = tuning.of(device)
     from .dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     a = KERNEL_TYPE[accumulation(dtype)]
@@ -230,26 +181,26 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
         n_vec = reduced // vec
         # clusters on sm_90 and later, where they fill the SMs
         max_cluster = GRAD_CACHED_MAX_CLUSTER if device.compute_capability >= 90 else 1
-        shape = grad_cached_shape(n_vec, vec, dtype.itemsize, max_cluster)
+        shape = grad_cached_shape(n_vec, vec, dtype.itemsize, tune, max_cluster)
         shared = 0 if shape is None else grad_cached_shared_bytes(flags, vec, *shape[:2], accumulation(dtype).itemsize)
         if shape is not None and (shape[2] == 1 or outer * shape[2] >= sm) and \
                 shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
             threads, vpt, cluster = shape
-            bounds = grad_cached_bounds(threads, vpt)
+            bounds = grad_cached_bounds(threads, vpt, tune)
             if cluster == 1:
                 kernel = K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *bounds, cooperative=flags != 0 and cooperative,
                                             persistent=True)
             else:  # (its partials go to column_sum: no cooperative launch)
                 kernel = K.ROWS_GRAD_CLUSTER(grad, t, p, flags, vec, vpt, *bounds, cluster, persistent=True)
             step = Step(kernel, (min(outer, MAX_GRID_X // cluster) * cluster,), (threads,), shared)
-            return GradLaunch("cached", (step,), prefetch_next=GRAD_CACHED_PREFETCH_NEXT)
-        # pass 1: chunks of each row, about GRAD_CHUNK_BLOCKS_PER_SM blocks an
-        # SM; pass 2: column tiles down row chunks, GRAD_APPLY_BLOCKS_PER_SM
-        want = max(1, _ceil_div(GRAD_CHUNK_BLOCKS_PER_SM * sm, outer))
-        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, _ceil_div(n_vec, want))
+            return GradLaunch("cached", (step,), prefetch_next=tune.grad_cached_prefetch_next)
+        # pass 1: chunks of each row, about tuning.grad_chunk_blocks_per_sm blocks an
+        # SM; pass 2: column tiles down row chunks, tuning.grad_apply_blocks_per_sm
+        want = max(1, _ceil_div(tune.grad_chunk_blocks_per_sm * sm, outer))
+        chunk_len = max(tune.grad_min_chunk_per_thread * GRAD_BLOCK_THREADS, _ceil_div(n_vec, want))
         chunks = _ceil_div(n_vec, chunk_len)
         apply_tiles = _ceil_div(n_vec, GRAD_BLOCK_THREADS)
-        apply_chunk_len = max(1, _ceil_div(outer, max(1, _ceil_div(GRAD_APPLY_BLOCKS_PER_SM * sm, apply_tiles))))
+        apply_chunk_len = max(1, _ceil_div(outer, max(1, _ceil_div(tune.grad_apply_blocks_per_sm * sm, apply_tiles))))
         apply_chunks = _ceil_div(outer, apply_chunk_len)
         steps = (
             Step(K.ROWS_GRAD_CHUNKS(grad, t, p, flags, vec), (outer * chunks,),
@@ -263,11 +214,11 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
                           apply_chunk_len=apply_chunk_len, parts=apply_chunks, stat_words=stat_words)
     inner_vec = inner // vec
     tiles = _ceil_div(inner_vec, GRAD_BLOCK_THREADS)
-    want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, outer * tiles))
-    chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD, _ceil_div(reduced, want))
+    want = max(1, _ceil_div(tune.grad_blocks_per_sm * sm, outer * tiles))
+    chunk_len = max(tune.grad_min_chunk_per_thread, _ceil_div(reduced, want))
     chunks = _ceil_div(reduced, chunk_len)
-    want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, reduced * tiles))
-    apply_chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD, _ceil_div(outer, want))
+    want = max(1, _ceil_div(tune.grad_blocks_per_sm * sm, reduced * tiles))
+    apply_chunk_len = max(tune.grad_min_chunk_per_thread, _ceil_div(outer, want))
     apply_chunks = _ceil_div(outer, apply_chunk_len)
     groups = outer * inner
     steps = (
@@ -313,9 +264,9 @@ def grad_onchip_shapes(itemsize: int) -> tuple:
     return GRAD_ONCHIP_SHAPES_16BIT if itemsize == 2 else GRAD_ONCHIP_SHAPES
 
 
-def grad_onchip_max_elements(itemsize: int) -> int:
+def grad_onchip_max_elements(itemsize: int, tune: tuning.Tuning) -> int:
     """The largest channel BatchNorm's backward takes on chip."""
-    return GRAD_ONCHIP_MAX_ELEMENTS_16BIT if itemsize == 2 else GRAD_ONCHIP_MAX_ELEMENTS
+    return tune.grad_onchip_max_elements_16bit if itemsize == 2 else tune.grad_onchip_max_elements
 
 
 def grad_onchip_shape(plan: ChannelPlan, device: Device, override: dict | None = None) -> tuple[int, int, int] | None:
@@ -328,7 +279,7 @@ def grad_onchip_shape(plan: ChannelPlan, device: Device, override: dict | None =
     if plan.per_sample or plan.channels_last or override.get("walk") == "split":
         return None
     vecs = plan.batch * plan.spatial // plan.vec
-    if vecs >= 2**31 or (vecs * plan.vec > grad_onchip_max_elements(plan.dtype.itemsize)
+    if vecs >= 2**31 or (vecs * plan.vec > grad_onchip_max_elements(plan.dtype.itemsize, tuning.of(device))
                          and override.get("walk") != "onchip"):
         return None
     shapes = [(t, grad_onchip_items(plan.dtype.itemsize, plan.vec, t, e), k)
@@ -342,6 +293,7 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, overr
     finalize, apply. ``override`` (tests and tuning) may set "walk"
     ("onchip" or "split") and channel_grad_onchip's "threads", "elements"
     (of x a thread) and "cluster"."""
+    tune = tuning.of(device)
     from .dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     acc = accumulation(plan.dtype)
@@ -361,12 +313,12 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, overr
         by = GRAD_BLOCK_THREADS // bx
         block = (bx, by)
         tiles = _ceil_div(vecs, bx)
-        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, plan.batch * tiles))
-        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * by, _ceil_div(plan.spatial, want))
+        want = max(1, _ceil_div(tune.grad_blocks_per_sm * sm, plan.batch * tiles))
+        chunk_len = max(tune.grad_min_chunk_per_thread * by, _ceil_div(plan.spatial, want))
         chunks = _ceil_div(plan.spatial, chunk_len)
         grid = (chunks, min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         shared = bx * by * plan.vec * 2 * acc.itemsize
-    elif plan.spatial // plan.vec <= CHANNEL_PLANE_ROWS_MAX_VECS:
+    elif plan.spatial // plan.vec <= tune.channel_plane_rows_max_vecs:
         vecs = plan.spatial // plan.vec  # (the forward's plane rows)
         block = plane_rows_block(vecs, GRAD_BLOCK_THREADS)
         chunks, chunk_len = 1, vecs
@@ -375,11 +327,11 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, overr
     else:
         vecs = plan.spatial // plan.vec
         block = (GRAD_BLOCK_THREADS,)
-        want = max(1, _ceil_div(GRAD_BLOCKS_PER_SM * sm, plan.batch * plan.channels))
+        want = max(1, _ceil_div(tune.grad_blocks_per_sm * sm, plan.batch * plan.channels))
         chunk_len = _ceil_div(vecs, want)
-        if GRAD_CHANNEL_MAX_CHUNK_BYTES is not None:
-            chunk_len = min(chunk_len, GRAD_CHANNEL_MAX_CHUNK_BYTES // (plan.vec * plan.dtype.itemsize))
-        chunk_len = max(GRAD_MIN_CHUNK_PER_THREAD * GRAD_BLOCK_THREADS, chunk_len)
+        if tune.grad_channel_max_chunk_bytes is not None:
+            chunk_len = min(chunk_len, tune.grad_channel_max_chunk_bytes // (plan.vec * plan.dtype.itemsize))
+        chunk_len = max(tune.grad_min_chunk_per_thread * GRAD_BLOCK_THREADS, chunk_len)
         chunks = _ceil_div(vecs, chunk_len)
         grid = (chunks, min(plan.channels, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
         shared = 0

@@ -3,13 +3,14 @@ the plan and the device, returning a frozen Launch (the backward passes'
 choice is cunorm/_engine/dispatch_grad.py, the catalogue of every instantiation
 cunorm/_engine/catalogue.py, the kernels' declarations cunorm/_engine/declarations.py).
 
-The heuristic. Measurements: NVIDIA H200, copy bandwidth 4282 GB/s,
+The heuristic; its tuned thresholds are the Tuning of the device's
+architecture (tuning.py). Measurements: NVIDIA H200, copy bandwidth 4282 GB/s,
 floor% = effective bandwidth over copy (bench/bench.py --tune;
 docs/notes/rows.md has the runs).
 
 Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
-  1. threads = next_pow2(n_vec / TARGET_VECS_PER_THREAD), capped at
-     PREFERRED_MAX_ROW_THREADS; each thread then holds vpt = n_vec / threads
+  1. threads = next_pow2(n_vec / tuning.target_vecs_per_thread), capped at
+     tuning.preferred_max_row_threads; each thread then holds vpt = n_vec / threads
      vectors (a power of two). If that exceeds MAX_VECS_PER_THREAD, a
      1024-thread block per row. While a thread's cache is over the register
      budget (cached_cost: a residual and LayerNorm's statistic cost more),
@@ -22,7 +23,7 @@ Contiguous rows (inner == 1), by the number of vectors in a row, n_vec:
      chip, up to 258 KB of fp32 row, and reading the rest twice). Rows
      that start off vector alignment (65535 floats) are walked with their
      aligned body's vector (plan.peel_vec).
-  5. few long rows (fewer than SMs, each >= SPLIT_MIN_ROW_BYTES): the split
+  5. few long rows (fewer than SMs, each >= tuning.split_min_row_bytes): the split
      tier, so the whole GPU works on each row (two launches, x read twice).
      Only here does the number of rows choose the tier: shorter rows get
      the same kernel and layout at every batch size (batch invariance).
@@ -51,23 +52,11 @@ import re
 from dataclasses import dataclass, replace
 
 from . import declarations as K
+from . import tuning
 from .declarations import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
 from .plans import Plan, kernel_types, output_type
 
 # --- thresholds --------------------------------------------------------------
-#: vector loads per thread in rows_cached. 4 beat 8 and 2: fp32 65536x1024,
-#: 64 threads x 4 vectors 95.6% vs 32 x 8 93.5%; bf16 32768x4096, 128 x 4
-#: 93.3% vs 64 x 8 84.5%.
-TARGET_VECS_PER_THREAD = 4
-#: ... 8 for heavy statistics (LayerNorm, float64), whose bandwidth follows
-#: the bytes each SM has in flight: LayerNorm bf16 32768x4096, 64 threads x 8
-#: vectors 90.7%, 128 x 4 81.2%, 256 x 2 56.0% (registers limit the resident
-#: threads); but at least 64 threads a row once a row has 256 vectors:
-#: LayerNorm fp32 65536x1024, 64 x 4 95.2% vs 32 x 8 91.7%.
-TARGET_VECS_PER_THREAD_HEAVY = 8
-#: rows_cached block size preferred before going to more vectors per thread:
-#: bf16 4096x32768, 512 threads x 8 vectors 91.7% vs 1024 x 4 80.6%.
-PREFERRED_MAX_ROW_THREADS = 512
 #: register cost of a rows_cached thread's cache (cached_cost below): set by
 #: ptxas's spill reports over every instantiation for sm_80 and sm_90.
 CACHE_COST_GROUP = 256  # 256-thread blocks, two resident: 128 registers
@@ -78,18 +67,6 @@ CACHE_COST_BLOCK_512 = 256  # 128 registers
 #: 64 channels): block (32, 8) with 8 channels a thread 94.6%; (16, 16)
 #: 86.3%; (32, 4) 70.5%; two sweeps 86.5%.
 CACHE_BYTES_STRIDED = 128
-#: split tier: only for rows of at least this many bytes (an estimate, not
-#: yet measured: below it a block per row finishes in a few microseconds) ...
-SPLIT_MIN_ROW_BYTES = 64 * 1024
-#: ... when there are fewer rows than this many per SM.
-SPLIT_MAX_ROWS_PER_SM = 1
-#: split tier: blocks per SM in each pass. fp32 16x4194304: 66 chunks a row
-#: (8 per SM) 59.5%, 33 chunks 57.8%, 16 chunks 49.2% (two reads + one write
-#: from DRAM bound it at 66.7%). Interleaved chunks (rows.cu), problem 37
-#: (one row of 7.5 GB): 1056 chunks 64.6%, 264 64.2%, 2112 64.6%; chunk-
-#: contiguous before (two runs), 45.7-47.7% / 54.0-55.3% / 55.0-55.4% (pass
-#: 2 at 62-76% of its own floor, now 93%). 16x4194304 interleaved: 66 chunks 59.6%, 33 57.9%.
-SPLIT_BLOCKS_PER_SM = 8
 SPLIT_BLOCK_THREADS = 256
 #: rows_uncached: 512-thread blocks (its launch bounds), one an SM in a
 #: persistent grid, each keeping as much of its row on chip as fits: the
@@ -101,11 +78,6 @@ SPLIT_BLOCK_THREADS = 256
 #: (LayerNorm rows of 1 MB): 62.2% against 62.1% a block a row without a
 #: stash (H200).
 UNCACHED_BLOCK_THREADS = 512
-#: rows_uncached's persistent grid: blocks an SM (0: a block a row) ...
-UNCACHED_BLOCKS_PER_SM = 1
-#: ... and the bytes of each row stashed in shared memory: all that fits
-#: (the opt-in shared memory less a reserve for the static scratch).
-UNCACHED_STASH_BYTES = 1 << 30
 UNCACHED_SHARED_RESERVE = 1024
 #: resident tier (override only, see above): one 512-thread block per SM, its chunk of every row in
 #: shared memory; this much of the opt-in shared memory stays free for the
@@ -278,14 +250,14 @@ def is_heavy(norm: str, dtype) -> bool:
 
 
 RESIDUAL_ADD_BLOCK = 256
-RESIDUAL_ADD_BLOCKS_PER_SM = 8
 
 
 def residual_add_step(dtype, n_vec: int, vec: int, device: Device) -> Step:
     """h = x + r over contiguous arrays (the unfused residual of a strided axis)."""
+    tune = tuning.of(device)
     from .dtypes import KERNEL_TYPE
 
-    grid = max(1, min(_ceil_div(n_vec, RESIDUAL_ADD_BLOCK), RESIDUAL_ADD_BLOCKS_PER_SM * device.sm_count))
+    grid = max(1, min(_ceil_div(n_vec, RESIDUAL_ADD_BLOCK), tune.residual_add_blocks_per_sm * device.sm_count))
     return Step(K.RESIDUAL_ADD(KERNEL_TYPE[dtype], vec), (grid,), (RESIDUAL_ADD_BLOCK,))
 
 
@@ -333,6 +305,7 @@ def rows_cache_fits(plan: Plan, threads: int) -> bool:
 
 
 def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
+    tune = tuning.of(device)
     vec_bytes = plan.vec * plan.dtype.itemsize
     n_vec = plan.reduced // plan.vec
     rows = plan.outer
@@ -340,9 +313,9 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     threads = override.get("threads")
     heavy = is_heavy(plan.norm, plan.dtype)
     if threads is None:
-        target = TARGET_VECS_PER_THREAD_HEAVY if heavy else TARGET_VECS_PER_THREAD
-        threads = min(next_pow2(_ceil_div(n_vec, target)), PREFERRED_MAX_ROW_THREADS)
-        if heavy and n_vec >= 64 * TARGET_VECS_PER_THREAD:
+        target = tune.target_vecs_per_thread_heavy if heavy else tune.target_vecs_per_thread
+        threads = min(next_pow2(_ceil_div(n_vec, target)), tune.preferred_max_row_threads)
+        if heavy and n_vec >= 64 * tune.target_vecs_per_thread:
             threads = max(threads, 64)
         if _ceil_div(n_vec, threads) > MAX_VECS_PER_THREAD:
             threads = 1024
@@ -356,12 +329,12 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     vpt = next_pow2(_ceil_div(n_vec, threads))
     tier = override.get("tier")
     if tier is None:
-        # Below SPLIT_MIN_ROW_BYTES the tier (and every choice inside it)
+        # Below tuning.split_min_row_bytes the tier (and every choice inside it)
         # follows the row alone, never the number of rows: a row's results
         # are then bitwise the same whatever the batch (docs/ops.md, "Batch
         # invariance").
-        few_rows = rows < SPLIT_MAX_ROWS_PER_SM * device.sm_count
-        if few_rows and row_bytes >= SPLIT_MIN_ROW_BYTES:
+        few_rows = rows < tune.split_max_rows_per_sm * device.sm_count
+        if few_rows and row_bytes >= tune.split_min_row_bytes:
             tier = "split"
         elif rows_cache_fits(plan, threads):
             tier = "cached"
@@ -389,12 +362,12 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         # rows that may start misaligned are walked with the vector of their aligned body
         vec = plan.peel_vec
         vec_bytes = vec * plan.dtype.itemsize
-        per_sm = override.get("blocks_per_sm", UNCACHED_BLOCKS_PER_SM)
+        per_sm = override.get("blocks_per_sm", tune.uncached_blocks_per_sm)
         grid = min(rows, per_sm * device.sm_count if per_sm else rows, MAX_GRID_X)
         stash_bytes = 0
         if not plan.residual and vec_bytes >= 4:  # the stash's cp.async copies 4 to 16 bytes
             room = (device.max_shared_per_block - UNCACHED_SHARED_RESERVE) // max(per_sm, 1)
-            stash_bytes = min(override.get("stash_bytes", UNCACHED_STASH_BYTES), room, row_bytes)
+            stash_bytes = min(override.get("stash_bytes", tune.uncached_stash_bytes), room, row_bytes)
         stash_vecs = stash_bytes // vec_bytes
         kernel = K.ROWS_UNCACHED(policy, t, p, plan.flags, plan.residual, vec, persistent=bool(per_sm))
         block = override.get("threads", UNCACHED_BLOCK_THREADS)
@@ -414,7 +387,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     if tier == "split":
         block = SPLIT_BLOCK_THREADS
         # chunks interleave (rows.cu): at most one a block's width of vectors
-        want_chunks = max(1, _ceil_div(SPLIT_BLOCKS_PER_SM * device.sm_count, rows))
+        want_chunks = max(1, _ceil_div(tune.split_blocks_per_sm * device.sm_count, rows))
         chunks = override.get("chunks", min(want_chunks, _ceil_div(n_vec, block)))
         grid = (min(rows, MAX_GRID_X), min(chunks, MAX_GRID_Y))
         partial = K.ROWS_SPLIT_PARTIAL(policy, t, plan.residual, plan.vec)

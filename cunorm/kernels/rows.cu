@@ -308,7 +308,7 @@ __host__ __device__ constexpr int uncached_held_vectors() {
 // to fill the GPU (problems 38/39: 32768 rows of 65535 floats, 256 KB each).
 // Math: the policy's statistic of the row, then the epilogue, as every tier.
 // Layout: a persistent grid of one 512-thread block an SM (cunorm/_engine/dispatch_rows.py,
-// UNCACHED_BLOCKS_PER_SM; capped at what fits), each walking rows
+// tuning.uncached_blocks_per_sm; capped at what fits), each walking rows
 // blockIdx.x, + gridDim.x, ... and keeping as much of each row on chip as
 // fits: the first stash_vecs vectors in shared memory (the stash, dynamic),
 // the next uncached_held_vectors() a thread in registers; the rest, if any,

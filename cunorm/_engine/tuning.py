@@ -1,0 +1,126 @@
+"""The dispatch's tuned thresholds: one frozen Tuning per GPU architecture.
+
+Each field is a choice the dispatch makes by measurement rather than by
+what the hardware or the compiler allows (those are facts beside the code
+that uses them: block shapes a kernel declares, register budgets set by
+ptxas's spill reports). The numbers behind each value, and the runs that
+set it, are in docs/notes/tuning.md. The values were measured on sm_90
+(H100, H200); sm_80, sm_86 and sm_89 take them unchanged until measured
+there.
+
+The dispatch reads the Tuning of the device it plans for (``of(device)``);
+the catalogue, which enumerates instantiations without a device, the one
+of the architecture it compiles for (``for_arch``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The tuned thresholds of one architecture (docs/notes/tuning.md)."""
+
+    name: str
+    # --- rows (dispatch_rows.py) ---
+    #: vectors a rows_cached thread aims to hold ...
+    target_vecs_per_thread: int = 4
+    #: ... and for heavy statistics (LayerNorm, float64), whose speed
+    #: follows the bytes each SM has in flight
+    target_vecs_per_thread_heavy: int = 8
+    #: rows_cached's block before a thread takes more vectors
+    preferred_max_row_threads: int = 512
+    #: the split tier takes rows of at least this many bytes ...
+    split_min_row_bytes: int = 64 * 1024
+    #: ... when there are fewer rows than this many an SM ...
+    split_max_rows_per_sm: int = 1
+    #: ... with this many blocks an SM in each pass
+    split_blocks_per_sm: int = 8
+    #: rows_uncached's persistent grid: blocks an SM (0: a block a row) ...
+    uncached_blocks_per_sm: int = 1
+    #: ... and the bytes of a row it stashes in shared memory (capped by what fits)
+    uncached_stash_bytes: int = 1 << 30
+    #: the unfused residual add (a strided axis): blocks an SM
+    residual_add_blocks_per_sm: int = 8
+    # --- channel norms (dispatch_channels.py) ---
+    #: the three launches: blocks a pass aims for, an SM ...
+    channel_blocks_per_sm: int = 8
+    #: ... channels-first chunks of at most this many bytes ...
+    channel_max_chunk_bytes: int = 256 * 1024
+    #: ... and channels-last tiles aiming for this many blocks an SM
+    channel_last_blocks_per_sm: int = 2
+    #: channels-last groups go grouped (a statistic a thread) with vectors
+    #: of at least this many bytes
+    grouped_min_vec_bytes: int = 8
+    #: channels-first planes of at most this many vectors run as plane rows
+    channel_plane_rows_max_vecs: int = 1024
+    #: statistic groups of at most this many partials finalize as rows
+    channel_finalize_rows_max_members: int = 256
+    #: channel_apply re-reads x with last-use hints for x up to this many
+    #: times L2's size (from L2's size on)
+    channel_apply_hints_max_x_l2_share: int = 8
+    #: channel_stream: tiles of this many bytes ...
+    stream_tile_bytes: int = 32 * 1024
+    #: ... slabs of whole groups of about this share of L2 ...
+    stream_slab_l2_share: float = 0.25
+    #: ... a ticket a resident block, this many blocks an SM ...
+    stream_blocks_per_sm: int = 4
+    #: ... at most this share of L2 between a group's two reads (else tiles
+    #: of half the size) ...
+    stream_max_reread_l2_share: float = 1 / 3
+    #: ... its L2 hints (as channel_apply's) ...
+    stream_hints: int = 3
+    #: ... and groups of at most this share of L2
+    stream_max_group_l2_share: float = 0.25
+    #: BatchNorm goes on chip for channels of at most this many elements
+    onchip_max_batch_group_elements: int = 65536
+    #: a row norm in disguise stays in the row family up to this many bytes a group
+    rows_max_group_bytes: int = 128 * 1024
+    # --- backward passes (dispatch_grad.py) ---
+    #: rows_grad_cached's preferred block ...
+    grad_cached_target_threads: int = 256
+    #: ... the blocks an SM its launch bounds ask for ...
+    grad_cached_target_min_blocks: int = 3
+    #: ... and whether a block fetches its next row into L2 meanwhile
+    grad_cached_prefetch_next: bool = True
+    #: the streaming passes: blocks a pass aims for, an SM
+    grad_blocks_per_sm: int = 8
+    #: pass 2 of streamed rows: column-tile blocks an SM (one wave)
+    grad_apply_blocks_per_sm: int = 3
+    #: pass 1 of streamed rows (rows_grad_chunks): blocks an SM
+    grad_chunk_blocks_per_sm: int = 12
+    #: the channel backward's channels-first chunks hold at most this many
+    #: bytes of x (None: a pass aims at grad_blocks_per_sm alone)
+    grad_channel_max_chunk_bytes: int | None = 16 << 10
+    #: a pass-1 chunk is at least this many vectors a thread
+    grad_min_chunk_per_thread: int = 4
+    #: BatchNorm's backward goes on chip for channels of at most this many
+    #: elements, 32- and 64-bit data ...
+    grad_onchip_max_elements: int = 131072
+    #: ... and 16-bit data
+    grad_onchip_max_elements_16bit: int = 16384
+
+
+#: sm_90 (H100, H200): where every value was measured
+SM90 = Tuning("sm_90")
+#: sm_80, sm_86, sm_89: sm_90's values, not measured there
+SM80 = replace(SM90, name="sm_80")
+SM86 = replace(SM90, name="sm_86")
+SM89 = replace(SM90, name="sm_89")
+
+#: the Tuning of each compute capability cunorm plans for
+BY_ARCH = {80: SM80, 86: SM86, 89: SM89, 90: SM90}
+
+
+def for_arch(arch: int) -> Tuning:
+    """The Tuning of compute capability ``arch`` (80, 86, 89, 90): that of
+    the newest architecture in BY_ARCH at or below it."""
+    known = [a for a in BY_ARCH if a <= arch]
+    if not known:
+        raise ValueError(f"cunorm plans for compute capability 8.0 or newer, got {arch / 10:.1f}")
+    return BY_ARCH[max(known)]
+
+
+def of(device) -> Tuning:
+    """The Tuning of the device the dispatch plans for (a dispatch Device)."""
+    return for_arch(device.compute_capability)
