@@ -37,11 +37,11 @@ if [[ $STAGES == *tests* ]]; then
   workers=${PYTEST_WORKERS:-$(( mem_mib > 120000 ? 8 : 3 ))}
   tests=${TESTS:-tests}
   # shellcheck disable=SC2086
-  python3 -m pytest -q -m huge $tests --ignore=tests/test_compile.py 2>&1 | tee "$OUT/pytest-huge.log" | tail -3
+  python3 -m pytest -q -m huge $tests --ignore=tests/engine/test_compile.py 2>&1 | tee "$OUT/pytest-huge.log" | tail -3
   huge_rc=${PIPESTATUS[0]}
   [[ $huge_rc == 5 ]] && huge_rc=0  # none collected
   # shellcheck disable=SC2086
-  python3 -m pytest -q -n "$workers" -m "not huge" $tests --ignore=tests/test_compile.py 2>&1 \
+  python3 -m pytest -q -n "$workers" -m "not huge" $tests --ignore=tests/engine/test_compile.py 2>&1 \
     | tee "$OUT/pytest.log" | tail -25
   tests_rc=${PIPESTATUS[0]}
   if [[ $tests_rc != 0 ]]; then

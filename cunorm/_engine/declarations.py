@@ -5,7 +5,7 @@ From a declaration come the instantiation's name (``decl(...)`` formats the
 template arguments, all from closed sets or numbers cunorm formats itself),
 the catalogue's entries (``Kernel``) and the argument packing of a launch
 (``Kernel.signature``: each argument's name and C kind, read by
-cunorm/_engine/launches.py). tests/test_kernels.py parses the ``.cu`` signatures and
+cunorm/_engine/launches.py). tests/engine/test_kernels.py parses the ``.cu`` signatures and
 checks them against these declarations, so a kernel whose C++ signature
 changes without its declaration fails on a CPU.
 
@@ -19,7 +19,7 @@ where the data ``T`` or the accumulation ``A`` template argument is double).
 Every kernel lists its ``in`` and ``io`` pointers before its ``out``
 pointers: XLA's custom call (cunorm/jax/_jit.py) binds a kernel's pointer
 arguments to the call's operands and then its results, in order.
-tests/test_kernels.py checks both the order and that ``in`` is what the
+tests/engine/test_kernels.py checks both the order and that ``in`` is what the
 ``.cu`` declares ``const``.
 
 A kernel with a ``block_x`` argument has a 2-D thread layout over its 1-D

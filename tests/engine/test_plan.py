@@ -287,7 +287,7 @@ def test_channels_last_grouped_walk():
     1) at the plan's vector. BatchNorm, channels-first x and the override
     {"grouped": False} never group. A tile is a position's vectors exactly
     (up to 256), its rows launched as whole warps. The cases are
-    tests/test_channel_split_gpu.py's."""
+    tests/engine/test_channel_split_gpu.py's."""
     compiled = {k.expression for k in catalogue.all_kernels()}
     bf16, f32, f64 = (np.dtype(d) for d in (dtypes.bfloat16, np.float32, np.float64))
     cases = {  # (channels, groups) -> (vec, layout) for bf16, float32, float64

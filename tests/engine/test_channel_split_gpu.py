@@ -25,7 +25,7 @@ def _poison(poisoned):
 
 
 # (NHWC shape, groups, what): the layout each dtype takes is in
-# tests/test_plan.py::test_channels_last_grouped_walk.
+# tests/engine/test_plan.py::test_channels_last_grouped_walk.
 SHAPES = [
     ((3, 7, 5, 64), 4, "cpg16"),  # grouped, 16-bit: two vectors a group
     ((2, 9, 5, 40), 2, "cpg20"),  # grouped, 16-bit: vectors of 4

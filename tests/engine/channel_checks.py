@@ -1,5 +1,5 @@
-"""A channel walk forced (tests/test_channel_onchip_gpu.py,
-tests/test_channel_split_gpu.py, tests/test_channel_stream_gpu.py) and checked against the float64 reference:
+"""A channel walk forced (tests/engine/test_channel_onchip_gpu.py,
+tests/engine/test_channel_split_gpu.py, tests/engine/test_channel_stream_gpu.py) and checked against the float64 reference:
 y, the returned statistics and BatchNorm's running estimates."""
 import numpy as np
 
