@@ -24,11 +24,11 @@ def test_the_layout_names_every_module():
     package = ROOT / "cunorm"
     for path in sorted(package.glob("*.py")):
         assert path.name in layout, path.name
-    for sub in ("_interop", "kernels", "bench"):
+    for sub in ("_interop", "_engine", "torch", "jax", "bench", "kernels"):
         assert f"{sub}/" in layout
-    for path in sorted((package / "_interop").glob("*.py")):
-        if path.name != "__init__.py":
-            assert path.name in layout, path.name
+        for path in sorted((package / sub).glob("*.py")) + sorted((package / sub).glob("*.cu")):
+            if path.name != "__init__.py" or sub in ("torch", "jax", "bench"):
+                assert path.name in layout, path.name
 
 
 def test_performance_md_holds_the_record_tables():
