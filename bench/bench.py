@@ -1,5 +1,5 @@
 """The repository's benchmark of record (docs/performance.md): every case of
-cunorm/bench's CASES, CHANNEL_CASES, LP_CASES and BACKWARD_CASES
+bench/record_cases.py's CASES, CHANNEL_CASES and LP_CASES and cunorm/bench's BACKWARD_CASES
 against torch eager and torch.compile, host overhead per call, and (--tune) a
 sweep of launch overrides for the main cases. Writes bench.json and bench.md
 to --out. The user-facing suites are ``python -m cunorm bench``.
@@ -17,11 +17,12 @@ from pathlib import Path
 import cupy
 
 import cunorm
-from cunorm.bench._cases import BACKWARD_CASES, CASES, LP_CASES, bench_backward_case, bench_case, bench_lp_case
-from cunorm.bench._channel_cases import CHANNEL_CASES, bench_channel_case
+from cunorm.bench._cases import BACKWARD_CASES, bench_backward_case, bench_case, bench_lp_case
+from cunorm.bench._channel_cases import bench_channel_case
 from cunorm.bench._host import host_rows
 from cunorm.bench._timing import copy_bandwidth, torch
-from tune.forward import CHANNEL_TUNE, TUNE, tune_case, tune_channel_case  # (bench/tune/: this script's folder is on sys.path)
+from record_cases import CASES, CHANNEL_CASES, LP_CASES  # (this script's folder is on sys.path)
+from tune.forward import CHANNEL_TUNE, TUNE, tune_case, tune_channel_case
 
 
 def host_overhead(n_calls=2000) -> dict:

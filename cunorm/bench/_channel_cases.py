@@ -12,19 +12,6 @@ from ._cases import fewest_bytes
 from ._timing import single_columns, time_gpu, torch
 
 
-# The channel norms: name, op, shape, dtype, groups, channel_axis, params, target floor%.
-CHANNEL_CASES = [
-    ("problem 35 group_norm(8) (112,64,512,512) fp32 +w+b", "group_norm", (112, 64, 512, 512), "float32", 8, 1,
-     "wb", 75),
-    ("problem 34 instance_norm (112,64,512,512) fp32", "instance_norm", (112, 64, 512, 512), "float32", None, 1, "",
-     85),
-    ("problem 33 batch_norm train (64,64,512,512) fp32 +w+b", "batch_norm", (64, 64, 512, 512), "float32", None, 1,
-     "wb", 64),
-    ("group_norm(32) channels-last (8,128,128,512) bf16 +w+b", "group_norm", (8, 128, 128, 512), "bfloat16", 32, -1,
-     "wb", 80),
-]
-
-
 def _channel_call(op, x, groups, w, b, channel_axis, running, out=None, training=True):
     kw = {"channel_axis": channel_axis, "out": out}
     if op == "group_norm":
