@@ -34,7 +34,7 @@ def test_suites_cover_the_issue():
     assert {c.args[2] for c in llm} == {"bfloat16", "float16", "float32"}
     assert {c.args[5] for c in llm} == {False, True}
     assert {c.op for c in bench.cases(("sweep",))} >= {"rms_norm", "layer_norm", "group_norm", "instance_norm",
-                                                        "batch_norm", "normalize", "frobenius_normalize"}
+                                                       "batch_norm", "normalize", "frobenius_normalize"}
     assert len(bench.cases(("backward",))) >= 4
     assert bench.cases(("host",)) == []  # its rows come from _host.host_rows
 

@@ -98,7 +98,7 @@ def test_running_only_for_batch_norm(xp):
 
     with pytest.raises(ValueError, match="running_mean is a batch_norm argument"):
         channel_norms.ChannelCall("group", arr(xp, (2, 4, 3)), num_groups=2, eps=1e-5, channel_axis=1,
-                              running_mean=xp.zeros(4, dtype=np.float32))
+                                  running_mean=xp.zeros(4, dtype=np.float32))
 
 
 @pytest.mark.parametrize("momentum", [-0.1, 1.5, float("nan")])

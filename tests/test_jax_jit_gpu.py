@@ -398,7 +398,7 @@ def test_a_named_target_lowers_as_the_gpu_itself(jx, case):
         "group_norm NHWC": (lambda x, w: cj.group_norm(x, 32, w, w, channel_axis=-1),
                             [((8, 64, 64, 320), bf16), ((320,), jnp.float32)]),
         "batch_norm grads": (loss(lambda x, w: cj.batch_norm(x, w, w)), [((32, 256, 28, 28), jnp.float32),
-                                                                          ((256,), jnp.float32)]),
+                                                                         ((256,), jnp.float32)]),
     }[case]
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
 

@@ -19,7 +19,7 @@ from cunorm._engine import dispatch_rows, declarations, launches, loader  # noqa
 from cunorm.jax import _custom_call as cc  # noqa: E402
 
 H100 = dispatch_rows.Device(sm_count=132, compute_capability=90, max_shared_per_block=227 * 1024,
-                        l2_bytes=50 * 1024 * 1024)
+                            l2_bytes=50 * 1024 * 1024)
 BF16 = jnp.bfloat16
 
 
@@ -151,10 +151,10 @@ def test_plan_calls_binds_operands_results_and_aliases(lowering):
     from cunorm._engine import gradients, dispatch_grad
 
     launch = dispatch_grad.choose_rows_grad("rms", np.dtype("float32"), np.dtype("float32"), 1, 4096, 1 << 20, 1, 4,
-                                             H100, cooperative=False)
+                                            H100, cooperative=False)
     recorder = launches.LaunchRecorder(gradients.ROW_GRAD_SLOTS, 0)
     gradients.build_rows_grad(recorder, launch, np.dtype("float32"), np.dtype("float32"), 4096, 1 << 20, 1, 1e-6,
-                          (False, True, False, True, True, False))
+                              (False, True, False, True, True, False))
     outputs = {"dx": ((4096, 1 << 20), np.float32), "dw": (((1 << 20),), np.float32)}
     calls = cc.plan_calls(recorder, {"dy": None, "x": None, "w": None, "scale": None}, outputs)
     assert [c.launch.kernel.name for c in calls] == [ln.kernel.name for ln in recorder.launches]

@@ -129,7 +129,7 @@ def test_the_fakes_shape_what_the_reference_returns(channels_last, stats):
             got = got[:len(expected)]
         assert [tuple(g.shape) for g in got] == [e.shape for e in expected], name
         assert [str(g.dtype) for g in got[1 + ops.OPS[name].residual:]] == ["torch.float32"] * (len(got) - 1 -
-                                                                                               ops.OPS[name].residual)
+                                                                                                ops.OPS[name].residual)
         y = got[0]
         if ops.OPS[name].family == "channels" and channels_last:
             assert y.is_contiguous(memory_format=torch.channels_last), name

@@ -77,7 +77,7 @@ def test_lp_backward(rng, p, mean, axis):
     # |x| at least 0.3 and distinct: |x|**p is smooth there (p < 1 is steep
     # near 0, p = 1 has a kink at 0, inf a tie between two largest)
     x = rng.choice([-1.0, 1.0], size=(4, 6)) * (0.3 + rng.permutation(24).reshape(4, 6) * 0.07
-                                                 + rng.random((4, 6)) * 0.01)
+                                                + rng.random((4, 6)) * 0.01)
     dy = rng.standard_normal((4, 6))
     fwd = (lambda: R.mean_abs_normalize(x, axis=axis, exact=True)) if mean else (
         lambda: R.normalize(x, p, axis=axis, exact=True) if axis is not None else

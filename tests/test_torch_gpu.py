@@ -107,7 +107,7 @@ def test_zero_copy_in_and_out(gen, monkeypatch, dtype):
     # y and rstd are the very buffers the kernel wrote, not copies
     assert y.data_ptr() in seen and rstd.data_ptr() in seen
     assert y._base is None and y.is_contiguous() and rstd.dtype == (torch.float64 if dtype == torch.float64
-                                                                     else torch.float32)
+                                                                    else torch.float32)
     check(y, reference.rms_norm(to_numpy(x), exact=True), to_numpy(x).dtype)
 
 
@@ -171,7 +171,7 @@ def test_runs_on_torchs_current_stream(gen):
 GRAPH_CASES = {
     "rows cached": lambda x, w, b: cunorm.rms_norm(x.view(-1, 4096), w[:4096]),
     "rows + residual": lambda x, w, b: cunorm.layer_norm(x.view(-1, 4096), w[:4096], b[:4096],
-                                                          residual=x.view(-1, 4096).flip(0))[0],
+                                                         residual=x.view(-1, 4096).flip(0))[0],
     "rows uncached": lambda x, w, b: cunorm.normalize(x.view(160, -1)),
     "split (workspace)": lambda x, w, b: cunorm.rms_norm(x.view(2, -1)),
     "whole array (workspace)": lambda x, w, b: cunorm.frobenius_normalize(x),
@@ -182,13 +182,13 @@ GRAPH_CASES = {
 GRAPH_REFS = {
     "rows cached": lambda x, w, b: reference.rms_norm(x.reshape(-1, 4096), w[:4096], exact=True),
     "rows + residual": lambda x, w, b: reference.layer_norm(x.reshape(-1, 4096), w[:4096], b[:4096],
-                                                             residual=x.reshape(-1, 4096)[::-1], exact=True)[0],
+                                                            residual=x.reshape(-1, 4096)[::-1], exact=True)[0],
     "rows uncached": lambda x, w, b: reference.normalize(x.reshape(160, -1), exact=True),
     "split (workspace)": lambda x, w, b: reference.rms_norm(x.reshape(2, -1), exact=True),
     "whole array (workspace)": lambda x, w, b: reference.frobenius_normalize(x, exact=True),
     "strided axis": lambda x, w, b: reference.rms_norm(x.reshape(8, 64, -1), axis=1, exact=True),
     "group_norm (workspace)": lambda x, w, b: reference.group_norm(x.reshape(8, 64, -1), 8, w[:64], b[:64],
-                                                                    exact=True),
+                                                                   exact=True),
     "float64 weight cast": lambda x, w, b: reference.rms_norm(x.reshape(-1, 4096), w[:4096], exact=True),
 }
 

@@ -48,12 +48,12 @@ def main() -> int:
     for override in ({"tier": "cached", "threads": 32}, {"tier": "cached", "threads": 256}, {"tier": "uncached"},
                      {"tier": "split"}, {"tier": "resident"}):
         row_norms.launch_on("ln", xs, cupy.empty_like(xs), w=ws, b=ws, r=rs, h=cupy.empty_like(xs), first=1, last=1,
-                       eps=1e-5, override=override)
+                            eps=1e-5, override=override)
     # strided axes: registers, then two sweeps; the residual added unfused there
     cunorm.rms_norm(arr(2, 64, 33), axis=1)
     cunorm.rms_norm(arr(2, 600, 40), arr(600), axis=1, residual=arr(2, 600, 40))
     row_norms.launch_on("rms", arr(3, 300, 40), cupy.empty((3, 300, 40), np.float32), first=1, last=1, eps=1e-5,
-                   override={"tier": "uncached"})
+                        override={"tier": "uncached"})
     for p in (1, 2, 3.0, np.inf):
         cunorm.normalize(x, p)
     cunorm.mean_abs_normalize(x)
@@ -64,25 +64,25 @@ def main() -> int:
     # channel_stream, forced small: many tiles a group, slabs of one group, lag 2
     stream_x = arr(3, 8, 5, 8)
     call = channel_norms.ChannelCall("group", stream_x, num_groups=4, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
-                                 return_stats=True)
+                                     return_stats=True)
     channel_norms.execute(call, *channel_norms.prepare(call),
-                      override={"walk": "stream", "tile_vecs": 3, "slab_bytes": 1, "lag": 2})
+                          override={"walk": "stream", "tile_vecs": 3, "slab_bytes": 1, "lag": 2})
     # channel_onchip (the default for these small groups) and, forced, the three launches; clusters of 4
     # blocks of 32 threads, three of them empty
     for override in ({"walk": "split"}, {"walk": "onchip", "threads": 32, "elements": 4, "cluster": 4}):
         call = channel_norms.ChannelCall("group", stream_x, num_groups=4, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
-                                     return_stats=True)
+                                         return_stats=True)
         channel_norms.execute(call, *channel_norms.prepare(call), override=override)
     # the three launches on channels-last x: grouped (a statistic a thread) and per channel, positions in 3 chunks
     for override in ({"walk": "split", "chunks": 3}, {"walk": "split", "chunks": 3, "grouped": False}):
         call = channel_norms.ChannelCall("group", nhwc, num_groups=2, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
-                                     return_stats=True)
+                                         return_stats=True)
         channel_norms.execute(call, *channel_norms.prepare(call), override=override)
     # ... blocks padded to whole warps: 12 rows of 20 vectors (grouped) and 25 rows of 10 (per channel), of 256
     wide_nhwc, c40 = arr(2, 5, 7, 40), arr(40)
     for override in ({"walk": "split", "chunks": 3}, {"walk": "split", "chunks": 3, "grouped": False}):
         call = channel_norms.ChannelCall("group", wide_nhwc, num_groups=4, weight=c40, bias=c40, eps=1e-5,
-                                     channel_axis=-1, return_stats=True)
+                                         channel_axis=-1, return_stats=True)
         channel_norms.execute(call, *channel_norms.prepare(call), override=override)
     cunorm.batch_norm(nchw, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32))
     cunorm.batch_norm(nhwc, c8, c8, running_mean=cupy.zeros(8, np.float32), running_var=cupy.ones(8, np.float32))

@@ -63,7 +63,7 @@ def tune_case(name, op, shape, dtype, axis, params, residual, copy_bw):
     for override in TUNE.get(name, []):
         try:
             ms, lo, hi = time_gpu(lambda: row_norms.launch_on(norm, x, y, w=w, b=b, r=r, h=h, first=first, last=last,
-                                                         eps=1e-5, override=override))
+                                                              eps=1e-5, override=override))
             out.append({"case": name, "override": override, "ms": ms,
                         "floor_pct": 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw})
         except Exception as err:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from . import dtypes, tuning
 from . import declarations as K
-from .dispatch_rows import CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost, cached_loads, group_fits, is_heavy, norm_info, power_norm_name
-from .dispatch_grad import GRAD_CACHED_MAX_THREADS, GRAD_NORMS, _vpt_choices, column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes, grad_onchip_items, grad_onchip_max_elements, grad_onchip_shapes, grad_policy
-from .dispatch_channels import CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED, ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items
+from .dispatch_rows import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
+                            cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
+from .dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_NORMS, _vpt_choices, column_sum_width, grad_cached_bounds,
+                            grad_cached_cluster_shapes, grad_onchip_items, grad_onchip_max_elements, grad_onchip_shapes,
+                            grad_policy)
+from .dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
+                                ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from .declarations import Kernel
 
 def _vector_widths(dtype) -> list[int]:

@@ -65,7 +65,7 @@ class ChannelCall:
         self.running_var = self._running(running_var, "running_var", channels)
         for name, buf in (("running_mean", self.running_mean), ("running_var", self.running_var)):
             other = None if buf is None else row_norms.first_overlap(buf, (xa, "x"), (self.weight, "weight"),
-                                                                (self.bias, "bias"))
+                                                                     (self.bias, "bias"))
             if other is not None:
                 raise ValueError(f"batch_norm: {name} overlaps {other}; pass a separate buffer")
         if (self.running_mean is not None and self.running_var is not None
@@ -115,7 +115,7 @@ class ChannelCall:
             raise ValueError(f"out must have x's shape {tuple(self.x.shape)} and dtype {self.x.dtype}, "
                              f"got shape {tuple(oa.shape)} and dtype {oa.dtype}")
         name = row_norms.first_overlap(oa, (self.x, "x"), (self.weight, "weight"), (self.bias, "bias"),
-                                  (self.running_mean, "running_mean"), (self.running_var, "running_var"))
+                                       (self.running_mean, "running_mean"), (self.running_var, "running_var"))
         if name is not None:
             raise ValueError(f"out overlaps {name}; pass a separate buffer")
         return oa
@@ -190,7 +190,7 @@ def _channel_entry(call: ChannelCall, program, last: bool) -> launch_cache.Entry
         slots = ("x", "y", present("w", call.weight), present("b", call.bias), mean, rstd,
                  present("running_mean", call.running_mean), present("running_var", call.running_var))
     return launch_cache.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "running_mean", "running_var"),
-                       outputs, slots, tuple(outputs), arrays={"x": x})
+                              outputs, slots, tuple(outputs), arrays={"x": x})
 
 
 def prepare(call: ChannelCall):
@@ -308,7 +308,7 @@ def execute(call, x, y, last, stats, override: dict | None = None):
         xv = cupy.ndarray((rows, x.size // rows), x.dtype, x.data)
         yv = cupy.ndarray((rows, x.size // rows), y.dtype, y.data)
         _, row_launch, program = row_norms._launch_rows("ln", xv, yv, center=mean_out, scale=rstd_out, first=1, last=1,
-                                                   eps=call.eps, epilogue=call.epilogue, out_dtype=y.dtype)
+                                                        eps=call.eps, epilogue=call.epilogue, out_dtype=y.dtype)
         return f"rows ({row_launch.tier})", program
     # Running buffers the kernels update in place: accumulation dtype,
     # contiguous (copied back below when they had to be converted).
@@ -463,7 +463,7 @@ def _planned(norm, dtype, pdtype, flags, last, batch, channels, spatial, channel
         launch = dispatch_channels.choose_channel_stream(plan, device, override)
     else:
         launch = dispatch_channels.choose_channels(plan, device, from_running=from_running, returns_stats=returns_stats,
-                                           override=override)
+                                                   override=override)
     for step in launch.steps:
         launches.check_limits(step, device)
     return plan, launch

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from . import declarations as K
 from . import tuning
-from .dispatch_rows import MAX_GRID_X, MAX_GRID_Y, NORMS, Device, Launch, Step, StreamShape, _ceil_div, next_pow2, plane_rows_block
+from .dispatch_rows import (MAX_GRID_X, MAX_GRID_Y, NORMS, Device, Launch, Step, StreamShape, _ceil_div, next_pow2,
+                            plane_rows_block)
 from .plans import PARAM_FLAGS, ChannelPlan, kernel_types, output_type
 
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
@@ -120,7 +121,8 @@ def choose_channel_stream(plan: ChannelPlan, device: Device, override: dict | No
 
     tile_vecs = tune.stream_tile_bytes // vec_bytes
     row_tiles, slab_tiles, lag = schedule(tile_vecs)
-    while lag * slab_tiles * tile_vecs * vec_bytes > tune.stream_max_reread_l2_share * device.l2_bytes and tile_vecs > 256:
+    reread_limit = tune.stream_max_reread_l2_share * device.l2_bytes
+    while lag * slab_tiles * tile_vecs * vec_bytes > reread_limit and tile_vecs > 256:
         tile_vecs //= 2
         row_tiles, slab_tiles, lag = schedule(tile_vecs)
     if "tile_vecs" in override:  # (the lag stays the default tiles' unless forced too)
@@ -290,8 +292,8 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         block = (CHANNEL_BLOCK_THREADS,)
         rows = plan.batch * plan.channels
         want_chunks = max(1, _ceil_div(tune.channel_blocks_per_sm * device.sm_count, rows))
-        chunk_len = max(4 * CHANNEL_BLOCK_THREADS,
-                        min(_ceil_div(vecs, want_chunks), tune.channel_max_chunk_bytes // (plan.vec * plan.dtype.itemsize)))
+        most = tune.channel_max_chunk_bytes // (plan.vec * plan.dtype.itemsize)
+        chunk_len = max(4 * CHANNEL_BLOCK_THREADS, min(_ceil_div(vecs, want_chunks), most))
         if "chunks" in override:
             chunk_len = _ceil_div(vecs, override["chunks"])
         chunks = _ceil_div(vecs, chunk_len)

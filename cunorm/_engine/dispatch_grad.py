@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from . import declarations as K
 from . import tuning
-from .dispatch_rows import MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step, _ceil_div, next_pow2, norm_info, plane_rows_block
+from .dispatch_rows import (MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step, _ceil_div, next_pow2,
+                            norm_info, plane_rows_block)
 from .dispatch_channels import first_holding
 from .plans import ChannelPlan
 

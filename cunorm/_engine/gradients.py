@@ -111,7 +111,7 @@ def _rows_grad_entry(g: RowGradCall, program) -> launch_cache.Entry:
              present("rstd", g.scale), present("dw", call.weight), present("db", call.bias))
     returns = ["dx"] + [present(n, p) for n, p in (("dw", call.weight), ("db", call.bias))][:len(ops.params_of(g.norm))]
     return launch_cache.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
-                       outputs, slots, returns, arrays={"x": x, "w": call.weight, "b": call.bias})
+                              outputs, slots, returns, arrays={"x": x, "w": call.weight, "b": call.bias})
 
 
 def _contiguous(a):
@@ -287,7 +287,7 @@ class ChannelGradCall:
         # here, as the saved ones or, for eval-mode BatchNorm, the running ones)
         self.training = row_norms.check_flag(training, "training")
         self.call = call = channel_norms.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
-                                                 channel_axis=channel_axis)
+                                                     channel_axis=channel_axis)
         self.norm = norm
         self.dy = _check_like(call, dy, "dy")
         if norm == "batch" and not self.training:
@@ -353,8 +353,8 @@ def _channel_grad_entry(g: ChannelGradCall, program, last: bool) -> launch_cache
     slots = ("dy", "x", "dx", "mean", "rstd", present("w", call.weight), present("dw", call.weight),
              present("db", call.bias))
     return launch_cache.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
-                       outputs, slots, ("dx", present("dw", call.weight), present("db", call.bias)),
-                       arrays={"x": x, "w": call.weight, "b": call.bias})
+                              outputs, slots, ("dx", present("dw", call.weight), present("db", call.bias)),
+                              arrays={"x": x, "w": call.weight, "b": call.bias})
 
 
 def _channels_gpu(g: ChannelGradCall, override=None):

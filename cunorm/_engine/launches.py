@@ -288,8 +288,8 @@ def device_info(device_id: int) -> dispatch_rows.Device:
         raise RuntimeError(f"cunorm needs a GPU of compute capability 8.0 or newer; GPU {device_id} is {cc / 10:.1f}")
     attrs = dev.attributes
     return dispatch_rows.Device(sm_count=attrs["MultiProcessorCount"], compute_capability=cc,
-                            max_shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"],
-                            l2_bytes=runtime.deviceGetAttribute(runtime.cudaDevAttrL2CacheSize, device_id))
+                                max_shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"],
+                                l2_bytes=runtime.deviceGetAttribute(runtime.cudaDevAttrL2CacheSize, device_id))
 
 
 def step_function(step, device: int):

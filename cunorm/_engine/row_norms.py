@@ -339,8 +339,8 @@ def _rows_entry(call: Call, program) -> launch_cache.Entry:
     present = lambda name, a: None if a is None else name  # noqa: E731
     slots = ("x", present("r", call.residual), "y", present("h", call.residual), present("w", call.weight),
              present("b", call.bias), "mean" if "mean" in outputs else None, "rstd" if "rstd" in outputs else None)
-    return launch_cache.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "r"), outputs, slots, tuple(outputs),
-                       arrays={"x": x})
+    return launch_cache.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "r"), outputs, slots,
+                              tuple(outputs), arrays={"x": x})
 
 
 def _run_gpu(call: Call):
@@ -486,7 +486,7 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
 
 def _residual_add(x, r, h):
     vec = plans.vector_width(x.itemsize, x.size, [], [(x.data.ptr, x.itemsize), (r.data.ptr, x.itemsize),
-                                                       (h.data.ptr, x.itemsize)])
+                                                      (h.data.ptr, x.itemsize)])
     program = _residual_add_program(x.dtype, x.size // vec, vec, x.data.device_id)
     program.run((x.data.ptr, r.data.ptr, h.data.ptr), launches.cupy_stream())
 

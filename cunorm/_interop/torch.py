@@ -29,7 +29,7 @@ from ._scope import DeviceScope
 name = "torch"
 
 NUMPY_DTYPE = {torch.float16: dtypes.float16, torch.bfloat16: dtypes.bfloat16, torch.float32: dtypes.float32,
-                torch.float64: dtypes.float64}
+               torch.float64: dtypes.float64}
 TORCH_DTYPE = {v: k for k, v in NUMPY_DTYPE.items()}
 #: each dtype's statistics (accumulation) dtype: float32, float64 for float64
 ACCUMULATION = {t: TORCH_DTYPE[dtypes.accumulation(n)] for t, n in NUMPY_DTYPE.items()}

@@ -368,4 +368,4 @@ def _backward_tier(op, x, axis):
 
     vec = vector_width(x.itemsize, reduced if inner == 1 else inner, [], [(x.data.ptr, x.itemsize)])
     return dispatch_grad.choose_rows_grad("rms" if op == "rms" else "ln", x.dtype, x.dtype, 1, outer, reduced, inner,
-                                      vec, launches.device_info(x.data.device_id)).tier
+                                          vec, launches.device_info(x.data.device_id)).tier

@@ -209,7 +209,7 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
     if not isinstance(x, _Tracer):
         _check_kind(fn, x)
     call = row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
-                     residual=_stand_in(residual), return_stats=return_stats)
+                          residual=_stand_in(residual), return_stats=return_stats)
     _, pdtype = row_norms.kernel_params(call.x.dtype, call.weight, call.bias)
     w = None if weight is None else weight.astype(pdtype)
     b = None if bias is None else bias.astype(pdtype)
@@ -219,9 +219,9 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
         h = x = (x + residual).astype(x.dtype)
         residual = None
     spec = _jit_module().RowSpec(norm, tuple(x.shape), np.dtype(x.dtype), call.first, call.last, call.eps,
-                          residual=residual is not None, weight=w is not None, bias=b is not None,
-                          pdtype=None if pdtype is None else np.dtype(pdtype), stats=call.return_stats,
-                          epilogue=epilogue)
+                                 residual=residual is not None, weight=w is not None, bias=b is not None,
+                                 pdtype=None if pdtype is None else np.dtype(pdtype), stats=call.return_stats,
+                                 epilogue=epilogue)
     if not x.size:
         raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
     if epilogue & plans.UNFUSED_IN_BACKWARD:
@@ -330,9 +330,9 @@ def _channel_jax(fn, norm, x, num_groups, weight, bias, running_mean, running_va
                  channel_axis, return_stats, activation):
     epilogue = plans.activation_flags(activation)
     call = channel_norms.ChannelCall(norm, _stand_in(x), num_groups=num_groups, weight=_stand_in(weight),
-                                 bias=_stand_in(bias), eps=eps, channel_axis=channel_axis,
-                                 return_stats=return_stats, running_mean=_stand_in(running_mean, True),
-                                 running_var=_stand_in(running_var, True), training=training, momentum=momentum)
+                                     bias=_stand_in(bias), eps=eps, channel_axis=channel_axis,
+                                     return_stats=return_stats, running_mean=_stand_in(running_mean, True),
+                                     running_var=_stand_in(running_var, True), training=training, momentum=momentum)
     if not call.x.size:
         raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
     _, pdtype = row_norms.kernel_params(call.x.dtype, call.weight, call.bias)

@@ -194,7 +194,7 @@ def _rows_grad_lowering(ctx, *args, spec: RowGradSpec):
     itemsize = np.dtype(f.dtype).itemsize
     vec = plans.vector_width(itemsize, reduced if inner == 1 else inner, [], [])
     launch = dispatch_grad.choose_rows_grad(f.norm, np.dtype(f.dtype), f.pdtype, f.flags & plans.PARAM_FLAGS,
-                                             outer, reduced, inner, vec, device, cooperative=False)
+                                            outer, reduced, inner, vec, device, cooperative=False)
     for step in launch.steps:
         launches.check_limits(step, device)
     names = set(spec.inputs())
@@ -241,7 +241,7 @@ class ChannelSpec:
     @property
     def stats_shape(self) -> tuple:
         return channel_norms.stats_shape(self.norm, self.shape, len(self.shape) - 1 if self.channels_last else 1,
-                                     self.groups)
+                                         self.groups)
 
     def inputs(self) -> tuple:
         return ("x",) + (("w",) if self.weight else ()) + (("b",) if self.bias else ()) + (
@@ -268,8 +268,8 @@ def _channels_lowering(ctx, *args, spec: ChannelSpec):
     # the stream walk waits on other blocks: the jit path takes the three launches
     walk = {} if from_running else {"walk": "split"} if _walk(spec, device_id) == "stream" else {}
     plan, launch = channel_norms._planned(spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.channels_last,
-                                      batch, channels, spatial, channels // spec.groups, spec.norm != "batch", 0, 0,
-                                      from_running, spec.stats, device_id, tuple(walk.items()))
+                                          batch, channels, spatial, channels // spec.groups, spec.norm != "batch", 0, 0,
+                                          from_running, spec.stats, device_id, tuple(walk.items()))
     values = dict(zip(spec.inputs(), args))
     outputs = spec.outputs()
     if launch is None:  # a LayerNorm over each group's contiguous row (no parameters)
@@ -284,7 +284,7 @@ def _channels_lowering(ctx, *args, spec: ChannelSpec):
         return [mlir.reshape(ctx, renamed[name], ShapedArray(*outputs[name])) for name in outputs]
     recorder = launches.LaunchRecorder(channel_norms.CHANNEL_SLOTS, device_id)
     channel_norms.build_channels(recorder, plan, launch, from_running, spec.eps, spec.momentum, spec.stats,
-                             (spec.running, spec.running))
+                                 (spec.running, spec.running))
     out = emit(recorder, values, outputs, arch)
     return [out[name] for name in outputs]
 

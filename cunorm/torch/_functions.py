@@ -121,7 +121,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=DEFAULT_EPS, channe
                           activation)
     if _eager_autograd(x, weight, bias):
         return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, None, None, "group", groups, True, 0.1, eps,
-                                                        axis)), stats, True, 2))
+                                                         axis)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias)
     results = torch.ops.cunorm.group_norm(x, groups, weight, bias, row_norms.check_eps(eps), axis, asked, epilogue)
     return _unpack(_dropped(results, stats, asked, 2))
@@ -136,7 +136,7 @@ def instance_norm(x, weight=None, bias=None, *, eps=DEFAULT_EPS, channel_axis=1,
         return _activated(instance_norm(x, weight, bias, eps=eps, channel_axis=axis, return_stats=stats), activation)
     if _eager_autograd(x, weight, bias):
         return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, None, None, "instance", None, True, 0.1, eps,
-                                                        axis)), stats, True, 2))
+                                                         axis)), stats, True, 2))
     asked = stats or _needs_grad(x, weight, bias)
     results = torch.ops.cunorm.instance_norm(x, weight, bias, row_norms.check_eps(eps), axis, asked, epilogue)
     return _unpack(_dropped(results, stats, asked, 2))
@@ -159,10 +159,11 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                                      return_stats=stats), activation)
     if _eager_autograd(x, weight, bias):
         return _unpack(_dropped(list(_channel_norm_apply(x, weight, bias, running_mean, running_var, "batch", None,
-                                                        training, momentum, eps, axis)), stats, True, 2))
+                                                         training, momentum, eps, axis)), stats, True, 2))
     asked = stats or (training and _needs_grad(x, weight, bias))
     results = torch.ops.cunorm.batch_norm(x, weight, bias, running_mean, running_var, training,
-                                          channel_norms._momentum(momentum), row_norms.check_eps(eps), axis, asked, epilogue)
+                                          channel_norms._momentum(momentum), row_norms.check_eps(eps), axis, asked,
+                                          epilogue)
     buffers = [b for b in (running_mean, running_var) if b is not None] if training else []
     if buffers:
         with torch.no_grad():

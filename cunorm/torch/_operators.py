@@ -241,7 +241,7 @@ def _register() -> dict:
             if operator.name in registered:
                 continue
             custom = torch.library.custom_op(f"cunorm::{operator.name}", _by_name(operator, lambda a, op=op, f=impl:
-                                                                                    f(op, a)),
+                                                                                  f(op, a)),
                                              mutates_args=(), schema=schema(operator))
             custom.register_fake(_by_name(operator, lambda a, op=op, f=fake: f(op, a)))
             registered[operator.name] = custom

@@ -81,7 +81,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         var = m2 / total
         if running_mean is not None and running_var is not None:
             new_mean, new_var = sync_stats.running_update(running_mean.to(mean.dtype), running_var.to(var.dtype),
-                                                           mean, m2, total, momentum)
+                                                          mean, m2, total, momentum)
             running_mean.copy_(new_mean)
             running_var.copy_(new_var)
         y = calls.channels("batch", x, None, weight, bias, mean, var, False, 0.1, eps, 1, False, None) \

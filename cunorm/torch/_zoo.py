@@ -20,7 +20,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ._layers import TORCH_LAYERS, batch_forward, group_forward, layer_cunorm, layer_forward, memoized, not_updating_running, original_forward, rms_cunorm, rms_forward, runs_original, trailing_axes, with_memo
+from ._layers import (TORCH_LAYERS, batch_forward, group_forward, layer_cunorm, layer_forward, memoized,
+                      not_updating_running, original_forward, rms_cunorm, rms_forward, runs_original, trailing_axes,
+                      with_memo)
 
 # --- the activations a norm layer may end with ----------------------------------------------------------------------
 

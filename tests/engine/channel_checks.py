@@ -17,7 +17,7 @@ def run(x, op, *, groups=None, weight=None, bias=None, running=(None, None), axi
     if op == "batch":
         kw.update(running_mean=running[0], running_var=running[1])
     call = channel_norms.ChannelCall(op, x, weight=weight, bias=bias, eps=1e-5, channel_axis=axis, return_stats=True,
-                                 out_dtype=out_dtype, **kw)
+                                     out_dtype=out_dtype, **kw)
     prepared = channel_norms.prepare(call)
     took, _ = channel_norms.execute(call, *prepared, override={"walk": walk, **(override or {})})
     assert took == f"channel_{walk}", took

@@ -77,7 +77,7 @@ def test_backward_dispatch_follows_the_row_alone(norm, device):
             for flags in (0, 1, 3):
                 pdtype = None if not flags else dtypes.float32 if itemsize < 8 else dtypes.float64
                 launches = [dispatch_grad.choose_rows_grad(norm, np.dtype(dtype), pdtype, flags, rows, n, 1, vec,
-                                                            device) for rows in ROWS]
+                                                           device) for rows in ROWS]
                 fits = launches[0].tier == "cached"
                 if not fits:  # (its column sums over the shared memory: streamed at every size, one shape)
                     assert {launch.tier for launch in launches} == {"streamed"}

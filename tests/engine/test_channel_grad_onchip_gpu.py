@@ -30,7 +30,7 @@ def _poison(poisoned):
 def grads(dy, x, mean, rstd, weight, bias, training, override):
     """(dx, dweight, dbias) of batch_norm_backward through ``override``."""
     g = gradients.ChannelGradCall("batch", dy, x, mean, rstd, weight=weight, bias=bias, channel_axis=1,
-                              training=training, eps=1e-5)
+                                  training=training, eps=1e-5)
     return gradients.run_channels(g, None, override=override)
 
 
@@ -124,7 +124,7 @@ def test_nan_stays_in_its_channel(rng):
     _, mean, rstd = cunorm.batch_norm(x, w, w, return_stats=True)
     dy[2, 3, 4, 1] = np.nan
     dx, dw, db = grads(dy, x, mean, rstd, w, w, True, {"walk": "onchip", "threads": 32, "elements": 8,
-                                                        "cluster": 1})
+                                                       "cluster": 1})
     bad = cupy.asnumpy(cupy.isnan(dx).any(axis=(0, 2, 3)))
     assert bad.tolist() == [False, False, False, True, False]
     assert cupy.asnumpy(cupy.isnan(dw)).tolist() == [False, False, False, True, False]
@@ -176,6 +176,6 @@ def test_refusals():
     x = cupy.ones((2, 3, 4, 4), np.float32)
     _, mean, rstd = cunorm.batch_norm(x, return_stats=True)
     g = gradients.ChannelGradCall("batch", x, x.transpose(0, 2, 3, 1).copy().transpose(0, 3, 1, 2), mean, rstd,
-                              channel_axis=1)
+                                  channel_axis=1)
     with pytest.raises(ValueError, match="channel_grad_onchip does not take"):
         gradients.run_channels(g, None, override={"walk": "onchip"})

@@ -184,7 +184,7 @@ def test_forced_onchip_refuses_what_it_cannot_hold(rng):
     call = channel_norms.ChannelCall("group", x, num_groups=2, eps=1e-5, channel_axis=1)
     with pytest.raises(ValueError, match="channel_onchip"):
         channel_norms.execute(call, *channel_norms.prepare(call),
-                          override={"walk": "onchip", "threads": 8, "elements": 4, "cluster": 1})
+                              override={"walk": "onchip", "threads": 8, "elements": 4, "cluster": 1})
     nhwc = cupy.asarray(random(rng, (2, 4, 4, 8), np.float32))  # 2 channels a group: not whole 4-float vectors
     call = channel_norms.ChannelCall("group", nhwc, num_groups=4, eps=1e-5, channel_axis=-1)
     with pytest.raises(ValueError, match="channel_onchip"):

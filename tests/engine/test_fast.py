@@ -114,13 +114,13 @@ def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype(mon
     x = np.zeros((4, 8), np.float32)
     outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
     entry = launch_cache.entry(Adapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", "rstd"),
-                        arrays={"x": x})
+                               arrays={"x": x})
     y, rstd = entry(x, None)
     assert made == [("like", (4, 8), np.float32), ("empty", (4,), np.float32)]
     made.clear()
     strided = np.zeros((4, 16), np.float32)[:, ::2]
     entry = launch_cache.entry(Adapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", "rstd"),
-                        arrays={"x": strided})
+                               arrays={"x": strided})
     entry(strided, None)
     assert made == [("empty", (4, 8), np.float32), ("empty", (4,), np.float32)]
 
@@ -202,7 +202,7 @@ def test_generated_launcher_runs_what_the_entry_runs(monkeypatch):
     x = np.ones((4, 8), np.float32)
     outputs = _OUTPUTS
     fn = launch_cache.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", None, "rstd"),
-                     arrays={"x": x})
+                            arrays={"x": x})
     assert callable(fn) and isinstance(fn.entry, launch_cache.Entry)
     y, none, rstd = fn(x, None)
     assert none is None and y.shape == x.shape and rstd.shape == (4,) and rstd.dtype == np.float32

@@ -136,7 +136,7 @@ def test_instantiation_resolves_the_accumulation_kind():
     k64 = declarations.ROWS_GRAD_FINALIZE("cunorm::RmsGrad<double>", "double")
     assert dict(k64.signature)["eps"] == "f64"
     assert dict(declarations.ROWS_CACHED("cunorm::RmsNorm", "cunorm::bf16_t", "float", 1, False, 8, 4, True,
-                                     "cunorm::bf16_t")
+                                         "cunorm::bf16_t")
                 .signature)["eps"] == "f32"
 
 

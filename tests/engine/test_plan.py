@@ -425,7 +425,7 @@ def test_channel_backward_grids_stay_within_the_launch_limits():
     channel_grad_onchip would take the call)."""
     cases = [dict(batch=70000, channels=4, spatial=3), dict(batch=3, channels=70000, spatial=3),
              dict(batch=70000, channels=4, spatial=3, last=True), dict(batch=2, channels=70000 * 8, spatial=3,
-                                                                        last=True),
+                                                                       last=True),
              dict(batch=70000, channels=2, spatial=64 * 64 * 4), dict(batch=2, channels=70000, spatial=64 * 64 * 4)]
     for case in cases:
         plan = channel_plan("batch", flags=3, cpg=1, **case)
@@ -586,17 +586,17 @@ def test_channel_stream_schedule():
     and a lag of 2. Instance norm (4,128,512,512): 12 groups of 1 MB a slab,
     32 KB tiles, lag 1."""
     p35 = dispatch_channels.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=112, channels=64, spatial=512 * 512),
-                                          H200)
+                                                  H200)
     s = p35.stream
     assert (p35.chunk_vecs, p35.chunks, s.slab_tiles, s.lag) == (1024, 512, 512, 2)
     assert p35.hints == tuning.SM90.stream_hints and p35.steps[0].kernel.persistent
     assert p35.workspace_words == 112 * 8 * 512 * 3 + 3 * 112 * 8
     inst = dispatch_channels.choose_channel_stream(channel_plan("instance", flags=3, cpg=1, batch=4, channels=128,
-                                                        spatial=512 * 512), H200)
+                                                                spatial=512 * 512), H200)
     s = inst.stream
     assert (inst.chunk_vecs, inst.chunks, s.slab_tiles, s.lag) == (2048, 32, 12 * 32, 1)
     forced = dispatch_channels.choose_channel_stream(channel_plan(flags=3, cpg=8, batch=2, channels=16, spatial=64),
-                                             H200, {"tile_vecs": 3, "slab_bytes": 1, "lag": 5, "hints": 0})
+                                                     H200, {"tile_vecs": 3, "slab_bytes": 1, "lag": 5, "hints": 0})
     s = forced.stream
     assert (forced.chunk_vecs, forced.chunks, s.slab_tiles, s.lag, forced.hints) == (3, 43, 43, 5, 0)
 
@@ -652,7 +652,7 @@ def test_every_backward_choice_is_compiled():
                         n -= n % vec
                         for device in (H200, A100):
                             launch = dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, 4096, n, 1, vec,
-                                                                     device)
+                                                                    device)
                             for step in launch.steps:
                                 assert step.kernel.expression in compiled, step.kernel.expression
                                 clustered += step.kernel.cluster > 1
