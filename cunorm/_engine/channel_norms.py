@@ -14,7 +14,7 @@ import numbers
 
 import numpy as np
 
-from . import dispatch_channels, dtypes, launch_cache, launches, row_norms, plans
+from . import dispatch_channels, dtypes, launch_cache, launches, ops, plans, row_norms
 from .. import _interop
 
 NORMS = ("group", "instance", "batch")
@@ -256,18 +256,16 @@ def _elements(a):
 
 
 def _run_reference(call):
-    from .. import reference
-
+    """The float64 reference of a NumPy call: the table's (ops.OPS), with
+    the group count, running buffers and mode where the op takes them."""
+    op = ops.BY_NORM[call.norm]
+    groups = (call.groups,) if "num_groups" in op.forward.arguments else ()
     kw = {"eps": call.eps, "channel_axis": call.channel_axis, "return_stats": call.return_stats,
           "activation": plans.activation_name(call.epilogue)}
-    if call.norm == "group":
-        results = reference.group_norm(call.x, call.groups, call.weight, call.bias, **kw)
-    elif call.norm == "instance":
-        results = reference.instance_norm(call.x, call.weight, call.bias, **kw)
-    else:
-        results = reference.batch_norm(call.x, call.weight, call.bias, running_mean=call.running_mean,
-                                       running_var=call.running_var, training=call.training,
-                                       momentum=call.momentum, **kw)
+    if op.running:
+        kw.update(running_mean=call.running_mean, running_var=call.running_var, training=call.training,
+                  momentum=call.momentum)
+    results = op.reference(call.x, *groups, call.weight, call.bias, **kw)
     if call.out_dtype is not None:
         results = row_norms._with_y(results, lambda y: y.astype(call.out_dtype))
     if call.out is None:

@@ -31,8 +31,12 @@ try:
 except ImportError:  # (jax versions that keep it private)
     from jax._src.core import ShapedArray
 
-from .._engine import channel_norms, dispatch_grad, dtypes, gradients, launches, plans, row_norms
+from .._engine import channel_norms, dispatch_grad, dtypes, gradients, launches, ops, plans, row_norms
 from ._custom_call import emit, target
+
+
+#: the table's statistics (ops.OPS) as the row kernels' outputs name them
+_KERNEL_STATISTIC = {"mean": "center", "rstd": "scale"}
 
 
 # --- the primitives -----------------------------------------------------------------
@@ -74,7 +78,7 @@ class RowSpec:
         rstd (scale), RMSNorm's rstd; none for the Lp norms."""
         if not self.stats:
             return ()
-        return ("center", "scale") if self.norm == "ln" else ("scale",) if self.norm == "rms" else ()
+        return tuple(_KERNEL_STATISTIC[name] for name in ops.statistics_of(self.norm))
 
 
 def _abstract(*shape_dtypes):
