@@ -183,12 +183,11 @@ def _channel_entry(call: ChannelCall, program, last: bool) -> launch_cache.Entry
         acc = dtypes.accumulation(x.dtype)
         outputs["mean"] = outputs["rstd"] = (call.stats_shape, acc, None)
     mean, rstd = ("mean", "rstd") if call.return_stats else (None, None)
-    if program.slots == row_norms.ROW_SLOTS:  # a row norm in disguise
-        slots = ("x", None, "y", None, None, None, mean, rstd)
-    else:
-        present = lambda name, a: None if a is None else name  # noqa: E731
-        slots = ("x", "y", present("w", call.weight), present("b", call.bias), mean, rstd,
-                 present("running_mean", call.running_mean), present("running_var", call.running_var))
+    present = lambda name, a: None if a is None else name  # noqa: E731
+    # (a row norm in disguise runs the row Program: its slots' names)
+    slots = {"x": "x", "y": "y", "w": present("w", call.weight), "b": present("b", call.bias), "mean": mean,
+             "rstd": rstd, "center": mean, "scale": rstd, "running_mean": present("running_mean", call.running_mean),
+             "running_var": present("running_var", call.running_var)}
     return launch_cache.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "running_mean", "running_var"),
                               outputs, slots, tuple(outputs), arrays={"x": x})
 
@@ -313,8 +312,9 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     running = [row_norms._as_param(buf, acc) for buf in (call.running_mean, call.running_var)]
     program = channel_program(plan, launch, from_running, call.eps, call.momentum, mean_out is not None,
                               tuple(r is not None for r in running), x.data.device_id)
-    program.run(tuple(launches.ptr(a) for a in (x, y, w, b, mean_out, rstd_out, *running)), launches.cupy_stream(),
-                launches.cupy_alloc)
+    program.run_named({"x": x, "y": y, "w": w, "b": b, "mean": mean_out, "rstd": rstd_out,
+                       "running_mean": running[0], "running_var": running[1]}, launches.cupy_stream(),
+                      launches.cupy_alloc)
     for buf, used in zip((call.running_mean, call.running_var), running):
         if buf is not None and used is not buf:
             converted = True  # (the Program ran over the copy: the launch cache must not replay it over buf)
@@ -418,8 +418,8 @@ def batch_statistics(call: ChannelCall):
     acc = dtypes.accumulation(x.dtype)
     mean, rstd = (cupy.empty(channels, dtype=acc) for _ in range(2))
     program = channel_program(plan, alone, False, call.eps, 0.0, True, (False, False), device)
-    program.run(tuple(launches.ptr(a) for a in (x, None, None, None, mean, rstd, None, None)), launches.cupy_stream(),
-                launches.cupy_alloc)
+    program.run_named({"x": x, "mean": mean, "rstd": rstd}, launches.cupy_stream(),
+                      launches.cupy_alloc)
     return mean, rstd
 
 

@@ -107,8 +107,9 @@ def _rows_grad_entry(g: RowGradCall, program) -> launch_cache.Entry:
         if p is not None:
             outputs[name] = (p.shape, p.dtype, None)
     present = lambda name, a: None if a is None else name  # noqa: E731
-    slots = ("dy", "x", present("dh", g.dh), "dx", present("w", call.weight), present("mean", g.center),
-             present("rstd", g.scale), present("dw", call.weight), present("db", call.bias))
+    slots = {"dy": "dy", "x": "x", "dh": present("dh", g.dh), "dx": "dx", "w": present("w", call.weight),
+             "center": present("mean", g.center), "scale": present("rstd", g.scale), "dw": present("dw", call.weight),
+             "db": present("db", call.bias)}
     returns = ["dx"] + [present(n, p) for n, p in (("dw", call.weight), ("db", call.bias))][:len(ops.params_of(g.norm))]
     return launch_cache.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
                               outputs, slots, returns, arrays={"x": x, "w": call.weight, "b": call.bias})
@@ -196,8 +197,9 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
     grads = [a for a in (dw, db) if a is not None]
     program = rows_grad_program(launch, x.dtype, grads[0].dtype if grads else None, outer, reduced, inner, float(eps),
                                 tuple(a is not None for a in (dh, w, center, scale, dw, db)), x.data.device_id)
-    program.run(tuple(launches.ptr(a) for a in (dy, x, dh, dx, w, center, scale, dw, db)), launches.cupy_stream(),
-                launches.cupy_alloc)
+    program.run_named({"dy": dy, "x": x, "dh": dh, "dx": dx, "w": w, "center": center, "scale": scale, "dw": dw,
+                       "db": db}, launches.cupy_stream(),
+                      launches.cupy_alloc)
     return program
 
 
@@ -350,8 +352,8 @@ def _channel_grad_entry(g: ChannelGradCall, program, last: bool) -> launch_cache
         if p is not None:
             outputs[name] = (p.shape, p.dtype, None)
     present = lambda name, a: None if a is None else name  # noqa: E731
-    slots = ("dy", "x", "dx", "mean", "rstd", present("w", call.weight), present("dw", call.weight),
-             present("db", call.bias))
+    slots = {"dy": "dy", "x": "x", "dx": "dx", "mean": "mean", "rstd": "rstd", "w": present("w", call.weight),
+             "dw": present("dw", call.weight), "db": present("db", call.bias)}
     return launch_cache.entry(call.adapter, x.data.device_id, program, ("dy", "x", "mean", "rstd", "w", "b", "dh"),
                               outputs, slots, ("dx", present("dw", call.weight), present("db", call.bias)),
                               arrays={"x": x, "w": call.weight, "b": call.bias})
@@ -392,8 +394,9 @@ def _channels_gpu(g: ChannelGradCall, override=None):
         launch = _channel_launch(plan, g.training, x.data.device_id,
                                  None if override is None else tuple(sorted(override.items())))
         program = channel_grad_program(plan, launch, x.data.device_id)
-        program.run(tuple(launches.ptr(a) for a in (dy, x, dx, mean, rstd, w, dw, db)), launches.cupy_stream(),
-                    launches.cupy_alloc)
+        program.run_named({"dy": dy, "x": x, "dx": dx, "mean": mean, "rstd": rstd, "w": w, "dw": dw, "db": db},
+                          launches.cupy_stream(),
+                          launches.cupy_alloc)
     grads = _param_grads(call, dw, db, empty=not x.size)
     clean = clean and grads[0] is dw and grads[1] is db
     return (dx,) + grads, program if clean else None, last

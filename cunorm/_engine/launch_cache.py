@@ -240,14 +240,16 @@ def replay(cache, key, *inputs):
 
 def entry(ad, device, program, inputs, outputs, slots, returns, arrays=None):
     """The launcher of an Entry built from names: ``inputs`` names the call's
-    arrays in the order the launcher is called with, ``outputs`` maps names to (shape, dtype, perm),
-    ``slots`` names each Program slot's source (None: null), ``returns``
-    the outputs returned (None: a None in the results). ``arrays`` maps
-    input names to the call's (CuPy) arrays: an output of an input's shape
-    and dtype, unpermuted, is allocated like a C-contiguous one."""
+    arrays in the order the launcher is called with, ``outputs`` maps names
+    to (shape, dtype, perm), ``slots`` maps the Program's slot names to
+    their source's name (a slot it does not name, or names None, is null),
+    ``returns`` the outputs returned (None: a None in the results).
+    ``arrays`` maps input names to the call's (CuPy) arrays: an output of
+    an input's shape and dtype, unpermuted, is allocated like a
+    C-contiguous one."""
     order = list(inputs) + list(outputs)
     where = {name: i for i, name in enumerate(order)}
-    sources = [-1 if name is None else where[name] for name in slots]
+    sources = [-1 if slots.get(slot) is None else where[slots[slot]] for slot in program.slots]
     rets = [-1 if name is None else where[name] for name in returns]
     likes = []
     for i, (shape, dtype, perm) in enumerate(outputs.values()):

@@ -100,6 +100,11 @@ class Program:
             total += -(-nbytes // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
         self.workspace_bytes, self.offsets, self.zeroed = total, tuple(offsets), tuple(zeroed)
 
+    def run_named(self, arrays: dict, stream: int, alloc=None):
+        """run with the call's arrays by slot name (a slot not named, or
+        named None, gets a null pointer)."""
+        return self.run(tuple(ptr(arrays.get(slot)) for slot in self.slots), stream, alloc)
+
     def run(self, pointers, stream: int, alloc=None):
         """Launch every step on ``stream`` with the call's ``pointers`` (one
         int per slot, in the slots' order). ``alloc(nbytes)`` returns

@@ -337,8 +337,9 @@ def _rows_entry(call: Call, program) -> launch_cache.Entry:
         for name in ops.statistics_of(call.norm):
             outputs[name] = (call.stats_shape, acc, None)
     present = lambda name, a: None if a is None else name  # noqa: E731
-    slots = ("x", present("r", call.residual), "y", present("h", call.residual), present("w", call.weight),
-             present("b", call.bias), "mean" if "mean" in outputs else None, "rstd" if "rstd" in outputs else None)
+    slots = {"x": "x", "r": present("r", call.residual), "y": "y", "h": present("h", call.residual),
+             "w": present("w", call.weight), "b": present("b", call.bias), "center": outputs.get("mean") and "mean",
+             "scale": outputs.get("rstd") and "rstd"}
     return launch_cache.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "r"), outputs, slots,
                               tuple(outputs), arrays={"x": x})
 
@@ -479,8 +480,9 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
     if plan is None or launch is None:
         raise RuntimeError(f"cunorm: no {norm} launch for x of shape {x.shape} and strides {x.strides}")
     program = rows_program(plan, launch, float(eps), center is not None, scale is not None, x.data.device_id)
-    program.run(tuple(launches.ptr(a) for a in (x, r, y, h, w, b, center, scale)), launches.cupy_stream(),
-                launches.cupy_alloc)
+    program.run_named({"x": x, "r": r, "y": y, "h": h, "w": w, "b": b, "center": center, "scale": scale},
+                      launches.cupy_stream(),
+                      launches.cupy_alloc)
     return plan, launch, program if x is given[0] and r is given[1] else None
 
 

@@ -113,13 +113,13 @@ def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype(mon
     _, program = _recording(monkeypatch)
     x = np.zeros((4, 8), np.float32)
     outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
-    entry = launch_cache.entry(Adapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", "rstd"),
+    entry = launch_cache.entry(Adapter, 0, program, ("x", "w"), outputs, {"x": "x", "w": "w", "y": "y", "rstd": "rstd"}, ("y", "rstd"),
                                arrays={"x": x})
     y, rstd = entry(x, None)
     assert made == [("like", (4, 8), np.float32), ("empty", (4,), np.float32)]
     made.clear()
     strided = np.zeros((4, 16), np.float32)[:, ::2]
-    entry = launch_cache.entry(Adapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", "rstd"),
+    entry = launch_cache.entry(Adapter, 0, program, ("x", "w"), outputs, {"x": "x", "w": "w", "y": "y", "rstd": "rstd"}, ("y", "rstd"),
                                arrays={"x": strided})
     entry(strided, None)
     assert made == [("empty", (4, 8), np.float32), ("empty", (4,), np.float32)]
@@ -201,7 +201,7 @@ def test_generated_launcher_runs_what_the_entry_runs(monkeypatch):
     calls, program = _recording(monkeypatch)
     x = np.ones((4, 8), np.float32)
     outputs = _OUTPUTS
-    fn = launch_cache.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y", None, "rstd"),
+    fn = launch_cache.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, {"x": "x", "w": "w", "y": "y", "rstd": "rstd"}, ("y", None, "rstd"),
                             arrays={"x": x})
     assert callable(fn) and isinstance(fn.entry, launch_cache.Entry)
     y, none, rstd = fn(x, None)
@@ -230,9 +230,9 @@ def test_generated_launcher_declines_another_device_and_defers_to_hooks(monkeypa
     calls, program = _recording(monkeypatch)
     x = np.ones((4, 8), np.float32)
     outputs = _OUTPUTS
-    fn = launch_cache.entry(_NumpyAdapter, 1, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
+    fn = launch_cache.entry(_NumpyAdapter, 1, program, ("x", "w"), outputs, {"x": "x", "w": "w", "y": "y", "rstd": "rstd"}, ("y",))
     assert fn(x, None) is None and calls == []  # device 1 is not current
-    fn = launch_cache.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, ("x", "w", "y", "rstd"), ("y",))
+    fn = launch_cache.entry(_NumpyAdapter, 0, program, ("x", "w"), outputs, {"x": "x", "w": "w", "y": "y", "rstd": "rstd"}, ("y",))
     hooked = []
     monkeypatch.setattr(launches, "step_hook", lambda step, launch: (hooked.append(step), launch()))
     y = fn(x, None)
@@ -263,7 +263,7 @@ def test_generated_launcher_makes_a_context_current_and_retries(monkeypatch):
     monkeypatch.setattr(launches, "launch_kernel", plain)
     monkeypatch.setattr(launches, "make_current", made_current.append)
     x = np.ones((4, 8), np.float32)
-    fn = launch_cache.entry(_NumpyAdapter, 0, program, ("x", "w"), _OUTPUTS, ("x", "w", "y", "rstd"), ("y",))
+    fn = launch_cache.entry(_NumpyAdapter, 0, program, ("x", "w"), _OUTPUTS, {"x": "x", "w": "w", "y": "y", "rstd": "rstd"}, ("y",))
     assert fn(x, None).shape == x.shape
     assert made_current == [0] and [c[0] for c in calls].count("plain") == 1
     failures.append(700)  # an illegal address: not the launcher's to handle
