@@ -240,7 +240,7 @@ def _template_flags(config):
     return None if flags is None else int(flags)
 
 
-SILU, GELU = 2 << 4, 3 << 4  # _plan.ACTIVATIONS << ACTIVATION_SHIFT
+SILU, GELU = 2 << 4, 3 << 4  # plans.ACTIVATIONS << ACTIVATION_SHIFT
 
 
 @pytest.mark.parametrize("shape", [(1024, 4096), (16, 40000)], ids=["cached", "streamed"])

@@ -1,5 +1,5 @@
 """A bounded dictionary safe under threads: the launch cache's entries
-(cunorm/_engine/launch_cache.py), the loaded kernels (_loader.py), torch's wrapped streams
+(cunorm/_engine/launch_cache.py), the loaded kernels (loader.py), torch's wrapped streams
 (_interop/torch.py)."""
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ def onchip_kernels(dtype, t, affine) -> list[Kernel]:
 
 
 def statistics_only_kernels() -> list[Kernel]:
-    """rows_cached without y (_dispatch.statistics_only) for every cached
+    """rows_cached without y (dispatch_rows.statistics_only) for every cached
     RMSNorm and LayerNorm instantiation. Only jit's lowering takes them,
     compiling its own PTX, so precompile leaves them out; the compile check
     covers their representative set."""

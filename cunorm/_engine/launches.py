@@ -1,7 +1,7 @@
 """Launching: a call's kernels as a Program of prepared launches.
 
 A Program is built once per launch signature (cunorm/_engine/row_norms.py,
-_channels.py and _grad.py build them from the dispatch's Steps and cache
+channel_norms.py and gradients.py build them from the dispatch's Steps and cache
 them): each step's kernel is loaded, opted in to its dynamic shared memory,
 its persistent grid capped at the resident blocks, and its arguments
 packed into a buffer once, in the order and C kinds of the kernel's

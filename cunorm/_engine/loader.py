@@ -235,7 +235,7 @@ def compile_offline(arch: str, kernels, jobs: int | None = None, progress=None) 
 def kernel_resources(family: str, expression: str, arch: int) -> tuple[int, int]:
     """(registers a thread, static shared bytes) of one instantiation
     compiled for sm_<arch> without a GPU: what its occupancy follows from
-    (_targets.Target.resident_per_sm)."""
+    (targets.Target.resident_per_sm)."""
     (entry,) = [r for r in _compile_batch(family, [expression], f"sm_{arch}") if not r.get("helper")]
     return entry["registers"], entry["shared"]
 

@@ -13,7 +13,7 @@ compute capability (CUDA C++ Programming Guide, "Technical
 Specifications per Compute Capability") and the parts' datasheets.
 
 A device id below zero names a Target in the planning functions
-(_launch.device_info and persistent_grid): nothing then asks the CUDA
+(launches.device_info and persistent_grid): nothing then asks the CUDA
 driver.
 """
 from __future__ import annotations

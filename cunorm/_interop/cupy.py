@@ -25,7 +25,7 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
 
 def canonical(a: cupy.ndarray) -> cupy.ndarray:
     """``a`` with the strides of its size-1 axes canonical
-    (_plan.canonical_strides): a view of the same memory where they were
+    (plans.canonical_strides): a view of the same memory where they were
     not, so that layouts compare and derive alike on every path."""
     shape = a.shape
     if 1 not in shape:

@@ -99,7 +99,7 @@ def set_lowering_target(arch=None, *, sm_count: int | None = None, l2_bytes: int
 
 
 def target():
-    """(device id, _dispatch.Device, compute capability) the lowering plans
+    """(device id, dispatch_rows.Device, compute capability) the lowering plans
     for: the architecture set_lowering_target named, else the process's
     first GPU (a jit program runs on GPUs of one model)."""
     named = _named_target
