@@ -23,14 +23,19 @@ NORMS = ("group", "instance", "batch")
 class ChannelCall:
     """A validated call of group_norm, instance_norm or batch_norm."""
 
-    __slots__ = ("norm", "adapter", "x", "channel_axis", "groups", "weight", "bias", "eps", "out", "out_given",
+    __slots__ = ("norm", "per_sample", "adapter", "x", "channel_axis", "groups", "weight", "bias", "eps", "out",
+                 "out_given",
                  "return_stats", "running_mean", "running_var", "training", "momentum", "epilogue", "out_dtype")
 
     def __init__(self, norm, x, *, num_groups=None, weight=None, bias=None, eps, channel_axis, out=None,
                  return_stats=False, running_mean=None, running_var=None, training=True, momentum=0.1,
                  epilogue=0, out_dtype=None):
+        if norm not in NORMS:  # (a registered operator's norm argument is a caller's string)
+            raise ValueError(f"unknown channel norm {norm!r}: expected one of {list(NORMS)}")
         fn = f"{norm}_norm"
         self.norm = norm
+        op = ops.BY_NORM[norm]
+        self.per_sample = op.per_sample  # (statistic groups within one sample; BatchNorm's span the batch)
         self.epilogue = epilogue  # the activation's FLAGS bits (plans.activation_flags)
         # y's dtype where it is not x's (cunorm's GroupNorm layers under
         # autocast: float32 from 16-bit x); internal, without out=
@@ -46,7 +51,7 @@ class ChannelCall:
         shape = tuple(xa.shape)
         channels = shape[self.channel_axis]
         spatial = math.prod(s for a, s in enumerate(shape) if a not in (0, self.channel_axis))
-        if norm == "group":
+        if op.groups:
             num_groups = row_norms.check_int(num_groups, "group_norm: num_groups")
             if num_groups < 1 or channels % num_groups:
                 raise ValueError(f"group_norm: num_groups must be >= 1 and divide the {channels} channels, "
@@ -54,7 +59,7 @@ class ChannelCall:
             self.groups = int(num_groups)
         else:
             self.groups = channels
-        per_group = (channels // max(self.groups, 1)) * spatial * (shape[0] if norm == "batch" else 1)
+        per_group = (channels // max(self.groups, 1)) * spatial * (1 if op.per_sample else shape[0])
         self.weight = self._param(weight, "weight", channels)
         self.bias = self._param(bias, "bias", channels)
         self.eps = row_norms.check_eps(eps, xa.dtype)
@@ -96,7 +101,7 @@ class ChannelCall:
     def _running(self, buf, name, channels):
         if buf is None:
             return None
-        if self.norm != "batch":
+        if not ops.BY_NORM[self.norm].running:
             raise ValueError(f"{name} is a batch_norm argument")
         if self.training:
             row_norms.check_writable(buf, name)
@@ -199,7 +204,7 @@ def prepare(call: ChannelCall):
     import cupy
 
     ca = call.channel_axis
-    x, last = _dense(call.x, ca, call.norm != "batch")
+    x, last = _dense(call.x, ca, call.per_sample)
     order = plans.channel_orders(x.ndim, ca)[last]
     if call.out is not None:
         y = call.out
@@ -294,7 +299,7 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     flags |= call.epilogue
     from_running = call.norm == "batch" and not call.training
     key = (call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial, channels // call.groups,
-           call.norm != "batch", x.data.ptr % 32, y.data.ptr % 32, from_running, bool(stats), x.data.device_id,
+           call.per_sample, x.data.ptr % 32, y.data.ptr % 32, from_running, bool(stats), x.data.device_id,
            tuple(sorted((override or {}).items())), y.dtype if y.dtype != x.dtype else None)
     plan, launch = _planned(*key)
     acc = dtypes.accumulation(x.dtype)
@@ -405,7 +410,7 @@ def batch_statistics(call: ChannelCall):
 
     import cupy
 
-    if call.norm != "batch" or not call.training or not call.x.size:
+    if call.per_sample or not call.training or not call.x.size:
         raise ValueError("batch_statistics takes a training-mode batch_norm call over a non-empty x")
     ca = call.channel_axis
     x, last = _dense(call.x, ca, False)

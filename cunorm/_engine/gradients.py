@@ -365,7 +365,7 @@ def _channels_gpu(g: ChannelGradCall, override=None):
     call = g.call
     # x dense in one of the two layouts (copied if not), dx in the same
     x, dx, last, _ = channel_norms.prepare(call)
-    per_sample = call.norm != "batch"
+    per_sample = call.per_sample
     dy = g.dy
     clean = x is call.x
     if not plans.same_layout(x.shape, dy.strides, x.strides) or dy.data.ptr % 16:  # dy into x's (and dx's) layout, 16-byte aligned

@@ -77,6 +77,8 @@ class Op:
     reference, reference_backward: the float64 NumPy definitions.
     forward, backward: the operators it runs as (ops of one family may
         share one: the Lp family's, the channel norms' backward).
+    per_sample: its statistic groups lie within one sample (False:
+        BatchNorm's, which span the batch and every position).
     """
 
     name: str
@@ -92,6 +94,12 @@ class Op:
     reference_backward: Callable
     forward: Operator
     backward: Operator
+    per_sample: bool = True
+
+    @property
+    def groups(self) -> bool:
+        """Whether it takes a group count (GroupNorm's num_groups)."""
+        return "num_groups" in self.forward.arguments
 
 
 _ROWS_BACKWARD = ("dy", "x")
@@ -125,7 +133,7 @@ OPS = {op.name: op for op in (
     Op("batch_norm", "channels", "batch", ("weight", "bias"), False, True, ("mean", "rstd"), ("activation",),
        DEFAULT_EPS, reference.batch_norm, reference.batch_norm_backward,
        Operator("batch_norm", ("x", "weight", "bias", "running_mean", "running_var", "training", "momentum")
-                + _CHANNELS), _CHANNEL_BACKWARD),
+                + _CHANNELS), _CHANNEL_BACKWARD, per_sample=False),
 )}
 
 #: the op of each norm policy that has one op of its own (the Lp family's

@@ -235,6 +235,12 @@ class ChannelSpec:
     epilogue: int = 0
 
     @property
+    def per_sample(self) -> bool:
+        """Whether the statistic groups lie within one sample (the table of
+        ops: not BatchNorm's)."""
+        return ops.BY_NORM[self.norm].per_sample
+
+    @property
     def flags(self) -> int:
         return (plans.FLAG_WEIGHT if self.weight else 0) | (plans.FLAG_BIAS if self.bias else 0) | self.epilogue
 
@@ -272,7 +278,7 @@ def _channels_lowering(ctx, *args, spec: ChannelSpec):
     # the stream walk waits on other blocks: the jit path takes the three launches
     walk = {} if from_running else {"walk": "split"} if _walk(spec, device_id) == "stream" else {}
     plan, launch = channel_norms._planned(spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.channels_last,
-                                          batch, channels, spatial, channels // spec.groups, spec.norm != "batch", 0, 0,
+                                          batch, channels, spatial, channels // spec.groups, spec.per_sample, 0, 0,
                                           from_running, spec.stats, device_id, tuple(walk.items()))
     values = dict(zip(spec.inputs(), args))
     outputs = spec.outputs()
@@ -297,7 +303,7 @@ def _walk(spec: ChannelSpec, device_id: int) -> str | None:
     plan = plans.make_channel_plan(spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.channels_last,
                                    spec.shape[0], spec.channels,
                                    math.prod(spec.shape) // (spec.shape[0] * spec.channels),
-                                   spec.channels // spec.groups, spec.norm != "batch", 0, 0)
+                                   spec.channels // spec.groups, spec.per_sample, 0, 0)
     from .._engine import dispatch_channels
 
     return dispatch_channels.choose_channel_walk(plan, launches.device_info(device_id))
@@ -326,7 +332,7 @@ def _channels_grad_lowering(ctx, *args, spec: ChannelGradSpec):
     batch, channels = f.shape[0], f.channels
     spatial = math.prod(f.shape) // (batch * channels)
     plan = plans.make_channel_plan(f.norm, np.dtype(f.dtype), f.pdtype, f.flags & plans.PARAM_FLAGS, f.channels_last,
-                                   batch, channels, spatial, channels // f.groups, f.norm != "batch", 0, 0)
+                                   batch, channels, spatial, channels // f.groups, f.per_sample, 0, 0)
     launch = gradients._channel_launch(plan, f.training, device_id)
     recorder = launches.LaunchRecorder(gradients.CHANNEL_GRAD_SLOTS, device_id)
     gradients.build_channel_grad(recorder, plan, launch)
@@ -389,7 +395,7 @@ def _rows_grad_batch(args, dims, *, spec: RowGradSpec):
 def _channels_batch(args, dims, *, spec: ChannelSpec):
     names = spec.inputs()
     mapped = {n for n, d in zip(names, dims) if d is not _UNMAPPED}
-    if spec.norm == "batch" or mapped != {"x"}:
+    if not spec.per_sample or mapped != {"x"}:
         return _unrolled(channels_p, args, dims, spec=spec)
     x = jax.numpy.moveaxis(args[0], dims[0], 0)
     size = x.shape[0]
@@ -403,7 +409,7 @@ def _channels_grad_batch(args, dims, *, spec: ChannelGradSpec):
     f = spec.forward
     names = spec.inputs()
     mapped = {n for n, d in zip(names, dims) if d is not _UNMAPPED}
-    if f.norm == "batch" or f.weight or "w" in mapped:
+    if not f.per_sample or f.weight or "w" in mapped:
         return _unrolled(channels_grad_p, args, dims, spec=spec)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _UNMAPPED)
     moved = [jax.numpy.broadcast_to(a, (size,) + a.shape) if d is _UNMAPPED else a

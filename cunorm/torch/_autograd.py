@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._engine import calls, plans
+from .._engine import calls, ops, plans
 from .._engine.ops import DEFAULT_EPS
 
 _grad_enabled = torch.is_grad_enabled
@@ -63,9 +63,10 @@ class RowNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, norm, axis, eps, rounding):
-        epilogue = plans.rms_epilogue(0, rounding, None, weight is not None) if norm == "rms" else 0
+        op = ops.BY_NORM[norm]
+        epilogue = plans.rms_epilogue(0, rounding, None, weight is not None) if "rounding" in op.options else 0
         results = calls.rows(norm, x, weight, bias, residual, axis, eps, True, None, None, epilogue=epilogue)
-        statistics = results[-1:] if norm == "rms" else results[-2:]
+        statistics = results[-len(op.statistics):]
         h = results[1] if residual is not None else x
         ctx.save_for_backward(h, weight, bias, *statistics)
         ctx.norm, ctx.axis, ctx.residual = norm, axis, residual is not None
@@ -80,12 +81,12 @@ class RowNorm(torch.autograd.Function):
         dh = grads[0] if ctx.residual else None
         if dy is None:  # only h was used
             dy = torch.zeros_like(h)
-        if ctx.norm == "rms":
-            (dx, dw), db = calls.rows_grad("rms", dy, h, None, statistics[0], weight, None, dh, ctx.axis, 0.0,
-                                           None), None
-        else:
-            dx, dw, db = calls.rows_grad("ln", dy, h, *statistics, weight, bias, dh, ctx.axis, 0.0, None)
-        return dx, dw, db, dx if ctx.residual else None, None, None, None, None
+        op = ops.BY_NORM[ctx.norm]
+        saved = dict(zip(op.statistics, statistics))
+        dx, *grads = calls.rows_grad(ctx.norm, dy, h, saved.get("mean"), saved.get("rstd"), weight, bias, dh, ctx.axis,
+                                     0.0, None)
+        grads = dict(zip(op.params, grads))
+        return dx, grads.get("weight"), grads.get("bias"), dx if ctx.residual else None, None, None, None, None
 
 
 class ChannelNorm(torch.autograd.Function):
@@ -94,8 +95,9 @@ class ChannelNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, norm, num_groups, training, momentum, eps,
                 channel_axis):
-        y, mean, rstd = calls.channels(norm, x, num_groups if norm == "group" else None, weight, bias, running_mean,
-                                       running_var, training, momentum, eps, channel_axis, True, None)
+        groups = num_groups if ops.BY_NORM[norm].groups else None
+        y, mean, rstd = calls.channels(norm, x, groups, weight, bias, running_mean, running_var, training, momentum,
+                                       eps, channel_axis, True, None)
         # eval-mode BatchNorm's backward reads the running buffers, not rstd
         saved = (mean, rstd) if training else (running_mean, running_var)
         ctx.save_for_backward(x, *saved, weight, bias)
@@ -111,8 +113,10 @@ class ChannelNorm(torch.autograd.Function):
             return (None,) * 11
         x, mean, rstd, weight, bias = ctx.saved_tensors
         norm, num_groups, training, eps, channel_axis = ctx.args
-        dx, dw, db = calls.channel_grad(norm, dy, x, mean, rstd, num_groups if norm == "group" else None, weight,
-                                        bias, channel_axis, training, eps if norm == "batch" else DEFAULT_EPS, None)
+        op = ops.BY_NORM[norm]
+        # (the forward's eps reaches the backward only where eval mode reads the running variance)
+        dx, dw, db = calls.channel_grad(norm, dy, x, mean, rstd, num_groups if op.groups else None, weight, bias,
+                                        channel_axis, training, eps if op.running else DEFAULT_EPS, None)
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .._engine import calls, channel_norms, dispatch_rows, plans, row_norms
+from .._engine import ops
 from .._engine.ops import ARGUMENTS, OPS, Op, Operator
 from .._interop import torch as _adapter
 
@@ -88,9 +89,10 @@ def _backward(op: Op, a: dict):
             return results
         dx, *grads = results
         return [dx] + _present(*grads)
-    norm = a["norm"]
-    dx, dw, db = calls.channel_grad(norm, a["dy"], a["x"], a["mean"], a["rstd"],
-                                    a["num_groups"] if norm == "group" else None, a.get("weight"), a.get("bias"),
+    norm = a["norm"]  # (a caller's string: the engine refuses one it does not know)
+    takes_groups = getattr(ops.BY_NORM.get(norm), "groups", False)
+    groups = a["num_groups"] if takes_groups else None
+    dx, dw, db = calls.channel_grad(norm, a["dy"], a["x"], a["mean"], a["rstd"], groups, a.get("weight"), a.get("bias"),
                                     a["channel_axis"], a["training"], a["eps"], None)
     return [dx] + _present(dw, db)
 
@@ -100,7 +102,8 @@ def _backward(op: Op, a: dict):
 def _channel_y(norm: str, x: Tensor, channel_axis: int) -> Tensor:
     """y of a channel norm as the launch makes it: x's memory layout."""
     ndim, axis = x.dim(), channel_axis % x.dim()
-    order = channel_norms.output_order(tuple(x.shape), tuple(x.stride()), axis, norm != "batch")
+    per_sample = getattr(ops.BY_NORM.get(norm), "per_sample", True)
+    order = channel_norms.output_order(tuple(x.shape), tuple(x.stride()), axis, per_sample)
     return x.new_empty([x.shape[a] for a in order]).permute(*[order.index(a) for a in range(ndim)])
 
 
