@@ -20,65 +20,73 @@ from .. import _interop, reference
 
 def _noted(trace, cache, key, inputs, results):
     """results, with the launcher stored under ``key`` noted in ``trace``."""
-    if trace is not None and key is not None:
+    if key is not None:
         found = cache.get(key)
         if found is not None:
             trace.append((found, inputs, results))
     return results
 
 
-def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference, epilogue=0, out_dtype=None,
+def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, epilogue=0, out_dtype=None,
          route=None, trace=None):
-    """A row norm (``norm``: its policy name). ``epilogue``: the validated
-    FLAGS bits of the epilogue's options; ``out_dtype``: y's dtype where it
-    is not x's (the torch layers under autocast)."""
+    """A row norm (``norm``: its policy name). ``reference_fn``: the float64
+    forward of a NumPy call; ``epilogue``: the validated FLAGS bits of the
+    epilogue's options; ``out_dtype``: y's dtype where it is not x's (the
+    torch layers under autocast)."""
     key = None
-    inputs = (x, weight, bias, residual)
     if out is None:
         key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, out_dtype)
-        results = launch_cache.replay(launch_cache.ROWS, key, *inputs)
+        results = launch_cache.replay(launch_cache.ROWS, key, x, weight, bias, residual)
         if results is not None:
-            return _noted(trace, launch_cache.ROWS, key, inputs, results)
+            if trace is None:
+                return results
+            return _noted(trace, launch_cache.ROWS, key, (x, weight, bias, residual), results)
     if route is not None and _interop.torch_route(x, weight, bias, residual, out=out):
         return route()
     call = row_norms.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual,
                           return_stats=return_stats, epilogue=epilogue, out_dtype=out_dtype)
-    return _noted(trace, launch_cache.ROWS, key, inputs, row_norms.run(call, reference, key=key))
+    results = row_norms.run(call, reference_fn, key=key)
+    return results if trace is None else _noted(trace, launch_cache.ROWS, key, (x, weight, bias, residual), results)
 
 
 def channels(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps, channel_axis,
              return_stats, out, epilogue=0, out_dtype=None, route=None, trace=None):
     """A channel norm (``norm``: "group", "instance" or "batch"), as rows."""
     key = None
-    inputs = (x, weight, bias, running_mean, running_var)
     if out is None:
         key = launch_cache.channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training,
                                        momentum, eps, channel_axis, return_stats, epilogue, out_dtype)
-        results = launch_cache.replay(launch_cache.CHANNELS, key, *inputs)
+        results = launch_cache.replay(launch_cache.CHANNELS, key, x, weight, bias, running_mean, running_var)
         if results is not None:
-            return _noted(trace, launch_cache.CHANNELS, key, inputs, results)
+            if trace is None:
+                return results
+            return _noted(trace, launch_cache.CHANNELS, key, (x, weight, bias, running_mean, running_var), results)
     if route is not None and _interop.torch_route(x, weight, bias, out=out):
         return route()
     call = channel_norms.ChannelCall(norm, x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
                                      channel_axis=channel_axis, out=out, return_stats=return_stats,
                                      running_mean=running_mean, running_var=running_var, training=training,
                                      momentum=momentum, epilogue=epilogue, out_dtype=out_dtype)
-    return _noted(trace, launch_cache.CHANNELS, key, inputs, channel_norms.run(call, key=key))
+    results = channel_norms.run(call, key=key)
+    if trace is None:
+        return results
+    return _noted(trace, launch_cache.CHANNELS, key, (x, weight, bias, running_mean, running_var), results)
 
 
-def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference=None):
+def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_fn=None):
     """A row norm's backward: (dx, dweight[, dbias]) for RMSNorm and
-    LayerNorm, dx for the Lp norms. ``reference``: the float64 backward of
-    a NumPy call (default: the table's, gradients.reference_rows)."""
+    LayerNorm, dx for the Lp norms. ``reference_fn``: the float64 backward
+    of a NumPy call (default: the table's, gradients.reference_rows)."""
     key = launch_cache.grad_key(norm, dy, x, mean, rstd, weight, bias, dh, (axis,), eps)
     results = launch_cache.replay(launch_cache.ROWS_GRAD, key, dy, x, mean, rstd, weight, bias, dh)
     if results is not None:
         return results
     g = gradients.RowGradCall(norm, dy, x, axis=axis, eps=eps, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh)
-    return gradients.run_rows(g, reference, key=key)
+    return gradients.run_rows(g, reference_fn, key=key)
 
 
-def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps, reference=None):
+def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps,
+                 reference_fn=None):
     """A channel norm's backward: (dx, dweight, dbias)."""
     key = launch_cache.grad_key(norm, dy, x, mean, rstd, weight, bias, None, (num_groups, channel_axis, training),
                                 eps)
@@ -87,7 +95,7 @@ def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis
         return results
     g = gradients.ChannelGradCall(norm, dy, x, mean, rstd, num_groups=num_groups, weight=weight, bias=bias,
                                   channel_axis=channel_axis, training=training, eps=eps)
-    return gradients.run_channels(g, reference, key=key)
+    return gradients.run_channels(g, reference_fn, key=key)
 
 
 def layer_norm_float32(x, weight=None, bias=None, *, axis=-1, eps=ops.DEFAULT_EPS, activation=None, trace=None):

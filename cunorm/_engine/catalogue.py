@@ -3,6 +3,8 @@ precompile step and CI's compile check (derived from the declarations in
 cunorm/_engine/declarations.py and the choices of cunorm/_engine/dispatch_*.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import dtypes, tuning
 from . import declarations as K
 from .dispatch_rows import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
@@ -124,7 +126,7 @@ def statistics_only_kernels() -> list[Kernel]:
 def _tunings() -> list[tuning.Tuning]:
     """The distinct Tunings of the architectures cunorm plans for: the
     catalogue holds what the dispatch picks under each."""
-    return list({tuning.replace(t, name=""): t for t in tuning.BY_ARCH.values()}.values())
+    return list({replace(t, name=""): t for t in tuning.BY_ARCH.values()}.values())
 
 
 def backward_kernels() -> list[Kernel]:
@@ -164,13 +166,14 @@ def backward_kernels() -> list[Kernel]:
                     for strided in (False, True):
                         out.append(K.ROWS_GRAD_APPLY(grad, t, p, flags, vec, strided))
         out.append(K.CHANNEL_GRAD_COMBINE(a))
+        onchip_most = max(grad_onchip_max_elements(dtype.itemsize, tune) for tune in tunes)
         for p, flags in [(dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]:
             for training in (False, True):
                 out.append(K.CHANNEL_GRAD_FINALIZE(a, p, flags, training))
                 for vec in _vector_widths(dtype):
                     held = 0  # the most elements the shapes before hold: a shape past the limit is never taken
                     for threads, elements, cluster in grad_onchip_shapes(dtype.itemsize):
-                        if held >= max(grad_onchip_max_elements(dtype.itemsize, tune) for tune in tunes):
+                        if held >= onchip_most:
                             break
                         items = grad_onchip_items(dtype.itemsize, vec, threads, elements)
                         out.append(K.CHANNEL_GRAD_ONCHIP(t, p, flags, vec, training, threads, items, cluster))

@@ -24,8 +24,8 @@ class ChannelCall:
     """A validated call of group_norm, instance_norm or batch_norm."""
 
     __slots__ = ("norm", "per_sample", "adapter", "x", "channel_axis", "groups", "weight", "bias", "eps", "out",
-                 "out_given",
-                 "return_stats", "running_mean", "running_var", "training", "momentum", "epilogue", "out_dtype")
+                 "out_given", "return_stats", "running_mean", "running_var", "training", "momentum", "epilogue",
+                 "out_dtype")
 
     def __init__(self, norm, x, *, num_groups=None, weight=None, bias=None, eps, channel_axis, out=None,
                  return_stats=False, running_mean=None, running_var=None, training=True, momentum=0.1,
@@ -263,7 +263,7 @@ def _run_reference(call):
     """The float64 reference of a NumPy call: the table's (ops.OPS), with
     the group count, running buffers and mode where the op takes them."""
     op = ops.BY_NORM[call.norm]
-    groups = (call.groups,) if "num_groups" in op.forward.arguments else ()
+    groups = (call.groups,) if op.groups else ()
     kw = {"eps": call.eps, "channel_axis": call.channel_axis, "return_stats": call.return_stats,
           "activation": plans.activation_name(call.epilogue)}
     if op.running:
@@ -318,8 +318,8 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     program = channel_program(plan, launch, from_running, call.eps, call.momentum, mean_out is not None,
                               tuple(r is not None for r in running), x.data.device_id)
     program.run_named({"x": x, "y": y, "w": w, "b": b, "mean": mean_out, "rstd": rstd_out,
-                       "running_mean": running[0], "running_var": running[1]}, launches.cupy_stream(),
-                      launches.cupy_alloc)
+                       "running_mean": running[0], "running_var": running[1]},
+                      launches.cupy_stream(), launches.cupy_alloc)
     for buf, used in zip((call.running_mean, call.running_var), running):
         if buf is not None and used is not buf:
             converted = True  # (the Program ran over the copy: the launch cache must not replay it over buf)
@@ -423,8 +423,7 @@ def batch_statistics(call: ChannelCall):
     acc = dtypes.accumulation(x.dtype)
     mean, rstd = (cupy.empty(channels, dtype=acc) for _ in range(2))
     program = channel_program(plan, alone, False, call.eps, 0.0, True, (False, False), device)
-    program.run_named({"x": x, "mean": mean, "rstd": rstd}, launches.cupy_stream(),
-                      launches.cupy_alloc)
+    program.run_named({"x": x, "mean": mean, "rstd": rstd}, launches.cupy_stream(), launches.cupy_alloc)
     return mean, rstd
 
 

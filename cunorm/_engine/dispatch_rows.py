@@ -56,7 +56,7 @@ from . import tuning
 from .declarations import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
 from .plans import Plan, kernel_types, output_type
 
-# --- thresholds --------------------------------------------------------------
+# --- what the kernels and the compiler allow (the measured choices: tuning.py) ---
 #: register cost of a rows_cached thread's cache (cached_cost below): set by
 #: ptxas's spill reports over every instantiation for sm_80 and sm_90.
 CACHE_COST_GROUP = 256  # 256-thread blocks, two resident: 128 registers

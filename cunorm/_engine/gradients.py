@@ -198,8 +198,7 @@ def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduce
     program = rows_grad_program(launch, x.dtype, grads[0].dtype if grads else None, outer, reduced, inner, float(eps),
                                 tuple(a is not None for a in (dh, w, center, scale, dw, db)), x.data.device_id)
     program.run_named({"dy": dy, "x": x, "dh": dh, "dx": dx, "w": w, "center": center, "scale": scale, "dw": dw,
-                       "db": db}, launches.cupy_stream(),
-                      launches.cupy_alloc)
+                       "db": db}, launches.cupy_stream(), launches.cupy_alloc)
     return program
 
 
@@ -317,7 +316,7 @@ def reference_channels(g: ChannelGradCall):
     as reference_rows: BatchNorm's with its mode and eps."""
     call = g.call
     op = ops.BY_NORM[g.norm]
-    groups = (call.groups,) if "num_groups" in op.forward.arguments else ()
+    groups = (call.groups,) if op.groups else ()
     mode = {"training": g.training, "eps": call.eps} if op.running else {}
     return op.reference_backward(g.dy, call.x, g.mean, g.rstd, *groups, call.weight, call.bias,
                                  channel_axis=call.channel_axis, **mode)
@@ -395,8 +394,7 @@ def _channels_gpu(g: ChannelGradCall, override=None):
                                  None if override is None else tuple(sorted(override.items())))
         program = channel_grad_program(plan, launch, x.data.device_id)
         program.run_named({"dy": dy, "x": x, "dx": dx, "mean": mean, "rstd": rstd, "w": w, "dw": dw, "db": db},
-                          launches.cupy_stream(),
-                          launches.cupy_alloc)
+                          launches.cupy_stream(), launches.cupy_alloc)
     grads = _param_grads(call, dw, db, empty=not x.size)
     clean = clean and grads[0] is dw and grads[1] is db
     return (dx,) + grads, program if clean else None, last

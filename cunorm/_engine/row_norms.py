@@ -481,8 +481,7 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
         raise RuntimeError(f"cunorm: no {norm} launch for x of shape {x.shape} and strides {x.strides}")
     program = rows_program(plan, launch, float(eps), center is not None, scale is not None, x.data.device_id)
     program.run_named({"x": x, "r": r, "y": y, "h": h, "w": w, "b": b, "center": center, "scale": scale},
-                      launches.cupy_stream(),
-                      launches.cupy_alloc)
+                      launches.cupy_stream(), launches.cupy_alloc)
     return plan, launch, program if x is given[0] and r is given[1] else None
 
 

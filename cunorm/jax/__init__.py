@@ -148,9 +148,9 @@ def set_lowering_target(arch=None, *, sm_count=None, l2_bytes=None):
     Without a target and without a GPU, lowering raises a RuntimeError
     that names this function.
     """
-    _jit_module()
     from . import _custom_call
 
+    _custom_call.check_jax_version()
     return _custom_call.set_lowering_target(arch, sm_count=sm_count, l2_bytes=l2_bytes)
 
 
