@@ -227,12 +227,30 @@ def test_unread_y_is_not_written(lowering, shape, dtype, tier_skips_y):
     assert len(dead) == len(live)
 
 
+def _split_template(targs: str) -> list[str]:
+    """Template arguments split at the top level (a stage's own stay whole)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(targs):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "," and depth == 0:
+            parts.append(targs[start:i].strip())
+            start = i + 1
+    return parts + [targs[start:].strip()]
+
+
 def _template_arg(config, param):
     """A template argument of a lowered call's kernel, by its parameter's
-    name (None where the kernel has no such parameter)."""
+    name; P and FLAGS of a kernel with a store stage are the stage's
+    (AffineStore<P, FLAGS, Y>). None where the kernel has neither."""
     name, targs = re.match(r"cunorm::(\w+)<(.*)>$", config["kernel"]).groups()
     decl = next(d for d in declarations.DECLARATIONS if d.name == name)
-    return targs.split(", ")[decl.template.index(param)] if param in decl.template else None
+    args = _split_template(targs)
+    if param in decl.template:
+        return args[decl.template.index(param)]
+    if param in ("P", "FLAGS") and "STORE" in decl.template:
+        store = re.match(r"cunorm::AffineStore<(.*)>$", args[decl.template.index("STORE")])
+        return _split_template(store.group(1))[("P", "FLAGS").index(param)] if store else None
+    return None
 
 
 def _template_flags(config):

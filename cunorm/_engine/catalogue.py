@@ -44,26 +44,28 @@ def all_kernels(norms=None) -> list[Kernel]:
             for vec in _vector_widths(dtype):
                 vec_bytes = vec * dtype.itemsize
                 for residual in residuals:
-                    out.append(K.ROWS_SPLIT_PARTIAL(policy, t, residual, vec))
+                    out.append(K.ROWS_SPLIT_PARTIAL(policy, t, K.row_load(t, residual), vec))
                 for p, flags in affine:
                     for residual in residuals:
-                        common = (policy, t, p, flags, residual, vec)
+                        load = K.row_load(t, residual)
+                        common = (policy, t, K.affine_store(p, flags, t), load, vec)
                         # y in x's type; float32 too for LayerNorm of 16-bit x (autocast's output)
                         outputs = [t] + (["float"] if norm == "ln" and dtype.itemsize == 2 and not residual else [])
                         for vpt in VECS_PER_THREAD_CHOICES:
                             cost = cached_cost(vpt, vec_bytes, residual, is_heavy(norm, dtype))
                             for y in outputs:
+                                cached = (policy, t, K.affine_store(p, flags, y), load, vec, vpt)
                                 if group_fits(cost):
-                                    out.append(K.ROWS_CACHED(*common, vpt, False, y))
+                                    out.append(K.ROWS_CACHED(*cached, False))
                                 if block_cache_limit(cost, cached_loads(vpt, residual), is_heavy(norm, dtype)):
-                                    out.append(K.ROWS_CACHED(*common, vpt, True, y))
+                                    out.append(K.ROWS_CACHED(*cached, True))
                         out.append(K.ROWS_UNCACHED(*common))
                         out.append(K.ROWS_SPLIT_APPLY(*common))
                         if info.residual:  # the norms of the resident tier's experiments
                             out.append(K.ROWS_RESIDENT(*common, cooperative=True))
                     for cpt in (0,) + VECS_PER_THREAD_CHOICES:
                         if cpt * vec_bytes <= CACHE_BYTES_STRIDED:
-                            out.append(K.STRIDED_NORM(policy, t, p, flags, vec, cpt))
+                            out.append(K.STRIDED_NORM(policy, t, K.affine_store(p, flags, t), vec, cpt))
     for dtype in dtypes.SUPPORTED:
         for vec in _vector_widths(dtype):
             out.append(K.RESIDUAL_ADD(dtypes.KERNEL_TYPE[dtype], vec))
@@ -84,10 +86,11 @@ def channel_kernels() -> list[Kernel]:
                 out.append(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, vec, layout))
                 for p, flags in affine:
                     for y in [t] + (["float"] if dtype.itemsize == 2 else []):  # (float32 y: autocast's GroupNorm)
-                        out.append(K.CHANNEL_APPLY(t, p, flags, vec, layout, y))
+                        out.append(K.CHANNEL_APPLY(t, K.affine_store(p, flags, y), vec, layout))
         for p, flags in affine:  # channel_stream: channels-first, 16-byte vectors
             for y in [t] + (["float"] if dtype.itemsize == 2 else []):
-                out.append(K.CHANNEL_STREAM(CHANNEL_NORM, t, p, flags, 16 // dtype.itemsize, y, persistent=True))
+                out.append(K.CHANNEL_STREAM(CHANNEL_NORM, t, K.affine_store(p, flags, y), 16 // dtype.itemsize,
+                                            persistent=True))
         out += onchip_kernels(dtype, t, affine)
     return out
 
@@ -105,20 +108,22 @@ def onchip_kernels(dtype, t, affine) -> list[Kernel]:
             for last in (False, True):
                 for p, flags in affine:
                     for y in [t] + (["float"] if dtype.itemsize == 2 else []):
-                        out.append(K.CHANNEL_ONCHIP(t, p, flags, vec, last, y, threads, items, cluster))
+                        out.append(K.CHANNEL_ONCHIP(t, K.affine_store(p, flags, y), vec, last, threads, items,
+                                                    cluster))
     return out
 
 
 def statistics_only_kernels() -> list[Kernel]:
-    """rows_cached without y (dispatch_rows.statistics_only) for every cached
-    RMSNorm and LayerNorm instantiation. Only jit's lowering takes them,
-    compiling its own PTX, so precompile leaves them out; the compile check
-    covers their representative set."""
+    """rows_cached without y (dispatch_rows.statistics_only: NoStore) for
+    every cached RMSNorm and LayerNorm instantiation. Only jit's lowering
+    takes them, compiling its own PTX, so precompile leaves them out; the
+    compile check covers their representative set."""
     policies = {norm_info(norm).policy for norm in ("rms", "ln")}
     out = {}
     for k in all_kernels():
         if k.name == "rows_cached" and k.template_args[0] in policies:
-            kernel = K.ROWS_CACHED(*k.template_args[:-1], dtypes.NO_PARAMS)
+            args = k.template_args
+            kernel = K.ROWS_CACHED(*args[:2], K.NO_STORE, *args[3:])
             out[kernel.expression] = kernel
     return list(out.values())
 
@@ -185,12 +190,22 @@ def backward_kernels() -> list[Kernel]:
     return out
 
 
+def _numbers(args):
+    """The int template arguments, a stage's own included."""
+    for a in args:
+        if isinstance(a, K.Stage):
+            yield from _numbers(a.args)
+        elif type(a) is int:
+            yield a
+
+
 def representative_kernels(kernels=None) -> list[Kernel]:
     """A subset of ``kernels`` (default: all_kernels()) that compiles every
     kernel declaration for every data type, and every norm policy for every
     data type: per group, the instantiation with the most work per thread
-    (the product of its numeric template arguments: vector width, vectors
-    per thread, flags), where register pressure and spills show first. The
+    (the product of its numeric template arguments, a stage's among them:
+    vector width, vectors per thread, the store's flags), where register
+    pressure and spills show first. The
     quick compile check without a GPU (``python -m cunorm``) and CI's check
     for the second architecture compile these; ``check --all`` and CI's
     first architecture compile everything."""
@@ -201,8 +216,8 @@ def representative_kernels(kernels=None) -> list[Kernel]:
         args = k.template_args
         data = next((a for a in args if a in data_types), None)
         work = 1
-        for a in args:
-            if type(a) is int and a > 0:
+        for a in _numbers(args):
+            if a > 0:
                 work *= a
         groups = [(k.name, data)]
         if args and isinstance(args[0], str) and args[0] not in data_types:  # a norm or gradient policy

@@ -2,7 +2,8 @@
 and its typed argument list, as the ``.cu`` file writes them.
 
 From a declaration come the instantiation's name (``decl(...)`` formats the
-template arguments, all from closed sets or numbers cunorm formats itself),
+template arguments, all from closed sets or numbers cunorm formats itself;
+a load or store stage, cunorm/kernels/stages.cuh, is a ``Stage``),
 the catalogue's entries (``Kernel``) and the argument packing of a launch
 (``Kernel.signature``: each argument's name and C kind, read by
 cunorm/_engine/launches.py). tests/engine/test_kernels.py parses the ``.cu`` signatures and
@@ -82,7 +83,39 @@ class KernelDecl:
                       tuple(targs), cluster)
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A load or store stage (cunorm/kernels/stages.cuh) as a template
+    argument: its name and its own template arguments."""
+
+    name: str
+    args: tuple = ()
+
+    @property
+    def expression(self) -> str:
+        if not self.args:
+            return f"cunorm::{self.name}"
+        return f"cunorm::{self.name}<{', '.join(_format(a) for a in self.args)}>"
+
+
+def affine_store(params: str, flags: int, out: str) -> Stage:
+    """y = act((x - center) * scale [* w] [+ b]) rounded to ``out``; w and b
+    stored as ``params`` (``flags``: the store's FLAGS word, plans.py)."""
+    return Stage("AffineStore", (params, flags, out))
+
+
+#: no y: the statistics alone
+NO_STORE = Stage("NoStore")
+
+
+def row_load(data: str, residual: bool) -> Stage:
+    """x, or h = x + r formed and written out (``residual``)."""
+    return Stage("ResidualLoad" if residual else "XLoad", (data,))
+
+
 def _format(value) -> str:
+    if isinstance(value, Stage):
+        return value.expression
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -108,15 +141,15 @@ def _args(spec: str) -> tuple[tuple[str, str], ...]:
 
 
 _ROW_ARGS = "x r w b:in y h center_out scale_out:out"
-_NORM_ROWS = ("NormT", "T", "P", "FLAGS", "RESIDUAL", "VEC")
+_NORM_ROWS = ("NormT", "T", "STORE", "LOAD", "VEC")
 _CHANNEL_DIMS = "batch spatial:i64 channels channels_per_group"
 
 # rows.cu
-ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD", "BLOCK_PER_ROW", "Y"),
+ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD", "BLOCK_PER_ROW"),
                          _args(f"{_ROW_ARGS} rows:i64 n:i32 x_row_stride:i64 eps:acc threads_per_row:i32"))
 ROWS_UNCACHED = KernelDecl("rows", "rows_uncached", _NORM_ROWS,
                            _args(f"{_ROW_ARGS} rows n x_row_stride:i64 eps:acc stash_vecs:i64"))
-ROWS_SPLIT_PARTIAL = KernelDecl("rows", "rows_split_partial", ("NormT", "T", "RESIDUAL", "VEC"),
+ROWS_SPLIT_PARTIAL = KernelDecl("rows", "rows_split_partial", ("NormT", "T", "LOAD", "VEC"),
                                 _args("x r:in h partial:out rows n x_row_stride chunks:i64"))
 ROWS_SPLIT_APPLY = KernelDecl("rows", "rows_split_apply", _NORM_ROWS,
                               _args("x h w b partial:in y center_out scale_out:out rows n x_row_stride chunks:i64 "
@@ -124,7 +157,7 @@ ROWS_SPLIT_APPLY = KernelDecl("rows", "rows_split_apply", _NORM_ROWS,
 ROWS_RESIDENT = KernelDecl("rows", "rows_resident", _NORM_ROWS,
                            _args(f"{_ROW_ARGS} partial arrived:out rows n x_row_stride chunk_vecs:i64 eps:acc"))
 # strided.cu
-STRIDED_NORM = KernelDecl("strided", "strided_norm", ("NormT", "T", "P", "FLAGS", "VEC", "CHANNELS_PER_THREAD"),
+STRIDED_NORM = KernelDecl("strided", "strided_norm", ("NormT", "T", "STORE", "VEC", "CHANNELS_PER_THREAD"),
                           _args("x w b:in y center_out scale_out:out outer:i64 reduced:i32 inner x_outer_stride "
                                 "x_reduced_stride:i64 eps:acc block_x:i32"))
 RESIDUAL_ADD = KernelDecl("strided", "residual_add", ("T", "VEC"), _args("x r:in h:out n_vec:i64"))
@@ -138,16 +171,16 @@ CHANNEL_FINALIZE = KernelDecl("channels", "channel_finalize", ("NormT", "T", "LA
 CHANNEL_FROM_RUNNING = KernelDecl("channels", "channel_from_running", ("A",),
                                   _args("running_mean running_var:in affine mean_out rstd_out:out channels:i32 "
                                         "eps:acc"))
-CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "P", "FLAGS", "VEC", "LAYOUT", "Y"),
+CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "STORE", "VEC", "LAYOUT"),
                            _args(f"x w b affine running_mean running_var:in y:out {_CHANNEL_DIMS} per_sample:i32 "
                                  f"chunks chunk_len:i64 eps:acc hints block_x:i32"))
-CHANNEL_STREAM = KernelDecl("channels", "channel_stream", ("NormT", "T", "P", "FLAGS", "VEC", "Y"),
+CHANNEL_STREAM = KernelDecl("channels", "channel_stream", ("NormT", "T", "STORE", "VEC"),
                             _args("x w b:in y partial affine mean_out rstd_out sync:out groups_total group_vecs "
                                   "spatial_vecs:i64 channels_per_group groups:i32 tile_vecs row_tiles slab_tiles "
                                   "lag_slabs:i64 hints:i32 eps:acc"))
 # onchip.cu
 CHANNEL_ONCHIP = KernelDecl("onchip", "channel_onchip",
-                            ("T", "P", "FLAGS", "VEC", "CHANNELS_LAST", "Y", "THREADS", "ITEMS", "CLUSTER"),
+                            ("T", "STORE", "VEC", "CHANNELS_LAST", "THREADS", "ITEMS", "CLUSTER"),
                             _args("x w b:in running_mean running_var:io y mean_out rstd_out:out rows row_vecs:i32 "
                                   "row_stride sample_stride group_stride:i64 spatial_vecs channels_per_group "
                                   "groups:i32 eps momentum:acc"))

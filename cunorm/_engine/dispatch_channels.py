@@ -131,7 +131,8 @@ def choose_channel_stream(plan: ChannelPlan, device: Device, override: dict | No
     lag = override.get("lag", lag)
     if 2 * _ceil_div(groups * row_tiles, slab_tiles) * slab_tiles >= 2**31:
         raise ValueError(f"{plan.norm}_norm: {groups * row_tiles} tiles is over channel_stream's ticket limit")
-    kernel = K.CHANNEL_STREAM(CHANNEL_NORM, t, p, plan.flags, plan.vec, output_type(plan), persistent=True)
+    kernel = K.CHANNEL_STREAM(CHANNEL_NORM, t, K.affine_store(p, plan.flags, output_type(plan)), plan.vec,
+                              persistent=True)
     acc_words = groups * row_tiles * NORMS["ln"].stat_words + 3 * groups
     step = Step(kernel, (device.sm_count * 8,), (STREAM_BLOCK_THREADS,))
     return Launch("channel_stream", (step,), chunks=row_tiles, chunk_vecs=tile_vecs, workspace_words=acc_words,
@@ -201,8 +202,8 @@ def choose_channel_onchip(plan: ChannelPlan, device: Device, override: dict | No
     statistic group."""
     t, p = kernel_types(plan)
     threads, items, cluster = onchip_shape(plan, device, override)
-    kernel = K.CHANNEL_ONCHIP(t, p, plan.flags, plan.vec, plan.channels_last, output_type(plan), threads, items,
-                              cluster)
+    kernel = K.CHANNEL_ONCHIP(t, K.affine_store(p, plan.flags, output_type(plan)), plan.vec, plan.channels_last,
+                              threads, items, cluster)
     return Launch("channel_onchip", (Step(kernel, (plan.statistic_groups * cluster,), (threads,)),))
 
 
@@ -303,7 +304,8 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     if groups >= 2**31 or plan.channels_per_group * chunks >= 2**31 or plan.channels >= 2**31:
         raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
                          f"is over the kernels' 2**31 - 1 index limit")
-    apply = Step(K.CHANNEL_APPLY(t, p, plan.flags, vec, layout, output_type(plan)), grid, block, 0, padded)
+    apply = Step(K.CHANNEL_APPLY(t, K.affine_store(p, plan.flags, output_type(plan)), vec, layout), grid, block, 0,
+                 padded)
     hints = override.get("hints", channel_apply_hints(plan, device))
     if from_running and not returns_stats:
         return Launch("channel_eval", (apply,), chunks=chunks, chunk_vecs=chunk_len, hints=hints)

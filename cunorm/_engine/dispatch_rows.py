@@ -263,14 +263,13 @@ def residual_add_step(dtype, n_vec: int, vec: int, device: Device) -> Step:
 
 def statistics_only(launch: Launch) -> Launch:
     """The cached tier's launch with its y stores compiled out (rows_cached
-    with Y = none_t): the statistics alone, for a jit program that never
-    reads y. The other tiers always write y."""
+    with NoStore): the statistics alone, for a jit program that never reads
+    y. The other tiers always write y."""
     if launch.tier != "cached":
         raise ValueError(f"the {launch.tier} tier always writes y")
     (step,) = launch.steps
-    from .dtypes import NO_PARAMS
-
-    kernel = K.ROWS_CACHED(*step.kernel.template_args[:-1], NO_PARAMS)
+    args = step.kernel.template_args
+    kernel = K.ROWS_CACHED(*args[:2], K.NO_STORE, *args[3:])
     return replace(launch, steps=(replace(step, kernel=kernel),))
 
 
@@ -343,18 +342,19 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
 
     t, p = kernel_types(plan)
     policy = norm_info(plan.norm).policy
-    common = (policy, t, p, plan.flags, plan.residual, plan.vec)
+    load = K.row_load(t, plan.residual)
+    common = (policy, t, K.affine_store(p, plan.flags, t), load, plan.vec)
     if tier == "cached":
         if not rows_cache_fits(plan, threads):  # only a forced tier or thread count gets here
             raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
-        y = output_type(plan)
+        cached = (policy, t, K.affine_store(p, plan.flags, output_type(plan)), load, plan.vec, vpt)
         if threads <= 32:
             block = GROUP_BLOCK_THREADS
-            kernel = K.ROWS_CACHED(*common, vpt, False, y)
+            kernel = K.ROWS_CACHED(*cached, False)
             grid = min(_ceil_div(rows, block // threads), MAX_GRID_X)
         else:
             block = threads
-            kernel = K.ROWS_CACHED(*common, vpt, True, y)
+            kernel = K.ROWS_CACHED(*cached, True)
             grid = min(rows, MAX_GRID_X)
         step = Step(kernel, (grid,), (block,))
         return Launch("cached", (step,), threads_per_row=threads)
@@ -369,7 +369,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             room = (device.max_shared_per_block - UNCACHED_SHARED_RESERVE) // max(per_sm, 1)
             stash_bytes = min(override.get("stash_bytes", tune.uncached_stash_bytes), room, row_bytes)
         stash_vecs = stash_bytes // vec_bytes
-        kernel = K.ROWS_UNCACHED(policy, t, p, plan.flags, plan.residual, vec, persistent=bool(per_sm))
+        kernel = K.ROWS_UNCACHED(*common[:4], vec, persistent=bool(per_sm))
         block = override.get("threads", UNCACHED_BLOCK_THREADS)
         if block > UNCACHED_BLOCK_THREADS or block % 32:
             raise ValueError(f"rows_uncached: {block} threads is over its 512-thread bounds or not whole warps")
@@ -390,7 +390,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         want_chunks = max(1, _ceil_div(tune.split_blocks_per_sm * device.sm_count, rows))
         chunks = override.get("chunks", min(want_chunks, _ceil_div(n_vec, block)))
         grid = (min(rows, MAX_GRID_X), min(chunks, MAX_GRID_Y))
-        partial = K.ROWS_SPLIT_PARTIAL(policy, t, plan.residual, plan.vec)
+        partial = K.ROWS_SPLIT_PARTIAL(policy, t, load, plan.vec)
         apply = K.ROWS_SPLIT_APPLY(*common)
         return Launch(
             "split",
@@ -417,7 +417,7 @@ def _choose_strided(plan: Plan, device: Device, override: dict) -> Launch:
     if plan.residual:
         raise ValueError("strided_norm has no residual: form h first (cunorm/_engine/row_norms.py does)")
     t, p = kernel_types(plan)
-    kernel = K.STRIDED_NORM(norm_info(plan.norm).policy, t, p, plan.flags, plan.vec, cpt)
+    kernel = K.STRIDED_NORM(norm_info(plan.norm).policy, t, K.affine_store(p, plan.flags, t), plan.vec, cpt)
     tiles = _ceil_div(inner_vecs, bx)
     acc_bytes = 8 if plan.dtype.itemsize == 8 else 4
     shared = by * bx * plan.vec * norm_info(plan.norm).stat_words * acc_bytes

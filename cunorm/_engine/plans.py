@@ -28,7 +28,8 @@ class Plan:
     dtype: storage dtype of x (and of the residual r, y and h).
     param_dtype, flags: storage dtype of the affine parameters and which of
         them apply (FLAG_WEIGHT | FLAG_BIAS), with the epilogue's options
-        (the kernels' FLAGS word); param_dtype is None without parameters.
+        (the store stage's FLAGS word); param_dtype is None without
+        parameters.
     residual: h = x + r is formed, returned and normalized.
     vec: elements per vector access along the contiguous axis (reduced if
         inner == 1, else inner), the widest that every pointer, stride and
@@ -65,7 +66,8 @@ class Plan:
 FLAG_WEIGHT = 1  # mirrors kWeight in cunorm/kernels/common.cuh
 FLAG_BIAS = 2  # mirrors kBias
 PARAM_FLAGS = FLAG_WEIGHT | FLAG_BIAS
-# The epilogue's options, the same FLAGS word (common.cuh says what each does)
+# The epilogue's options, the same FLAGS word (AffineStore in
+# cunorm/kernels/stages.cuh says what each does)
 FLAG_WEIGHT_OFFSET = 4  # kWeightOffset: the weight read as 1 + weight
 FLAG_ROUND_NORMALIZED = 8  # kRoundNormalized: rounded before the weight
 ACTIVATION_SHIFT = 4  # kActivationShift

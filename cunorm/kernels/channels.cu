@@ -350,25 +350,29 @@ channel_from_running(const A* __restrict__ running_mean, const A* __restrict__ r
 // y = (x - pivot - center) * scale [* w[c]] [+ b[c]] with the (pivot,
 // center, scale) of the element's statistic group; same grid and block
 // shapes as channel_partial, chunks of chunk_len positions (vectors of VEC
-// positions when channels-first). P/FLAGS: per-channel parameters. Y: y's
-// storage type, T's or float for 16-bit T (GroupNorm under autocast reads
-// bf16 and returns float32, with no cast pass before it).
+// positions when channels-first). STORE: the store stage (stages.cuh), its
+// parameters per channel; y's storage type STORE::Out is T's or float for
+// 16-bit T (GroupNorm under autocast reads bf16 and returns float32, with
+// no cast pass before it).
 // With running_var not null (BatchNorm in eval mode, no statistics
 // returned: one launch, no workspace), a channel's (0, center, scale) is
 // (0, running_mean[c], rsqrt(running_var[c] + eps)), as
 // channel_from_running writes it, and affine is not read.
-template <class T, class P, int FLAGS, int VEC, int LAYOUT, class Y>
+template <class T, class STORE, int VEC, int LAYOUT>
 __global__ void __launch_bounds__(256, 2)
-channel_apply(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b,
-              const typename AccOf<T>::type* __restrict__ affine,
+channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__ w,
+              const typename STORE::Param* __restrict__ b, const typename AccOf<T>::type* __restrict__ affine,
               const typename AccOf<T>::type* __restrict__ running_mean,
-              const typename AccOf<T>::type* __restrict__ running_var, Y* __restrict__ y, long long batch,
+              const typename AccOf<T>::type* __restrict__ running_var, typename STORE::Out* __restrict__ y,
+              long long batch,
               long long spatial, int channels, int channels_per_group, int per_sample, long long chunks,
               long long chunk_len, typename AccOf<T>::type eps, int hints, int block_x) {
     const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
+    using Y = typename STORE::Out;
+    using Scalars = typename STORE::template Scalars<A>;
     const int groups = channels / channels_per_group;
-    auto params_of = [&](long long n, int c, Affine<A>& f, A& pivot, A& wc, A& bc) {
+    auto params_of = [&](long long n, int c, Affine<A>& f, A& pivot, Scalars& p) {
         if (running_var != nullptr) {
             pivot = A(0);
             f = Affine<A>{running_mean[c], rsqrt(running_var[c] + eps)};
@@ -377,10 +381,7 @@ channel_apply(const T* __restrict__ x, const P* __restrict__ w, const P* __restr
             pivot = affine[3 * group];
             f = Affine<A>{affine[3 * group + 1], affine[3 * group + 2]};
         }
-        wc = A(1);
-        bc = A(0);
-        if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
-        if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
+        p = STORE::template channel<A>(w, b, c);
     };
     if constexpr (LAYOUT == kChannelsFirst) {
         const long long spatial_vecs = spatial / VEC;
@@ -388,8 +389,9 @@ channel_apply(const T* __restrict__ x, const P* __restrict__ w, const P* __restr
             const int c = c0 + bl.ty;
             if (c >= channels) return;  // no barrier below
             Affine<A> f;
-            A pivot, wc, bc;
-            params_of(n, c, f, pivot, wc, bc);
+            A pivot;
+            Scalars p;
+            params_of(n, c, f, pivot, p);
             const long long offset = (n * channels + c) * spatial;
             const long long begin = chunk * chunk_len;
             const long long end = min(begin + chunk_len, spatial_vecs);
@@ -400,7 +402,7 @@ channel_apply(const T* __restrict__ x, const P* __restrict__ w, const P* __restr
                     Vec<Y, VEC> o;
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
-                        narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
+                        STORE::template element<T>(static_cast<A>(widen(in.v[j])) - pivot, f, p, o.v[j]);
                     }
                     store_vec_hinted<Y, VEC>(y + offset + v * VEC, o, hints);
                 });
@@ -419,12 +421,13 @@ channel_apply(const T* __restrict__ x, const P* __restrict__ w, const P* __restr
             constexpr bool kGrouped = LAYOUT == kChannelsLastGrouped;
             constexpr int kGroupParams = kGrouped ? 1 : VEC;
             Affine<A> f[kGroupParams];
-            A pivot[kGroupParams], wc[VEC], bc[VEC];
+            A pivot[kGroupParams];
+            Scalars params[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 Affine<A> fj;
                 A pj;
-                params_of(n, cv * VEC + j, fj, pj, wc[j], bc[j]);
+                params_of(n, cv * VEC + j, fj, pj, params[j]);
                 if (j < kGroupParams) {
                     f[j] = fj;
                     pivot[j] = pj;
@@ -445,7 +448,7 @@ channel_apply(const T* __restrict__ x, const P* __restrict__ w, const P* __restr
                         for (int j = 0; j < VEC; ++j) {
                             const int k = kGrouped ? 0 : j;
                             const A shifted = static_cast<A>(widen(in.v[j])) - pivot[k];
-                            narrow(apply_affine<FLAGS, T>(shifted, f[k], wc[j], bc[j]), o.v[j]);
+                            STORE::template element<T>(shifted, f[k], params[j], o.v[j]);
                         }
                         store_vec_hinted<Y, VEC>(ys + p * channels, o, hints);
                     });
@@ -495,9 +498,10 @@ __device__ __forceinline__ Stats load_stats_cg(const Stats* p) {
 // the apply tile's x loaded as a last use (ld.global.cs). 16-byte vectors.
 // sync (zeroed before the launch): [0] the ticket counter, [1 + i] the
 // arrivals of group i, [1 + groups_total + i] its ready flag.
-template <template <class> class NormT, class T, class P, int FLAGS, int VEC, class Y>
+template <template <class> class NormT, class T, class STORE, int VEC>
 __global__ void __launch_bounds__(256, 2)
-channel_stream(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b, Y* __restrict__ y,
+channel_stream(const T* __restrict__ x, const typename STORE::Param* __restrict__ w,
+               const typename STORE::Param* __restrict__ b, typename STORE::Out* __restrict__ y,
                typename AccOf<T>::type* partial, typename AccOf<T>::type* affine, typename AccOf<T>::type* mean_out,
                typename AccOf<T>::type* rstd_out, unsigned int* sync, long long groups_total, long long group_vecs,
                long long spatial_vecs, int channels_per_group, int groups, long long tile_vecs, long long row_tiles,
@@ -588,25 +592,24 @@ channel_stream(const T* __restrict__ x, const P* __restrict__ w, const P* __rest
                 const Affine<A> f{__ldcg(affine + 3 * group + 1), __ldcg(affine + 3 * group + 2)};
                 const int first_channel = static_cast<int>(group32 % static_cast<unsigned int>(groups)) *
                                           channels_per_group;
-                Y* out = y + group * group_vecs * VEC;
+                typename STORE::Out* out = y + group * group_vecs * VEC;
                 for_each_batched<4>(
                     begin + threadIdx.x, end, blockDim.x,
                     [&](long long v) { return load_vec_hinted<T, VEC>(row + v * VEC, hints); },
                     [&](long long v, const Vec<T, VEC>& in) {
-                        A wc = A(1), bc = A(0);
-                        if constexpr ((FLAGS & (kWeight | kBias)) != 0) {
+                        typename STORE::template Scalars<A> p{A(1), A(0)};
+                        if constexpr (STORE::kParamBytes != 0) {
                             // group_vecs < 2**31 (the dispatch): a 32-bit division
                             const int c = first_channel + static_cast<int>(static_cast<unsigned int>(v) /
                                                                            static_cast<unsigned int>(spatial_vecs));
-                            if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
-                            if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
+                            p = STORE::template channel<A>(w, b, c);
                         }
-                        Vec<Y, VEC> o;
+                        Vec<typename STORE::Out, VEC> o;
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
-                            narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, wc, bc), o.v[j]);
+                            STORE::template element<T>(static_cast<A>(widen(in.v[j])) - pivot, f, p, o.v[j]);
                         }
-                        store_vec_hinted<Y, VEC>(out + v * VEC, o, hints);
+                        store_vec_hinted(out + v * VEC, o, hints);
                     });
             }
         }

@@ -14,17 +14,7 @@ namespace cunorm {
 
 struct half_t { unsigned short bits; };  // IEEE binary16, raw bits
 struct bf16_t { unsigned short bits; };  // bfloat16, raw bits
-struct none_t {};                        // "no affine parameters" marker
-// Y = none_t: a kernel with a y output that writes none (rows_cached's
-// statistics alone)
-template <class Y>
-struct IsNone {
-    static constexpr bool value = false;
-};
-template <>
-struct IsNone<none_t> {
-    static constexpr bool value = true;
-};
+struct none_t {};                        // "nothing here": no parameters, no y
 
 // Accumulation type: float for 16- and 32-bit storage, double for float64.
 template <class T> struct AccOf { using type = float; };
@@ -172,9 +162,8 @@ __device__ __forceinline__ void store_vec_hinted(T* p, const Vec<T, N>& v, int h
     else store_vec<T, N>(p, v);
 }
 
-// Elementwise epilogue shared by every family:
-//   y = act((x - center) * scale [* weight] [+ bias])
-// in the accumulation type, rounded once to the storage type. Subtracting
+// A group's statistic as the epilogue applies it: y = (x - center) * scale,
+// then the store stage's parameters and options (stages.cuh). Subtracting
 // the center before scaling keeps LayerNorm exact for rows whose mean is far
 // larger than their spread (x*rstd - mean*rstd would cancel catastrophically).
 template <class A>
@@ -183,121 +172,68 @@ struct Affine {
     A scale;
 };
 
-// The FLAGS template argument: which affine parameters a kernel applies
-// (kWeight, kBias), and how the epilogue rounds and ends:
-//   kWeightOffset      the weight is read as 1 + weight (Gemma's RMSNorm)
-//   kRoundNormalized   (x - center) * scale is rounded to the storage type
-//                      before the weight multiplies (Llama's RMSNorm rounds
-//                      there), then the product is rounded again
-//   bits 4..6          the activation applied last (Activation), computed
-//                      as torch computes it in float32
+// Which affine parameters apply (the low bits of a store stage's FLAGS, and
+// the parameter gradients the backward kernels form).
 constexpr int kWeight = 1;
 constexpr int kBias = 2;
-constexpr int kWeightOffset = 4;
-constexpr int kRoundNormalized = 8;
-constexpr int kActivationShift = 4;
-enum Activation { kIdentity = 0, kRelu = 1, kSilu = 2, kGelu = 3, kGeluTanh = 4 };
 
-// v rounded to the storage type T and widened back (exact for float, double).
-template <class T, class A>
-__device__ __forceinline__ A rounded_to(A v) {
-    T t;
-    narrow(v, t);
-    return static_cast<A>(widen(t));
+// L2 eviction policies (sm_80+): the resident tier marks the data it streams
+// (x in, y out) evict-first and the parameters it re-reads for every row
+// evict-last, so 32 MB of weight and bias stay in L2 across rows.
+__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
 }
-
-// The activations, each with torch's formula and order of operations.
-// ReLU keeps a NaN (as torch's clamp does).
-template <int ACT, class A>
-__device__ __forceinline__ A activate(A v) {
-    if constexpr (ACT == kRelu) {
-        return v < A(0) ? A(0) : v;
-    } else if constexpr (ACT == kSilu) {
-        return v / (A(1) + exp(-v));
-    } else if constexpr (ACT == kGelu) {
-        return v * A(0.5) * (A(1) + erf(v * A(0.70710678118654752440)));
-    } else if constexpr (ACT == kGeluTanh) {
-        const A inner = A(0.79788456080286535588) * (v + A(0.044715) * (v * v * v));
-        return A(0.5) * v * (A(1) + tanh(inner));
-    } else {
-        return v;
-    }
-}
-
-template <int FLAGS, class T, class A>
-__device__ __forceinline__ A apply_affine(A x, const Affine<A>& f, A w, A b) {
-    A v = (x - f.center) * f.scale;
-    if constexpr ((FLAGS & kRoundNormalized) != 0) v = rounded_to<T>(v);
-    if constexpr ((FLAGS & kWeightOffset) != 0) w = A(1) + w;
-    if constexpr ((FLAGS & kWeight) && (FLAGS & kBias)) {
-        v = fma(v, w, b);
-    } else if constexpr (FLAGS & kWeight) {
-        v = v * w;
-    } else if constexpr (FLAGS & kBias) {
-        v = v + b;
-    }
-    return activate<(FLAGS >> kActivationShift) & 7>(v);
-}
-
-// The affine parameters of one vector: VEC weights and/or biases in their
-// storage type P (nothing at all when FLAGS names neither).
-template <class P, int FLAGS, int VEC, bool ANY = (FLAGS & (kWeight | kBias)) != 0>
-struct ParamVec {
-    Vec<P, VEC> w;
-    Vec<P, VEC> b;
-};
-template <class P, int FLAGS, int VEC>
-struct ParamVec<P, FLAGS, VEC, false> {};
-
-template <class P, int FLAGS, int VEC>
-__device__ __forceinline__ ParamVec<P, FLAGS, VEC> load_params(const P* w, const P* b, long long i) {
-    ParamVec<P, FLAGS, VEC> p;
-    if constexpr (FLAGS & kWeight) p.w = load_vec<P, VEC>(w + i);
-    if constexpr (FLAGS & kBias) p.b = load_vec<P, VEC>(b + i);
+__device__ __forceinline__ unsigned long long l2_policy_evict_last() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
     return p;
 }
 
-template <class A, class P, int FLAGS, int VEC>
-__device__ __forceinline__ A param_w(const ParamVec<P, FLAGS, VEC>& p, int j) {
-    if constexpr (FLAGS & kWeight) return static_cast<A>(widen(p.w.v[j]));
-    else return A(1);
-}
-template <class A, class P, int FLAGS, int VEC>
-__device__ __forceinline__ A param_b(const ParamVec<P, FLAGS, VEC>& p, int j) {
-    if constexpr (FLAGS & kBias) return static_cast<A>(widen(p.b.v[j]));
-    else return A(0);
-}
-
-// epilogue(h[0:VEC] - pivot) with the parameters of those positions (pivot:
-// the group's shift, 0 for unshifted norms), rounded to the output's
-// storage type Y (T's, or float for a 16-bit T read and float32 written).
-template <class T, class P, int FLAGS, int VEC, class A, class Y = T>
-__device__ __forceinline__ Vec<Y, VEC> normalized(const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
-                                                  const Affine<A>& f, A pivot) {
-    Vec<Y, VEC> out;
+// A vector load / store with an L2 policy, word by word (4-byte words; the
+// 2-byte vectors of half/bf16 VEC=1 go without a hint).
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec_hint(const T* p, unsigned long long policy) {
+    constexpr int kBytes = sizeof(T) * N;
+    if constexpr (kBytes % 4 != 0) {
+        return load_vec<T, N>(p);
+    } else {
+        union { Vec<T, N> v; unsigned u[kBytes / 4]; } r;
+        const unsigned* src = reinterpret_cast<const unsigned*>(p);
+        if constexpr (kBytes >= 16) {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        const A v = apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot, f, param_w<A>(p, j), param_b<A>(p, j));
-        narrow(v, out.v[j]);
+            for (int k = 0; k < kBytes / 16; ++k) {
+                asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                             : "=r"(r.u[4 * k]), "=r"(r.u[4 * k + 1]), "=r"(r.u[4 * k + 2]), "=r"(r.u[4 * k + 3])
+                             : "l"(src + 4 * k), "l"(policy));
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < kBytes / 4; ++k) {
+                asm volatile("ld.global.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(r.u[k]) : "l"(src + k), "l"(policy));
+            }
+        }
+        return r.v;
     }
-    return out;
 }
 
-// y[0:VEC] = normalized(h[0:VEC]); y's storage type Y from dst.
-template <class T, class P, int FLAGS, int VEC, class A, class Y>
-__device__ __forceinline__ void write_normalized(Y* dst, const Vec<T, VEC>& in, const ParamVec<P, FLAGS, VEC>& p,
-                                                 const Affine<A>& f, A pivot) {
-    store_vec<Y, VEC>(dst, normalized<T, P, FLAGS, VEC, A, Y>(in, p, f, pivot));
-}
-
-// h = x + r, rounded to the storage type (the fused pre-norm residual add:
-// the norm then sees exactly the h it returns).
-template <class T, int VEC>
-__device__ __forceinline__ Vec<T, VEC> add_residual(const Vec<T, VEC>& x, const Vec<T, VEC>& r) {
-    Vec<T, VEC> h;
+template <class T, int N>
+__device__ __forceinline__ void store_vec_hint(T* p, const Vec<T, N>& v, unsigned long long policy) {
+    constexpr int kBytes = sizeof(T) * N;
+    if constexpr (kBytes % 16 != 0) {
+        store_vec<T, N>(p, v);
+    } else {
+        union { Vec<T, N> v; unsigned u[kBytes / 4]; } r;
+        r.v = v;
+        unsigned* dst = reinterpret_cast<unsigned*>(p);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) narrow(widen(x.v[j]) + widen(r.v[j]), h.v[j]);
-    return h;
+        for (int k = 0; k < kBytes / 16; ++k) {
+            asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst + 4 * k),
+                         "r"(r.u[4 * k]), "r"(r.u[4 * k + 1]), "r"(r.u[4 * k + 2]), "r"(r.u[4 * k + 3]), "l"(policy)
+                         : "memory");
+        }
+    }
 }
 
 }  // namespace cunorm

@@ -73,10 +73,11 @@ __device__ __forceinline__ int onchip_first(unsigned int rank) {
 // running estimates. y is stored with the streaming hint (st.global.cs).
 // The regime: groups of at most CLUSTER * THREADS * ITEMS vectors (the
 // dispatch), every load of a thread in flight at once, nothing read twice.
-template <class T, class P, int FLAGS, int VEC, bool CHANNELS_LAST, class Y, int THREADS, int ITEMS, int CLUSTER>
+template <class T, class STORE, int VEC, bool CHANNELS_LAST, int THREADS, int ITEMS, int CLUSTER>
 __global__ void __launch_bounds__(THREADS) CUNORM_CLUSTER_DIMS(CLUSTER)
-channel_onchip(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b,
-               typename AccOf<T>::type* running_mean, typename AccOf<T>::type* running_var, Y* __restrict__ y,
+channel_onchip(const T* __restrict__ x, const typename STORE::Param* __restrict__ w,
+               const typename STORE::Param* __restrict__ b, typename AccOf<T>::type* running_mean,
+               typename AccOf<T>::type* running_var, typename STORE::Out* __restrict__ y,
                typename AccOf<T>::type* mean_out, typename AccOf<T>::type* rstd_out, int rows, int row_vecs,
                long long row_stride, long long sample_stride, long long group_stride, int spatial_vecs,
                int channels_per_group, int groups, typename AccOf<T>::type eps, typename AccOf<T>::type momentum) {
@@ -141,23 +142,17 @@ channel_onchip(const T* __restrict__ x, const P* __restrict__ w, const P* __rest
     for (int i = 0; i < ITEMS; ++i) {
         const int v = first + i * THREADS;
         if (v < group_vecs) {
-            ParamVec<P, FLAGS, VEC> p;
-            if constexpr ((FLAGS & (kWeight | kBias)) != 0) {
+            typename STORE::template Params<VEC> p;
+            if constexpr (STORE::kParamBytes != 0) {
                 const int r = static_cast<int>(static_cast<unsigned int>(v) / static_cast<unsigned int>(row_vecs));
                 const int col = v - r * row_vecs;
                 if constexpr (CHANNELS_LAST) {
-                    p = load_params<P, FLAGS, VEC>(w, b, first_channel + col * VEC);
+                    p = STORE::template params<VEC>(w, b, first_channel + col * VEC);
                 } else {
-                    const int c = first_channel + col / spatial_vecs;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        if constexpr ((FLAGS & kWeight) != 0) p.w.v[j] = w[c];
-                        if constexpr ((FLAGS & kBias) != 0) p.b.v[j] = b[c];
-                    }
+                    p = STORE::template splat<VEC>(w, b, first_channel + col / spatial_vecs);
                 }
             }
-            store_vec_streaming<Y, VEC>(y + grp.offset<VEC>(v),
-                                        normalized<T, P, FLAGS, VEC, A, Y>(held[i], p, f, pivot));
+            store_vec_streaming(y + grp.offset<VEC>(v), STORE::template apply<T>(held[i], p, f, pivot));
         }
     }
     if constexpr (CLUSTER > 1) cluster_wait();  // no block leaves while a peer may read its shared memory

@@ -3,6 +3,7 @@
 // with the same, bitwise reproducible, statistic. No atomics anywhere.
 #pragma once
 #include "norms.cuh"
+#include "stages.cuh"
 
 namespace cunorm {
 
@@ -16,16 +17,17 @@ __device__ __forceinline__ typename Norm::Stats fold(const typename Norm::Stats&
 }
 
 // The shift of a row for shifted norms (norms.cuh, kShifted): its first
-// element, of h = x + r with a residual (rounded as h is); 0 otherwise.
-// Every thread of the row loads the same element (one broadcast access).
-template <class Norm, class A, class T, bool RESIDUAL>
+// element as the load stage forms it (h = x + r, rounded as h is, with a
+// residual); 0 otherwise. Every thread of the row loads the same element
+// (one broadcast access).
+template <class Norm, class A, class T, class LOAD>
 __device__ __forceinline__ A row_pivot(const T* x_row, const T* r_row, bool active) {
     if constexpr (!Norm::kShifted) {
         return A(0);
     } else {
         if (!active) return A(0);
         Vec<T, 1> v = load_vec<T, 1>(x_row);
-        if constexpr (RESIDUAL) v = add_residual<T, 1>(v, load_vec<T, 1>(r_row));
+        if constexpr (LOAD::kResidual) v = LOAD::template combine<1>(v, load_vec<T, 1>(r_row));
         return static_cast<A>(widen(v.v[0]));
     }
 }

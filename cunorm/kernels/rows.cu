@@ -5,25 +5,26 @@
 //
 // Template arguments shared by every kernel here:
 //   NormT      the norm policy (norms.cuh)
-//   T          storage type of x, r, y, h
-//   P, FLAGS   storage type of the affine parameters and which of them apply
-//              (kWeight | kBias; P = none_t with FLAGS = 0)
-//   RESIDUAL   h = x + r is formed (rounded to T), written out, and
-//              normalized: the pre-norm transformer block's fused add
+//   T          storage type of x, r, h
+//   STORE      the store stage (stages.cuh): the parameters w and b, the
+//              epilogue, y's storage type (STORE::Out)
+//   LOAD       the load stage: x, or h = x + r formed, written out and
+//              normalized (the pre-norm transformer block's fused add)
 //   VEC        elements a thread moves per access (16 bytes when the
 //              pointers, strides and n allow it)
 // Per-group statistics (Affine center and scale, accumulation type) are
 // written to center_out / scale_out when those are not null. rows_cached
-// with Y = none_t writes no y (the statistics alone: a jit program that
-// never reads y).
+// with NoStore writes no y (the statistics alone: a jit program that never
+// reads y).
 //
 // Three tiers, picked by cunorm/_engine/dispatch_rows.py from the row length and count:
 //
 //   rows_cached    the row is read once into registers, reduced, then scaled
 //                  from registers: one read and one write of every element.
-//                  Y: the storage type of y, T's or float for 16-bit T
-//                  (LayerNorm under autocast reads bf16 and returns float32,
-//                  with no cast pass before it), or none_t (no y).
+//                  y's storage type (STORE::Out) may be float for
+//                  16-bit T (LayerNorm under autocast reads bf16 and
+//                  returns float32, with no cast pass before it); the other
+//                  tiers write y in T.
 //                  BLOCK_PER_ROW=false: a group of threads_per_row lanes (a
 //                  power of two <= 32) per row, several rows per block,
 //                  butterfly shuffles only (short rows). BLOCK_PER_ROW=true:
@@ -82,92 +83,20 @@ constexpr int kGroupBlockThreads = 256;
 
 // A vector of the input and the affine parameters of its positions, loaded
 // together so a batch of them is in flight at once in the write sweeps.
-template <class T, class P, int FLAGS, int VEC>
+template <class T, class STORE, int VEC>
 struct Loaded {
     Vec<T, VEC> v;
-    ParamVec<P, FLAGS, VEC> p;
+    typename STORE::template Params<VEC> p;
 };
 
 // Items (an input vector and its parameters) a write sweep keeps in flight:
 // as many as a register budget of 192 bytes holds, 64 with a residual (whose
 // load path holds more), at most kSweepUnroll. More spilled on sm_80/sm_90.
-template <class T, class P, int FLAGS, int VEC, bool RESIDUAL>
+template <class T, class STORE, class LOAD, int VEC>
 __host__ __device__ constexpr int write_batch() {
-    constexpr int item = VEC * static_cast<int>(sizeof(T)) +
-                         (((FLAGS & kWeight) ? 1 : 0) + ((FLAGS & kBias) ? 1 : 0)) * VEC * static_cast<int>(sizeof(P));
-    constexpr int budget = RESIDUAL ? 64 : 192;
+    constexpr int item = VEC * (static_cast<int>(sizeof(T)) + STORE::kParamBytes);
+    constexpr int budget = LOAD::kResidual ? 64 : 192;
     return item * 4 <= budget ? 4 : item * 2 <= budget ? 2 : 1;
-}
-
-// The vector a normalization reads at element e of a row: x, or h = x + r
-// (written to h_row on the way).
-template <class T, int VEC, bool RESIDUAL>
-__device__ __forceinline__ Vec<T, VEC> load_input(const T* x_row, const T* r_row, T* h_row, long long e) {
-    Vec<T, VEC> v = load_vec<T, VEC>(x_row + e);
-    if constexpr (RESIDUAL) {
-        v = add_residual<T, VEC>(v, load_vec<T, VEC>(r_row + e));
-        store_vec<T, VEC>(h_row + e, v);
-    }
-    return v;
-}
-
-// L2 eviction policies (sm_80+): the resident tier marks the data it streams
-// (x in, y out) evict-first and the parameters it re-reads for every row
-// evict-last, so 32 MB of weight and bias stay in L2 across rows.
-__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
-    unsigned long long p;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-__device__ __forceinline__ unsigned long long l2_policy_evict_last() {
-    unsigned long long p;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-
-// A vector load / store with an L2 policy, word by word (4-byte words; the
-// 2-byte vectors of half/bf16 VEC=1 go without a hint).
-template <class T, int N>
-__device__ __forceinline__ Vec<T, N> load_vec_hint(const T* p, unsigned long long policy) {
-    constexpr int kBytes = sizeof(T) * N;
-    if constexpr (kBytes % 4 != 0) {
-        return load_vec<T, N>(p);
-    } else {
-        union { Vec<T, N> v; unsigned u[kBytes / 4]; } r;
-        const unsigned* src = reinterpret_cast<const unsigned*>(p);
-        if constexpr (kBytes >= 16) {
-#pragma unroll
-            for (int k = 0; k < kBytes / 16; ++k) {
-                asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                             : "=r"(r.u[4 * k]), "=r"(r.u[4 * k + 1]), "=r"(r.u[4 * k + 2]), "=r"(r.u[4 * k + 3])
-                             : "l"(src + 4 * k), "l"(policy));
-            }
-        } else {
-#pragma unroll
-            for (int k = 0; k < kBytes / 4; ++k) {
-                asm volatile("ld.global.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(r.u[k]) : "l"(src + k), "l"(policy));
-            }
-        }
-        return r.v;
-    }
-}
-
-template <class T, int N>
-__device__ __forceinline__ void store_vec_hint(T* p, const Vec<T, N>& v, unsigned long long policy) {
-    constexpr int kBytes = sizeof(T) * N;
-    if constexpr (kBytes % 16 != 0) {
-        store_vec<T, N>(p, v);
-    } else {
-        union { Vec<T, N> v; unsigned u[kBytes / 4]; } r;
-        r.v = v;
-        unsigned* dst = reinterpret_cast<unsigned*>(p);
-#pragma unroll
-        for (int k = 0; k < kBytes / 16; ++k) {
-            asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst + 4 * k),
-                         "r"(r.u[4 * k]), "r"(r.u[4 * k + 1]), "r"(r.u[4 * k + 2]), "r"(r.u[4 * k + 3]), "l"(policy)
-                         : "memory");
-        }
-    }
 }
 
 // Wait until at most `left` of this thread's cp.async groups are pending
@@ -206,17 +135,18 @@ __device__ __forceinline__ void copy_async_wait_all() {
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
-template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC, int VECS_PER_THREAD,
-          bool BLOCK_PER_ROW, class Y>
+template <template <class> class NormT, class T, class STORE, class LOAD, int VEC, int VECS_PER_THREAD,
+          bool BLOCK_PER_ROW>
 __global__ void __launch_bounds__(
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
-                                     VECS_PER_THREAD, RESIDUAL>::kBlockMaxThreads
+                                     VECS_PER_THREAD, LOAD::kResidual>::kBlockMaxThreads
                   : kGroupBlockThreads,
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
-                                     VECS_PER_THREAD, RESIDUAL>::kBlockMinBlocks
+                                     VECS_PER_THREAD, LOAD::kResidual>::kBlockMinBlocks
                   : 2)
-rows_cached(const T* __restrict__ x, const T* __restrict__ r, const P* __restrict__ w, const P* __restrict__ b,
-            Y* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
+rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STORE::Param* __restrict__ w,
+            const typename STORE::Param* __restrict__ b,
+            typename STORE::Out* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
             typename AccOf<T>::type* scale_out, long long rows, int n, long long x_row_stride,
             typename AccOf<T>::type eps, int threads_per_row) {
     using A = typename AccOf<T>::type;
@@ -242,23 +172,23 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const P* __restric
 
         // Issue every load of the row before using any of them.
         Vec<T, VEC> cache[VECS_PER_THREAD];
-        Vec<T, VEC> residual[RESIDUAL ? VECS_PER_THREAD : 1];
+        Vec<T, VEC> residual[LOAD::kResidual ? VECS_PER_THREAD : 1];
 #pragma unroll
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
             const int v = lane + k * row_threads;
             if (active && v < n_vec) {
                 cache[k] = load_vec<T, VEC>(xr + static_cast<long long>(v) * VEC);
-                if constexpr (RESIDUAL) residual[k] = load_vec<T, VEC>(r + row * x_row_stride + v * VEC);
+                if constexpr (LOAD::kResidual) residual[k] = load_vec<T, VEC>(r + row * x_row_stride + v * VEC);
             }
         }
-        const A pivot = row_pivot<Norm, A, T, RESIDUAL>(xr, r + row * x_row_stride, active);
+        const A pivot = row_pivot<Norm, A, T, LOAD>(xr, r + row * x_row_stride, active);
         Stats s = Norm::init();
 #pragma unroll
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
             const int v = lane + k * row_threads;
             if (active && v < n_vec) {
-                if constexpr (RESIDUAL) {
-                    cache[k] = add_residual<T, VEC>(cache[k], residual[k]);
+                if constexpr (LOAD::kResidual) {
+                    cache[k] = LOAD::template combine<VEC>(cache[k], residual[k]);
                     store_vec<T, VEC>(h + row * n + static_cast<long long>(v) * VEC, cache[k]);
                 }
                 s = fold<Norm, A, T, VEC>(s, cache[k], pivot);
@@ -272,15 +202,15 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const P* __restric
         const Affine<A> f = Norm::finalize(s, n, eps);
         if (active && lane == 0) store_stats(center_out, scale_out, row, f, pivot);
 
-        if constexpr (!IsNone<Y>::value) {
-            Y* yr = y + row * n;
+        if constexpr (STORE::kWritesY) {
+            typename STORE::Out* yr = y + row * n;
 #pragma unroll
             for (int k = 0; k < VECS_PER_THREAD; ++k) {
                 const int v = lane + k * row_threads;
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
-                    write_normalized<T, P, FLAGS, VEC, A>(yr + e, cache[k], load_params<P, FLAGS, VEC>(w, b, e), f,
-                                                          pivot);
+                    store_vec(yr + e, STORE::template apply<T>(cache[k], STORE::template params<VEC>(w, b, e), f,
+                                                               pivot));
                 }
             }
         }
@@ -299,9 +229,9 @@ __device__ __forceinline__ int misaligned_head(const T* p, long long n) {
 // stash: a 65535-float row is 226 KB of stash plus 512 threads x 4 x 16
 // bytes, all of it on chip, read once. None with parameters or a residual,
 // whose registers are spent already (ptxas spilled there, sm_80 and sm_90).
-template <int FLAGS, bool RESIDUAL>
+template <class STORE, class LOAD>
 __host__ __device__ constexpr int uncached_held_vectors() {
-    return (FLAGS == 0 && !RESIDUAL) ? 4 : 0;
+    return (STORE::kBare && !LOAD::kResidual) ? 4 : 0;
 }
 
 // rows_uncached: rows too long for registers, when there are enough of them
@@ -331,16 +261,17 @@ __host__ __device__ constexpr int uncached_held_vectors() {
 // time. The plan allows a misaligned start only when x's and y's rows share
 // it and there are no parameters (whose index would be misaligned too) and
 // no residual (cunorm/_engine/plans.py, peel_vec).
-// With RESIDUAL there is no stash (stash_vecs = 0: h is formed in
+// With a residual there is no stash (stash_vecs = 0: h is formed in
 // registers) and the rest's second sweep reads h back (written by other
 // threads of the block: block_reduce's barriers order it). Nor is there
 // one for 2-byte vectors, which cp.async cannot copy.
 // Up to 128 registers a thread: four batched vectors plus float32 weight
 // and bias vectors of 8 need more than 64.
-template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
+template <template <class> class NormT, class T, class STORE, class LOAD, int VEC>
 __global__ void __launch_bounds__(512, 1)
-rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const P* __restrict__ w, const P* __restrict__ b,
-              T* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
+rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const typename STORE::Param* __restrict__ w,
+              const typename STORE::Param* __restrict__ b,
+              typename STORE::Out* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
               typename AccOf<T>::type* scale_out, long long rows, long long n, long long x_row_stride,
               typename AccOf<T>::type eps, long long stash_vecs) {
     using A = typename AccOf<T>::type;
@@ -350,8 +281,8 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
     extern __shared__ __align__(16) unsigned char shared_raw[];
     Vec<T, VEC>* stash = reinterpret_cast<Vec<T, VEC>*>(shared_raw);
     __shared__ Stats scratch[33];
-    constexpr int kWriteBatch = write_batch<T, P, FLAGS, VEC, RESIDUAL>();
-    constexpr int kHeld = uncached_held_vectors<FLAGS, RESIDUAL>();
+    constexpr int kWriteBatch = write_batch<T, STORE, LOAD, VEC>();
+    constexpr int kHeld = uncached_held_vectors<STORE, LOAD>();
     const unsigned long long stream = l2_policy_evict_first();
 
     // Row geometry: the aligned body starts at element `head`; `kept` of its
@@ -373,7 +304,7 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
         return kept > threadIdx.x ? (kept - 1 - threadIdx.x) / blockDim.x + 1 : 0;
     };
     auto fill_stash = [&](const Row& row) {
-        if constexpr (!RESIDUAL && kVecBytes >= 4) {
+        if constexpr (!LOAD::kResidual && kVecBytes >= 4) {
             const long long count = slots(row.kept);
 #pragma unroll
             for (int part = 0; part < kStashParts; ++part) {
@@ -393,28 +324,28 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
         const T* xr = g.x;
         const T* rr = r + row * x_row_stride;
         T* hr = h + row * n;
-        T* yr = y + row * n;
+        typename STORE::Out* yr = y + row * n;
         const long long head = g.head, body = g.body, kept = g.kept;
         const int odd = static_cast<int>(n - body * VEC);  // head + tail elements, < 2 * VEC
         // the element of odd item k: the head, then the tail
         const long long odd_e = threadIdx.x < head ? threadIdx.x : head + body * VEC + (threadIdx.x - head);
-        const A pivot = row_pivot<Norm, A, T, RESIDUAL>(xr, rr, true);
+        const A pivot = row_pivot<Norm, A, T, LOAD>(xr, rr, true);
 
         // 1. The statistic: odd elements, the streamed rest, then the stash.
         Stats s = Norm::init();
         if (static_cast<int>(threadIdx.x) < odd) {
-            s = fold<Norm, A, T, 1>(s, load_input<T, 1, RESIDUAL>(xr, rr, hr, odd_e), pivot);
+            s = fold<Norm, A, T, 1>(s, LOAD::template load<1>(xr, rr, hr, odd_e), pivot);
         }
         const long long held_end = min(body, kept + static_cast<long long>(kHeld) * blockDim.x);
         Vec<T, VEC> held[kHeld > 0 ? kHeld : 1];
 #pragma unroll
         for (int k = 0; k < kHeld; ++k) {
             const long long v = kept + threadIdx.x + static_cast<long long>(k) * blockDim.x;
-            if (v < held_end) held[k] = load_input<T, VEC, RESIDUAL>(xr + head, rr + head, hr + head, v * VEC);
+            if (v < held_end) held[k] = LOAD::template load<VEC>(xr + head, rr + head, hr + head, v * VEC);
         }
         for_each_batched<kSweepUnroll>(
             held_end + threadIdx.x, body, blockDim.x,
-            [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr + head, rr + head, hr + head, v * VEC); },
+            [&](long long v) { return LOAD::template load<VEC>(xr + head, rr + head, hr + head, v * VEC); },
             [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
 #pragma unroll
         for (int k = 0; k < kHeld; ++k) {
@@ -435,14 +366,14 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
         if (threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
 
         // 2. The stash and the odd elements out; the stash refilled.
-        const T* src = RESIDUAL ? static_cast<const T*>(hr) : xr;
+        const T* src = LOAD::kResidual ? static_cast<const T*>(hr) : xr;
         if (static_cast<int>(threadIdx.x) < odd) {
-            write_normalized<T, P, FLAGS, 1, A>(yr + odd_e, load_vec<T, 1>(src + odd_e),
-                                                load_params<P, FLAGS, 1>(w, b, odd_e), f, pivot);
+            store_vec(yr + odd_e, STORE::template apply<T>(load_vec<T, 1>(src + odd_e),
+                                                           STORE::template params<1>(w, b, odd_e), f, pivot));
         }
         for (long long i = threadIdx.x; i < kept; i += blockDim.x) {
             const long long e = head + i * VEC;
-            store_vec_hint<T, VEC>(yr + e, normalized<T, P, FLAGS, VEC, A>(stash[i], load_params<P, FLAGS, VEC>(w, b, e),
+            store_vec_hint(yr + e, STORE::template apply<T>(stash[i], STORE::template params<VEC>(w, b, e),
                                                                          f, pivot), stream);
         }
         if (kept > 0 && row + gridDim.x < rows) fill_stash(row_at(row + gridDim.x));
@@ -451,23 +382,23 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
             const long long v = kept + threadIdx.x + static_cast<long long>(k) * blockDim.x;
             if (v < held_end) {
                 const long long e = head + v * VEC;
-                store_vec_hint<T, VEC>(yr + e, normalized<T, P, FLAGS, VEC, A>(held[k], load_params<P, FLAGS, VEC>(w, b, e),
+                store_vec_hint(yr + e, STORE::template apply<T>(held[k], STORE::template params<VEC>(w, b, e),
                                                                              f, pivot), stream);
             }
         }
 
-        // 3. The rest again, backwards: h (with RESIDUAL) or x.
+        // 3. The rest again, backwards: h (with a residual) or x.
         const long long rest = body - held_end;
         for_each_batched<kWriteBatch>(
             threadIdx.x, rest, blockDim.x,
             [&](long long v) {
                 const long long e = head + (body - 1 - v) * VEC;
-                return Loaded<T, P, FLAGS, VEC>{load_vec_hint<T, VEC>(src + e, stream),
-                                                load_params<P, FLAGS, VEC>(w, b, e)};
+                return Loaded<T, STORE, VEC>{load_vec_hint<T, VEC>(src + e, stream),
+                                                STORE::template params<VEC>(w, b, e)};
             },
-            [&](long long v, const Loaded<T, P, FLAGS, VEC>& in) {
+            [&](long long v, const Loaded<T, STORE, VEC>& in) {
                 const long long e = head + (body - 1 - v) * VEC;
-                store_vec_hint<T, VEC>(yr + e, normalized<T, P, FLAGS, VEC, A>(in.v, in.p, f, pivot), stream);
+                store_vec_hint(yr + e, STORE::template apply<T>(in.v, in.p, f, pivot), stream);
             });
     }
 }
@@ -483,7 +414,7 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
 // The split tier runs 256-thread blocks (cunorm/_engine/dispatch_rows.py, SPLIT_BLOCK_THREADS),
 // up to 128 registers (a batch of x and r vectors with LayerNorm's fold
 // spilled at 64).
-template <template <class> class NormT, class T, bool RESIDUAL, int VEC>
+template <template <class> class NormT, class T, class LOAD, int VEC>
 __global__ void __launch_bounds__(256, 2)
 rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ h,
                    typename AccOf<T>::type* __restrict__ partial, long long rows, long long n,
@@ -502,11 +433,11 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
         const T* xr = x + row * x_row_stride;
         const T* rr = r + row * x_row_stride;
         T* hr = h + row * n;
-        const A pivot = row_pivot<Norm, A, T, RESIDUAL>(xr, rr, true);
+        const A pivot = row_pivot<Norm, A, T, LOAD>(xr, rr, true);
         Stats s = Norm::init();
         for_each_batched<kSweepUnroll>(
             chunk * blockDim.x + threadIdx.x, n_vec, chunks * blockDim.x,
-            [&](long long v) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, v * VEC); },
+            [&](long long v) { return LOAD::template load<VEC>(xr, rr, hr, v * VEC); },
             [&](long long, const Vec<T, VEC>& in) { s = fold<Norm, A, T, VEC>(s, in, pivot); });
         s = block_reduce<Norm>(s, scratch);
         if (threadIdx.x == 0) out[row * chunks + chunk] = s;
@@ -514,13 +445,14 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
 }
 
 // Pass 2 of the split tier: combine the row's partials (same order in every
-// block of the row), then scale this block's chunk (of h, with RESIDUAL),
+// block of the row), then scale this block's chunk (of h, with a residual),
 // walked from the end of the row (v -> n_vec - 1 - v): the first vectors
 // re-read are the last pass 1 read, still in L2.
-template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
+template <template <class> class NormT, class T, class STORE, class LOAD, int VEC>
 __global__ void __launch_bounds__(256, 2)
-rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, const P* __restrict__ w, const P* __restrict__ b,
-                 const typename AccOf<T>::type* __restrict__ partial, T* __restrict__ y,
+rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, const typename STORE::Param* __restrict__ w,
+                 const typename STORE::Param* __restrict__ b,
+                 const typename AccOf<T>::type* __restrict__ partial, typename STORE::Out* __restrict__ y,
                  typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out, long long rows, long long n,
                  long long x_row_stride, long long chunks, typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
@@ -529,7 +461,7 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, const P* __re
     __shared__ Stats scratch[33];
     const long long n_vec = n / VEC;
     const Stats* parts = reinterpret_cast<const Stats*>(partial);
-    constexpr int kWriteBatch = write_batch<T, P, FLAGS, VEC, RESIDUAL>();
+    constexpr int kWriteBatch = write_batch<T, STORE, LOAD, VEC>();
 
 #pragma unroll 1
     for (long long chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y)
@@ -540,19 +472,19 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, const P* __re
         for (long long c = threadIdx.x; c < chunks; c += blockDim.x) s = Norm::combine(s, parts[row * chunks + c]);
         s = block_reduce<Norm>(s, scratch);
         const Affine<A> f = Norm::finalize(s, n, eps);
-        const T* src = RESIDUAL ? h + row * n : x + row * x_row_stride;
+        const T* src = LOAD::kResidual ? h + row * n : x + row * x_row_stride;
         // h's first element is the rounded x + r pass 1 shifted by.
-        const A pivot = row_pivot<Norm, A, T, false>(src, src, true);
+        const A pivot = row_pivot<Norm, A, T, XLoad<T>>(src, src, true);
         if (chunk == 0 && threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
-        T* yr = y + row * n;
+        typename STORE::Out* yr = y + row * n;
         for_each_batched<kWriteBatch>(
             chunk * blockDim.x + threadIdx.x, n_vec, chunks * blockDim.x,
             [&](long long v) {
                 const long long e = (n_vec - 1 - v) * VEC;
-                return Loaded<T, P, FLAGS, VEC>{load_vec<T, VEC>(src + e), load_params<P, FLAGS, VEC>(w, b, e)};
+                return Loaded<T, STORE, VEC>{load_vec<T, VEC>(src + e), STORE::template params<VEC>(w, b, e)};
             },
-            [&](long long v, const Loaded<T, P, FLAGS, VEC>& in) {
-                write_normalized<T, P, FLAGS, VEC, A>(yr + (n_vec - 1 - v) * VEC, in.v, in.p, f, pivot);
+            [&](long long v, const Loaded<T, STORE, VEC>& in) {
+                store_vec(yr + (n_vec - 1 - v) * VEC, STORE::template apply<T>(in.v, in.p, f, pivot));
             });
     }
 }
@@ -572,10 +504,11 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, const P* __re
 // Co-residency of all blocks, which the wait needs, is what the cooperative
 // launch guarantees (the launch fails rather than deadlocks). Counters are
 // zeroed by the caller. Dynamic shared memory: chunk_vecs * VEC * sizeof(T).
-template <template <class> class NormT, class T, class P, int FLAGS, bool RESIDUAL, int VEC>
+template <template <class> class NormT, class T, class STORE, class LOAD, int VEC>
 __global__ void __launch_bounds__(512, 1)
-rows_resident(const T* __restrict__ x, const T* __restrict__ r, const P* __restrict__ w, const P* __restrict__ b,
-              T* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
+rows_resident(const T* __restrict__ x, const T* __restrict__ r, const typename STORE::Param* __restrict__ w,
+              const typename STORE::Param* __restrict__ b,
+              typename STORE::Out* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
               typename AccOf<T>::type* scale_out, typename AccOf<T>::type* partial, unsigned int* arrived,
               long long rows, long long n, long long x_row_stride, long long chunk_vecs, typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
@@ -598,11 +531,11 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
         const T* xr = x + row * x_row_stride + begin * VEC;
         const T* rr = r + row * x_row_stride + begin * VEC;
         T* hr = h + row * n + begin * VEC;
-        const A pivot = row_pivot<Norm, A, T, RESIDUAL>(x + row * x_row_stride, r + row * x_row_stride, true);
+        const A pivot = row_pivot<Norm, A, T, LOAD>(x + row * x_row_stride, r + row * x_row_stride, true);
 
         Stats s = Norm::init();
         constexpr int kVecBytes = VEC * static_cast<int>(sizeof(T));
-        if constexpr (!RESIDUAL && kVecBytes >= 4) {
+        if constexpr (!LOAD::kResidual && kVecBytes >= 4) {
             // The whole chunk in flight at once, straight into shared memory.
             const unsigned long long first_out = l2_policy_evict_first();
             for (int i = threadIdx.x; i < count; i += blockDim.x)
@@ -612,7 +545,7 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
         } else {
             for_each_batched<kSweepUnroll>(
                 threadIdx.x, count, blockDim.x,
-                [&](long long i) { return load_input<T, VEC, RESIDUAL>(xr, rr, hr, i * VEC); },
+                [&](long long i) { return LOAD::template load<VEC>(xr, rr, hr, i * VEC); },
                 [&](long long i, const Vec<T, VEC>& v) {
                     chunk[i] = v;
                     s = fold<Norm, A, T, VEC>(s, v, pivot);
@@ -627,11 +560,10 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
         // While the other blocks finish the row: this block's parameters
         // (read next) and the next row's chunk into L2.
         for (int i = threadIdx.x * kLineVecs; i < count; i += blockDim.x * kLineVecs) {
-            if constexpr ((FLAGS & kWeight) != 0) prefetch_l2(w + (begin + i) * VEC);
-            if constexpr ((FLAGS & kBias) != 0) prefetch_l2(b + (begin + i) * VEC);
+            STORE::prefetch(w, b, (begin + i) * VEC);
             if (row + 1 < rows) {
                 prefetch_l2(xr + x_row_stride + static_cast<long long>(i) * VEC);
-                if constexpr (RESIDUAL) prefetch_l2(rr + x_row_stride + static_cast<long long>(i) * VEC);
+                if constexpr (LOAD::kResidual) prefetch_l2(rr + x_row_stride + static_cast<long long>(i) * VEC);
             }
         }
         if (threadIdx.x == 0) {
@@ -653,21 +585,17 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, const P* __restr
         const Affine<A> f = Norm::finalize(t, n, eps);
         if (blockIdx.x == 0 && threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
 
-        T* yr = y + row * n + begin * VEC;
-        const P* wr = w + begin * VEC;
-        const P* br = b + begin * VEC;
-        constexpr int kWriteBatch = write_batch<T, P, FLAGS, VEC, RESIDUAL>();
+        typename STORE::Out* yr = y + row * n + begin * VEC;
+        constexpr int kWriteBatch = write_batch<T, STORE, LOAD, VEC>();
         const unsigned long long keep = l2_policy_evict_last(), stream = l2_policy_evict_first();
         for_each_batched<kWriteBatch>(
             threadIdx.x, count, blockDim.x,
             [&](long long i) {
-                Loaded<T, P, FLAGS, VEC> item{chunk[i], {}};
-                if constexpr ((FLAGS & kWeight) != 0) item.p.w = load_vec_hint<P, VEC>(wr + i * VEC, keep);
-                if constexpr ((FLAGS & kBias) != 0) item.p.b = load_vec_hint<P, VEC>(br + i * VEC, keep);
-                return item;
+                return Loaded<T, STORE, VEC>{chunk[i],
+                                             STORE::template params_hinted<VEC>(w, b, (begin + i) * VEC, keep)};
             },
-            [&](long long i, const Loaded<T, P, FLAGS, VEC>& in) {
-                store_vec_hint<T, VEC>(yr + i * VEC, normalized<T, P, FLAGS, VEC, A>(in.v, in.p, f, pivot), stream);
+            [&](long long i, const Loaded<T, STORE, VEC>& in) {
+                store_vec_hint(yr + i * VEC, STORE::template apply<T>(in.v, in.p, f, pivot), stream);
             });
         __syncthreads();  // the chunk buffer is refilled for the next row
     }

@@ -18,7 +18,8 @@
 //     mostly served by L2 (a block's working set is reduced * blockDim.x *
 //     VEC elements): for reduced extents too long for registers.
 //
-// P/FLAGS: the affine parameters, one per channel (reduced index).
+// STORE: the store stage (stages.cuh), its parameters one per channel
+// (reduced index).
 // Per-group statistics go to center_out / scale_out (index o * inner + i)
 // when those are not null. No residual here: cunorm forms h first for a
 // strided axis (cunorm/_engine/row_norms.py).
@@ -32,9 +33,10 @@ namespace cunorm {
 // two-sweep loop below)
 constexpr int kStridedRun = 256;
 
-template <template <class> class NormT, class T, class P, int FLAGS, int VEC, int CHANNELS_PER_THREAD>
+template <template <class> class NormT, class T, class STORE, int VEC, int CHANNELS_PER_THREAD>
 __global__ void __launch_bounds__(256, 2)
-strided_norm(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b, T* __restrict__ y,
+strided_norm(const T* __restrict__ x, const typename STORE::Param* __restrict__ w,
+             const typename STORE::Param* __restrict__ b, typename STORE::Out* __restrict__ y,
              typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out, long long outer, int reduced,
              long long inner, long long x_outer_stride, long long x_reduced_stride, typename AccOf<T>::type eps,
              int block_x) {
@@ -59,7 +61,7 @@ strided_norm(const T* __restrict__ x, const P* __restrict__ w, const P* __restri
         const long long iv = tile * bx + tx;
         const bool active = iv < inner_vecs;
         const T* xo = x + o * x_outer_stride + iv * VEC;
-        T* yo = y + o * y_outer_stride + iv * VEC;
+        typename STORE::Out* yo = y + o * y_outer_stride + iv * VEC;
 
         Stats s[VEC];
         A pivot[VEC];  // each position's shift: its channel-0 value (kShifted norms)
@@ -135,15 +137,13 @@ strided_norm(const T* __restrict__ x, const P* __restrict__ w, const P* __restri
         }
 
         auto write = [&](long long c, const Vec<T, VEC>& in) {
-            A wc = A(1), bc = A(0);
-            if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
-            if constexpr ((FLAGS & kBias) != 0) bc = static_cast<A>(widen(b[c]));
-            Vec<T, VEC> out;
+            const auto p = STORE::template channel<A>(w, b, c);
+            Vec<typename STORE::Out, VEC> out;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                narrow(apply_affine<FLAGS, T>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], wc, bc), out.v[j]);
+                STORE::template element<T>(static_cast<A>(widen(in.v[j])) - pivot[j], f[j], p, out.v[j]);
             }
-            store_vec<T, VEC>(yo + c * inner, out);
+            store_vec(yo + c * inner, out);
         };
         if constexpr (CHANNELS_PER_THREAD > 0) {
 #pragma unroll

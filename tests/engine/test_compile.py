@@ -41,7 +41,7 @@ def test_statistics_only_rows_compile_without_spills():
     """rows_cached without y (jit's unread y), its representative set, both
     architectures."""
     kernels = catalogue.representative_kernels(catalogue.statistics_only_kernels())
-    assert len(kernels) >= 8 and all(k.template_args[-1] == dtypes.NO_PARAMS for k in kernels)
+    assert len(kernels) >= 8 and all(k.template_args[2] == declarations.NO_STORE for k in kernels)
     _check("sm_90", kernels)
     _check("sm_80", kernels)
 
@@ -63,7 +63,7 @@ def test_representative_set_covers_every_kernel_norm_and_dtype():
             if k.template_args and isinstance(k.template_args[0], str) and k.template_args[0] not in types} == policies
     # the heaviest of its group: rows_cached of float16 RMSNorm at 16-byte vectors and the most vectors per thread
     rms = [k for k in chosen if k.name == "rows_cached" and k.template_args[:2] == ("cunorm::RmsNorm", "cunorm::half_t")]
-    assert rms and rms[0].template_args[5] == 8 and rms[0].template_args[6] == max(dispatch_rows.VECS_PER_THREAD_CHOICES)
+    assert rms and rms[0].template_args[4] == 8 and rms[0].template_args[5] == max(dispatch_rows.VECS_PER_THREAD_CHOICES)
 
 
 def test_source_inlines_every_header():

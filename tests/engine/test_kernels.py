@@ -135,12 +135,18 @@ def test_instantiation_resolves_the_accumulation_kind():
     assert k32.expression == "cunorm::residual_add<float, 4>"
     k64 = declarations.ROWS_GRAD_FINALIZE("cunorm::RmsGrad<double>", "double")
     assert dict(k64.signature)["eps"] == "f64"
-    assert dict(declarations.ROWS_CACHED("cunorm::RmsNorm", "cunorm::bf16_t", "float", 1, False, 8, 4, True,
-                                         "cunorm::bf16_t")
-                .signature)["eps"] == "f32"
+    store = declarations.affine_store("float", 1, "cunorm::bf16_t")
+    load = declarations.row_load("cunorm::bf16_t", False)
+    kernel = declarations.ROWS_CACHED("cunorm::RmsNorm", "cunorm::bf16_t", store, load, 8, 4, True)
+    assert dict(kernel.signature)["eps"] == "f32"
+    assert kernel.expression == ("cunorm::rows_cached<cunorm::RmsNorm, cunorm::bf16_t, "
+                                 "cunorm::AffineStore<float, 1, cunorm::bf16_t>, cunorm::XLoad<cunorm::bf16_t>, 8, 4, "
+                                 "true>")
 
 
 @pytest.mark.parametrize("bad", ["float; }", "x\ny", 1.5, None, "a\"b"])
 def test_template_arguments_from_closed_sets_only(bad):
     with pytest.raises(TypeError):
         declarations.RESIDUAL_ADD(bad, 4)
+    with pytest.raises(TypeError):  # a stage's own arguments too
+        declarations.ROWS_SPLIT_PARTIAL("cunorm::RmsNorm", "float", declarations.row_load(bad, False), 4)
