@@ -36,7 +36,7 @@ def _torch():
 
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
-             rounding="output", activation=None, out=None):
+             rounding="output", activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None):
     """Root-mean-square normalization.
 
     ``y = h * rsqrt(mean(h**2 over axis) + eps) [* weight]`` where h is x, or
@@ -83,10 +83,11 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
         Where to write y: same kind, shape and dtype as x, C-contiguous. It
         may be x itself (in place); it may not otherwise overlap x or the
         residual.
+    {quantize}
 
     Returns
     -------
-    y, or a tuple ``(y[, h][, rstd])``
+    y, or a tuple ``(y[, scales][, h][, rstd])``
         As the caller's array type (torch for torch input, JAX for JAX, CuPy
         for CuPy and other DLPack input, NumPy for NumPy), C-contiguous; y is
         ``out`` if given.
@@ -112,11 +113,12 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     return calls.rows("rms", x, weight, None, residual, axis, eps, return_stats, out, reference.rms_norm, epilogue,
                       None, lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
                                                       return_stats=return_stats, weight_offset=weight_offset,
-                                                      rounding=rounding, activation=activation))
+                                                      rounding=rounding, activation=activation),
+                      quantize=(quantize, quant_scale, quant_scale_ub))
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
-               activation=None, out=None):
+               activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None):
     """Layer normalization.
 
     ``y = (h - mean) * rsqrt(var + eps) [* weight] [+ bias]`` over the
@@ -151,10 +153,11 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     out : array, optional
         Where to write y: same kind, shape and dtype as x, C-contiguous; may
         be x itself (in place), may not otherwise overlap x or the residual.
+    {quantize}
 
     Returns
     -------
-    y, or a tuple ``(y[, h][, mean, rstd])``
+    y, or a tuple ``(y[, scales][, h][, mean, rstd])``
         As the caller's array type, C-contiguous; y is ``out`` if given.
 
     Raises
@@ -172,7 +175,8 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     epilogue = plans.activation_flags(activation)
     return calls.rows("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm, epilogue,
                       None, lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
-                                                        return_stats=return_stats, activation=activation))
+                                                        return_stats=return_stats, activation=activation),
+                      quantize=(quantize, quant_scale, quant_scale_ub))
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
@@ -428,6 +432,35 @@ def batch_norm(x, weight=None, bias=None, *, running_mean=None, running_var=None
                                                       activation=activation))
 
 
+# quantize=, shared by rms_norm's and layer_norm's docstrings
+_QUANTIZE = """quantize : str, optional
+        Write y quantized, one byte an element, in the same pass:
+        "float8_e4m3fn", "float8_e5m2" (OCP FP8) or "int8" (symmetric). y is
+        formed in float32 from the statistics and the parameters (after the
+        activation; no rounding to x's dtype first), divided by its scale,
+        rounded to nearest even and saturated to the format's finite range
+        (448, 57344, 127); NaN stays NaN in the FP8 formats and becomes 0 in
+        int8. For rows over the trailing axes of float16, bfloat16 or
+        float32 x that fit on chip (16-bit rows up to 32768 elements, 16384
+        with a residual for rms_norm and 8192 for layer_norm; float32 half
+        of those); inference only (no gradient, not under torch.compile);
+        no ``out=``. The quantized y comes back as torch's
+        or JAX's dtype of that name, as uint8 raw bits in a CuPy array (CuPy
+        has no FP8 dtype: view them with ml_dtypes after ``.get()``), as
+        int8 for int8, and as an ml_dtypes array from NumPy.
+    quant_scale : array, optional
+        The static scale: a one-element float32 array on x's device (read
+        when the kernel runs, so a captured CUDA graph sees its changes).
+        Without it each row gets its own scale, ``max|y| / qmax`` (never
+        below ``1 / (qmax * 512)``: an all-zero row's), returned after y as
+        float32 of x's shape with the normalized axes 1 (``q * scales``
+        broadcasts back to y).
+    quant_scale_ub : array, optional
+        A one-element float32 bound on max|y| before the per-row scale is
+        formed (vLLM's ``scale_ub``); not with ``quant_scale``."""
+
+for _f in (rms_norm, layer_norm):
+    _f.__doc__ = _f.__doc__.replace("{quantize}", _QUANTIZE)
 for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (normalize, _ROW_X), (mean_abs_normalize, _ROW_X),
                (frobenius_normalize, _ROW_X), (group_norm, _CHANNEL_X), (instance_norm, _CHANNEL_X),
                (batch_norm, _CHANNEL_X)):

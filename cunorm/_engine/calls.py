@@ -28,11 +28,28 @@ def _noted(trace, cache, key, inputs, results):
 
 
 def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, epilogue=0, out_dtype=None,
-         route=None, trace=None):
+         route=None, trace=None, quantize=None):
     """A row norm (``norm``: its policy name). ``reference_fn``: the float64
     forward of a NumPy call; ``epilogue``: the validated FLAGS bits of the
     epilogue's options; ``out_dtype``: y's dtype where it is not x's (the
-    torch layers under autocast)."""
+    torch layers under autocast); ``quantize``: (format, static scale,
+    bound) of quantize= (quantize.py), which the general path validates."""
+    if quantize is not None and any(q is not None for q in quantize):
+        if route is not None and _interop.torch_route(x, weight, bias, residual):
+            raise RuntimeError("quantize= is inference only: it has no gradient and no torch operator for "
+                               "torch.compile yet; call it under torch.no_grad() (or torch.inference_mode()), "
+                               "outside a compiled region")
+        key = None
+        if out is None:
+            key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, None,
+                                        quantize)
+            results = launch_cache.replay(launch_cache.ROWS, key, x, weight, bias, residual, *quantize[1:])
+            if results is not None:
+                return results
+        call = row_norms.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual,
+                              return_stats=return_stats, epilogue=epilogue, quant=quantize[0],
+                              quant_scale=quantize[1], quant_scale_ub=quantize[2])
+        return row_norms.run(call, reference_fn, key=key)
     key = None
     if out is None:
         key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, out_dtype)

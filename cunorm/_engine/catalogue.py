@@ -128,6 +128,28 @@ def statistics_only_kernels() -> list[Kernel]:
     return list(out.values())
 
 
+def quantized_kernels() -> list[Kernel]:
+    """rows_cached with the quantizing store (quantize=) for every cached
+    RMSNorm and LayerNorm instantiation of 16- and 32-bit data, each format
+    and scaling. They compile on first use (an option, as the epilogue's
+    others): precompile leaves them out; the compile check covers their
+    representative set."""
+    from . import quantize
+
+    policies = {norm_info(norm).policy for norm in ("rms", "ln")}
+    out = {}
+    for k in all_kernels():
+        args = k.template_args
+        if k.name != "rows_cached" or args[0] not in policies or args[1] == "double" or args[2].args[2] != args[1]:
+            continue
+        params, flags, _ = args[2].args
+        for fmt in quantize.FORMATS.values():
+            for scaling in (quantize.STATIC, quantize.ROW, quantize.ROW_BOUNDED):
+                kernel = K.ROWS_CACHED(*args[:2], K.quant_store(params, flags, fmt.kernel_type, scaling), *args[3:])
+                out[kernel.expression] = kernel
+    return list(out.values())
+
+
 def _tunings() -> list[tuning.Tuning]:
     """The distinct Tunings of the architectures cunorm plans for: the
     catalogue holds what the dispatch picks under each."""

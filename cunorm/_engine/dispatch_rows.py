@@ -52,7 +52,7 @@ import re
 from dataclasses import dataclass, replace
 
 from . import declarations as K
-from . import tuning
+from . import quantize, tuning
 from .declarations import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
 from .plans import Plan, kernel_types, output_type
 
@@ -327,6 +327,15 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             threads = 64 if threads == 32 else threads * 2
     vpt = next_pow2(_ceil_div(n_vec, threads))
     tier = override.get("tier")
+    if tier is None and plan.quant is not None:
+        # A quantized y: the cached tier alone forms a row's scale before
+        # it stores (rows_cached, QuantStore).
+        if not rows_cache_fits(plan, threads):
+            raise ValueError(f"quantize= takes rows that fit on chip: {plan.reduced} elements of "
+                             f"{plan.dtype.name} are over the cached tier's limit")
+        tier = "cached"
+    if plan.quant is not None and tier != "cached":
+        raise ValueError(f"quantize= runs in the cached tier only, not {tier!r}")
     if tier is None:
         # Below tuning.split_min_row_bytes the tier (and every choice inside it)
         # follows the row alone, never the number of rows: a row's results
@@ -347,7 +356,11 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     if tier == "cached":
         if not rows_cache_fits(plan, threads):  # only a forced tier or thread count gets here
             raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
-        cached = (policy, t, K.affine_store(p, plan.flags, output_type(plan)), load, plan.vec, vpt)
+        store = K.affine_store(p, plan.flags, output_type(plan))
+        if plan.quant is not None:
+            name, scaling = plan.quant
+            store = K.quant_store(p, plan.flags, quantize.FORMATS[name].kernel_type, scaling)
+        cached = (policy, t, store, load, plan.vec, vpt)
         if threads <= 32:
             block = GROUP_BLOCK_THREADS
             kernel = K.ROWS_CACHED(*cached, False)

@@ -71,13 +71,22 @@ def key(ad, x, *arrays, scalars=()):
     return None if parts is None else parts + scalars
 
 
-def rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=0, out_dtype=None):
+def rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=0, out_dtype=None,
+             quantize=None):
     """The signature of a row norm's call (None: not keyed); ``epilogue``:
-    its FLAGS bits (validated); ``out_dtype``: y's dtype where it is not x's."""
+    its FLAGS bits (validated); ``out_dtype``: y's dtype where it is not x's;
+    ``quantize``: quantize='s (format, static scale, bound), the one array
+    given among the last two keyed with the others."""
     ad = adapter(x)
     if ad is None or type(eps) is not float or type(return_stats) is not bool or not _int_axes(axis):
         return None
-    return key(ad, x, weight, bias, residual, scalars=(norm, axis, eps, return_stats, epilogue, out_dtype))
+    if quantize is None:
+        return key(ad, x, weight, bias, residual, scalars=(norm, axis, eps, return_stats, epilogue, out_dtype))
+    fmt, scale, bound = quantize
+    if type(fmt) is not str:
+        return None
+    return key(ad, x, weight, bias, residual, scale, bound,
+               scalars=(norm, axis, eps, return_stats, epilogue, out_dtype, fmt))
 
 
 def channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,

@@ -42,6 +42,8 @@ class Plan:
     out_dtype: y's storage dtype where it is not x's (float32 for 16-bit
         x: LayerNorm under autocast), else None. Only rows_cached writes
         it (cunorm/_engine/dispatch_rows.py); y's alignment counts in vec.
+    quant: (format name, scaling) of a quantized y (cunorm/_engine/quantize.py),
+        one byte an element, else None. Only rows_cached writes it.
     """
 
     norm: str
@@ -57,6 +59,7 @@ class Plan:
     vec: int
     peel_vec: int
     out_dtype: np.dtype | None = None
+    quant: tuple | None = None
 
     @property
     def contiguous_rows(self) -> bool:
@@ -246,12 +249,13 @@ def vector_width(itemsize: int, extent: int, strides, pointers) -> int:
 
 
 def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, last, x_ptr, y_ptr, r_ptr, h_ptr,
-              w_ptr, b_ptr, out_dtype=None):
+              w_ptr, b_ptr, out_dtype=None, quant=None):
     """Plan for a call, or None when x must be made contiguous first.
 
     Pointers may be given modulo 32 (only their alignment matters); absent
     arrays pass 0. The residual r shares x's strides; y and h are
-    C-contiguous. ``out_dtype``: y's dtype where it is not x's.
+    C-contiguous. ``out_dtype``: y's dtype where it is not x's; ``quant``:
+    (format name, scaling) of a one-byte quantized y.
     """
     view = canonical_view(shape, strides, first, last)
     if view is None:
@@ -260,7 +264,7 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
     itemsize = dtype.itemsize
     if out_dtype is not None and out_dtype == dtype:
         out_dtype = None
-    out_itemsize = itemsize if out_dtype is None else out_dtype.itemsize
+    out_itemsize = 1 if quant is not None else itemsize if out_dtype is None else out_dtype.itemsize
     pointers = [(x_ptr, itemsize), (y_ptr, out_itemsize), (r_ptr, itemsize), (h_ptr, itemsize)]
     if inner == 1:
         extent = reduced
@@ -280,7 +284,7 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
         peel_vec = max(vec, vector_width(itemsize, 0, [x_row_stride - reduced], [(x_ptr - y_ptr, itemsize)]))
     params = param_dtype if flags & PARAM_FLAGS else None
     return Plan(norm, dtype, params, flags, residual, outer, reduced, inner, s_outer,
-                s_reduced, vec, peel_vec, out_dtype)
+                s_reduced, vec, peel_vec, out_dtype, quant)
 
 
 

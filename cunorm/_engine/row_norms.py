@@ -12,7 +12,7 @@ import numbers
 
 import numpy as np
 
-from . import dispatch_rows, dtypes, launch_cache, launches, ops, plans
+from . import dispatch_rows, dtypes, launch_cache, launches, ops, plans, quantize
 from .. import _interop
 
 
@@ -92,10 +92,10 @@ class Call:
     parameters, the residual, eps and out, each checked against x."""
 
     __slots__ = ("norm", "adapter", "x", "first", "last", "norm_shape", "weight", "bias", "residual", "eps", "out",
-                 "out_given", "return_stats", "epilogue", "out_dtype")
+                 "out_given", "return_stats", "epilogue", "out_dtype", "quant", "quant_scale")
 
     def __init__(self, norm, x, axis, eps, out, *, weight=None, bias=None, residual=None, return_stats=False,
-                 epilogue=0, out_dtype=None):
+                 epilogue=0, out_dtype=None, quant=None, quant_scale=None, quant_scale_ub=None):
         self.norm = norm
         self.epilogue = epilogue  # the epilogue's FLAGS bits (plans: rounding, weight offset, activation)
         # y's dtype where it is not x's (cunorm's layers under autocast: float32
@@ -116,6 +116,20 @@ class Call:
         self.out_given = out
         self.out = None if out is None else self._out(out)
         self.return_stats = check_flag(return_stats, "return_stats")
+        # quantize= (quantize.py): the request, and the static scale or the bound as x's kind of array
+        self.quant = quantize.check(quant, quant_scale, quant_scale_ub, xa.dtype)
+        self.quant_scale = None
+        if self.quant is not None:
+            if self.last != xa.ndim - 1:
+                raise ValueError(f"quantize= normalizes over the trailing axes (rows), got axis {axis!r} of a "
+                                 f"{xa.ndim}-d x")
+            if out is not None:
+                raise ValueError("out= is for y in x's dtype; a quantized y comes back as a new array")
+            given, name = (quant_scale, "quant_scale") if quant_scale is not None else (quant_scale_ub,
+                                                                                        "quant_scale_ub")
+            if given is not None:
+                self.quant_scale = self._same_kind(given, name)
+                quantize.check_scale_array(self.quant_scale, name)
 
     def _same_kind(self, a, name: str):
         """``a`` as the same kind of array as x (NumPy with NumPy, GPU with GPU)."""
@@ -267,6 +281,8 @@ def run(call: Call, reference, key=None):
     """Compute the call's norm; return y (then h, then the statistics) as the
     caller's array type. ``key``: the call's signature in the launch cache
     (cunorm/_engine/launch_cache.py), which gets an entry when the call ran without copies."""
+    if call.quant is not None and not call.on_gpu:
+        return quantize.reference_results(call, reference(call.x, **reference_arguments(call)))
     if not call.on_gpu:
         if not call.x.size:
             return empty_results(call, 1 + (call.residual is not None), len(ops.statistics_of(call.norm)))
@@ -292,6 +308,8 @@ def reference_arguments(call: Call) -> dict:
     options) from the validated call."""
     op = ops.BY_NORM.get(call.norm)
     kwargs = {"axis": tuple(range(call.first, call.last + 1)), "eps": call.eps}
+    if call.quant is not None:
+        kwargs["exact"] = True  # (y before any rounding: quantize.run quantizes it)
     if op is None:  # (the Lp family: x, axis, eps)
         return kwargs
     kwargs.update((name, getattr(call, name)) for name in op.params)
@@ -327,10 +345,17 @@ def _with_y(results, change):
 
 def _rows_entry(call: Call, program) -> launch_cache.Entry:
     """The launch cache's entry of a row norm's call that ran ``program``
-    over its arrays as given; called as entry(x, weight, bias, residual)."""
+    over its arrays as given; called as entry(x, weight, bias, residual),
+    and with quantize= entry(x, weight, bias, residual, scale, bound)."""
     x = call.x
     acc = dtypes.accumulation(x.dtype)
-    outputs = {"y": (x.shape, x.dtype if call.out_dtype is None else call.out_dtype, None)}
+    quant = call.quant
+    if quant is None:
+        outputs = {"y": (x.shape, x.dtype if call.out_dtype is None else call.out_dtype, None)}
+    else:  # (the format's dtype: each adapter allocates it as its own, raw bytes for CuPy's FP8)
+        outputs = {"y": (x.shape, quant.format.numpy, None)}
+        if quant.row_scales:
+            outputs["y_scale"] = (quantize.scales_shape(call), np.dtype(np.float32), None)
     if call.residual is not None:
         outputs["h"] = (x.shape, x.dtype, None)
     if call.return_stats:
@@ -339,9 +364,13 @@ def _rows_entry(call: Call, program) -> launch_cache.Entry:
     present = lambda name, a: None if a is None else name  # noqa: E731
     slots = {"x": "x", "r": present("r", call.residual), "y": "y", "h": present("h", call.residual),
              "w": present("w", call.weight), "b": present("b", call.bias), "center": outputs.get("mean") and "mean",
-             "scale": outputs.get("rstd") and "rstd"}
-    return launch_cache.entry(call.adapter, x.data.device_id, program, ("x", "w", "b", "r"), outputs, slots,
-                              tuple(outputs), arrays={"x": x})
+             "scale": outputs.get("rstd") and "rstd", "quant_scale": present("q", call.quant_scale),
+             "y_scale": outputs.get("y_scale") and "y_scale"}
+    inputs = ("x", "w", "b", "r") if quant is None else ("x", "w", "b", "r", "q", "q_bound")
+    if quant is not None and quant.scaling == quantize.ROW_BOUNDED:  # (the bound is the call's last array)
+        slots["quant_scale"] = "q_bound"
+    return launch_cache.entry(call.adapter, x.data.device_id, program, inputs, outputs, slots, tuple(outputs),
+                              arrays={"x": x})
 
 
 def _run_gpu(call: Call):
@@ -351,7 +380,12 @@ def _run_gpu(call: Call):
     import cupy
 
     x = call.x
-    y = call.out if call.out is not None else cupy.empty(x.shape, dtype=call.out_dtype or x.dtype)
+    quant = call.quant
+    if quant is not None:
+        y = cupy.empty(x.shape, dtype=quant.format.device)
+        y_scale = cupy.empty(quantize.scales_shape(call), dtype=np.float32) if quant.row_scales else None
+    else:
+        y = call.out if call.out is not None else cupy.empty(x.shape, dtype=call.out_dtype or x.dtype)
     h = None if call.residual is None else cupy.empty(x.shape, dtype=x.dtype)
     stats = []
     if call.return_stats:
@@ -366,13 +400,18 @@ def _run_gpu(call: Call):
         w, b = _as_param(call.weight, pdtype), _as_param(call.bias, pdtype)
         named = dict(zip(ops.statistics_of(call.norm), stats))
         center, scale = named.get("mean"), named.get("rstd")
+        quant_args = {} if quant is None else {"quant": quant, "quant_scale": call.quant_scale, "y_scale": y_scale}
         _, _, program = _launch_rows(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
                                      first=call.first, last=call.last, eps=call.eps, epilogue=call.epilogue,
-                                     out_dtype=call.out_dtype)
+                                     out_dtype=call.out_dtype, **quant_args)
         if w is not call.weight or b is not call.bias or call.out is not None:
             program = None
     out = call.adapter.from_cupy
     results = [call.out_given if call.out is not None else out(y)]
+    if quant is not None:
+        results = [call.adapter.view_bits(results[0], quant.format.name)]
+        if quant.row_scales:
+            results.append(out(y_scale))
     if h is not None:
         results.append(out(h))
     results += [out(s) for s in stats]
@@ -436,7 +475,7 @@ def launch_on(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=
 
 
 def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=None, first, last, eps,
-                 override=None, epilogue=0, out_dtype=None):
+                 override=None, epilogue=0, out_dtype=None, quant=None, quant_scale=None, y_scale=None):
     """launch_on, returning (plan, launch, program): program is the Program
     that ran over the arrays as given, None when x or r was copied or h
     formed unfused first. ``epilogue``: the FLAGS bits of the epilogue's
@@ -459,7 +498,8 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
         itemsize = x.itemsize
         strides = tuple([s // itemsize for s in plans.canonical_strides(x.shape, x.strides, itemsize)])
         key = (norm, x.dtype, pdtype, flags, r is not None, x.shape, strides, first, last, x.data.ptr % 32,
-               y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), mixed, x.data.device_id)
+               y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), mixed,
+               None if quant is None else quant.key, x.data.device_id)
         return (_planned(*key) if override is None else _plan_and_choose(key, override)) + (mixed,)
 
     given = (x, r)
@@ -480,8 +520,8 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
     if plan is None or launch is None:
         raise RuntimeError(f"cunorm: no {norm} launch for x of shape {x.shape} and strides {x.strides}")
     program = rows_program(plan, launch, float(eps), center is not None, scale is not None, x.data.device_id)
-    program.run_named({"x": x, "r": r, "y": y, "h": h, "w": w, "b": b, "center": center, "scale": scale},
-                      launches.cupy_stream(), launches.cupy_alloc)
+    program.run_named({"x": x, "r": r, "y": y, "h": h, "w": w, "b": b, "center": center, "scale": scale,
+                       "quant_scale": quant_scale, "y_scale": y_scale}, launches.cupy_stream(), launches.cupy_alloc)
     return plan, launch, program if x is given[0] and r is given[1] else None
 
 
@@ -502,7 +542,7 @@ def _residual_add_program(dtype, n_vec: int, vec: int, device: int) -> launches.
 
 
 #: a row norm's slots, in the order Program.run takes their pointers
-ROW_SLOTS = ("x", "r", "y", "h", "w", "b", "center", "scale")
+ROW_SLOTS = ("x", "r", "y", "h", "w", "b", "center", "scale", "quant_scale", "y_scale")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -529,7 +569,11 @@ def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool, 
     rows = {"rows": plan.outer, "n": plan.reduced, "x_row_stride": plan.outer_stride}
     outputs = {"y": y, "w": w, "b": b, "center_out": center, "scale_out": scale}
     if launch.tier == "cached":
-        pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, threads_per_row=launch.threads_per_row)
+        quant = quantize.by_key(plan.quant)
+        quant_scale = pb["quant_scale"] if quant is not None and quant.scaling != quantize.ROW else None
+        y_scale = pb["y_scale"] if quant is not None and quant.row_scales else None
+        pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, threads_per_row=launch.threads_per_row,
+                  quant_scale=quant_scale, y_scale=y_scale)
     elif launch.tier == "uncached":
         pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, stash_vecs=launch.stash_vecs)
     elif launch.tier == "resident":

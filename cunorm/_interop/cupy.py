@@ -6,6 +6,7 @@ import operator
 
 import cupy
 
+from .._engine import quantize
 from .._engine.plans import canonical_strides
 from ._scope import device_scope
 
@@ -75,7 +76,11 @@ current_device = cupy.cuda.runtime.getDevice
 
 
 def native_dtype(dtype):
-    return dtype
+    return _RAW_BITS.get(dtype, dtype)
+
+
+#: quantize='s FP8 formats, which CuPy holds as their raw bits
+_RAW_BITS = {f.numpy: f.device for f in quantize.FORMATS.values()}
 
 
 def empty_beside(a, shape, dtype, perm=None):
@@ -98,3 +103,9 @@ def workspace_allocator(device: int):
         return a, a.data.ptr
 
     return alloc
+
+
+def view_bits(y, format_name: str):
+    """A quantized y as CuPy holds it: uint8 raw bits for the FP8 formats
+    (CuPy has no FP8 dtype), int8 for int8."""
+    return y

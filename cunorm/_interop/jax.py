@@ -44,3 +44,10 @@ def to_cupy(x, arg: str = "x") -> cupy.ndarray:
 
 def from_cupy(y: cupy.ndarray):
     return jax.numpy.from_dlpack(y)
+
+
+def view_bits(y, format_name: str):
+    """A quantized y (raw bytes) as JAX's dtype of its format."""
+    if format_name == "int8":
+        return y
+    return jax.lax.bitcast_convert_type(y, getattr(jax.numpy, format_name))

@@ -19,9 +19,10 @@ from __future__ import annotations
 import functools
 
 import cupy
+import numpy as np
 import torch
 
-from .._engine import dtypes
+from .._engine import dtypes, quantize
 from .._engine.caches import BoundedCache
 from .._engine.plans import canonical_strides
 from ._scope import DeviceScope
@@ -74,10 +75,14 @@ def unwritable(t) -> str | None:
     return None
 
 
+#: the one-byte results of quantize= (raw bits until view_bits)
+_BYTE_DTYPE = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int8): torch.int8}
+
+
 def from_cupy(y: cupy.ndarray):
     """y as a tensor over the same memory (y was allocated inside a torch
     scope, so its memory is a torch tensor's)."""
-    dtype = TORCH_DTYPE[y.dtype]
+    dtype = TORCH_DTYPE.get(y.dtype) or _BYTE_DTYPE[y.dtype]
     if y.size == 0:  # nothing was allocated
         return torch.empty(y.shape, dtype=dtype, device=torch.device("cuda", y.data.device_id))
     owner = y.data.mem._owner  # the uint8 tensor _allocate made
@@ -213,7 +218,12 @@ current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.curren
 
 
 def native_dtype(dtype):
-    return TORCH_DTYPE[dtype]
+    found = TORCH_DTYPE.get(dtype)
+    return found if found is not None else _QUANTIZED[dtype]
+
+
+#: quantize='s formats as torch's dtypes of their names
+_QUANTIZED = {f.numpy: getattr(torch, f.name) for f in quantize.FORMATS.values()}
 
 
 #: an output shaped, typed and laid out as a C-contiguous input (cheaper
@@ -246,3 +256,8 @@ def workspace_allocator(device: int):
         return a, a.data_ptr()
 
     return alloc
+
+
+def view_bits(t, format_name: str):
+    """A quantized y (raw bytes) as torch's dtype of its format."""
+    return t.view(getattr(torch, format_name))

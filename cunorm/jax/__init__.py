@@ -233,28 +233,38 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
+def _no_traced_quantize(name, quantize, quant_scale, quant_scale_ub):
+    if quantize is not None or quant_scale is not None or quant_scale_ub is not None:
+        raise NotImplementedError(f"{name}: quantize= runs on concrete JAX arrays (eagerly), not inside jax.jit or "
+                                  f"another transformation yet")
+
+
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
-             rounding="output", activation=None, **kwargs):
+             rounding="output", activation=None, quantize=None, quant_scale=None, quant_scale_ub=None, **kwargs):
     _no_out("rms_norm", kwargs)
-    if _traced(x, weight, residual):
+    if _traced(x, weight, residual, quant_scale, quant_scale_ub):
         _no_unknown_kwargs("rms_norm", kwargs)
+        _no_traced_quantize("rms_norm", quantize, quant_scale, quant_scale_ub)
         epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
         return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats, epilogue)
     _check_kind("rms_norm", x)
     return norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
-                          weight_offset=weight_offset, rounding=rounding, activation=activation, **kwargs)
+                          weight_offset=weight_offset, rounding=rounding, activation=activation, quantize=quantize,
+                          quant_scale=quant_scale, quant_scale_ub=quant_scale_ub, **kwargs)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
-               activation=None, **kwargs):
+               activation=None, quantize=None, quant_scale=None, quant_scale_ub=None, **kwargs):
     _no_out("layer_norm", kwargs)
-    if _traced(x, weight, bias, residual):
+    if _traced(x, weight, bias, residual, quant_scale, quant_scale_ub):
         _no_unknown_kwargs("layer_norm", kwargs)
+        _no_traced_quantize("layer_norm", quantize, quant_scale, quant_scale_ub)
         return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats,
                            plans.activation_flags(activation))
     _check_kind("layer_norm", x)
     return norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
-                            activation=activation, **kwargs)
+                            activation=activation, quantize=quantize, quant_scale=quant_scale,
+                            quant_scale_ub=quant_scale_ub, **kwargs)
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, **kwargs):

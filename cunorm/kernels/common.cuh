@@ -77,12 +77,19 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
 // member (narrow() into each) was stored as N separate 2-byte stores in
 // several kernels (the channels-last epilogue: 8x the store instructions,
 // L2-bound at 19% of copy bandwidth; a residual's h in the split tier), and
-// a union of 32-bit words still went word by word: the 8- and 16-byte
-// stores of 16-bit data are spelled out.
+// a union of 32-bit words still went word by word: the 4-, 8- and 16-byte
+// stores of 1- and 2-byte data are spelled out.
 template <class T, int N>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
     constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
-    if constexpr (sizeof(T) == 2 && (kBytes == 16 || kBytes == 8)) {
+    if constexpr (sizeof(T) == 1 && kBytes == 4) {  // (a quantizing store's one-byte elements)
+        union {
+            Vec<T, N> v;
+            unsigned w;
+        } u;
+        u.v = v;
+        asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(u.w) : "memory");
+    } else if constexpr (sizeof(T) <= 2 && (kBytes == 16 || kBytes == 8)) {
         union {
             Vec<T, N> v;
             unsigned w[kBytes / 4];

@@ -92,6 +92,21 @@ struct cheap_combine<Norm, decltype(void(Norm::kCheapCombine))> {
     static constexpr bool value = Norm::kCheapCombine;
 };
 
+// The largest magnitude over a row, as a policy group_reduce and
+// block_reduce take (a quantizing store's amax). fmax leaves NaN out.
+template <class A>
+struct MaxMagnitude {
+    struct Stats {
+        A v;
+    };
+    static constexpr bool kCheapCombine = true;
+    __device__ static __forceinline__ Stats init() { return Stats{A(0)}; }
+    __device__ static __forceinline__ Stats combine(const Stats& a, const Stats& b) { return Stats{fmax(a.v, b.v)}; }
+    __device__ static __forceinline__ Stats shfl_xor(const Stats& s, int mask, int width) {
+        return Stats{shfl_xor_acc(s.v, mask, width)};
+    }
+};
+
 // All threads of the block end with the block's combined partial.
 // `scratch` holds 33 Stats; every thread of the block must call it. With up
 // to four warps, or a cheap combine, every thread combines the warps'

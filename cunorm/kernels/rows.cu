@@ -60,10 +60,13 @@ namespace cunorm {
 //                                      for two blocks an SM (64 registers):
 //                                      one block of 512 ran bf16 4096x32768
 //                                      at 81% of copy bandwidth, two at 92%
+// A quantizing store (a division an element; with a row's scale, every
+// value formed twice) keeps 128 registers: at 64, its 16-bit rows of 8
+// vectors a thread spilled.
 // Set by ptxas's spill reports over every instantiation for sm_80 and sm_90
 // (at 64 registers, 8 float4 vectors a thread spilled on sm_80);
 // cunorm/_engine/dispatch_rows.py (cached_cost, block_cache_limit) mirrors it.
-template <class T, class A, int STAT_WORDS, int VEC, int VECS_PER_THREAD, bool RESIDUAL>
+template <class T, class A, int STAT_WORDS, int VEC, int VECS_PER_THREAD, bool RESIDUAL, bool QUANTIZED>
 struct RowsCachedBounds {
     static constexpr int kCost = VECS_PER_THREAD * VEC * static_cast<int>(sizeof(T)) * (RESIDUAL ? 4 : 1) *
                                  ((STAT_WORDS > 1 || sizeof(A) == 8) ? 2 : 1);
@@ -71,7 +74,7 @@ struct RowsCachedBounds {
     static constexpr bool kHeavy = STAT_WORDS > 1 || sizeof(A) == 8;
     static constexpr int kBlockMaxThreads = (!kHeavy && kCost <= 64 && kLoads <= 8) ? 1024 : 512;
     static constexpr int kBlockMinBlocks =
-        (!kHeavy && sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ? 2 : 1;
+        (!kHeavy && !QUANTIZED && sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ? 2 : 1;
 };
 
 // Loads in flight per thread in the streaming sweeps (uncached, split).
@@ -139,16 +142,16 @@ template <template <class> class NormT, class T, class STORE, class LOAD, int VE
           bool BLOCK_PER_ROW>
 __global__ void __launch_bounds__(
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
-                                     VECS_PER_THREAD, LOAD::kResidual>::kBlockMaxThreads
+                                     VECS_PER_THREAD, LOAD::kResidual, STORE::kQuantized>::kBlockMaxThreads
                   : kGroupBlockThreads,
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
-                                     VECS_PER_THREAD, LOAD::kResidual>::kBlockMinBlocks
+                                     VECS_PER_THREAD, LOAD::kResidual, STORE::kQuantized>::kBlockMinBlocks
                   : 2)
 rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STORE::Param* __restrict__ w,
-            const typename STORE::Param* __restrict__ b,
+            const typename STORE::Param* __restrict__ b, const float* __restrict__ quant_scale,
             typename STORE::Out* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
-            typename AccOf<T>::type* scale_out, long long rows, int n, long long x_row_stride,
-            typename AccOf<T>::type eps, int threads_per_row) {
+            typename AccOf<T>::type* scale_out, float* __restrict__ y_scale, long long rows, int n,
+            long long x_row_stride, typename AccOf<T>::type eps, int threads_per_row) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -203,6 +206,29 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
         if (active && lane == 0) store_stats(center_out, scale_out, row, f, pivot);
 
         if constexpr (STORE::kWritesY) {
+            // A store that divides by the row's scale (QuantStore) forms it
+            // first: the row's max |value| over the cached vectors.
+            typename STORE::Scale quant = STORE::static_scale(quant_scale);
+            if constexpr (STORE::kRowScale) {
+                using Max = MaxMagnitude<A>;
+                typename Max::Stats m = Max::init();
+#pragma unroll
+                for (int k = 0; k < VECS_PER_THREAD; ++k) {
+                    const int v = lane + k * row_threads;
+                    if (active && v < n_vec) {
+                        const long long e = static_cast<long long>(v) * VEC;
+                        m.v = fmax(m.v, STORE::template amax<T>(cache[k], STORE::template params<VEC>(w, b, e), f,
+                                                                pivot));
+                    }
+                }
+                if constexpr (BLOCK_PER_ROW) {
+                    m = block_reduce<Max>(m, reinterpret_cast<typename Max::Stats*>(scratch));
+                } else {
+                    m = group_reduce<Max>(m, threads_per_row);
+                }
+                quant = STORE::row_scale(m.v, quant_scale);
+                if (active && lane == 0) y_scale[row] = quant.scale;
+            }
             typename STORE::Out* yr = y + row * n;
 #pragma unroll
             for (int k = 0; k < VECS_PER_THREAD; ++k) {
@@ -210,7 +236,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
                     store_vec(yr + e, STORE::template apply<T>(cache[k], STORE::template params<VEC>(w, b, e), f,
-                                                               pivot));
+                                                               pivot, quant));
                 }
             }
         }

@@ -24,6 +24,15 @@
 //                             type, or float for 16-bit x read and float32
 //                             written); w and b stored as P, per element of
 //                             a row or per channel
+//   QuantStore<P, FLAGS, Q, SCALING>
+//                             AffineStore's value over a scale (times its
+//                             reciprocal), rounded
+//                             to nearest even in Q (e4m3_t, e5m2_t or signed
+//                             char) and saturated to Q's finite range; the
+//                             scale the caller's (SCALING kStaticScale) or
+//                             the row's max |value| / Q's largest, floored
+//                             (kRowScale; kRowScaleBounded: max |value|
+//                             capped by the caller's bound first)
 //   NoStore                   no y: the statistics alone (a jit program that
 //                             never reads y)
 // Members: Param and Out (the storage types of w, b and of y); kWritesY;
@@ -35,7 +44,11 @@
 // channel<A>(w, b, c) and splat<VEC>(w, b, c) for channel c's; value<T>(x -
 // pivot, f, scalars) for one element in the accumulation type and
 // element<T>(..., out) for it stored as Out; apply<T, VEC>(in, params, f,
-// pivot) for a vector of Out.
+// pivot) for a vector of Out. kQuantized, Scale, kRowScale, static_scale(quant_scale),
+// amax<T>(in, params, f, pivot) and row_scale(amax, quant_scale): a store
+// whose values are divided by a scale (QuantStore) says so; a tier that
+// takes one forms the row's scale before it stores (rows_cached) and hands
+// it to apply(..., scale).
 #pragma once
 #include "common.cuh"
 
@@ -169,11 +182,17 @@ struct AffineStore {
         narrow(value<T>(shifted, f, s), out);
     }
 
+    // No scale: y is stored as it is formed.
+    struct Scale {};
+    static constexpr bool kQuantized = false;
+    static constexpr bool kRowScale = false;
+    __device__ __forceinline__ static Scale static_scale(const float*) { return Scale{}; }
+
     // in[0:VEC] - pivot normalized with the parameters of those positions,
     // rounded to Out.
     template <class T, int VEC, class A>
     __device__ __forceinline__ static Vec<Y, VEC> apply(const Vec<T, VEC>& in, const Params<VEC>& p,
-                                                        const Affine<A>& f, A pivot) {
+                                                        const Affine<A>& f, A pivot, Scale = Scale{}) {
         Vec<Y, VEC> out;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -187,9 +206,137 @@ struct AffineStore {
     }
 };
 
+// One-byte storage types of the quantizing store, as raw bits.
+struct e4m3_t { unsigned char bits; };  // OCP FP8 E4M3 (finite, NaN 0x7f): largest 448
+struct e5m2_t { unsigned char bits; };  // OCP FP8 E5M2 (IEEE-like): largest finite 57344
+
+template <class Q> struct QuantMax;
+template <> struct QuantMax<e4m3_t> { static constexpr float value = 448.0f; };
+template <> struct QuantMax<e5m2_t> { static constexpr float value = 57344.0f; };
+template <> struct QuantMax<signed char> { static constexpr float value = 127.0f; };
+
+// v rounded to nearest even in the format, saturated to its finite range
+// (NaN stays NaN; int8 has none: NaN becomes 0). sm_89+ converts with one
+// instruction; older GPUs with the same rounding in integer arithmetic.
+__device__ __forceinline__ unsigned char fp8_bits_soft(float v, int mantissa_bits, int bias, unsigned max_bits) {
+    const unsigned b = __float_as_uint(v);
+    const unsigned sign = (b >> 24) & 0x80u;
+    const float a = fabsf(v);
+    if (a != a) return static_cast<unsigned char>(sign | 0x7fu);
+    // the smallest normal: 2^(1 - bias); below it, steps of 2^(1 - bias - mantissa_bits)
+    const float min_normal = __uint_as_float(static_cast<unsigned>(128 - bias) << 23);
+    unsigned q;
+    if (a < min_normal) {
+        const float steps = a * __uint_as_float(static_cast<unsigned>(127 + bias - 1 + mantissa_bits) << 23);
+        q = static_cast<unsigned>(__float2int_rn(steps));  // (a carry to the smallest normal encodes as one)
+    } else {
+        const unsigned drop = 23 - mantissa_bits;
+        const unsigned ab = b & 0x7fffffffu;
+        const unsigned rounded = ab + ((1u << (drop - 1)) - 1) + ((ab >> drop) & 1u);
+        q = ((rounded >> 23) - 127 + bias) << mantissa_bits | ((rounded >> drop) & ((1u << mantissa_bits) - 1));
+    }
+    return static_cast<unsigned char>(sign | (q > max_bits ? max_bits : q));
+}
+
+__device__ __forceinline__ void quantize(float v, e4m3_t& out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(v));
+    out.bits = static_cast<unsigned char>(pair & 0xffu);
+#else
+    out.bits = fp8_bits_soft(v, 3, 7, 0x7eu);
+#endif
+}
+__device__ __forceinline__ void quantize(float v, e5m2_t& out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(v));
+    out.bits = static_cast<unsigned char>(pair & 0xffu);
+#else
+    out.bits = fp8_bits_soft(v, 2, 15, 0x7bu);
+#endif
+}
+__device__ __forceinline__ void quantize(float v, signed char& out) {
+    const int q = __float2int_rn(v);  // (NaN: 0)
+    out = static_cast<signed char>(q > 127 ? 127 : q < -127 ? -127 : q);
+}
+
+enum Scaling { kStaticScale = 0, kRowScale = 1, kRowScaleBounded = 2 };
+
+template <class P, int FLAGS, class Q, int SCALING>
+struct QuantStore : AffineStore<P, FLAGS, Q> {
+    using Base = AffineStore<P, FLAGS, Q>;
+    using Out = Q;
+    template <int VEC>
+    using Params = typename Base::template Params<VEC>;
+    template <class A>
+    using Scalars = typename Base::template Scalars<A>;
+    static constexpr float kMax = QuantMax<Q>::value;
+    // An all-zero row's scale: max |y| / kMax never goes below this (vLLM's floor).
+    static constexpr float kMinScale = 1.0f / (kMax * 512.0f);
+
+    // The scale and its reciprocal, which every value is multiplied by
+    // (one division a row, not one an element; as vLLM's kernels quantize):
+    // a value within an ulp of a rounding boundary may round the other way
+    // than value / scale would.
+    struct Scale {
+        float scale;
+        float inverse;
+    };
+    static constexpr bool kQuantized = true;
+    static constexpr bool kRowScale = SCALING != kStaticScale;
+    __device__ __forceinline__ static Scale static_scale(const float* quant_scale) {
+        if constexpr (SCALING == kStaticScale) {
+            const float s = *quant_scale;
+            return Scale{s, __frcp_rn(s)};
+        } else {
+            return Scale{1.0f, 1.0f};
+        }
+    }
+    // The largest |value| of a vector (NaN left out).
+    template <class T, int VEC>
+    __device__ __forceinline__ static float amax(const Vec<T, VEC>& in, const Params<VEC>& p, const Affine<float>& f,
+                                                 float pivot) {
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) m = fmaxf(m, fabsf(Base::template value<T>(
+                                                       static_cast<float>(widen(in.v[j])) - pivot, f, scalars(p, j))));
+        return m;
+    }
+    __device__ __forceinline__ static Scale row_scale(float amax, const float* quant_scale) {
+        if constexpr (SCALING == kRowScaleBounded) amax = fminf(amax, *quant_scale);
+        const float s = fmaxf(__fdiv_rn(amax, kMax), kMinScale);
+        return Scale{s, __frcp_rn(s)};
+    }
+    template <class T, int VEC>
+    __device__ __forceinline__ static Vec<Q, VEC> apply(const Vec<T, VEC>& in, const Params<VEC>& p,
+                                                        const Affine<float>& f, float pivot, Scale s) {
+        Vec<Q, VEC> out;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const float v = Base::template value<T>(static_cast<float>(widen(in.v[j])) - pivot, f, scalars(p, j));
+            quantize(v * s.inverse, out.v[j]);
+        }
+        return out;
+    }
+
+  private:
+    template <int VEC>
+    __device__ __forceinline__ static Scalars<float> scalars(const Params<VEC>& p, int j) {
+        Scalars<float> s{1.0f, 0.0f};
+        if constexpr (Base::kHasWeight) s.w = static_cast<float>(widen(p.w.v[j]));
+        if constexpr (Base::kHasBias) s.b = static_cast<float>(widen(p.b.v[j]));
+        return s;
+    }
+};
+
 struct NoStore {
     using Param = none_t;
     using Out = none_t;
+    struct Scale {};
+    static constexpr bool kQuantized = false;
+    static constexpr bool kRowScale = false;
+    __device__ __forceinline__ static Scale static_scale(const float*) { return Scale{}; }
     static constexpr bool kWritesY = false;
     static constexpr bool kBare = true;
     static constexpr int kParamBytes = 0;

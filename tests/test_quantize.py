@@ -1,0 +1,124 @@
+"""quantize= on rms_norm and layer_norm: validation on every path, the
+NumPy reference's semantics, the plan and the kernel the dispatch picks
+(CPU only)."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm._engine import declarations, dispatch_rows, dtypes, plans, quantize
+from cunorm._engine.dispatch_rows import Device
+
+H100 = Device(sm_count=132)
+ONE = np.array([0.05], np.float32)
+
+
+def _x(rng, shape=(3, 64), dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("op", [cunorm.rms_norm, cunorm.layer_norm])
+def test_bad_requests_raise_before_anything_runs(op):
+    rng = np.random.default_rng()
+    x = _x(rng)
+    with pytest.raises(ValueError, match="quantize must be"):
+        op(x, quantize="float8")
+    with pytest.raises(TypeError, match="quantize must be"):
+        op(x, quantize=8)
+    with pytest.raises(TypeError, match="float64"):
+        op(x.astype(np.float64), quantize="int8")
+    with pytest.raises(ValueError, match="pass quantize= too"):
+        op(x, quant_scale=ONE)
+    with pytest.raises(ValueError, match="exclude"):
+        op(x, quantize="int8", quant_scale=ONE, quant_scale_ub=ONE)
+    with pytest.raises(TypeError, match="float32 array"):
+        op(x, quantize="int8", quant_scale=ONE.astype(np.float64))
+    with pytest.raises(ValueError, match="one element"):
+        op(x, quantize="int8", quant_scale=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="trailing axes"):
+        op(x, quantize="int8", axis=0)
+    with pytest.raises(ValueError, match="out="):
+        op(x, quantize="int8", out=np.empty_like(x))
+
+
+@pytest.mark.parametrize("fmt", list(quantize.FORMATS))
+def test_reference_saturates_rounds_to_even_and_keeps_nan(fmt):
+    spec = quantize.Quantize(quantize.FORMATS[fmt], quantize.STATIC)
+    qmax = spec.format.qmax
+    y = np.array([[0.0, 1e30, -1e30, np.nan, qmax, -qmax, 2.5, 3.5]])
+    q, scales = quantize.reference(y, spec, scale=np.ones(1, np.float32))
+    assert scales is None and q.dtype == spec.format.numpy
+    got = q.astype(np.float64)
+    assert got[0, 1] == qmax and got[0, 2] == -qmax and got[0, 4] == qmax and got[0, 5] == -qmax
+    if fmt == "int8":
+        assert got[0, 3] == 0 and got[0, 6] == 2 and got[0, 7] == 4  # (round half to even)
+    else:
+        assert np.isnan(got[0, 3])
+
+
+@pytest.mark.parametrize("fmt", list(quantize.FORMATS))
+def test_dynamic_scales_are_max_over_qmax_with_a_floor_and_a_bound(fmt):
+    rng = np.random.default_rng()
+    spec = quantize.FORMATS[fmt]
+    y = rng.standard_normal((4, 100)) * 3
+    y[2] = 0.0
+    q, scales = quantize.reference(y, quantize.Quantize(spec, quantize.ROW))
+    assert scales.shape == (4, 1) and scales.dtype == np.float32
+    want = np.maximum(np.abs(y).max(axis=1, keepdims=True) / spec.qmax, spec.min_scale)
+    np.testing.assert_allclose(scales, want, rtol=1e-6)
+    assert scales[2, 0] == np.float32(spec.min_scale) and not q.astype(np.float64)[2].any()
+    assert np.abs(q.astype(np.float64)).max() == spec.qmax  # each row reaches the format's largest
+    bound = np.array([1.0], np.float32)
+    _, capped = quantize.reference(y, quantize.Quantize(spec, quantize.ROW_BOUNDED), bound=bound)
+    np.testing.assert_allclose(capped, np.maximum(np.minimum(want * spec.qmax, 1.0) / spec.qmax, spec.min_scale),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("op,params", [(cunorm.rms_norm, ("weight",)), (cunorm.layer_norm, ("weight", "bias"))])
+def test_numpy_results_in_order(op, params, residual):
+    rng = np.random.default_rng()
+    x = _x(rng, (2, 3, 40), dtypes.bfloat16)
+    kwargs = {name: rng.random(40).astype(np.float32) for name in params}
+    r = _x(rng, x.shape, x.dtype) if residual else None
+    out = op(x, **kwargs, residual=r, return_stats=True, quantize="float8_e4m3fn")
+    q, scales, *rest = out
+    assert q.dtype == np.dtype(ml_dtypes.float8_e4m3fn) and q.shape == x.shape
+    assert scales.shape == (2, 3, 1) and scales.dtype == np.float32
+    if residual:
+        h, *rest = rest
+        assert h.dtype == x.dtype
+    assert all(s.dtype == np.float32 and s.shape == (2, 3) for s in rest)
+    exact = op(x, **kwargs, residual=r, return_stats=False) if not residual else op(x, **kwargs, residual=r)[0]
+    dequantized = q.astype(np.float64) * scales
+    np.testing.assert_allclose(dequantized, exact.astype(np.float64), atol=0.07 * np.abs(exact.astype(
+        np.float64)).max())
+    static = op(x, **kwargs, residual=r, quantize="int8", quant_scale=ONE)
+    assert (static[0] if residual else static).dtype == np.int8
+
+
+def test_the_dispatch_runs_the_cached_tier_with_the_quantizing_store():
+    for quant, store in [(("float8_e4m3fn", quantize.ROW), "cunorm::QuantStore<float, 1, cunorm::e4m3_t, 1>"),
+                         (("int8", quantize.STATIC), "cunorm::QuantStore<float, 1, signed char, 0>")]:
+        for n, rows in ((4096, 1), (4096, 32768), (16384, 16)):  # (few long rows would otherwise split)
+            plan = plans.make_plan("rms", dtypes.bfloat16, dtypes.float32, 1, False, (rows, n), (n, 1), 1, 1, 0, 0,
+                                   0, 0, 0, 0, None, quant)
+            launch = dispatch_rows.choose(plan, H100)
+            assert launch.tier == "cached"
+            assert store in launch.steps[0].kernel.expression
+            assert plan.vec == 8
+    too_long = plans.make_plan("ln", dtypes.float32, None, 0, False, (4, 1 << 20), (1 << 20, 1), 1, 1, 0, 0, 0, 0,
+                               0, 0, None, ("int8", quantize.ROW))
+    with pytest.raises(ValueError, match="fit on chip"):
+        dispatch_rows.choose(too_long, H100)
+    with pytest.raises(ValueError, match="cached tier only"):
+        dispatch_rows.choose(too_long, H100, override={"tier": "split"})
+
+
+def test_quant_store_is_formatted_from_closed_sets():
+    stage = declarations.quant_store("float", 1, "cunorm::e5m2_t", 2)
+    assert stage.expression == "cunorm::QuantStore<float, 1, cunorm::e5m2_t, 2>"
+    with pytest.raises(TypeError):
+        declarations.quant_store("float", 1, "e5m2_t; }", 2).expression

@@ -1,0 +1,173 @@
+"""quantize= on the GPU against the float64 reference: CuPy and torch
+tensors, every format and scaling, with and without a residual and
+parameters, odd sizes, fresh random data each run."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm._engine import dtypes, quantize
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = list(quantize.FORMATS)
+
+
+def _decoded(q, fmt):
+    """Quantized values as float64 (raw FP8 bits viewed as their format)."""
+    q = np.asarray(q)
+    if fmt != "int8" and q.dtype == np.uint8:
+        q = q.view(quantize.FORMATS[fmt].numpy)
+    return q.astype(np.float64)
+
+
+def _check(q, scales, ref_q, ref_scales, exact_y, fmt, static_scale=None):
+    """q equals the reference's quantization except where y / scale lies
+    next to a rounding boundary; those are one step apart and rare."""
+    if ref_scales is not None:
+        np.testing.assert_allclose(scales, ref_scales, rtol=1e-6)
+        scale = ref_scales.astype(np.float64)
+    else:
+        scale = np.float64(static_scale[0])
+    got, want = _decoded(q, fmt), _decoded(ref_q, fmt)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    differ = ~((got == want) | (np.isnan(got) & np.isnan(want)))
+    if differ.any():
+        v = (exact_y / scale)[differ]
+        lo, hi = np.minimum(got[differ], want[differ]), np.maximum(got[differ], want[differ])
+        midpoint = (lo + hi) / 2
+        # float32's y carries a few ulps of the row's largest terms (LayerNorm's centering, the bias)
+        row_max = np.broadcast_to(np.nanmax(np.abs(exact_y / scale), axis=-1, keepdims=True), exact_y.shape)[differ]
+        near = np.abs(v - midpoint) <= 1e-5 * np.abs(v) + 4e-6 * row_max
+        assert near.all(), (v[~near][:5], got[differ][~near][:5], want[differ][~near][:5], row_max[~near][:5])
+        assert differ.sum() <= max(2, 1e-3 * differ.size), differ.sum()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scaling", ["row", "static", "bounded"])
+@pytest.mark.parametrize("op,dtype,residual", [
+    ("rms", dtypes.bfloat16, False), ("rms", dtypes.bfloat16, True), ("rms", dtypes.float16, False),
+    ("ln", dtypes.bfloat16, True), ("ln", dtypes.float32, False)])
+def test_cupy_matches_the_reference(op, dtype, residual, fmt, scaling):
+    import cupy
+
+    rng = np.random.default_rng()
+    rows, n = int(rng.integers(1, 300)), int(rng.choice([4096, 2048 + 8, 777, 7168, 64]))
+    x = (rng.standard_normal((rows, n)) * 2).astype(dtype)
+    w = (rng.random(n) + 0.5).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if op == "ln" else None
+    r = rng.standard_normal((rows, n)).astype(dtype) if residual else None
+    static = np.array([np.float32(rng.uniform(0.01, 0.05))]) if scaling == "static" else None
+    bound = np.array([np.float32(3.0)]) if scaling == "bounded" else None
+    fn = cunorm.rms_norm if op == "rms" else cunorm.layer_norm
+    params = (w,) if op == "rms" else (w, b)
+    kwargs = dict(quantize=fmt, quant_scale=static, quant_scale_ub=bound)
+    ref = fn(x, *params, residual=r, **kwargs)
+    # (the reference's float64 y before any rounding)
+    exact_y = cunorm.reference.rms_norm(x, w, residual=r, exact=True) if op == "rms" else \
+        cunorm.reference.layer_norm(x, w, b, residual=r, exact=True)
+    exact_y = exact_y[0] if residual else exact_y
+    dev = lambda a: None if a is None else cupy.asarray(a)  # noqa: E731
+    got = fn(dev(x), *[dev(p) for p in params], residual=dev(r), quantize=fmt, quant_scale=dev(static),
+             quant_scale_ub=dev(bound))
+    got = got if isinstance(got, tuple) else (got,)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    assert got[0].dtype == quantize.FORMATS[fmt].device and got[0].shape == x.shape
+    dynamic = scaling != "static"
+    scales = cupy.asnumpy(got[1]) if dynamic else None
+    _check(cupy.asnumpy(got[0]), scales, ref[0], ref[1] if dynamic else None, exact_y, fmt, static)
+    if residual:
+        np.testing.assert_array_equal(cupy.asnumpy(got[-1]).view(np.uint16 if dtype.itemsize == 2 else np.uint32),
+                                      ref[-1].view(np.uint16 if dtype.itemsize == 2 else np.uint32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_torch_tensors_come_back_in_torch_dtypes(fmt):
+    torch = pytest.importorskip("torch")
+    x = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    with torch.no_grad():
+        q, scales = cunorm.rms_norm(x, w, quantize=fmt)
+    assert q.dtype == getattr(torch, fmt) and q.shape == x.shape and scales.shape == (37, 1)
+    ref_q, ref_scales = cunorm.rms_norm(x.float().cpu().numpy().astype(ml_dtypes.bfloat16),
+                                        w.float().cpu().numpy().astype(ml_dtypes.bfloat16), quantize=fmt)
+    exact_y = cunorm.reference.rms_norm(x.float().cpu().numpy().astype(ml_dtypes.bfloat16),
+                                        w.float().cpu().numpy().astype(ml_dtypes.bfloat16), exact=True)
+    raw = q.view(torch.uint8) if fmt != "int8" else q
+    _check(raw.cpu().numpy(), scales.cpu().numpy(), ref_q, ref_scales, exact_y, fmt)
+    x.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="inference only"):
+        cunorm.rms_norm(x, w, quantize=fmt)
+
+
+def test_static_scale_is_read_when_the_kernel_runs():
+    """A captured CUDA graph replays with the scale's new value."""
+    import cupy
+
+    x = cupy.asarray(np.random.default_rng().standard_normal((8, 1024)).astype(dtypes.bfloat16))
+    scale = cupy.asarray(np.array([0.05], np.float32))  # (|y| < 6: no saturation)
+    first = cunorm.rms_norm(x, quantize="int8", quant_scale=scale)
+    scale[...] = 0.1
+    second = cunorm.rms_norm(x, quantize="int8", quant_scale=scale)
+    assert not cupy.array_equal(first, second)
+    assert int(cupy.abs(second.astype(np.int32) * 2 - first.astype(np.int32)).max()) <= 1
+
+
+def test_nan_rows_and_zero_rows():
+    import cupy
+
+    x = np.random.default_rng().standard_normal((4, 256)).astype(np.float32)
+    x[1] = 0.0
+    x[2, 5] = np.nan
+    q, scales = cunorm.rms_norm(cupy.asarray(x), quantize="float8_e4m3fn")
+    q, scales = cupy.asnumpy(q).view(ml_dtypes.float8_e4m3fn).astype(np.float64), cupy.asnumpy(scales)
+    assert scales[1, 0] == np.float32(quantize.FORMATS["float8_e4m3fn"].min_scale) and not q[1].any()
+    assert np.isnan(q[2]).all()  # a group holding NaN is NaN throughout (as the plain op)
+    assert np.isfinite(q[[0, 3]]).all() and np.isfinite(scales).all()
+    qi = cupy.asnumpy(cunorm.rms_norm(cupy.asarray(x), quantize="int8")[0])
+    assert not qi[2].any()  # int8 has no NaN: 0
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("scaling", ["row", "static", "bounded"])
+def test_a_repeated_call_replays_its_launch(kind, scaling):
+    """The second call of a signature is the launch cache's: the same
+    results, bitwise, in the same types; a new static scale is read."""
+    import cupy
+
+    from cunorm._engine import launch_cache
+
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((5, 1000)) * 3).astype(dtypes.bfloat16)
+    w = rng.random(1000).astype(np.float32)
+    r = rng.standard_normal((5, 1000)).astype(dtypes.bfloat16)
+    one = np.array([0.02 if scaling == "static" else 2.0], np.float32)
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        dev = lambda a: torch.from_dlpack(cupy.asarray(a))  # noqa: E731
+    else:
+        dev = cupy.asarray
+    xs, ws, rs, ones = dev(x), dev(w), dev(r), dev(one)
+    kwargs = {"quantize": "float8_e4m3fn", "residual": rs}
+    if scaling == "static":
+        kwargs["quant_scale"] = ones
+    elif scaling == "bounded":
+        kwargs["quant_scale_ub"] = ones
+    launch_cache.clear()
+    first = cunorm.layer_norm(xs, ws, **kwargs)
+    key = launch_cache.rows_key("ln", xs, ws, None, rs, -1, 1e-5, False, 0, None,
+                                ("float8_e4m3fn", kwargs.get("quant_scale"), kwargs.get("quant_scale_ub")))
+    assert key is not None and launch_cache.ROWS.get(key) is not None
+    second = cunorm.layer_norm(xs, ws, **kwargs)
+    assert len(first) == len(second) == (2 if scaling == "static" else 3)
+    for a, b in zip(first, second):
+        assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+        bits = (lambda t: cupy.asarray(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)) \
+            if kind == "torch" else cupy.asarray
+        assert cupy.array_equal(bits(a), bits(b))
+    if scaling == "static":
+        ones[...] = 0.04  # (read by the replayed launch)
+        third = cunorm.layer_norm(xs, ws, **kwargs)
+        assert not cupy.array_equal(bits(third[0]), bits(first[0]))
