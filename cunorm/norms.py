@@ -113,7 +113,8 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     return calls.rows("rms", x, weight, None, residual, axis, eps, return_stats, out, reference.rms_norm, epilogue,
                       None, lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
                                                       return_stats=return_stats, weight_offset=weight_offset,
-                                                      rounding=rounding, activation=activation),
+                                                      rounding=rounding, activation=activation, quantize=quantize,
+                                                      quant_scale=quant_scale, quant_scale_ub=quant_scale_ub),
                       quantize=(quantize, quant_scale, quant_scale_ub))
 
 
@@ -175,7 +176,9 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     epilogue = plans.activation_flags(activation)
     return calls.rows("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm, epilogue,
                       None, lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
-                                                        return_stats=return_stats, activation=activation),
+                                                        return_stats=return_stats, activation=activation,
+                                                        quantize=quantize, quant_scale=quant_scale,
+                                                        quant_scale_ub=quant_scale_ub),
                       quantize=(quantize, quant_scale, quant_scale_ub))
 
 
@@ -443,8 +446,8 @@ _QUANTIZE = """quantize : str, optional
         int8. For rows over the trailing axes of float16, bfloat16 or
         float32 x that fit on chip (16-bit rows up to 32768 elements, 16384
         with a residual for rms_norm and 8192 for layer_norm; float32 half
-        of those); inference only (no gradient, not under torch.compile);
-        no ``out=``. The quantized y comes back as torch's
+        of those); inference only (no gradient; a registered operator under
+        torch.compile; not inside jax.jit yet); no ``out=``. The quantized y comes back as torch's
         or JAX's dtype of that name, as uint8 raw bits in a CuPy array (CuPy
         has no FP8 dtype: view them with ml_dtypes after ``.get()``), as
         int8 for int8, and as an ml_dtypes array from NumPy.

@@ -122,3 +122,26 @@ def test_quant_store_is_formatted_from_closed_sets():
     assert stage.expression == "cunorm::QuantStore<float, 1, cunorm::e5m2_t, 2>"
     with pytest.raises(TypeError):
         declarations.quant_store("float", 1, "e5m2_t; }", 2).expression
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_torch_operator_fake_gives_each_output(static):
+    """torch.compile sees torch.ops.cunorm.row_norm_quantized through its
+    fake: the outputs' shapes and dtypes, in order (no GPU needed)."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import cunorm.torch  # noqa: F401  (registers the operators)
+
+    with FakeTensorMode():
+        x = torch.empty(3, 5, 64, dtype=torch.bfloat16)
+        w = torch.empty(64, dtype=torch.float32)
+        scale = torch.empty(1, dtype=torch.float32) if static else None
+        out = torch.ops.cunorm.row_norm_quantized(x, w, w, x, [-1], 1e-5, True, 0, "ln", "float8_e5m2", scale, None)
+        want = [((3, 5, 64), torch.float8_e5m2)] + ([] if static else [((3, 5, 1), torch.float32)]) + \
+            [((3, 5, 64), torch.bfloat16), ((3, 5), torch.float32), ((3, 5), torch.float32)]
+        assert [(tuple(t.shape), t.dtype) for t in out] == want
+        with pytest.raises(ValueError, match="quantize must be"):
+            torch.ops.cunorm.row_norm_quantized(x, w, None, None, [-1], 1e-5, False, 0, "rms", "fp8", None, None)
+        with pytest.raises(ValueError, match="norm must be"):
+            torch.ops.cunorm.row_norm_quantized(x, w, None, None, [-1], 1e-5, False, 0, "l2", "int8", None, None)

@@ -171,3 +171,41 @@ def test_a_repeated_call_replays_its_launch(kind, scaling):
         ones[...] = 0.04  # (read by the replayed launch)
         third = cunorm.layer_norm(xs, ws, **kwargs)
         assert not cupy.array_equal(bits(third[0]), bits(first[0]))
+
+
+def test_torch_compile_and_cuda_graphs():
+    """Under torch.compile the call is the registered operator; captured in
+    a CUDA graph it replays with the static scale's new value."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(2048, device="cuda", dtype=torch.bfloat16) + 0.5
+    r = torch.randn_like(x)
+
+    def step(x, w, r):
+        q, scales, h = cunorm.rms_norm(x, w, residual=r, quantize="float8_e4m3fn")
+        return q.float() * scales, h
+
+    with torch.no_grad():
+        eager = step(x, w, r)
+        compiled = torch.compile(step, fullgraph=True)(x, w, r)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    scale = torch.tensor([0.01], device="cuda")
+    static = torch.cuda.Stream()
+    with torch.no_grad(), torch.cuda.stream(static):
+        cunorm.rms_norm(x, w, quantize="int8", quant_scale=scale)  # (warm: compiled and cached outside the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=static):
+            out = cunorm.rms_norm(x, w, quantize="int8", quant_scale=scale)
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    first = out.clone()
+    with torch.no_grad():
+        assert torch.equal(first, cunorm.rms_norm(x, w, quantize="int8", quant_scale=scale))
+    scale.fill_(0.05)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out, first)
+    with torch.no_grad():
+        assert torch.equal(out, cunorm.rms_norm(x, w, quantize="int8", quant_scale=scale))

@@ -35,10 +35,8 @@ def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, referenc
     torch layers under autocast); ``quantize``: (format, static scale,
     bound) of quantize= (quantize.py), which the general path validates."""
     if quantize is not None and any(q is not None for q in quantize):
-        if route is not None and _interop.torch_route(x, weight, bias, residual):
-            raise RuntimeError("quantize= is inference only: it has no gradient and no torch operator for "
-                               "torch.compile yet; call it under torch.no_grad() (or torch.inference_mode()), "
-                               "outside a compiled region")
+        if route is not None and _interop.torch_route(x, weight, bias, residual, *quantize[1:]):
+            return route()  # (cunorm.torch: its operator under dynamo; refused where autograd records)
         key = None
         if out is None:
             key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, None,

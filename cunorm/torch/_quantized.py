@@ -1,0 +1,62 @@
+"""quantize= (cunorm/_engine/quantize.py) as a registered torch operator,
+``torch.ops.cunorm.row_norm_quantized``, so that torch.compile takes a
+quantized rms_norm or layer_norm as one opaque op. Inference only: the
+operator has no autograd formula (a quantized y has no gradient), and
+cunorm.torch's functions refuse a call that autograd would record."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._engine import calls, ops, quantize, row_norms
+from .._interop import torch as _adapter
+
+SCHEMA = ("(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, SymInt[] axes, float eps, bool return_stats, "
+          "int epilogue, str norm, str quantize, Tensor? quant_scale, Tensor? quant_scale_ub) -> Tensor[]")
+#: the row norms that take quantize=
+NORMS = {"rms": "rms_norm", "ln": "layer_norm"}
+
+
+def _check_norm(norm: str) -> None:
+    if norm not in NORMS:  # (a caller's string: checked, never pasted into a kernel name)
+        raise ValueError(f"row_norm_quantized: norm must be one of {sorted(NORMS)}, got {norm!r}")
+
+
+@torch.library.custom_op("cunorm::row_norm_quantized", mutates_args=(), schema=SCHEMA)
+def row_norm_quantized(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, quantize, quant_scale,
+                       quant_scale_ub):
+    _check_norm(norm)
+    results = calls.rows(norm, x, weight, bias, residual, tuple(axes), eps, return_stats, None, None,
+                         epilogue=epilogue, quantize=(quantize, quant_scale, quant_scale_ub))
+    return list(results) if isinstance(results, tuple) else [results]
+
+
+@row_norm_quantized.register_fake
+def _fake(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, quantize_, quant_scale, quant_scale_ub):
+    _check_norm(norm)
+    fmt = quantize.FORMATS.get(quantize_)
+    if fmt is None:
+        raise ValueError(f"quantize must be one of {quantize.FORMAT_NAMES}, got {quantize_!r}")
+    first, last = row_norms.axis_span(tuple(axes), x.dim())
+    outputs = [x.new_empty(x.shape, dtype=getattr(torch, fmt.name))]
+    if quant_scale is None:
+        outputs.append(x.new_empty(tuple(x.shape[:first]) + (1,) * (last - first + 1), dtype=torch.float32))
+    if residual is not None:
+        outputs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
+    if return_stats:
+        shape = row_norms.stats_shape(tuple(x.shape), first, last)
+        outputs += [x.new_empty(shape, dtype=_adapter.ACCUMULATION[x.dtype]) for _ in ops.statistics_of(norm)]
+    return outputs
+
+
+def quantized(norm: str, x: Tensor, weight, bias, residual, axes, eps, return_stats, epilogue, quantize_, quant_scale,
+              quant_scale_ub, needs_grad: bool):
+    """cunorm.torch's rms_norm / layer_norm with quantize=: the operator's
+    results, unpacked; refused where autograd would record the call."""
+    if needs_grad:
+        raise RuntimeError(f"cunorm.torch.{NORMS[norm]}: quantize= is inference only (a quantized y has no "
+                           f"gradient): call it under torch.no_grad() or torch.inference_mode()")
+    results = torch.ops.cunorm.row_norm_quantized(x, weight, bias, residual, axes, row_norms.check_eps(eps),
+                                                  row_norms.check_flag(return_stats, "return_stats"), epilogue, norm,
+                                                  quantize_, quant_scale, quant_scale_ub)
+    return results[0] if len(results) == 1 else tuple(results)
