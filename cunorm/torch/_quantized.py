@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._engine import calls, ops, quantize, row_norms
+from .._engine import calls, ops, row_norms
+from .._engine.quantize import FORMAT_NAMES, FORMATS
 from .._interop import torch as _adapter
 
 SCHEMA = ("(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, SymInt[] axes, float eps, bool return_stats, "
@@ -32,11 +33,11 @@ def row_norm_quantized(x, weight, bias, residual, axes, eps, return_stats, epilo
 
 
 @row_norm_quantized.register_fake
-def _fake(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, quantize_, quant_scale, quant_scale_ub):
+def _fake(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, quantize, quant_scale, quant_scale_ub):
     _check_norm(norm)
-    fmt = quantize.FORMATS.get(quantize_)
+    fmt = FORMATS.get(quantize)
     if fmt is None:
-        raise ValueError(f"quantize must be one of {quantize.FORMAT_NAMES}, got {quantize_!r}")
+        raise ValueError(f"quantize must be one of {FORMAT_NAMES}, got {quantize!r}")
     first, last = row_norms.axis_span(tuple(axes), x.dim())
     outputs = [x.new_empty(x.shape, dtype=getattr(torch, fmt.name))]
     if quant_scale is None:
@@ -49,7 +50,7 @@ def _fake(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, qu
     return outputs
 
 
-def quantized(norm: str, x: Tensor, weight, bias, residual, axes, eps, return_stats, epilogue, quantize_, quant_scale,
+def quantized(norm: str, x: Tensor, weight, bias, residual, axes, eps, return_stats, epilogue, quantize, quant_scale,
               quant_scale_ub, needs_grad: bool):
     """cunorm.torch's rms_norm / layer_norm with quantize=: the operator's
     results, unpacked; refused where autograd would record the call."""
@@ -58,5 +59,5 @@ def quantized(norm: str, x: Tensor, weight, bias, residual, axes, eps, return_st
                            f"gradient): call it under torch.no_grad() or torch.inference_mode()")
     results = torch.ops.cunorm.row_norm_quantized(x, weight, bias, residual, axes, row_norms.check_eps(eps),
                                                   row_norms.check_flag(return_stats, "return_stats"), epilogue, norm,
-                                                  quantize_, quant_scale, quant_scale_ub)
+                                                  quantize, quant_scale, quant_scale_ub)
     return results[0] if len(results) == 1 else tuple(results)
