@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from . import dtypes, tuning
+from . import dtypes, quantize, tuning
 from . import declarations as K
 from .dispatch_rows import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
                             cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
@@ -134,8 +134,6 @@ def quantized_kernels() -> list[Kernel]:
     and scaling. They compile on first use (an option, as the epilogue's
     others): precompile leaves them out; the compile check covers their
     representative set."""
-    from . import quantize
-
     policies = {norm_info(norm).policy for norm in ("rms", "ln")}
     out = {}
     for k in all_kernels():

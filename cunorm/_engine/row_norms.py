@@ -309,7 +309,7 @@ def reference_arguments(call: Call) -> dict:
     op = ops.BY_NORM.get(call.norm)
     kwargs = {"axis": tuple(range(call.first, call.last + 1)), "eps": call.eps}
     if call.quant is not None:
-        kwargs["exact"] = True  # (y before any rounding: quantize.run quantizes it)
+        kwargs["exact"] = True  # (y before any rounding: quantize.reference_results quantizes it)
     if op is None:  # (the Lp family: x, axis, eps)
         return kwargs
     kwargs.update((name, getattr(call, name)) for name in op.params)
@@ -364,11 +364,11 @@ def _rows_entry(call: Call, program) -> launch_cache.Entry:
     present = lambda name, a: None if a is None else name  # noqa: E731
     slots = {"x": "x", "r": present("r", call.residual), "y": "y", "h": present("h", call.residual),
              "w": present("w", call.weight), "b": present("b", call.bias), "center": outputs.get("mean") and "mean",
-             "scale": outputs.get("rstd") and "rstd", "quant_scale": present("q", call.quant_scale),
-             "y_scale": outputs.get("y_scale") and "y_scale"}
-    inputs = ("x", "w", "b", "r") if quant is None else ("x", "w", "b", "r", "q", "q_bound")
-    if quant is not None and quant.scaling == quantize.ROW_BOUNDED:  # (the bound is the call's last array)
-        slots["quant_scale"] = "q_bound"
+             "scale": outputs.get("rstd") and "rstd", "y_scale": outputs.get("y_scale") and "y_scale"}
+    inputs = ("x", "w", "b", "r")
+    if quant is not None:  # (the launcher takes both arrays; the kernel reads the one given)
+        inputs += ("scale", "bound")
+        slots["quant_scale"] = {quantize.STATIC: "scale", quantize.ROW_BOUNDED: "bound"}.get(quant.scaling)
     return launch_cache.entry(call.adapter, x.data.device_id, program, inputs, outputs, slots, tuple(outputs),
                               arrays={"x": x})
 

@@ -164,6 +164,8 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
     const int rows_per_block = BLOCK_PER_ROW ? 1 : static_cast<int>(blockDim.x) / threads_per_row;
     const int group = BLOCK_PER_ROW ? 0 : static_cast<int>(threadIdx.x) / threads_per_row;
     const long long step = static_cast<long long>(gridDim.x) * rows_per_block;
+    // The caller's scale, where the store takes one (read once, not a row at a time).
+    const typename STORE::Scale given_scale = STORE::static_scale(quant_scale);
 
     // The loop bound is uniform across the block: the exchanges below need
     // every lane, so lanes past the last row ride along inactive.
@@ -208,7 +210,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
         if constexpr (STORE::kWritesY) {
             // A store that divides by the row's scale (QuantStore) forms it
             // first: the row's max |value| over the cached vectors.
-            typename STORE::Scale quant = STORE::static_scale(quant_scale);
+            typename STORE::Scale quant = given_scale;
             if constexpr (STORE::kRowScale) {
                 using Max = MaxMagnitude<A>;
                 typename Max::Stats m = Max::init();

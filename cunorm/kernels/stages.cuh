@@ -44,7 +44,8 @@
 // channel<A>(w, b, c) and splat<VEC>(w, b, c) for channel c's; value<T>(x -
 // pivot, f, scalars) for one element in the accumulation type and
 // element<T>(..., out) for it stored as Out; apply<T, VEC>(in, params, f,
-// pivot) for a vector of Out. kQuantized, Scale, kRowScale, static_scale(quant_scale),
+// pivot) for a vector of Out (scalars_at<A>(params, j): element j's).
+// kQuantized, Scale, kRowScale, static_scale(quant_scale),
 // amax<T>(in, params, f, pivot) and row_scale(amax, quant_scale): a store
 // whose values are divided by a scale (QuantStore) says so; a tier that
 // takes one forms the row's scale before it stores (rows_cached) and hands
@@ -147,6 +148,14 @@ struct AffineStore {
         if constexpr (kHasBias) s.b = static_cast<A>(widen(b[c]));
         return s;
     }
+    // The parameters of element j of a vector.
+    template <class A, int VEC>
+    __device__ __forceinline__ static Scalars<A> scalars_at(const Params<VEC>& p, int j) {
+        Scalars<A> s{A(1), A(0)};
+        if constexpr (kHasWeight) s.w = static_cast<A>(widen(p.w.v[j]));
+        if constexpr (kHasBias) s.b = static_cast<A>(widen(p.b.v[j]));
+        return s;
+    }
     // Every element of the vector takes channel c's parameters.
     template <int VEC>
     __device__ __forceinline__ static Params<VEC> splat(const P* w, const P* b, long long c) {
@@ -197,10 +206,7 @@ struct AffineStore {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             const A shifted = static_cast<A>(widen(in.v[j])) - pivot;
-            Scalars<A> s{A(1), A(0)};
-            if constexpr (kHasWeight) s.w = static_cast<A>(widen(p.w.v[j]));
-            if constexpr (kHasBias) s.b = static_cast<A>(widen(p.b.v[j]));
-            element<T>(shifted, f, s, out.v[j]);
+            element<T>(shifted, f, scalars_at<A>(p, j), out.v[j]);
         }
         return out;
     }
@@ -266,11 +272,8 @@ enum Scaling { kStaticScale = 0, kRowScale = 1, kRowScaleBounded = 2 };
 template <class P, int FLAGS, class Q, int SCALING>
 struct QuantStore : AffineStore<P, FLAGS, Q> {
     using Base = AffineStore<P, FLAGS, Q>;
-    using Out = Q;
     template <int VEC>
     using Params = typename Base::template Params<VEC>;
-    template <class A>
-    using Scalars = typename Base::template Scalars<A>;
     static constexpr float kMax = QuantMax<Q>::value;
     // An all-zero row's scale: max |y| / kMax never goes below this (vLLM's floor).
     static constexpr float kMinScale = 1.0f / (kMax * 512.0f);
@@ -299,8 +302,10 @@ struct QuantStore : AffineStore<P, FLAGS, Q> {
                                                  float pivot) {
         float m = 0.0f;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) m = fmaxf(m, fabsf(Base::template value<T>(
-                                                       static_cast<float>(widen(in.v[j])) - pivot, f, scalars(p, j))));
+        for (int j = 0; j < VEC; ++j) {
+            const float shifted = static_cast<float>(widen(in.v[j])) - pivot;
+            m = fmaxf(m, fabsf(Base::template value<T>(shifted, f, Base::template scalars_at<float>(p, j))));
+        }
         return m;
     }
     __device__ __forceinline__ static Scale row_scale(float amax, const float* quant_scale) {
@@ -314,19 +319,11 @@ struct QuantStore : AffineStore<P, FLAGS, Q> {
         Vec<Q, VEC> out;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const float v = Base::template value<T>(static_cast<float>(widen(in.v[j])) - pivot, f, scalars(p, j));
+            const float shifted = static_cast<float>(widen(in.v[j])) - pivot;
+            const float v = Base::template value<T>(shifted, f, Base::template scalars_at<float>(p, j));
             quantize(v * s.inverse, out.v[j]);
         }
         return out;
-    }
-
-  private:
-    template <int VEC>
-    __device__ __forceinline__ static Scalars<float> scalars(const Params<VEC>& p, int j) {
-        Scalars<float> s{1.0f, 0.0f};
-        if constexpr (Base::kHasWeight) s.w = static_cast<float>(widen(p.w.v[j]));
-        if constexpr (Base::kHasBias) s.b = static_cast<float>(widen(p.b.v[j]));
-        return s;
     }
 };
 
