@@ -36,7 +36,8 @@ def _torch():
 
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
-             rounding="output", activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None):
+             rounding="output", activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None,
+             quant_group=None, quant_scale_layout=None):
     """Root-mean-square normalization.
 
     ``y = h * rsqrt(mean(h**2 over axis) + eps) [* weight]`` where h is x, or
@@ -114,12 +115,15 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
                       None, lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
                                                       return_stats=return_stats, weight_offset=weight_offset,
                                                       rounding=rounding, activation=activation, quantize=quantize,
-                                                      quant_scale=quant_scale, quant_scale_ub=quant_scale_ub),
-                      quantize=(quantize, quant_scale, quant_scale_ub))
+                                                      quant_scale=quant_scale, quant_scale_ub=quant_scale_ub,
+                                                      quant_group=quant_group,
+                                                      quant_scale_layout=quant_scale_layout),
+                      quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout))
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
-               activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None):
+               activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
+               quant_scale_layout=None):
     """Layer normalization.
 
     ``y = (h - mean) * rsqrt(var + eps) [* weight] [+ bias]`` over the
@@ -178,8 +182,9 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
                       None, lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
                                                         return_stats=return_stats, activation=activation,
                                                         quantize=quantize, quant_scale=quant_scale,
-                                                        quant_scale_ub=quant_scale_ub),
-                      quantize=(quantize, quant_scale, quant_scale_ub))
+                                                        quant_scale_ub=quant_scale_ub, quant_group=quant_group,
+                                                        quant_scale_layout=quant_scale_layout),
+                      quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout))
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
@@ -454,13 +459,27 @@ _QUANTIZE = """quantize : str, optional
     quant_scale : array, optional
         The static scale: a one-element float32 array on x's device (read
         when the kernel runs, so a captured CUDA graph sees its changes).
-        Without it each row gets its own scale, ``max|y| / qmax`` (never
-        below ``1 / (qmax * 512)``: an all-zero row's), returned after y as
-        float32 of x's shape with the normalized axes 1 (``q * scales``
-        broadcasts back to y).
+        Without it each row (or group: ``quant_group``) gets its own scale,
+        ``max|y| / qmax`` (never below ``1 / (qmax * 512)``: an all-zero
+        row's), returned after y as float32 of x's shape with the
+        normalized axes 1 (``q * scales`` broadcasts back to y).
     quant_scale_ub : array, optional
-        A one-element float32 bound on max|y| before the per-row scale is
-        formed (vLLM's ``scale_ub``); not with ``quant_scale``."""
+        A one-element float32 bound on max|y| before the per-row (or
+        per-group) scale is formed (vLLM's ``scale_ub``); not with
+        ``quant_scale``.
+    quant_group : int, optional
+        64 or 128: a scale for each group of that many consecutive elements
+        of the row (the row's length a multiple of it) in place of one a
+        row, returned as float32 of shape ``x.shape[:-k] + (n // group,)``
+        (k normalized axes of n elements in all). Not with ``quant_scale``.
+    quant_scale_layout : str, optional
+        How group scales are laid out: "row_major" (the default,
+        C-contiguous), "column_major" (the same shape, the rows axis
+        contiguous: the transpose of a (groups, rows) array) or
+        "column_major_tma" (column-major with the rows padded to a multiple
+        of 4, 16 bytes, as TMA-fed FP8 GEMMs such as DeepGEMM read them; the
+        padding entries are not written). Not for JAX arrays, which carry no
+        strides."""
 
 for _f in (rms_norm, layer_norm):
     _f.__doc__ = _f.__doc__.replace("{quantize}", _QUANTIZE)

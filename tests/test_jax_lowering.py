@@ -446,3 +446,30 @@ def test_changing_the_target_lowers_again(named_target):
         (config,) = [json.loads(_mlir_string(s)) for s in re.findall(r'backend_config = "((?:[^"\\]|\\.)*)"', text)]
         grids.append((config["arch"], config["grid"][0]))
     assert grids[0] == grids[2] and grids[0][0] == 90 and grids[1][0] == 80 and grids[1][1] != grids[0][1]
+
+
+@pytest.mark.parametrize("scaling", ["row", "group", "static"])
+def test_quantize_lowers_to_the_quantizing_store(lowering, scaling):
+    """quantize= inside jit: one rows_cached call with the quantizing
+    store; q in the format's dtype, then the scales (the static scale an
+    operand instead), then h."""
+    jj, lower = lowering
+    import cunorm.jax as cj
+
+    kwargs = {"row": {}, "group": {"quant_group": 128}, "static": {}}[scaling]
+
+    def f(x, w, r, s):
+        return cj.rms_norm(x, w, residual=r, quantize="float8_e4m3fn",
+                           quant_scale=s if scaling == "static" else None, **kwargs)
+
+    shape = (300, 4096)
+    exported, (call,) = lower(f, (shape, BF16), (shape[-1:], BF16), (shape, BF16), ((1,), jnp.float32))
+    group = 128 if scaling == "group" else 0
+    mode = 0 if scaling == "static" else 1
+    assert f"cunorm::QuantStore<cunorm::bf16_t, 1, cunorm::e4m3_t, {mode}, {group}>" in call["kernel"]
+    want = [(shape, jnp.float8_e4m3fn)] + ([] if scaling == "static" else [
+        ((300, 32) if group else (300, 1), jnp.float32)]) + [(shape, BF16)]
+    assert [(tuple(a.shape), a.dtype) for a in exported.out_avals] == want
+    with pytest.raises(ValueError, match="strided view"):
+        lower(lambda x: cj.rms_norm(x, quantize="int8", quant_group=64, quant_scale_layout="column_major"),
+              (shape, BF16))

@@ -158,7 +158,8 @@ def test_a_repeated_call_replays_its_launch(kind, scaling):
     launch_cache.clear()
     first = cunorm.layer_norm(xs, ws, **kwargs)
     key = launch_cache.rows_key("ln", xs, ws, None, rs, -1, 1e-5, False, 0, None,
-                                ("float8_e4m3fn", kwargs.get("quant_scale"), kwargs.get("quant_scale_ub")))
+                                ("float8_e4m3fn", kwargs.get("quant_scale"), kwargs.get("quant_scale_ub"), None,
+                                 None))
     assert key is not None and launch_cache.ROWS.get(key) is not None
     second = cunorm.layer_norm(xs, ws, **kwargs)
     assert len(first) == len(second) == (2 if scaling == "static" else 3)
@@ -209,3 +210,106 @@ def test_torch_compile_and_cuda_graphs():
     assert not torch.equal(out, first)
     with torch.no_grad():
         assert torch.equal(out, cunorm.rms_norm(x, w, quantize="int8", quant_scale=scale))
+
+
+@pytest.mark.parametrize("layout", quantize.LAYOUTS)
+@pytest.mark.parametrize("group", quantize.GROUPS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", ["rms bf16 residual", "ln f32 bounded", "rms f16 offset view"])
+def test_group_scales_match_the_reference(case, fmt, group, layout):
+    """Per-group scales: q and the scales as the reference's, the scales'
+    layout as asked, h bitwise; a view whose rows start off a vector is
+    copied first and gives the same; a row's results do not depend on the
+    batch."""
+    import cupy
+
+    rng = np.random.default_rng()
+    op, dtype = case.split()[0], {"bf16": dtypes.bfloat16, "f32": np.float32, "f16": dtypes.float16}[case.split()[1]]
+    rows, n = int(rng.integers(1, 200)), group * int(rng.choice([1, 3, 32, 56, 57]))
+    offset = 1 if "view" in case else 0
+    base = (rng.standard_normal((rows, n + offset)) * 2).astype(dtype)
+    x = base[:, offset:]
+    w = (rng.random(n) + 0.5).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if op == "ln" else None
+    r = rng.standard_normal((rows, n)).astype(dtype) if "residual" in case else None
+    bound = np.array([np.float32(2.5)]) if "bounded" in case else None
+    fn = cunorm.rms_norm if op == "rms" else cunorm.layer_norm
+    params = (w,) if op == "rms" else (w, b)
+    kwargs = dict(quantize=fmt, quant_scale_ub=bound, quant_group=group, quant_scale_layout=layout)
+    ref = fn(np.ascontiguousarray(x), *params, residual=r, **kwargs)
+    exact_y = cunorm.reference.rms_norm(x, w, residual=r, exact=True) if op == "rms" else \
+        cunorm.reference.layer_norm(x, w, b, residual=r, exact=True)
+    exact_y = exact_y[0] if r is not None else exact_y
+    dev = lambda a: None if a is None else cupy.asarray(a)  # noqa: E731
+    xs = cupy.asarray(base)[:, offset:]
+    got = fn(xs, *[dev(p) for p in params], residual=dev(r), quant_scale_ub=dev(bound), **{
+        k: v for k, v in kwargs.items() if k != "quant_scale_ub"})
+    assert got[0].dtype == quantize.FORMATS[fmt].device and got[0].shape == x.shape
+    scales = got[1]
+    assert scales.shape == (rows, n // group) and scales.strides == ref[1].strides
+    per_element = lambda s: np.repeat(np.asarray(s), group, axis=-1)  # noqa: E731
+    _check(cupy.asnumpy(got[0]), per_element(cupy.asnumpy(scales)), ref[0], per_element(ref[1]), exact_y, fmt)
+    if r is not None:
+        np.testing.assert_array_equal(cupy.asnumpy(got[2]).view(np.uint16), ref[2].view(np.uint16))
+    again = fn(xs, *[dev(p) for p in params], residual=dev(r), quant_scale_ub=dev(bound), **{
+        k: v for k, v in kwargs.items() if k != "quant_scale_ub"})  # (the launch cache's, where x was not copied)
+    assert again[1].strides == scales.strides
+    assert all(cupy.array_equal(a, b) for a, b in zip(again, got))
+    if rows > 1:  # the last row alone: bitwise what it was in the batch (both aligned alike: contiguous)
+        rest = {k: v for k, v in kwargs.items() if k != "quant_scale_ub"}
+        xc = cupy.ascontiguousarray(xs)
+        batch = fn(xc, *[dev(p) for p in params], residual=dev(r), quant_scale_ub=dev(bound), **rest)
+        alone = fn(xc[-1:], *[dev(p) for p in params], residual=None if r is None else dev(r[-1:]),
+                   quant_scale_ub=dev(bound), **rest)
+        assert cupy.array_equal(alone[0], batch[0][-1:]) and cupy.array_equal(alone[1], batch[1][-1:])
+
+
+def test_group_scales_in_torch_compile_and_the_launch_cache():
+    """torch: group scales in the layout asked, the same under torch.compile
+    (the fake's strides); a repeated row-major call replays bitwise."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(37, 7168, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(7168, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def step(x, w, layout):
+        return cunorm.rms_norm(x, w, quantize="float8_e4m3fn", quant_group=128, quant_scale_layout=layout)
+
+    with torch.no_grad():
+        for layout, strides in ((None, (56, 1)), ("column_major", (1, 37)), ("column_major_tma", (1, 40))):
+            q, scales = step(x, w, layout)
+            assert q.dtype == torch.float8_e4m3fn and scales.shape == (37, 56) and scales.stride() == strides
+            cq, cscales = torch.compile(step, fullgraph=True)(x, w, layout)
+            assert cscales.stride() == strides
+            assert torch.equal(cq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(cscales, scales)
+            again = step(x, w, layout)
+            assert torch.equal(again[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(again[1], scales)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"quant_group": 64}, {"quant_scale": "static"}, {"quant_scale_ub": 1.5}],
+                         ids=["row", "group", "static", "bounded"])
+def test_jax_eager_and_jit_agree(kwargs):
+    """cunorm.jax inside jax.jit: the same results, bitwise, as the eager
+    call, in JAX's dtypes."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    import cunorm.jax as cj
+
+    rng = np.random.default_rng()
+    x = jnp.asarray((rng.standard_normal((45, 2048)) * 2).astype(dtypes.bfloat16))
+    w = jnp.asarray((rng.random(2048) + 0.5).astype(np.float32))
+    r = jnp.asarray(rng.standard_normal((45, 2048)).astype(dtypes.bfloat16))
+    given = {k: (jnp.asarray(np.array([0.02 if v == "static" else v], np.float32)) if k != "quant_group" else v)
+             for k, v in kwargs.items()}
+
+    def f(x, w, r, **given):
+        return cj.layer_norm(x, w, residual=r, quantize="float8_e4m3fn", **given)
+
+    eager = f(x, w, r, **given)
+    group = given.pop("quant_group", None)
+    jitted = jax.jit(lambda x, w, r, **g: f(x, w, r, quant_group=group, **g))(x, w, r, **given)
+    assert len(eager) == len(jitted) == (2 if "quant_scale" in kwargs else 3)
+    assert eager[0].dtype == jnp.float8_e4m3fn
+    for a, b in zip(eager, jitted):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a),
+                              np.asarray(b).view(np.uint8) if b.dtype.itemsize == 1 else np.asarray(b))

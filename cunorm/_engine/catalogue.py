@@ -131,7 +131,7 @@ def statistics_only_kernels() -> list[Kernel]:
 def quantized_kernels() -> list[Kernel]:
     """rows_cached with the quantizing store (quantize=) for every cached
     RMSNorm and LayerNorm instantiation of 16- and 32-bit data, each format
-    and scaling. They compile on first use (an option, as the epilogue's
+    scaling and group size. They compile on first use (an option, as the epilogue's
     others): precompile leaves them out; the compile check covers their
     representative set."""
     policies = {norm_info(norm).policy for norm in ("rms", "ln")}
@@ -141,10 +141,15 @@ def quantized_kernels() -> list[Kernel]:
         if k.name != "rows_cached" or args[0] not in policies or args[1] == "double" or args[2].args[2] != args[1]:
             continue
         params, flags, _ = args[2].args
+        vec = args[4]
         for fmt in quantize.FORMATS.values():
             for scaling in (quantize.STATIC, quantize.ROW, quantize.ROW_BOUNDED):
-                kernel = K.ROWS_CACHED(*args[:2], K.quant_store(params, flags, fmt.kernel_type, scaling), *args[3:])
-                out[kernel.expression] = kernel
+                # a group's lanes within a warp (dispatch_rows.group_lanes)
+                groups = [0] + [g for g in quantize.GROUPS if scaling != quantize.STATIC and g // vec <= 32]
+                for group in groups:
+                    store = K.quant_store(params, flags, fmt.kernel_type, scaling, group)
+                    kernel = K.ROWS_CACHED(*args[:2], store, *args[3:])
+                    out[kernel.expression] = kernel
     return list(out.values())
 
 

@@ -104,12 +104,13 @@ def affine_store(params: str, flags: int, out: str) -> Stage:
     return Stage("AffineStore", (params, flags, out))
 
 
-def quant_store(params: str, flags: int, quantized: str, scaling: int) -> Stage:
+def quant_store(params: str, flags: int, quantized: str, scaling: int, group: int = 0) -> Stage:
     """affine_store's value divided by a scale and rounded into the one-byte
     type ``quantized`` (cunorm::e4m3_t, cunorm::e5m2_t or signed char);
     ``scaling``: the caller's scale (0), the row's (1), the row's under the
-    caller's bound (2)."""
-    return Stage("QuantStore", (params, flags, quantized, scaling))
+    caller's bound (2); ``group``: elements a dynamic scale covers (0: the
+    row)."""
+    return Stage("QuantStore", (params, flags, quantized, scaling, group))
 
 
 #: no y: the statistics alone
@@ -155,7 +156,8 @@ _CHANNEL_DIMS = "batch spatial:i64 channels channels_per_group"
 # rows.cu
 ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD", "BLOCK_PER_ROW"),
                          _args("x r w b quant_scale:in y h center_out scale_out y_scale:out rows:i64 n:i32 "
-                               "x_row_stride:i64 eps:acc threads_per_row:i32"))
+                               "x_row_stride:i64 eps:acc threads_per_row:i32 scale_row_stride "
+                               "scale_group_stride:i64"))
 ROWS_UNCACHED = KernelDecl("rows", "rows_uncached", _NORM_ROWS,
                            _args(f"{_ROW_ARGS} rows n x_row_stride:i64 eps:acc stash_vecs:i64"))
 ROWS_SPLIT_PARTIAL = KernelDecl("rows", "rows_split_partial", ("NormT", "T", "LOAD", "VEC"),

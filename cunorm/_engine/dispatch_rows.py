@@ -291,6 +291,18 @@ def choose(plan: Plan, device: Device, *, override: dict | None = None) -> Launc
     return _choose_strided(plan, device, override)
 
 
+def group_lanes(plan: Plan, group: int) -> int:
+    """Adjacent lanes of a row that hold one group of ``group`` elements
+    (rows_cached combines their max |value| by shuffles within a warp):
+    at most 32, so the vector is at least group / 32 elements (the engine
+    copies x where its alignment allows less: row_norms)."""
+    lanes = group // plan.vec
+    if lanes > 32:
+        raise ValueError(f"a {group}-element group over {plan.vec}-element vectors spans {lanes} lanes, over a "
+                         "warp")
+    return lanes
+
+
 def rows_cache_fits(plan: Plan, threads: int) -> bool:
     """Whether rows_cached with ``threads`` per row holds the row within
     the register budget (what a forced cached tier is checked against)."""
@@ -318,6 +330,9 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             threads = max(threads, 64)
         if _ceil_div(n_vec, threads) > MAX_VECS_PER_THREAD:
             threads = 1024
+    group = quantize.by_key(plan.quant).group if plan.quant is not None else 0
+    if group and "threads" not in override:
+        threads = max(threads, group_lanes(plan, group))  # a group's lanes in one row's threads
     if threads > 32:
         threads = max(threads, 64)  # a block per row: at least two warps
     if "threads" not in override:
@@ -336,6 +351,8 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         tier = "cached"
     if plan.quant is not None and tier != "cached":
         raise ValueError(f"quantize= runs in the cached tier only, not {tier!r}")
+    if group and threads < group_lanes(plan, group):  # (only a forced thread count gets here)
+        raise ValueError(f"rows_cached: {threads} threads a row are fewer than a {group}-element group's lanes")
     if tier is None:
         # Below tuning.split_min_row_bytes the tier (and every choice inside it)
         # follows the row alone, never the number of rows: a row's results
@@ -358,8 +375,8 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
             raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
         store = K.affine_store(p, plan.flags, output_type(plan))
         if plan.quant is not None:
-            name, scaling = plan.quant
-            store = K.quant_store(p, plan.flags, quantize.FORMATS[name].kernel_type, scaling)
+            quant = quantize.by_key(plan.quant)
+            store = K.quant_store(p, plan.flags, quant.format.kernel_type, quant.scaling, quant.group)
         cached = (policy, t, store, load, plan.vec, vpt)
         if threads <= 32:
             block = GROUP_BLOCK_THREADS

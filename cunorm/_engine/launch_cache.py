@@ -21,7 +21,7 @@ caches are bounded (oldest out first) and safe under threads.
 """
 from __future__ import annotations
 
-from . import launches
+from . import launches, quantize
 from .caches import BoundedCache
 
 MAX_ENTRIES = 2048
@@ -75,18 +75,20 @@ def rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=
              quantize=None):
     """The signature of a row norm's call (None: not keyed); ``epilogue``:
     its FLAGS bits (validated); ``out_dtype``: y's dtype where it is not x's;
-    ``quantize``: quantize='s (format, static scale, bound), the one array
-    given among the last two keyed with the others."""
+    ``quantize``: quantize='s (format, static scale, bound, group, scale
+    layout), the one array given among the scale and the bound keyed with
+    the others."""
     ad = adapter(x)
     if ad is None or type(eps) is not float or type(return_stats) is not bool or not _int_axes(axis):
         return None
     if quantize is None:
         return key(ad, x, weight, bias, residual, scalars=(norm, axis, eps, return_stats, epilogue, out_dtype))
-    fmt, scale, bound = quantize
-    if type(fmt) is not str:
+    fmt, scale, bound, group, layout = quantize
+    if type(fmt) is not str or not (group is None or type(group) is int) or not (layout is None
+                                                                                 or type(layout) is str):
         return None
     return key(ad, x, weight, bias, residual, scale, bound,
-               scalars=(norm, axis, eps, return_stats, epilogue, out_dtype, fmt))
+               scalars=(norm, axis, eps, return_stats, epilogue, out_dtype, fmt, group, layout))
 
 
 def channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,
@@ -124,8 +126,12 @@ class Entry:
     def __init__(self, ad, device, program, inputs, outputs, sources, returns, likes=()):
         self.ad, self.device, self.program, self.inputs = ad, device, program, inputs
         likes = dict(likes) if getattr(ad, "empty_like", None) is not None else {}
-        # each output: ("like", input index) or ("beside", shape, dtype, perm)
-        self.specs = tuple(("like", likes[i]) if i in likes else ("beside", tuple(shape), ad.native_dtype(dtype), perm)
+        # each output: ("like", input index), ("beside", shape, dtype, perm) or, where its layout is a
+        # quantize.Strided, ("strided", shape, dtype, strides, elements held)
+        self.specs = tuple(("like", likes[i]) if i in likes else
+                           ("strided", tuple(shape), ad.native_dtype(dtype), perm.strides, perm.held)
+                           if isinstance(perm, quantize.Strided) else
+                           ("beside", tuple(shape), ad.native_dtype(dtype), perm)
                            for i, (shape, dtype, perm) in enumerate(outputs))
         self.makers = tuple(_maker(ad, spec) for spec in self.specs)
         self.sources = tuple(sources)
@@ -159,6 +165,9 @@ def _maker(ad, spec):
     if spec[0] == "like":
         empty_like, k = ad.empty_like, spec[1]
         return lambda inputs: empty_like(inputs[k])
+    if spec[0] == "strided":
+        empty_strided, (_, shape, dtype, strides, held) = ad.empty_strided, spec
+        return lambda inputs: empty_strided(inputs[0], shape, dtype, strides, held)
     empty_beside, (_, shape, dtype, perm) = ad.empty_beside, spec
     return lambda inputs: empty_beside(inputs[0], shape, dtype, perm)
 
@@ -176,6 +185,7 @@ def launcher(e: Entry):
     args = ", ".join(f"a{i}" for i in range(n))
     scope = {"current_device": e.current_device, "generic": e, "launch_module": launches, "get_stream": e.stream,
              "p": e.pointer, "empty_like": getattr(e.ad, "empty_like", None), "empty_beside": e.ad.empty_beside,
+             "empty_strided": getattr(e.ad, "empty_strided", None),
              "alloc": e.alloc, "lock": program.lock, "memset_async": launches.memset_async,
              "launch_kernel": launches.launch_kernel, "launch_cooperative_kernel": launches.launch_cooperative_kernel,
              "CUDADriverError": launches.CUDADriverError, "INVALID_CONTEXT": launches.INVALID_CONTEXT,
@@ -188,6 +198,9 @@ def launcher(e: Entry):
     for i, spec in enumerate(e.specs):
         if spec[0] == "like":
             code.append(f"    o{i} = empty_like(a{int(spec[1])})")
+        elif spec[0] == "strided":
+            scope[f"shape{i}"], scope[f"dtype{i}"], scope[f"strides{i}"], scope[f"held{i}"] = spec[1:]
+            code.append(f"    o{i} = empty_strided(a0, shape{i}, dtype{i}, strides{i}, held{i})")
         else:
             scope[f"shape{i}"], scope[f"dtype{i}"], scope[f"perm{i}"] = spec[1:]
             code.append(f"    o{i} = empty_beside(a0, shape{i}, dtype{i}, perm{i})")

@@ -95,7 +95,8 @@ class Call:
                  "out_given", "return_stats", "epilogue", "out_dtype", "quant", "quant_scale")
 
     def __init__(self, norm, x, axis, eps, out, *, weight=None, bias=None, residual=None, return_stats=False,
-                 epilogue=0, out_dtype=None, quant=None, quant_scale=None, quant_scale_ub=None):
+                 epilogue=0, out_dtype=None, quant=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
+                 quant_scale_layout=None):
         self.norm = norm
         self.epilogue = epilogue  # the epilogue's FLAGS bits (plans: rounding, weight offset, activation)
         # y's dtype where it is not x's (cunorm's layers under autocast: float32
@@ -117,12 +118,16 @@ class Call:
         self.out = None if out is None else self._out(out)
         self.return_stats = check_flag(return_stats, "return_stats")
         # quantize= (quantize.py): the request, and the static scale or the bound as x's kind of array
-        self.quant = quantize.check(quant, quant_scale, quant_scale_ub, xa.dtype)
+        self.quant = quantize.check(quant, quant_scale, quant_scale_ub, xa.dtype, quant_group, quant_scale_layout)
         self.quant_scale = None
         if self.quant is not None:
             if self.last != xa.ndim - 1:
                 raise ValueError(f"quantize= normalizes over the trailing axes (rows), got axis {axis!r} of a "
                                  f"{xa.ndim}-d x")
+            quantize.check_extent(self.quant, math.prod(self.norm_shape))
+            if self.quant.layout != quantize.ROW_MAJOR and getattr(adapter, "name", None) == "jax":
+                raise ValueError(f"quant_scale_layout={self.quant.layout!r} is a strided view, which JAX arrays "
+                                 "cannot be: take the row-major scales and transpose them")
             if out is not None:
                 raise ValueError("out= is for y in x's dtype; a quantized y comes back as a new array")
             given, name = (quant_scale, "quant_scale") if quant_scale is not None else (quant_scale_ub,
@@ -352,10 +357,8 @@ def _rows_entry(call: Call, program) -> launch_cache.Entry:
     quant = call.quant
     if quant is None:
         outputs = {"y": (x.shape, x.dtype if call.out_dtype is None else call.out_dtype, None)}
-    else:  # (the format's dtype: each adapter allocates it as its own, raw bytes for CuPy's FP8)
-        outputs = {"y": (x.shape, quant.format.numpy, None)}
-        if quant.row_scales:
-            outputs["y_scale"] = (quantize.scales_shape(call), np.dtype(np.float32), None)
+    else:
+        outputs = quantize.cached_outputs(call)
     if call.residual is not None:
         outputs["h"] = (x.shape, x.dtype, None)
     if call.return_stats:
@@ -383,7 +386,7 @@ def _run_gpu(call: Call):
     quant = call.quant
     if quant is not None:
         y = cupy.empty(x.shape, dtype=quant.format.device)
-        y_scale = cupy.empty(quantize.scales_shape(call), dtype=np.float32) if quant.row_scales else None
+        y_scale = quantize.empty_scales(cupy, quant, quantize.scales_shape(call)) if quant.row_scales else None
     else:
         y = call.out if call.out is not None else cupy.empty(x.shape, dtype=call.out_dtype or x.dtype)
     h = None if call.residual is None else cupy.empty(x.shape, dtype=x.dtype)
@@ -398,13 +401,15 @@ def _run_gpu(call: Call):
     if x.size:
         _, pdtype = kernel_params(x.dtype, call.weight, call.bias)
         w, b = _as_param(call.weight, pdtype), _as_param(call.bias, pdtype)
+        x, r, w, b = quantize.aligned_for_groups(quant, x, call.residual, w, b)
         named = dict(zip(ops.statistics_of(call.norm), stats))
         center, scale = named.get("mean"), named.get("rstd")
         quant_args = {} if quant is None else {"quant": quant, "quant_scale": call.quant_scale, "y_scale": y_scale}
-        _, _, program = _launch_rows(call.norm, x, y, w=w, b=b, r=call.residual, h=h, center=center, scale=scale,
+        _, _, program = _launch_rows(call.norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale,
                                      first=call.first, last=call.last, eps=call.eps, epilogue=call.epilogue,
                                      out_dtype=call.out_dtype, **quant_args)
-        if w is not call.weight or b is not call.bias or call.out is not None:
+        copied = w is not call.weight or b is not call.bias or x is not call.x or r is not call.residual
+        if copied or call.out is not None:
             program = None
     out = call.adapter.from_cupy
     results = [call.out_given if call.out is not None else out(y)]
@@ -572,8 +577,9 @@ def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool, 
         quant = quantize.by_key(plan.quant)
         quant_scale = pb["quant_scale"] if quant is not None and quant.scaling != quantize.ROW else None
         y_scale = pb["y_scale"] if quant is not None and quant.row_scales else None
+        s_row, s_group = quantize.kernel_strides(quant, plan.outer, plan.reduced)
         pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, threads_per_row=launch.threads_per_row,
-                  quant_scale=quant_scale, y_scale=y_scale)
+                  quant_scale=quant_scale, y_scale=y_scale, scale_row_stride=s_row, scale_group_stride=s_group)
     elif launch.tier == "uncached":
         pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, stash_vecs=launch.stash_vecs)
     elif launch.tier == "resident":

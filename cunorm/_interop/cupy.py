@@ -90,6 +90,14 @@ def empty_beside(a, shape, dtype, perm=None):
     return y if perm is None else y.transpose(perm)
 
 
+def empty_strided(a, shape, dtype, strides, held):
+    """A new array of ``held`` elements seen as ``shape`` through
+    ``strides`` (elements): column-major quantization scales."""
+    storage = cupy.ndarray((held,), dtype)
+    itemsize = storage.itemsize
+    return cupy.ndarray(shape, dtype, storage.data, tuple(s * itemsize for s in strides))
+
+
 pointer = operator.attrgetter("data.ptr")  # a's pointer, without a Python frame
 
 

@@ -238,6 +238,13 @@ def empty_beside(a, shape, dtype, perm=None):
     return y if perm is None else y.permute(perm)
 
 
+def empty_strided(a, shape, dtype, strides, held):
+    """A new tensor of ``held`` elements on a's device seen as ``shape``
+    through ``strides`` (the whole storage allocated: a TMA read of the
+    padding stays inside it)."""
+    return a.new_empty((held,), dtype=dtype).as_strided(shape, strides)
+
+
 pointer = torch.Tensor.data_ptr  # a's pointer: a C method, no Python frame
 
 

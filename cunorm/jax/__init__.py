@@ -233,38 +233,72 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def _no_traced_quantize(name, quantize, quant_scale, quant_scale_ub):
-    if quantize is not None or quant_scale is not None or quant_scale_ub is not None:
-        raise NotImplementedError(f"{name}: quantize= runs on concrete JAX arrays (eagerly), not inside jax.jit or "
-                                  f"another transformation yet")
+def _quantized_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, quantize):
+    """quantize= inside jit: the row primitive with a quantized y, bound
+    without a vjp (a quantized y has no gradient: jax.grad through it
+    raises jax's own error). Results as the eager call's: (q[, scales][,
+    h][, statistics])."""
+    fmt, scale, bound, group, layout = quantize
+    if not isinstance(x, _Tracer):
+        _check_kind(fn, x)
+    call = row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
+                          residual=_stand_in(residual), return_stats=return_stats, epilogue=epilogue, quant=fmt,
+                          quant_scale=_stand_in(scale), quant_scale_ub=_stand_in(bound), quant_group=group,
+                          quant_scale_layout=layout)
+    if call.quant.layout != "row_major":
+        raise ValueError(f"cunorm.jax.{fn}: quant_scale_layout={layout!r} is a strided view, which JAX arrays "
+                         "cannot be: take the row-major scales and transpose them (XLA fuses the copy)")
+    _, pdtype = row_norms.kernel_params(call.x.dtype, call.weight, call.bias)
+    w = None if weight is None else weight.astype(pdtype)
+    b = None if bias is None else bias.astype(pdtype)
+    spec = _jit_module().RowSpec(norm, tuple(x.shape), np.dtype(x.dtype), call.first, call.last, call.eps,
+                                 residual=residual is not None, weight=w is not None, bias=b is not None,
+                                 pdtype=None if pdtype is None else np.dtype(pdtype), stats=call.return_stats,
+                                 epilogue=epilogue, quant=call.quant.key)
+    if not call.x.size:
+        raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
+    given = scale if scale is not None else bound
+    arrays = [jnp.asarray(x), residual, w, b, None if given is None else jnp.reshape(given, (1,))]
+    outs = _jit_module().rows_p.bind(*[a for a in arrays if a is not None], spec=spec)
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
-             rounding="output", activation=None, quantize=None, quant_scale=None, quant_scale_ub=None, **kwargs):
+             rounding="output", activation=None, quantize=None, quant_scale=None, quant_scale_ub=None,
+             quant_group=None, quant_scale_layout=None, **kwargs):
     _no_out("rms_norm", kwargs)
     if _traced(x, weight, residual, quant_scale, quant_scale_ub):
         _no_unknown_kwargs("rms_norm", kwargs)
-        _no_traced_quantize("rms_norm", quantize, quant_scale, quant_scale_ub)
         epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
+        quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout)
+        if any(q is not None for q in quant):
+            return _quantized_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats,
+                                     epilogue, quant)
         return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats, epilogue)
     _check_kind("rms_norm", x)
     return norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
                           weight_offset=weight_offset, rounding=rounding, activation=activation, quantize=quantize,
-                          quant_scale=quant_scale, quant_scale_ub=quant_scale_ub, **kwargs)
+                          quant_scale=quant_scale, quant_scale_ub=quant_scale_ub, quant_group=quant_group,
+                          quant_scale_layout=quant_scale_layout, **kwargs)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
-               activation=None, quantize=None, quant_scale=None, quant_scale_ub=None, **kwargs):
+               activation=None, quantize=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
+               quant_scale_layout=None, **kwargs):
     _no_out("layer_norm", kwargs)
     if _traced(x, weight, bias, residual, quant_scale, quant_scale_ub):
         _no_unknown_kwargs("layer_norm", kwargs)
-        _no_traced_quantize("layer_norm", quantize, quant_scale, quant_scale_ub)
-        return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats,
-                           plans.activation_flags(activation))
+        epilogue = plans.activation_flags(activation)
+        quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout)
+        if any(q is not None for q in quant):
+            return _quantized_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats,
+                                     epilogue, quant)
+        return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats, epilogue)
     _check_kind("layer_norm", x)
     return norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
                             activation=activation, quantize=quantize, quant_scale=quant_scale,
-                            quant_scale_ub=quant_scale_ub, **kwargs)
+                            quant_scale_ub=quant_scale_ub, quant_group=quant_group,
+                            quant_scale_layout=quant_scale_layout, **kwargs)
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, **kwargs):

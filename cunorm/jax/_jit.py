@@ -31,7 +31,7 @@ try:
 except ImportError:  # (jax versions that keep it private)
     from jax._src.core import ShapedArray
 
-from .._engine import channel_norms, dispatch_grad, dtypes, gradients, launches, ops, plans, row_norms
+from .._engine import channel_norms, dispatch_grad, dtypes, gradients, launches, ops, plans, quantize, row_norms
 from ._custom_call import emit, target
 
 
@@ -49,7 +49,9 @@ class RowSpec:
     kernel dtype; whether it returns the statistics; whether it returns y
     (False: set by the dead-code rule, _rows_dce, where the program never
     reads y); the epilogue's FLAGS bits (plans: rounding, weight offset,
-    activation; the forward's only: the backward lowerings mask them off)."""
+    activation; the forward's only: the backward lowerings mask them off);
+    ``quant``: quantize='s key (cunorm/_engine/quantize.py) where y is
+    written quantized (no gradient: the wrappers bind it without a vjp)."""
 
     norm: str
     shape: tuple
@@ -64,10 +66,15 @@ class RowSpec:
     stats: bool = False
     y: bool = True
     epilogue: int = 0
+    quant: tuple | None = None
 
     @property
     def flags(self) -> int:
         return (plans.FLAG_WEIGHT if self.weight else 0) | (plans.FLAG_BIAS if self.bias else 0) | self.epilogue
+
+    @property
+    def quantize(self):
+        return quantize.by_key(self.quant)
 
     @property
     def stats_shape(self) -> tuple:
@@ -107,7 +114,16 @@ def _grad_outputs(forward, param_shape) -> dict:
 
 def _rows_outputs(spec: RowSpec) -> dict:
     acc = dtypes.accumulation(spec.dtype)
-    out = {"y": (spec.shape, spec.dtype)} if spec.y else {}
+    quant = spec.quantize
+    if quant is None:
+        out = {"y": (spec.shape, spec.dtype)} if spec.y else {}
+    else:
+        out = {"y": (spec.shape, quant.format.numpy)}
+        if quant.row_scales:
+            lead = tuple(spec.shape[:spec.first])
+            n = math.prod(spec.shape[spec.first:])
+            shape = lead + ((n // quant.group,) if quant.group else (1,) * (len(spec.shape) - spec.first))
+            out["y_scale"] = (shape, np.dtype(np.float32))
     if spec.residual:
         out["h"] = (spec.shape, spec.dtype)
     for name in spec.stat_names():
@@ -116,7 +132,10 @@ def _rows_outputs(spec: RowSpec) -> dict:
 
 
 def _rows_inputs(spec: RowSpec) -> tuple:
-    return ("x",) + (("r",) if spec.residual else ()) + (("w",) if spec.weight else ()) + (("b",) if spec.bias else ())
+    quant = spec.quantize
+    given_scale = quant is not None and quant.scaling != quantize.ROW  # (a static scale or a bound)
+    return ("x",) + (("r",) if spec.residual else ()) + (("w",) if spec.weight else ()) + (
+        ("b",) if spec.bias else ()) + (("quant_scale",) if given_scale else ())
 
 
 rows_p = _primitive("cunorm_rows", _rows_outputs)
@@ -126,7 +145,7 @@ def _row_key(spec: RowSpec, device_id: int) -> tuple:
     ndim = len(spec.shape)
     strides = tuple(math.prod(spec.shape[i + 1:]) for i in range(ndim))
     return (spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.residual, spec.shape, strides,
-            spec.first, spec.last, 0, 0, 0, 0, 0, 0, None, device_id)
+            spec.first, spec.last, 0, 0, 0, 0, 0, 0, None, spec.quant, device_id)
 
 
 def _record_rows(spec: RowSpec, values: dict, arch: int) -> dict:
@@ -160,7 +179,7 @@ def _rows_dce(used_outputs, eqn):
         return [False] * len(eqn.invars), None
     spec = eqn.params["spec"]
     names = list(_rows_outputs(spec))
-    if spec.y and not used_outputs[names.index("y")]:
+    if spec.y and spec.quant is None and not used_outputs[names.index("y")]:
         eqn = eqn.replace(params={**eqn.params, "spec": dataclasses.replace(spec, y=False)},
                           outvars=[v for name, v in zip(names, eqn.outvars) if name != "y"])
     return [True] * len(eqn.invars), eqn

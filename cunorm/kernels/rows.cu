@@ -151,7 +151,8 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
             const typename STORE::Param* __restrict__ b, const float* __restrict__ quant_scale,
             typename STORE::Out* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
             typename AccOf<T>::type* scale_out, float* __restrict__ y_scale, long long rows, int n,
-            long long x_row_stride, typename AccOf<T>::type eps, int threads_per_row) {
+            long long x_row_stride, typename AccOf<T>::type eps, int threads_per_row, long long scale_row_stride,
+            long long scale_group_stride) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -207,7 +208,63 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
         const Affine<A> f = Norm::finalize(s, n, eps);
         if (active && lane == 0) store_stats(center_out, scale_out, row, f, pivot);
 
-        if constexpr (STORE::kWritesY) {
+        if constexpr (STORE::kGroup > 0) {
+            // A scale each kGroup elements. The group's lanes (kGroup / VEC
+            // adjacent ones, aligned: row_threads is a multiple of them)
+            // combine each vector's max |value| by butterfly shuffles;
+            // then the scales' divisions are shared out, one a lane (a
+            // division and a reciprocal a vector would cost a warp a
+            // quarter of its instructions), and each reciprocal reaches
+            // the group's lanes by a shuffle. Every lane of the warp
+            // shuffles, active or not (the loop bounds are uniform).
+            constexpr int kLanes = STORE::kGroup / VEC;
+            static_assert(kLanes >= 1 && kLanes <= 32, "a group spans one to 32 lanes");
+            constexpr int kShare = VECS_PER_THREAD < kLanes ? VECS_PER_THREAD : kLanes;  // scales a round forms
+            constexpr int kRounds = VECS_PER_THREAD / kShare;
+            float m[VECS_PER_THREAD];
+#pragma unroll
+            for (int k = 0; k < VECS_PER_THREAD; ++k) {
+                const int v = lane + k * row_threads;
+                m[k] = 0.0f;
+                if (active && v < n_vec) {
+                    const long long e = static_cast<long long>(v) * VEC;
+                    m[k] = STORE::template amax<T>(cache[k], STORE::template params<VEC>(w, b, e), f, pivot);
+                }
+#pragma unroll
+                for (int mask = kLanes / 2; mask > 0; mask /= 2) {
+                    m[k] = fmaxf(m[k], __shfl_xor_sync(0xffffffffu, m[k], mask));
+                }
+            }
+            const int in_group = lane & (kLanes - 1);
+            const int slot = in_group & (kShare - 1);
+            const int group_lane0 = (static_cast<int>(threadIdx.x) & 31) & ~(kLanes - 1);
+            float inverse[kRounds];
+#pragma unroll
+            for (int round = 0; round < kRounds; ++round) {
+                float mine = 0.0f;  // this lane's vector of the round: m[round * kShare + slot]
+#pragma unroll
+                for (int j = 0; j < kShare; ++j) mine = j == slot ? m[round * kShare + j] : mine;
+                const typename STORE::Scale quant = STORE::row_scale(mine, quant_scale);
+                inverse[round] = quant.inverse;
+                const int v = lane + (round * kShare + slot) * row_threads;
+                if (active && v < n_vec && in_group < kShare) {
+                    y_scale[row * scale_row_stride + (static_cast<long long>(v) * VEC / STORE::kGroup) *
+                                                         scale_group_stride] = quant.scale;
+                }
+            }
+            typename STORE::Out* yr = y + row * n;
+#pragma unroll
+            for (int k = 0; k < VECS_PER_THREAD; ++k) {
+                const typename STORE::Scale quant{0.0f, __shfl_sync(0xffffffffu, inverse[k / kShare],
+                                                                    group_lane0 + k % kShare)};
+                const int v = lane + k * row_threads;
+                if (active && v < n_vec) {
+                    const long long e = static_cast<long long>(v) * VEC;
+                    store_vec(yr + e, STORE::template apply<T>(cache[k], STORE::template params<VEC>(w, b, e), f,
+                                                               pivot, quant));
+                }
+            }
+        } else if constexpr (STORE::kWritesY) {
             // A store that divides by the row's scale (QuantStore) forms it
             // first: the row's max |value| over the cached vectors.
             typename STORE::Scale quant = given_scale;
@@ -229,7 +286,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                     m = group_reduce<Max>(m, threads_per_row);
                 }
                 quant = STORE::row_scale(m.v, quant_scale);
-                if (active && lane == 0) y_scale[row] = quant.scale;
+                if (active && lane == 0) y_scale[row * scale_row_stride] = quant.scale;
             }
             typename STORE::Out* yr = y + row * n;
 #pragma unroll

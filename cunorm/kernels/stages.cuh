@@ -24,7 +24,7 @@
 //                             type, or float for 16-bit x read and float32
 //                             written); w and b stored as P, per element of
 //                             a row or per channel
-//   QuantStore<P, FLAGS, Q, SCALING>
+//   QuantStore<P, FLAGS, Q, SCALING, GROUP>
 //                             AffineStore's value over a scale (times its
 //                             reciprocal), rounded
 //                             to nearest even in Q (e4m3_t, e5m2_t or signed
@@ -32,7 +32,11 @@
 //                             scale the caller's (SCALING kStaticScale) or
 //                             the row's max |value| / Q's largest, floored
 //                             (kRowScale; kRowScaleBounded: max |value|
-//                             capped by the caller's bound first)
+//                             capped by the caller's bound first); GROUP
+//                             > 0: one scale each GROUP elements of the row
+//                             in place of one a row (block formats with
+//                             their own scale type would be further Q and
+//                             SCALING values)
 //   NoStore                   no y: the statistics alone (a jit program that
 //                             never reads y)
 // Members: Param and Out (the storage types of w, b and of y); kWritesY;
@@ -45,11 +49,11 @@
 // pivot, f, scalars) for one element in the accumulation type and
 // element<T>(..., out) for it stored as Out; apply<T, VEC>(in, params, f,
 // pivot) for a vector of Out (scalars_at<A>(params, j): element j's).
-// kQuantized, Scale, kRowScale, static_scale(quant_scale),
+// kQuantized, Scale, kRowScale, kGroup, static_scale(quant_scale),
 // amax<T>(in, params, f, pivot) and row_scale(amax, quant_scale): a store
 // whose values are divided by a scale (QuantStore) says so; a tier that
-// takes one forms the row's scale before it stores (rows_cached) and hands
-// it to apply(..., scale).
+// takes one forms the row's (or each group's: kGroup elements) scale before
+// it stores (rows_cached) and hands it to apply(..., scale).
 #pragma once
 #include "common.cuh"
 
@@ -195,6 +199,7 @@ struct AffineStore {
     struct Scale {};
     static constexpr bool kQuantized = false;
     static constexpr bool kRowScale = false;
+    static constexpr int kGroup = 0;
     __device__ __forceinline__ static Scale static_scale(const float*) { return Scale{}; }
 
     // in[0:VEC] - pivot normalized with the parameters of those positions,
@@ -269,8 +274,10 @@ __device__ __forceinline__ void quantize(float v, signed char& out) {
 
 enum Scaling { kStaticScale = 0, kRowScale = 1, kRowScaleBounded = 2 };
 
-template <class P, int FLAGS, class Q, int SCALING>
+template <class P, int FLAGS, class Q, int SCALING, int GROUP>
 struct QuantStore : AffineStore<P, FLAGS, Q> {
+    static_assert(GROUP == 0 || (SCALING != kStaticScale && (GROUP & (GROUP - 1)) == 0),
+                  "groups take a dynamic scale and a power-of-two size");
     using Base = AffineStore<P, FLAGS, Q>;
     template <int VEC>
     using Params = typename Base::template Params<VEC>;
@@ -288,6 +295,7 @@ struct QuantStore : AffineStore<P, FLAGS, Q> {
     };
     static constexpr bool kQuantized = true;
     static constexpr bool kRowScale = SCALING != kStaticScale;
+    static constexpr int kGroup = GROUP;  // elements a scale covers (0: the whole row)
     __device__ __forceinline__ static Scale static_scale(const float* quant_scale) {
         if constexpr (SCALING == kStaticScale) {
             const float s = *quant_scale;
@@ -333,6 +341,7 @@ struct NoStore {
     struct Scale {};
     static constexpr bool kQuantized = false;
     static constexpr bool kRowScale = false;
+    static constexpr int kGroup = 0;
     __device__ __forceinline__ static Scale static_scale(const float*) { return Scale{}; }
     static constexpr bool kWritesY = false;
     static constexpr bool kBare = true;
