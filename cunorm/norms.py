@@ -37,7 +37,7 @@ def _torch():
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
              rounding="output", activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None,
-             quant_group=None, quant_scale_layout=None):
+             quant_group=None, quant_scale_layout=None, return_unquantized=False):
     """Root-mean-square normalization.
 
     ``y = h * rsqrt(mean(h**2 over axis) + eps) [* weight]`` where h is x, or
@@ -117,13 +117,15 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
                                                       rounding=rounding, activation=activation, quantize=quantize,
                                                       quant_scale=quant_scale, quant_scale_ub=quant_scale_ub,
                                                       quant_group=quant_group,
-                                                      quant_scale_layout=quant_scale_layout),
-                      quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout))
+                                                      quant_scale_layout=quant_scale_layout,
+                                                      return_unquantized=return_unquantized),
+                      quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout,
+                                return_unquantized))
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
                activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
-               quant_scale_layout=None):
+               quant_scale_layout=None, return_unquantized=False):
     """Layer normalization.
 
     ``y = (h - mean) * rsqrt(var + eps) [* weight] [+ bias]`` over the
@@ -183,8 +185,10 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
                                                         return_stats=return_stats, activation=activation,
                                                         quantize=quantize, quant_scale=quant_scale,
                                                         quant_scale_ub=quant_scale_ub, quant_group=quant_group,
-                                                        quant_scale_layout=quant_scale_layout),
-                      quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout))
+                                                        quant_scale_layout=quant_scale_layout,
+                                                      return_unquantized=return_unquantized),
+                      quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout,
+                                return_unquantized))
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
@@ -479,7 +483,11 @@ _QUANTIZE = """quantize : str, optional
         "column_major_tma" (column-major with the rows padded to a multiple
         of 4, 16 bytes, as TMA-fed FP8 GEMMs such as DeepGEMM read them; the
         padding entries are not written). Not for JAX arrays, which carry no
-        strides."""
+        strides.
+    return_unquantized : bool, default False
+        Also return y unquantized, in x's dtype, as the call without
+        ``quantize=`` forms it (rounded once), after the scales: one more
+        write of y in the same pass, for a consumer that reads both."""
 
 for _f in (rms_norm, layer_norm):
     _f.__doc__ = _f.__doc__.replace("{quantize}", _QUANTIZE)

@@ -155,16 +155,16 @@ def test_the_torch_operator_fake_gives_each_output(static):
         w = torch.empty(64, dtype=torch.float32)
         scale = torch.empty(1, dtype=torch.float32) if static else None
         out = torch.ops.cunorm.row_norm_quantized(x, w, w, x, [-1], 1e-5, True, 0, "ln", "float8_e5m2", scale, None,
-                                                  None, None)
+                                                  None, None, True)
         want = [((3, 5, 64), torch.float8_e5m2)] + ([] if static else [((3, 5, 1), torch.float32)]) + \
-            [((3, 5, 64), torch.bfloat16), ((3, 5), torch.float32), ((3, 5), torch.float32)]
+            [((3, 5, 64), torch.bfloat16)] * 2 + [((3, 5), torch.float32), ((3, 5), torch.float32)]
         assert [(tuple(t.shape), t.dtype) for t in out] == want
         with pytest.raises(ValueError, match="quantize must be"):
             torch.ops.cunorm.row_norm_quantized(x, w, None, None, [-1], 1e-5, False, 0, "rms", "fp8", None, None,
-                                                None, None)
+                                                None, None, False)
         with pytest.raises(ValueError, match="norm must be"):
             torch.ops.cunorm.row_norm_quantized(x, w, None, None, [-1], 1e-5, False, 0, "l2", "int8", None, None,
-                                                None, None)
+                                                None, None, False)
 
 
 @pytest.mark.parametrize("layout", quantize.LAYOUTS)
@@ -223,5 +223,5 @@ def test_the_torch_fake_lays_out_group_scales():
         x = torch.empty(3, 5, 256, dtype=torch.bfloat16)
         for layout, strides in ((None, (10, 2, 1)), ("column_major", (5, 1, 15)), ("column_major_tma", (5, 1, 16))):
             q, scales = torch.ops.cunorm.row_norm_quantized(x, None, None, None, [-1], 1e-5, False, 0, "rms", "int8",
-                                                            None, None, 128, layout)
+                                                            None, None, 128, layout, False)
             assert q.dtype == torch.int8 and scales.shape == (3, 5, 2) and scales.stride() == strides

@@ -285,8 +285,8 @@ def test_group_scales_in_torch_compile_and_the_launch_cache():
             assert torch.equal(again[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(again[1], scales)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"quant_group": 64}, {"quant_scale": "static"}, {"quant_scale_ub": 1.5}],
-                         ids=["row", "group", "static", "bounded"])
+@pytest.mark.parametrize("kwargs", [{}, {"quant_group": 64}, {"quant_scale": "static"}, {"quant_scale_ub": 1.5},
+                                    {"return_unquantized": True}], ids=["row", "group", "static", "bounded", "plain"])
 def test_jax_eager_and_jit_agree(kwargs):
     """cunorm.jax inside jax.jit: the same results, bitwise, as the eager
     call, in JAX's dtypes."""
@@ -298,18 +298,57 @@ def test_jax_eager_and_jit_agree(kwargs):
     x = jnp.asarray((rng.standard_normal((45, 2048)) * 2).astype(dtypes.bfloat16))
     w = jnp.asarray((rng.random(2048) + 0.5).astype(np.float32))
     r = jnp.asarray(rng.standard_normal((45, 2048)).astype(dtypes.bfloat16))
-    given = {k: (jnp.asarray(np.array([0.02 if v == "static" else v], np.float32)) if k != "quant_group" else v)
-             for k, v in kwargs.items()}
+    given = {k: (jnp.asarray(np.array([0.02 if v == "static" else v], np.float32))
+                 if k in ("quant_scale", "quant_scale_ub") else v) for k, v in kwargs.items()}
 
     def f(x, w, r, **given):
         return cj.layer_norm(x, w, residual=r, quantize="float8_e4m3fn", **given)
 
     eager = f(x, w, r, **given)
-    group = given.pop("quant_group", None)
-    jitted = jax.jit(lambda x, w, r, **g: f(x, w, r, quant_group=group, **g))(x, w, r, **given)
-    assert len(eager) == len(jitted) == (2 if "quant_scale" in kwargs else 3)
+    static = {k: given.pop(k) for k in ("quant_group", "return_unquantized") if k in given}
+    jitted = jax.jit(lambda x, w, r, **g: f(x, w, r, **static, **g))(x, w, r, **given)
+    assert len(eager) == len(jitted) == (2 if "quant_scale" in kwargs else 4 if "return_unquantized" in kwargs else 3)
     assert eager[0].dtype == jnp.float8_e4m3fn
     for a, b in zip(eager, jitted):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert np.array_equal(np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a),
                               np.asarray(b).view(np.uint8) if b.dtype.itemsize == 1 else np.asarray(b))
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("mode", ["row", "group", "static"])
+def test_the_unquantized_y_on_request(kind, mode):
+    """return_unquantized=True: y in x's dtype beside q, as the plain call
+    forms it (the same kernel's value rounded once; bitwise where the plain
+    call takes the same launch), q unchanged; the launch cache replays it."""
+    import cupy
+
+    rng = np.random.default_rng()
+    rows, n = int(rng.integers(1, 300)), int(rng.choice([1024, 4096, 7168]))
+    x = (rng.standard_normal((rows, n)) * 2).astype(dtypes.bfloat16)
+    w = (rng.random(n) + 0.5).astype(dtypes.bfloat16)
+    b = rng.standard_normal(n).astype(dtypes.bfloat16)
+    r = rng.standard_normal((rows, n)).astype(dtypes.bfloat16)
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        dev = lambda a: torch.from_dlpack(cupy.asarray(a))  # noqa: E731
+        bits = lambda t: cupy.asarray(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)  # noqa: E731
+    else:
+        dev, bits = cupy.asarray, cupy.asarray
+    xs, ws, bs, rs = dev(x), dev(w), dev(b), dev(r)
+    kwargs = {"row": {}, "group": {"quant_group": 128}, "static": {"quant_scale": dev(np.array([0.03], np.float32))}}
+    quant = dict(quantize="float8_e4m3fn", **kwargs[mode])
+    without = cunorm.layer_norm(xs, ws, bs, residual=rs, **quant)
+    for _ in range(2):  # (the second call: the launch cache's)
+        got = cunorm.layer_norm(xs, ws, bs, residual=rs, return_unquantized=True, **quant)
+        assert len(got) == len(without) + 1
+        assert cupy.array_equal(bits(got[0]), bits(without[0]))
+        y, h = got[-2], got[-1]
+        assert y.dtype == xs.dtype and y.shape == xs.shape
+        assert cupy.array_equal(bits(h), bits(without[-1]))
+        plain, _ = cunorm.layer_norm(xs, ws, bs, residual=rs)
+        exact = cunorm.reference.layer_norm(x, w, b, residual=r, exact=True)[0]
+        wide = (lambda a: a.float().cpu().numpy()) if kind == "torch" else cupy.asnumpy  # noqa: E731
+        got_y, plain_y = (wide(a).astype(np.float64) for a in (y, plain))
+        scale = np.abs(exact).max()
+        assert np.abs(got_y - exact).max() <= 2 ** -7 * scale and np.abs(plain_y - got_y).max() <= 2 ** -7 * scale

@@ -33,24 +33,24 @@ def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, referenc
     forward of a NumPy call; ``epilogue``: the validated FLAGS bits of the
     epilogue's options; ``out_dtype``: y's dtype where it is not x's (the
     torch layers under autocast); ``quantize``: (format, static scale,
-    bound, group, scale layout) of quantize= (quantize.py), which the
-    general path validates."""
+    bound, group, scale layout, unquantized y asked) of quantize=
+    (quantize.py), which the general path validates."""
     # (identity tests alone: the plain path takes them on every call)
     if quantize is not None and (quantize[0] is not None or quantize[1] is not None or quantize[2] is not None
-                                 or quantize[3] is not None or quantize[4] is not None):
-        if route is not None and _interop.torch_route(x, weight, bias, residual, *quantize[1:3]):
-            return route()  # (cunorm.torch: its operator under dynamo; refused where autograd records)
+                                 or quantize[3] is not None or quantize[4] is not None or quantize[5] is not False):
         key = None
-        if out is None:
+        if out is None:  # (no key under dynamo or where autograd records: the route below takes those)
             key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, None,
                                         quantize)
             results = launch_cache.replay(launch_cache.ROWS, key, x, weight, bias, residual, *quantize[1:3])
             if results is not None:
                 return results
+        if route is not None and _interop.torch_route(x, weight, bias, residual, *quantize[1:3]):
+            return route()  # (cunorm.torch: its operator under dynamo; refused where autograd records)
         call = row_norms.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual,
                               return_stats=return_stats, epilogue=epilogue, quant=quantize[0],
                               quant_scale=quantize[1], quant_scale_ub=quantize[2], quant_group=quantize[3],
-                              quant_scale_layout=quantize[4])
+                              quant_scale_layout=quantize[4], return_unquantized=quantize[5])
         return row_norms.run(call, reference_fn, key=key)
     key = None
     if out is None:

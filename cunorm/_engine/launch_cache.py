@@ -76,19 +76,19 @@ def rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=
     """The signature of a row norm's call (None: not keyed); ``epilogue``:
     its FLAGS bits (validated); ``out_dtype``: y's dtype where it is not x's;
     ``quantize``: quantize='s (format, static scale, bound, group, scale
-    layout), the one array given among the scale and the bound keyed with
+    layout, unquantized y asked), the one array given among the scale and the bound keyed with
     the others."""
     ad = adapter(x)
     if ad is None or type(eps) is not float or type(return_stats) is not bool or not _int_axes(axis):
         return None
     if quantize is None:
         return key(ad, x, weight, bias, residual, scalars=(norm, axis, eps, return_stats, epilogue, out_dtype))
-    fmt, scale, bound, group, layout = quantize
-    if type(fmt) is not str or not (group is None or type(group) is int) or not (layout is None
-                                                                                 or type(layout) is str):
+    fmt, scale, bound, group, layout, plain = quantize
+    if (type(fmt) is not str or not (group is None or type(group) is int)
+            or not (layout is None or type(layout) is str) or type(plain) is not bool):
         return None
     return key(ad, x, weight, bias, residual, scale, bound,
-               scalars=(norm, axis, eps, return_stats, epilogue, out_dtype, fmt, group, layout))
+               scalars=(norm, axis, eps, return_stats, epilogue, out_dtype, fmt, group, layout, plain))
 
 
 def channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, training, momentum, eps,

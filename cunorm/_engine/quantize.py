@@ -67,11 +67,12 @@ class Quantize:
     scaling: int
     group: int = 0  # elements a scale covers (0: the row)
     layout: str = ROW_MAJOR  # of group scales
+    plain: bool = False  # y also returned unquantized
 
     @property
-    def key(self) -> tuple[str, int, int, str]:
+    def key(self) -> tuple[str, int, int, str, bool]:
         """What plans and caches key it by."""
-        return self.format.name, self.scaling, self.group, self.layout
+        return self.format.name, self.scaling, self.group, self.layout, self.plain
 
     @property
     def row_scales(self) -> bool:
@@ -82,12 +83,15 @@ def by_key(key) -> Quantize | None:
     return None if key is None else Quantize(FORMATS[key[0]], *key[1:])
 
 
-def check(quantize, quant_scale, quant_scale_ub, x_dtype, quant_group=None,
-          quant_scale_layout=None) -> Quantize | None:
+def check(quantize, quant_scale, quant_scale_ub, x_dtype, quant_group=None, quant_scale_layout=None,
+          return_unquantized=False) -> Quantize | None:
     """The request, validated (None: no quantization), before anything runs."""
+    if type(return_unquantized) is not bool:
+        raise TypeError(f"return_unquantized must be a bool, got {type(return_unquantized).__name__}")
     if quantize is None:
         for value, given in ((quant_scale, "quant_scale"), (quant_scale_ub, "quant_scale_ub"),
-                             (quant_group, "quant_group"), (quant_scale_layout, "quant_scale_layout")):
+                             (quant_group, "quant_group"), (quant_scale_layout, "quant_scale_layout"),
+                             (return_unquantized or None, "return_unquantized")):
             if value is not None:
                 raise ValueError(f"{given} is for a quantized output: pass quantize= too")
         return None
@@ -123,7 +127,7 @@ def check(quantize, quant_scale, quant_scale_ub, x_dtype, quant_group=None,
             raise ValueError(f"quant_scale_layout={quant_scale_layout!r} lays out group scales: pass quant_group= "
                              "too")
         layout = quant_scale_layout
-    return Quantize(fmt, scaling, group, layout)
+    return Quantize(fmt, scaling, group, layout, return_unquantized)
 
 
 def check_extent(quant: Quantize, n: int) -> None:
@@ -247,6 +251,8 @@ def cached_outputs(call) -> dict:
         shape = scales_shape(call)
         laid = None if quant.layout == ROW_MAJOR else scales_strided(quant, shape)
         outputs["y_scale"] = (shape, np.dtype(np.float32), laid)
+    if quant.plain:
+        outputs["y_plain"] = (call.x.shape, call.x.dtype, None)
     return outputs
 
 
@@ -263,9 +269,22 @@ def empty_scales(xp, quant: Quantize, shape: tuple):
     return storage[:, :rows].T.reshape(shape)
 
 
-def reference_results(call, results):
-    """A NumPy call's results from its float64 reference (exact y, then h
-    and the statistics as asked): (q[, scales][, h][, statistics])."""
+def empty_results(cupy, call):
+    """(q, scales or None, unquantized y or None) of a GPU call, new."""
+    quant = call.quant
+    scales = empty_scales(cupy, quant, scales_shape(call)) if quant.row_scales else None
+    plain = cupy.empty(call.x.shape, dtype=call.x.dtype) if quant.plain else None
+    return cupy.empty(call.x.shape, dtype=quant.format.device), scales, plain
+
+
+def reference_results(call, reference_fn, kwargs):
+    """A NumPy call's results from its float64 reference (``reference_fn``
+    called with ``kwargs`` gives exact y, then h and the statistics as
+    asked; without ``exact`` it gives y rounded as the call without
+    quantize= rounds it, for the unquantized y asked for): (q[, scales][,
+    y][, h][, statistics])."""
+    results = reference_fn(call.x, **kwargs)
+    plain = reference_fn(call.x, **dict(kwargs, exact=False)) if call.quant.plain else None
     results = results if isinstance(results, tuple) else (results,)
     y, rest = results[0], list(results[1:])
     rows = y.reshape(tuple(y.shape[: call.first]) + (-1,))
@@ -275,6 +294,8 @@ def reference_results(call, results):
         laid = empty_scales(np, call.quant, scales_shape(call))
         laid[...] = scales.reshape(laid.shape)
         out.append(laid)
+    if plain is not None:
+        out.append(plain[0] if isinstance(plain, tuple) else plain)
     if call.residual is not None:
         out.append(rest.pop(0))
     acc = dtypes.accumulation(call.x.dtype)

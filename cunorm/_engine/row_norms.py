@@ -96,7 +96,7 @@ class Call:
 
     def __init__(self, norm, x, axis, eps, out, *, weight=None, bias=None, residual=None, return_stats=False,
                  epilogue=0, out_dtype=None, quant=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
-                 quant_scale_layout=None):
+                 quant_scale_layout=None, return_unquantized=False):
         self.norm = norm
         self.epilogue = epilogue  # the epilogue's FLAGS bits (plans: rounding, weight offset, activation)
         # y's dtype where it is not x's (cunorm's layers under autocast: float32
@@ -118,7 +118,8 @@ class Call:
         self.out = None if out is None else self._out(out)
         self.return_stats = check_flag(return_stats, "return_stats")
         # quantize= (quantize.py): the request, and the static scale or the bound as x's kind of array
-        self.quant = quantize.check(quant, quant_scale, quant_scale_ub, xa.dtype, quant_group, quant_scale_layout)
+        self.quant = quantize.check(quant, quant_scale, quant_scale_ub, xa.dtype, quant_group, quant_scale_layout,
+                                    return_unquantized)
         self.quant_scale = None
         if self.quant is not None:
             if self.last != xa.ndim - 1:
@@ -287,7 +288,7 @@ def run(call: Call, reference, key=None):
     caller's array type. ``key``: the call's signature in the launch cache
     (cunorm/_engine/launch_cache.py), which gets an entry when the call ran without copies."""
     if call.quant is not None and not call.on_gpu:
-        return quantize.reference_results(call, reference(call.x, **reference_arguments(call)))
+        return quantize.reference_results(call, reference, reference_arguments(call))
     if not call.on_gpu:
         if not call.x.size:
             return empty_results(call, 1 + (call.residual is not None), len(ops.statistics_of(call.norm)))
@@ -367,7 +368,8 @@ def _rows_entry(call: Call, program) -> launch_cache.Entry:
     present = lambda name, a: None if a is None else name  # noqa: E731
     slots = {"x": "x", "r": present("r", call.residual), "y": "y", "h": present("h", call.residual),
              "w": present("w", call.weight), "b": present("b", call.bias), "center": outputs.get("mean") and "mean",
-             "scale": outputs.get("rstd") and "rstd", "y_scale": outputs.get("y_scale") and "y_scale"}
+             "scale": outputs.get("rstd") and "rstd", "y_scale": outputs.get("y_scale") and "y_scale",
+             "y_plain": outputs.get("y_plain") and "y_plain"}
     inputs = ("x", "w", "b", "r")
     if quant is not None:  # (the launcher takes both arrays; the kernel reads the one given)
         inputs += ("scale", "bound")
@@ -385,9 +387,9 @@ def _run_gpu(call: Call):
     x = call.x
     quant = call.quant
     if quant is not None:
-        y = cupy.empty(x.shape, dtype=quant.format.device)
-        y_scale = quantize.empty_scales(cupy, quant, quantize.scales_shape(call)) if quant.row_scales else None
+        y, y_scale, y_plain = quantize.empty_results(cupy, call)
     else:
+        y_scale = y_plain = None
         y = call.out if call.out is not None else cupy.empty(x.shape, dtype=call.out_dtype or x.dtype)
     h = None if call.residual is None else cupy.empty(x.shape, dtype=x.dtype)
     stats = []
@@ -404,10 +406,10 @@ def _run_gpu(call: Call):
         x, r, w, b = quantize.aligned_for_groups(quant, x, call.residual, w, b)
         named = dict(zip(ops.statistics_of(call.norm), stats))
         center, scale = named.get("mean"), named.get("rstd")
-        quant_args = {} if quant is None else {"quant": quant, "quant_scale": call.quant_scale, "y_scale": y_scale}
         _, _, program = _launch_rows(call.norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale,
                                      first=call.first, last=call.last, eps=call.eps, epilogue=call.epilogue,
-                                     out_dtype=call.out_dtype, **quant_args)
+                                     out_dtype=call.out_dtype, quant=quant, quant_arrays=dict(
+                                         quant_scale=call.quant_scale, y_scale=y_scale, y_plain=y_plain))
         copied = w is not call.weight or b is not call.bias or x is not call.x or r is not call.residual
         if copied or call.out is not None:
             program = None
@@ -415,8 +417,7 @@ def _run_gpu(call: Call):
     results = [call.out_given if call.out is not None else out(y)]
     if quant is not None:
         results = [call.adapter.view_bits(results[0], quant.format.name)]
-        if quant.row_scales:
-            results.append(out(y_scale))
+        results += [out(a) for a in (y_scale, y_plain) if a is not None]
     if h is not None:
         results.append(out(h))
     results += [out(s) for s in stats]
@@ -480,13 +481,13 @@ def launch_on(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=
 
 
 def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=None, first, last, eps,
-                 override=None, epilogue=0, out_dtype=None, quant=None, quant_scale=None, y_scale=None):
+                 override=None, epilogue=0, out_dtype=None, quant=None, quant_arrays=None):
     """launch_on, returning (plan, launch, program): program is the Program
     that ran over the arrays as given, None when x or r was copied or h
-    formed unfused first. ``epilogue``: the FLAGS bits of the epilogue's
-    options (plans.FLAG_ROUND_NORMALIZED ...). ``out_dtype``: y's dtype
-    where it is not x's (no residual); where rows_cached does not take the
-    call, x is cast to it first.
+    formed unfused first. ``epilogue``: the epilogue's FLAGS bits.
+    ``out_dtype``: y's dtype where it is not x's (no residual); where
+    rows_cached does not take the call, x is cast to it first. ``quant``
+    and ``quant_arrays``: quantize='s request and its slots' arrays.
 
     What the kernels do not take is prepared in a fixed sequence, each step
     at most once: x and r brought to one layout (C-contiguous copies), x
@@ -526,7 +527,7 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
         raise RuntimeError(f"cunorm: no {norm} launch for x of shape {x.shape} and strides {x.strides}")
     program = rows_program(plan, launch, float(eps), center is not None, scale is not None, x.data.device_id)
     program.run_named({"x": x, "r": r, "y": y, "h": h, "w": w, "b": b, "center": center, "scale": scale,
-                       "quant_scale": quant_scale, "y_scale": y_scale}, launches.cupy_stream(), launches.cupy_alloc)
+                       **(quant_arrays or {})}, launches.cupy_stream(), launches.cupy_alloc)
     return plan, launch, program if x is given[0] and r is given[1] else None
 
 
@@ -547,7 +548,7 @@ def _residual_add_program(dtype, n_vec: int, vec: int, device: int) -> launches.
 
 
 #: a row norm's slots, in the order Program.run takes their pointers
-ROW_SLOTS = ("x", "r", "y", "h", "w", "b", "center", "scale", "quant_scale", "y_scale")
+ROW_SLOTS = ("x", "r", "y", "h", "w", "b", "center", "scale", "quant_scale", "y_scale", "y_plain")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -577,9 +578,11 @@ def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool, 
         quant = quantize.by_key(plan.quant)
         quant_scale = pb["quant_scale"] if quant is not None and quant.scaling != quantize.ROW else None
         y_scale = pb["y_scale"] if quant is not None and quant.row_scales else None
+        y_plain = pb["y_plain"] if quant is not None and quant.plain else None
         s_row, s_group = quantize.kernel_strides(quant, plan.outer, plan.reduced)
         pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, threads_per_row=launch.threads_per_row,
-                  quant_scale=quant_scale, y_scale=y_scale, scale_row_stride=s_row, scale_group_stride=s_group)
+                  quant_scale=quant_scale, y_scale=y_scale, y_plain=y_plain, scale_row_stride=s_row,
+                  scale_group_stride=s_group)
     elif launch.tier == "uncached":
         pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, stash_vecs=launch.stash_vecs)
     elif launch.tier == "resident":

@@ -238,13 +238,13 @@ def _quantized_traced(fn, norm, x, weight, bias, residual, axis, eps, return_sta
     without a vjp (a quantized y has no gradient: jax.grad through it
     raises jax's own error). Results as the eager call's: (q[, scales][,
     h][, statistics])."""
-    fmt, scale, bound, group, layout = quantize
+    fmt, scale, bound, group, layout, plain = quantize
     if not isinstance(x, _Tracer):
         _check_kind(fn, x)
     call = row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
                           residual=_stand_in(residual), return_stats=return_stats, epilogue=epilogue, quant=fmt,
                           quant_scale=_stand_in(scale), quant_scale_ub=_stand_in(bound), quant_group=group,
-                          quant_scale_layout=layout)
+                          quant_scale_layout=layout, return_unquantized=plain)
     if call.quant.layout != "row_major":
         raise ValueError(f"cunorm.jax.{fn}: quant_scale_layout={layout!r} is a strided view, which JAX arrays "
                          "cannot be: take the row-major scales and transpose them (XLA fuses the copy)")
@@ -265,13 +265,13 @@ def _quantized_traced(fn, norm, x, weight, bias, residual, axis, eps, return_sta
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
              rounding="output", activation=None, quantize=None, quant_scale=None, quant_scale_ub=None,
-             quant_group=None, quant_scale_layout=None, **kwargs):
+             quant_group=None, quant_scale_layout=None, return_unquantized=False, **kwargs):
     _no_out("rms_norm", kwargs)
     if _traced(x, weight, residual, quant_scale, quant_scale_ub):
         _no_unknown_kwargs("rms_norm", kwargs)
         epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
-        quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout)
-        if any(q is not None for q in quant):
+        quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout, return_unquantized)
+        if any(q is not None for q in quant[:5]) or return_unquantized is not False:
             return _quantized_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats,
                                      epilogue, quant)
         return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats, epilogue)
@@ -279,18 +279,19 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     return norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
                           weight_offset=weight_offset, rounding=rounding, activation=activation, quantize=quantize,
                           quant_scale=quant_scale, quant_scale_ub=quant_scale_ub, quant_group=quant_group,
-                          quant_scale_layout=quant_scale_layout, **kwargs)
+                          quant_scale_layout=quant_scale_layout,
+                          return_unquantized=return_unquantized, **kwargs)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
                activation=None, quantize=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
-               quant_scale_layout=None, **kwargs):
+               quant_scale_layout=None, return_unquantized=False, **kwargs):
     _no_out("layer_norm", kwargs)
     if _traced(x, weight, bias, residual, quant_scale, quant_scale_ub):
         _no_unknown_kwargs("layer_norm", kwargs)
         epilogue = plans.activation_flags(activation)
-        quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout)
-        if any(q is not None for q in quant):
+        quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout, return_unquantized)
+        if any(q is not None for q in quant[:5]) or return_unquantized is not False:
             return _quantized_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats,
                                      epilogue, quant)
         return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats, epilogue)
@@ -298,7 +299,8 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     return norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
                             activation=activation, quantize=quantize, quant_scale=quant_scale,
                             quant_scale_ub=quant_scale_ub, quant_group=quant_group,
-                            quant_scale_layout=quant_scale_layout, **kwargs)
+                            quant_scale_layout=quant_scale_layout, return_unquantized=return_unquantized,
+                            **kwargs)
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, **kwargs):

@@ -124,6 +124,8 @@ def _rows_outputs(spec: RowSpec) -> dict:
             n = math.prod(spec.shape[spec.first:])
             shape = lead + ((n // quant.group,) if quant.group else (1,) * (len(spec.shape) - spec.first))
             out["y_scale"] = (shape, np.dtype(np.float32))
+        if quant.plain:
+            out["y_plain"] = (spec.shape, spec.dtype)
     if spec.residual:
         out["h"] = (spec.shape, spec.dtype)
     for name in spec.stat_names():

@@ -138,6 +138,20 @@ __device__ __forceinline__ void copy_async_wait_all() {
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
+// A quantizing store's y also as the plain store writes it (x's type,
+// rounded once), where the caller asked for it (y_plain not null: a
+// uniform branch); nothing for the other stores.
+template <class STORE, class T, int VEC, class A>
+__device__ __forceinline__ void store_plain(T* y_plain, long long at, const Vec<T, VEC>& in,
+                                            const typename STORE::template Params<VEC>& p, const Affine<A>& f,
+                                            A pivot) {
+    if constexpr (STORE::kQuantized) {
+        if (y_plain != nullptr) {
+            store_vec(y_plain + at, STORE::template Plain<T>::template apply<T>(in, p, f, pivot));
+        }
+    }
+}
+
 template <template <class> class NormT, class T, class STORE, class LOAD, int VEC, int VECS_PER_THREAD,
           bool BLOCK_PER_ROW>
 __global__ void __launch_bounds__(
@@ -150,9 +164,9 @@ __global__ void __launch_bounds__(
 rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STORE::Param* __restrict__ w,
             const typename STORE::Param* __restrict__ b, const float* __restrict__ quant_scale,
             typename STORE::Out* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
-            typename AccOf<T>::type* scale_out, float* __restrict__ y_scale, long long rows, int n,
-            long long x_row_stride, typename AccOf<T>::type eps, int threads_per_row, long long scale_row_stride,
-            long long scale_group_stride) {
+            typename AccOf<T>::type* scale_out, float* __restrict__ y_scale, T* __restrict__ y_plain, long long rows,
+            int n, long long x_row_stride, typename AccOf<T>::type eps, int threads_per_row,
+            long long scale_row_stride, long long scale_group_stride) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -260,8 +274,9 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                 const int v = lane + k * row_threads;
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
-                    store_vec(yr + e, STORE::template apply<T>(cache[k], STORE::template params<VEC>(w, b, e), f,
-                                                               pivot, quant));
+                    const auto p = STORE::template params<VEC>(w, b, e);
+                    store_vec(yr + e, STORE::template apply<T>(cache[k], p, f, pivot, quant));
+                    store_plain<STORE>(y_plain, row * n + e, cache[k], p, f, pivot);
                 }
             }
         } else if constexpr (STORE::kWritesY) {
@@ -294,8 +309,9 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                 const int v = lane + k * row_threads;
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
-                    store_vec(yr + e, STORE::template apply<T>(cache[k], STORE::template params<VEC>(w, b, e), f,
-                                                               pivot, quant));
+                    const auto p = STORE::template params<VEC>(w, b, e);
+                    store_vec(yr + e, STORE::template apply<T>(cache[k], p, f, pivot, quant));
+                    store_plain<STORE>(y_plain, row * n + e, cache[k], p, f, pivot);
                 }
             }
         }

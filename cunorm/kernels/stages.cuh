@@ -281,6 +281,9 @@ struct QuantStore : AffineStore<P, FLAGS, Q> {
     using Base = AffineStore<P, FLAGS, Q>;
     template <int VEC>
     using Params = typename Base::template Params<VEC>;
+    // The same value stored unquantized in Y (y returned beside q on request).
+    template <class Y>
+    using Plain = AffineStore<P, FLAGS, Y>;
     static constexpr float kMax = QuantMax<Q>::value;
     // An all-zero row's scale: max |y| / kMax never goes below this (vLLM's floor).
     static constexpr float kMinScale = 1.0f / (kMax * 512.0f);

@@ -63,15 +63,16 @@ def _offset_weight(x: Tensor, weight: Tensor) -> Tensor:
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
              rounding="output", activation=None, quantize=None, quant_scale=None, quant_scale_ub=None,
-             quant_group=None, quant_scale_layout=None):
+             quant_group=None, quant_scale_layout=None, return_unquantized=False):
     """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm`` (differentiable); with
     ``quantize=``, ``torch.ops.cunorm.row_norm_quantized`` (inference only)."""
     stats = row_norms.check_flag(return_stats, "return_stats")
     epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
     if (quantize is not None or quant_scale is not None or quant_scale_ub is not None or quant_group is not None
-            or quant_scale_layout is not None):
+            or quant_scale_layout is not None or return_unquantized is not False):
         return _quantized("rms", x, weight, None, residual, _axes(axis), eps, stats, epilogue, quantize, quant_scale,
-                          quant_scale_ub, quant_group, quant_scale_layout, _needs_grad(x, weight, residual))
+                          quant_scale_ub, quant_group, quant_scale_layout, return_unquantized,
+                          _needs_grad(x, weight, residual))
     if epilogue & plans.UNFUSED_IN_BACKWARD and _needs_grad(x, weight, residual):
         # the weight offset and the activation as torch ops around the norm, so autograd sees them
         w = _offset_weight(x, weight) if weight_offset else weight
@@ -87,15 +88,16 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
                activation=None, quantize=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
-               quant_scale_layout=None):
+               quant_scale_layout=None, return_unquantized=False):
     """:func:`cunorm.layer_norm` as the registered op ``torch.ops.cunorm.layer_norm`` (differentiable); with
     ``quantize=``, ``torch.ops.cunorm.row_norm_quantized`` (inference only)."""
     stats = row_norms.check_flag(return_stats, "return_stats")
     epilogue = plans.activation_flags(activation)
     if (quantize is not None or quant_scale is not None or quant_scale_ub is not None or quant_group is not None
-            or quant_scale_layout is not None):
+            or quant_scale_layout is not None or return_unquantized is not False):
         return _quantized("ln", x, weight, bias, residual, _axes(axis), eps, stats, epilogue, quantize, quant_scale,
-                          quant_scale_ub, quant_group, quant_scale_layout, _needs_grad(x, weight, bias, residual))
+                          quant_scale_ub, quant_group, quant_scale_layout, return_unquantized,
+                          _needs_grad(x, weight, bias, residual))
     if epilogue and _needs_grad(x, weight, bias, residual):  # the activation as torch's op (see rms_norm)
         results = layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=stats)
         return _activated(results, activation)

@@ -16,7 +16,7 @@ from .._interop import torch as _adapter
 
 SCHEMA = ("(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, SymInt[] axes, float eps, bool return_stats, "
           "int epilogue, str norm, str quantize, Tensor? quant_scale, Tensor? quant_scale_ub, int? quant_group, "
-          "str? quant_scale_layout) -> Tensor[]")
+          "str? quant_scale_layout, bool return_unquantized) -> Tensor[]")
 #: the row norms that take quantize=
 NORMS = {"rms": "rms_norm", "ln": "layer_norm"}
 
@@ -28,20 +28,21 @@ def _check_norm(norm: str) -> None:
 
 @torch.library.custom_op("cunorm::row_norm_quantized", mutates_args=(), schema=SCHEMA)
 def row_norm_quantized(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, quantize, quant_scale,
-                       quant_scale_ub, quant_group, quant_scale_layout):
+                       quant_scale_ub, quant_group, quant_scale_layout, return_unquantized):
     _check_norm(norm)
     results = calls.rows(norm, x, weight, bias, residual, tuple(axes), eps, return_stats, None, None,
                          epilogue=epilogue,
-                         quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout))
+                         quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout,
+                                   return_unquantized))
     return list(results) if isinstance(results, tuple) else [results]
 
 
 @row_norm_quantized.register_fake
 def _fake(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, quantize, quant_scale, quant_scale_ub,
-          quant_group, quant_scale_layout):
+          quant_group, quant_scale_layout, return_unquantized):
     _check_norm(norm)
     quant = check(quantize, quant_scale, quant_scale_ub, _adapter.NUMPY_DTYPE.get(x.dtype), quant_group,
-                  quant_scale_layout)
+                  quant_scale_layout, return_unquantized)
     first, last = row_norms.axis_span(tuple(axes), x.dim())
     outputs = [x.new_empty(x.shape, dtype=getattr(torch, quant.format.name))]
     if quant.group:
@@ -49,6 +50,8 @@ def _fake(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, qu
         outputs.append(x.new_empty_strided(shape, scales_strided(quant, shape).strides, dtype=torch.float32))
     elif quant_scale is None:
         outputs.append(x.new_empty(tuple(x.shape[:first]) + (1,) * (last - first + 1), dtype=torch.float32))
+    if return_unquantized:
+        outputs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
     if residual is not None:
         outputs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
     if return_stats:
@@ -58,16 +61,17 @@ def _fake(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, qu
 
 
 def quantized(norm: str, x: Tensor, weight, bias, residual, axes, eps, return_stats, epilogue, quantize, quant_scale,
-              quant_scale_ub, quant_group, quant_scale_layout, needs_grad: bool):
+              quant_scale_ub, quant_group, quant_scale_layout, return_unquantized, needs_grad: bool):
     """cunorm.torch's rms_norm / layer_norm with quantize=: the operator's
     results, unpacked; refused where autograd would record the call."""
     # (the request checked before the operator's schema sees a None format)
-    check(quantize, quant_scale, quant_scale_ub, _adapter.NUMPY_DTYPE.get(x.dtype), quant_group, quant_scale_layout)
+    check(quantize, quant_scale, quant_scale_ub, _adapter.NUMPY_DTYPE.get(x.dtype), quant_group, quant_scale_layout,
+          return_unquantized)
     if needs_grad:
         raise RuntimeError(f"cunorm.torch.{NORMS[norm]}: quantize= is inference only (a quantized y has no "
                            f"gradient): call it under torch.no_grad() or torch.inference_mode()")
     results = torch.ops.cunorm.row_norm_quantized(x, weight, bias, residual, axes, row_norms.check_eps(eps),
                                                   row_norms.check_flag(return_stats, "return_stats"), epilogue, norm,
                                                   quantize, quant_scale, quant_scale_ub, quant_group,
-                                                  quant_scale_layout)
+                                                  quant_scale_layout, return_unquantized)
     return results[0] if len(results) == 1 else tuple(results)
