@@ -159,7 +159,7 @@ def test_a_repeated_call_replays_its_launch(kind, scaling):
     first = cunorm.layer_norm(xs, ws, **kwargs)
     key = launch_cache.rows_key("ln", xs, ws, None, rs, -1, 1e-5, False, 0, None,
                                 ("float8_e4m3fn", kwargs.get("quant_scale"), kwargs.get("quant_scale_ub"), None,
-                                 None))
+                                 None, False))
     assert key is not None and launch_cache.ROWS.get(key) is not None
     second = cunorm.layer_norm(xs, ws, **kwargs)
     assert len(first) == len(second) == (2 if scaling == "static" else 3)
