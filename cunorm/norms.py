@@ -88,7 +88,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
 
     Returns
     -------
-    y, or a tuple ``(y[, scales][, h][, rstd])``
+    y, or a tuple ``(y[, scales][, unquantized y][, h][, rstd])``
         As the caller's array type (torch for torch input, JAX for JAX, CuPy
         for CuPy and other DLPack input, NumPy for NumPy), C-contiguous; y is
         ``out`` if given.
@@ -164,7 +164,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
 
     Returns
     -------
-    y, or a tuple ``(y[, scales][, h][, mean, rstd])``
+    y, or a tuple ``(y[, scales][, unquantized y][, h][, mean, rstd])``
         As the caller's array type, C-contiguous; y is ``out`` if given.
 
     Raises
@@ -456,7 +456,7 @@ _QUANTIZE = """quantize : str, optional
         float32 x that fit on chip (16-bit rows up to 32768 elements, 16384
         with a residual for rms_norm and 8192 for layer_norm; float32 half
         of those); inference only (no gradient; a registered operator under
-        torch.compile; not inside jax.jit yet); no ``out=``. The quantized y comes back as torch's
+        torch.compile; a primitive inside jax.jit); no ``out=``. The quantized y comes back as torch's
         or JAX's dtype of that name, as uint8 raw bits in a CuPy array (CuPy
         has no FP8 dtype: view them with ml_dtypes after ``.get()``), as
         int8 for int8, and as an ml_dtypes array from NumPy.
@@ -465,7 +465,7 @@ _QUANTIZE = """quantize : str, optional
         when the kernel runs, so a captured CUDA graph sees its changes).
         Without it each row (or group: ``quant_group``) gets its own scale,
         ``max|y| / qmax`` (never below ``1 / (qmax * 512)``: an all-zero
-        row's), returned after y as float32 of x's shape with the
+        row's), returned after y as float32: a row's of x's shape with the
         normalized axes 1 (``q * scales`` broadcasts back to y).
     quant_scale_ub : array, optional
         A one-element float32 bound on max|y| before the per-row (or

@@ -263,8 +263,9 @@ def replay(cache, key, *inputs):
 def entry(ad, device, program, inputs, outputs, slots, returns, arrays=None):
     """The launcher of an Entry built from names: ``inputs`` names the call's
     arrays in the order the launcher is called with, ``outputs`` maps names
-    to (shape, dtype, perm), ``slots`` maps the Program's slot names to
-    their source's name (a slot it does not name, or names None, is null),
+    to (shape, dtype, perm or a quantize.Strided layout), ``slots`` maps
+    the Program's slot names to their source's name (a slot it does not
+    name, or names None, is null),
     ``returns`` the outputs returned (None: a None in the results).
     ``arrays`` maps input names to the call's (CuPy) arrays: an output of
     an input's shape and dtype, unpermuted, is allocated like a

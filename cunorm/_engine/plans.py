@@ -42,7 +42,7 @@ class Plan:
     out_dtype: y's storage dtype where it is not x's (float32 for 16-bit
         x: LayerNorm under autocast), else None. Only rows_cached writes
         it (cunorm/_engine/dispatch_rows.py); y's alignment counts in vec.
-    quant: (format name, scaling) of a quantized y (cunorm/_engine/quantize.py),
+    quant: the key of a quantized y's request (cunorm/_engine/quantize.py),
         one byte an element, else None. Only rows_cached writes it.
     """
 
@@ -255,7 +255,7 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
     Pointers may be given modulo 32 (only their alignment matters); absent
     arrays pass 0. The residual r shares x's strides; y and h are
     C-contiguous. ``out_dtype``: y's dtype where it is not x's; ``quant``:
-    (format name, scaling) of a one-byte quantized y.
+    the key of a one-byte quantized y's request (quantize.Quantize.key).
     """
     view = canonical_view(shape, strides, first, last)
     if view is None:

@@ -61,7 +61,8 @@ FORMAT_NAMES = ", ".join(repr(n) for n in FORMATS)
 
 @dataclass(frozen=True)
 class Quantize:
-    """A validated quantize= request: the format and the scaling."""
+    """A validated quantize= request: the format, the scaling, the group
+    size, the scales' layout and whether y is also returned unquantized."""
 
     format: Format
     scaling: int
@@ -175,14 +176,15 @@ def reference(y, quant: Quantize, scale=None, bound=None):
     return q, scales
 
 
-def scales_shape(call) -> tuple:
-    """Dynamic scales' shape: x's with each normalized (trailing) axis 1, so
-    that ``q * scales`` broadcasts back to y; with groups, x's leading axes
-    and then the groups of a row."""
-    lead = tuple(call.x.shape[: call.first])
-    if call.quant.group:
-        return lead + (math.prod(call.x.shape[call.first:]) // call.quant.group,)
-    return lead + (1,) * (call.last - call.first + 1)
+def scales_shape(quant: Quantize, shape: tuple, first: int) -> tuple:
+    """Dynamic scales' shape for x of ``shape`` normalized over its axes
+    from ``first`` on: x's with each normalized axis 1, so that ``q *
+    scales`` broadcasts back to y; with groups, x's leading axes and then
+    the groups of a row."""
+    lead = tuple(shape[:first])
+    if quant.group:
+        return lead + (math.prod(shape[first:]) // quant.group,)
+    return lead + (1,) * (len(shape) - first)
 
 
 def scales_layout(quant: Quantize, rows: int, groups: int) -> tuple[int, int, int]:
@@ -248,7 +250,7 @@ def cached_outputs(call) -> dict:
     quant = call.quant
     outputs = {"y": (call.x.shape, quant.format.numpy, None)}
     if quant.row_scales:
-        shape = scales_shape(call)
+        shape = scales_shape(quant, call.x.shape, call.first)
         laid = None if quant.layout == ROW_MAJOR else scales_strided(quant, shape)
         outputs["y_scale"] = (shape, np.dtype(np.float32), laid)
     if quant.plain:
@@ -258,21 +260,19 @@ def cached_outputs(call) -> dict:
 
 def empty_scales(xp, quant: Quantize, shape: tuple):
     """The scales' array of ``shape`` (scales_shape) in ``xp`` (numpy or
-    cupy), laid out as asked: a column-major layout is a view of its
-    (groups, padded rows) storage, rows in C order."""
+    cupy), laid out as asked: a column-major layout is a view of its whole
+    (groups, padded rows) storage (scales_strided)."""
     if quant.layout == ROW_MAJOR:
         return xp.empty(shape, dtype=np.float32)
-    lead, groups = shape[:-1], shape[-1]
-    rows = math.prod(lead)
-    _, padded, held = scales_layout(quant, rows, groups)
-    storage = xp.empty(held, dtype=np.float32).reshape(groups, padded)
-    return storage[:, :rows].T.reshape(shape)
+    laid = scales_strided(quant, shape)
+    storage = xp.empty(laid.held, dtype=np.float32)
+    return xp.lib.stride_tricks.as_strided(storage, shape, tuple(s * storage.itemsize for s in laid.strides))
 
 
 def empty_results(cupy, call):
     """(q, scales or None, unquantized y or None) of a GPU call, new."""
     quant = call.quant
-    scales = empty_scales(cupy, quant, scales_shape(call)) if quant.row_scales else None
+    scales = empty_scales(cupy, quant, scales_shape(quant, call.x.shape, call.first)) if quant.row_scales else None
     plain = cupy.empty(call.x.shape, dtype=call.x.dtype) if quant.plain else None
     return cupy.empty(call.x.shape, dtype=quant.format.device), scales, plain
 
@@ -291,7 +291,7 @@ def reference_results(call, reference_fn, kwargs):
     q, scales = reference(rows, call.quant, scale=call.quant_scale, bound=call.quant_scale)
     out = [q.reshape(y.shape)]
     if scales is not None:
-        laid = empty_scales(np, call.quant, scales_shape(call))
+        laid = empty_scales(np, call.quant, scales_shape(call.quant, call.x.shape, call.first))
         laid[...] = scales.reshape(laid.shape)
         out.append(laid)
     if plain is not None:

@@ -205,11 +205,22 @@ def _rows_unfused(spec, x, r, w, b):
     return _activated(_row_vjp(inner, x, r, w, b), spec.epilogue)
 
 
-def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=0):
+def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=0, quantize=None):
+    """A row norm inside jit. ``quantize``: quantize='s (format, static
+    scale, bound, group, scale layout, unquantized y asked), where y is
+    written quantized: the row primitive bound without a vjp (a quantized y
+    has no gradient: jax.grad through it raises jax's own error), results
+    as the eager call's (q[, scales][, y][, h][, statistics])."""
     if not isinstance(x, _Tracer):
         _check_kind(fn, x)
+    fmt, scale, bound, group, layout, plain = quantize or (None,) * 5 + (False,)
     call = row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
-                          residual=_stand_in(residual), return_stats=return_stats)
+                          residual=_stand_in(residual), return_stats=return_stats, quant=fmt,
+                          quant_scale=_stand_in(scale), quant_scale_ub=_stand_in(bound), quant_group=group,
+                          quant_scale_layout=layout, return_unquantized=plain)
+    if call.quant is not None and call.quant.layout != "row_major":
+        raise ValueError(f"cunorm.jax.{fn}: quant_scale_layout={layout!r} is a strided view, which JAX arrays "
+                         "cannot be: take the row-major scales and transpose them (XLA fuses the copy)")
     _, pdtype = row_norms.kernel_params(call.x.dtype, call.weight, call.bias)
     w = None if weight is None else weight.astype(pdtype)
     b = None if bias is None else bias.astype(pdtype)
@@ -221,45 +232,19 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
     spec = _jit_module().RowSpec(norm, tuple(x.shape), np.dtype(x.dtype), call.first, call.last, call.eps,
                                  residual=residual is not None, weight=w is not None, bias=b is not None,
                                  pdtype=None if pdtype is None else np.dtype(pdtype), stats=call.return_stats,
-                                 epilogue=epilogue)
+                                 epilogue=epilogue, quant=None if call.quant is None else call.quant.key)
     if not x.size:
         raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
-    if epilogue & plans.UNFUSED_IN_BACKWARD:
+    if call.quant is not None:
+        given = scale if scale is not None else bound
+        arrays = [x, residual, w, b, None if given is None else jnp.reshape(given, (1,))]
+        outs = list(_jit_module().rows_p.bind(*[a for a in arrays if a is not None], spec=spec))
+    elif epilogue & plans.UNFUSED_IN_BACKWARD:
         outs = list(_epilogue_vjp(_row_vjp, _rows_unfused, spec, (x, residual, w, b)))
     else:
         outs = list(_row_vjp(spec, x, residual, w, b))
     if h is not None:
         outs.insert(1, h)
-    return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-def _quantized_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, quantize):
-    """quantize= inside jit: the row primitive with a quantized y, bound
-    without a vjp (a quantized y has no gradient: jax.grad through it
-    raises jax's own error). Results as the eager call's: (q[, scales][,
-    h][, statistics])."""
-    fmt, scale, bound, group, layout, plain = quantize
-    if not isinstance(x, _Tracer):
-        _check_kind(fn, x)
-    call = row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
-                          residual=_stand_in(residual), return_stats=return_stats, epilogue=epilogue, quant=fmt,
-                          quant_scale=_stand_in(scale), quant_scale_ub=_stand_in(bound), quant_group=group,
-                          quant_scale_layout=layout, return_unquantized=plain)
-    if call.quant.layout != "row_major":
-        raise ValueError(f"cunorm.jax.{fn}: quant_scale_layout={layout!r} is a strided view, which JAX arrays "
-                         "cannot be: take the row-major scales and transpose them (XLA fuses the copy)")
-    _, pdtype = row_norms.kernel_params(call.x.dtype, call.weight, call.bias)
-    w = None if weight is None else weight.astype(pdtype)
-    b = None if bias is None else bias.astype(pdtype)
-    spec = _jit_module().RowSpec(norm, tuple(x.shape), np.dtype(x.dtype), call.first, call.last, call.eps,
-                                 residual=residual is not None, weight=w is not None, bias=b is not None,
-                                 pdtype=None if pdtype is None else np.dtype(pdtype), stats=call.return_stats,
-                                 epilogue=epilogue, quant=call.quant.key)
-    if not call.x.size:
-        raise ValueError(f"cunorm.jax.{fn} inside jax.jit: x has no elements")
-    given = scale if scale is not None else bound
-    arrays = [jnp.asarray(x), residual, w, b, None if given is None else jnp.reshape(given, (1,))]
-    outs = _jit_module().rows_p.bind(*[a for a in arrays if a is not None], spec=spec)
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
@@ -271,16 +256,12 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
         _no_unknown_kwargs("rms_norm", kwargs)
         epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
         quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout, return_unquantized)
-        if any(q is not None for q in quant[:5]) or return_unquantized is not False:
-            return _quantized_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats,
-                                     epilogue, quant)
-        return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats, epilogue)
+        return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats, epilogue, quant)
     _check_kind("rms_norm", x)
     return norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
                           weight_offset=weight_offset, rounding=rounding, activation=activation, quantize=quantize,
                           quant_scale=quant_scale, quant_scale_ub=quant_scale_ub, quant_group=quant_group,
-                          quant_scale_layout=quant_scale_layout,
-                          return_unquantized=return_unquantized, **kwargs)
+                          quant_scale_layout=quant_scale_layout, return_unquantized=return_unquantized, **kwargs)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
@@ -291,10 +272,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
         _no_unknown_kwargs("layer_norm", kwargs)
         epilogue = plans.activation_flags(activation)
         quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout, return_unquantized)
-        if any(q is not None for q in quant[:5]) or return_unquantized is not False:
-            return _quantized_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats,
-                                     epilogue, quant)
-        return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats, epilogue)
+        return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats, epilogue, quant)
     _check_kind("layer_norm", x)
     return norms.layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
                             activation=activation, quantize=quantize, quant_scale=quant_scale,

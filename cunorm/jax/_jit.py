@@ -120,10 +120,7 @@ def _rows_outputs(spec: RowSpec) -> dict:
     else:
         out = {"y": (spec.shape, quant.format.numpy)}
         if quant.row_scales:
-            lead = tuple(spec.shape[:spec.first])
-            n = math.prod(spec.shape[spec.first:])
-            shape = lead + ((n // quant.group,) if quant.group else (1,) * (len(spec.shape) - spec.first))
-            out["y_scale"] = (shape, np.dtype(np.float32))
+            out["y_scale"] = (quantize.scales_shape(quant, spec.shape, spec.first), np.dtype(np.float32))
         if quant.plain:
             out["y_plain"] = (spec.shape, spec.dtype)
     if spec.residual:

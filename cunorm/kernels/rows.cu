@@ -60,9 +60,9 @@ namespace cunorm {
 //                                      for two blocks an SM (64 registers):
 //                                      one block of 512 ran bf16 4096x32768
 //                                      at 81% of copy bandwidth, two at 92%
-// A quantizing store (a division an element; with a row's scale, every
-// value formed twice) keeps 128 registers: at 64, its 16-bit rows of 8
-// vectors a thread spilled.
+// A quantizing store (a conversion an element; with a row's or a group's
+// scale, every value formed twice) keeps 128 registers: at 64, its 16-bit
+// rows of 8 vectors a thread spilled.
 // Set by ptxas's spill reports over every instantiation for sm_80 and sm_90
 // (at 64 registers, 8 float4 vectors a thread spilled on sm_80);
 // cunorm/_engine/dispatch_rows.py (cached_cost, block_cache_limit) mirrors it.

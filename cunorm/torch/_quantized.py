@@ -5,13 +5,11 @@ operator has no autograd formula (a quantized y has no gradient), and
 cunorm.torch's functions refuse a call that autograd would record."""
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from .._engine import calls, ops, row_norms
-from .._engine.quantize import check, scales_strided
+from .._engine.quantize import check, scales_shape, scales_strided
 from .._interop import torch as _adapter
 
 SCHEMA = ("(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, SymInt[] axes, float eps, bool return_stats, "
@@ -45,11 +43,11 @@ def _fake(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, qu
                   quant_scale_layout, return_unquantized)
     first, last = row_norms.axis_span(tuple(axes), x.dim())
     outputs = [x.new_empty(x.shape, dtype=getattr(torch, quant.format.name))]
-    if quant.group:
-        shape = tuple(x.shape[:first]) + (math.prod(x.shape[first:]) // quant.group,)
-        outputs.append(x.new_empty_strided(shape, scales_strided(quant, shape).strides, dtype=torch.float32))
-    elif quant_scale is None:
-        outputs.append(x.new_empty(tuple(x.shape[:first]) + (1,) * (last - first + 1), dtype=torch.float32))
+    if quant.row_scales:
+        shape = scales_shape(quant, tuple(x.shape), first)
+        strides = scales_strided(quant, shape).strides if quant.group else None
+        outputs.append(x.new_empty_strided(shape, strides, dtype=torch.float32) if strides else
+                       x.new_empty(shape, dtype=torch.float32))
     if return_unquantized:
         outputs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
     if residual is not None:
