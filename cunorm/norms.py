@@ -453,9 +453,10 @@ _QUANTIZE = """quantize : str, optional
         rounded to nearest even and saturated to the format's finite range
         (448, 57344, 127); NaN stays NaN in the FP8 formats and becomes 0 in
         int8. For rows over the trailing axes of float16, bfloat16 or
-        float32 x that fit on chip (16-bit rows up to 32768 elements, 16384
-        with a residual for rms_norm and 8192 for layer_norm; float32 half
-        of those); inference only (no gradient; a registered operator under
+        float32 x, of any length (rows longer than the registers hold:
+        16-bit rows over 32768 elements, 16384 with a residual for rms_norm
+        and 8192 for layer_norm, float32 half of those, are read a second
+        time, from L2); inference only (no gradient; a registered operator under
         torch.compile; a primitive inside jax.jit); no ``out=``. The quantized y comes back as torch's
         or JAX's dtype of that name, as uint8 raw bits in a CuPy array (CuPy
         has no FP8 dtype: view them with ml_dtypes after ``.get()``), as

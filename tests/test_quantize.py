@@ -126,12 +126,24 @@ def test_the_dispatch_runs_the_cached_tier_with_the_quantizing_store():
             assert launch.tier == "cached"
             assert store in launch.steps[0].kernel.expression
             assert plan.vec == 8
-    too_long = plans.make_plan("ln", dtypes.float32, None, 0, False, (4, 1 << 20), (1 << 20, 1), 1, 1, 0, 0, 0, 0,
-                               0, 0, None, ("int8", quantize.ROW))
-    with pytest.raises(ValueError, match="fit on chip"):
-        dispatch_rows.choose(too_long, H100)
-    with pytest.raises(ValueError, match="cached tier only"):
-        dispatch_rows.choose(too_long, H100, override={"tier": "split"})
+    # rows over the register budget: rows_uncached's sweeps, whatever the number of rows (never split),
+    # without a stash or odd elements (a row's vector is x's own alignment: plan.vec, not peel_vec)
+    for n, rows, dtype, residual in ((1 << 20, 4, dtypes.float32, False), (16384, 1, dtypes.bfloat16, True),
+                                     (16384, 32768, dtypes.bfloat16, True), (8192 + 8, 3, dtypes.float32, True)):
+        size = dtype.itemsize
+        plan = plans.make_plan("ln", dtype, None, 0, residual, (rows, n), (n, 1), 1, 1, 0, 0, 0, 0, 0, 0, None,
+                               ("int8", quantize.ROW))
+        launch = dispatch_rows.choose(plan, H100)
+        assert launch.tier == "uncached" and launch.stash_vecs == 0, (n, rows)
+        assert "rows_uncached" in launch.steps[0].kernel.expression
+        assert "cunorm::QuantStore<cunorm::none_t, 0, signed char, 1, 0>" in launch.steps[0].kernel.expression
+        assert f", {plan.vec}>" in launch.steps[0].kernel.expression and plan.vec == 16 // size
+        with pytest.raises(ValueError, match="cached or uncached tier"):
+            dispatch_rows.choose(plan, H100, override={"tier": "split"})
+    # a row that starts one element off its vector: the sweeps walk it in x's own vectors
+    offset = plans.make_plan("rms", dtypes.float32, None, 0, False, (8, 65536), (65537, 1), 1, 1, 4, 0, 0, 0, 0, 0,
+                             None, ("float8_e4m3fn", quantize.STATIC))
+    assert dispatch_rows.choose(offset, H100).steps[0].kernel.expression.endswith(", 1>")
 
 
 def test_quant_store_is_formatted_from_closed_sets():

@@ -352,3 +352,62 @@ def test_the_unquantized_y_on_request(kind, mode):
         got_y, plain_y = (wide(a).astype(np.float64) for a in (y, plain))
         scale = np.abs(exact).max()
         assert np.abs(got_y - exact).max() <= 2 ** -7 * scale and np.abs(plain_y - got_y).max() <= 2 ** -7 * scale
+
+
+@pytest.mark.parametrize("case", [
+    "ln bf16 residual 16384 row", "rms bf16 65536 static", "rms f32 residual 9216 group128 column_major_tma",
+    "ln f32 16512 group64 bounded", "ln f16 residual 12288 row unquantized"])
+def test_rows_beyond_the_register_budget(case):
+    """Rows too long for rows_cached's registers take rows_uncached's
+    sweeps (the CPU tests check the dispatch): q, the scales and the
+    unquantized y as the reference's, h bitwise, the launch cache's replay
+    bitwise, a row's results the same alone as in the batch."""
+    import cupy
+
+    rng = np.random.default_rng()
+    words = case.split()
+    op, dtype = words[0], {"bf16": dtypes.bfloat16, "f32": np.float32, "f16": dtypes.float16}[words[1]]
+    n = int(next(w for w in words if w.isdigit()))
+    group = int(next((w[5:] for w in words if w.startswith("group")), 0)) or None
+    layout = next((w for w in words if w.startswith("column")), None)
+    rows = int(rng.integers(2, 24))
+    x = (rng.standard_normal((rows, n)) * 2).astype(dtype)
+    w = (rng.random(n) + 0.5).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if op == "ln" else None
+    r = rng.standard_normal((rows, n)).astype(dtype) if "residual" in words else None
+    static = np.array([np.float32(rng.uniform(0.01, 0.05))]) if "static" in words else None
+    bound = np.array([np.float32(2.5)]) if "bounded" in words else None
+    fn = cunorm.rms_norm if op == "rms" else cunorm.layer_norm
+    params = (w,) if op == "rms" else (w, b)
+    kwargs = dict(quantize="float8_e4m3fn", quant_group=group, quant_scale_layout=layout,
+                  return_unquantized="unquantized" in words)
+    ref = fn(x, *params, residual=r, quant_scale=static, quant_scale_ub=bound, **kwargs)
+    exact_y = cunorm.reference.rms_norm(x, w, residual=r, exact=True) if op == "rms" else \
+        cunorm.reference.layer_norm(x, w, b, residual=r, exact=True)
+    exact_y = exact_y[0] if r is not None else exact_y
+    dev = lambda a: None if a is None else cupy.asarray(a)  # noqa: E731
+    call = lambda xs, rs: fn(xs, *[dev(p) for p in params], residual=rs, quant_scale=dev(static),  # noqa: E731
+                             quant_scale_ub=dev(bound), **kwargs)
+    got = call(dev(x), dev(r))
+    got = got if isinstance(got, tuple) else (got,)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    assert len(got) == len(ref) and got[0].shape == x.shape
+    if static is None:
+        assert got[1].shape == ref[1].shape and got[1].strides == ref[1].strides
+        per_element = (lambda s: np.repeat(np.asarray(s), group, axis=-1)) if group else (lambda s: s)  # noqa: E731
+        _check(cupy.asnumpy(got[0]), per_element(cupy.asnumpy(got[1])), ref[0], per_element(ref[1]), exact_y,
+               "float8_e4m3fn")
+    else:
+        _check(cupy.asnumpy(got[0]), None, ref[0], None, exact_y, "float8_e4m3fn", static)
+    bits = np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint32
+    if r is not None:
+        np.testing.assert_array_equal(cupy.asnumpy(got[-1]).view(bits), ref[-1].view(bits))
+    if "unquantized" in words:
+        y = cupy.asnumpy(got[2]).astype(np.float64)
+        assert np.abs(y - exact_y).max() <= 2 ** -7 * np.abs(exact_y).max()
+    again = call(dev(x), dev(r))  # (the launch cache's)
+    again = again if isinstance(again, tuple) else (again,)
+    assert all(cupy.array_equal(a, c) for a, c in zip(again, got))
+    alone = call(dev(x[-1:]), None if r is None else dev(r[-1:]))
+    alone = alone if isinstance(alone, tuple) else (alone,)
+    assert all(cupy.array_equal(a, c[-1:]) for a, c in zip(alone, got))

@@ -129,16 +129,17 @@ def statistics_only_kernels() -> list[Kernel]:
 
 
 def quantized_kernels() -> list[Kernel]:
-    """rows_cached with the quantizing store (quantize=) for every cached
-    RMSNorm and LayerNorm instantiation of 16- and 32-bit data, each format
-    scaling and group size. They compile on first use (an option, as the epilogue's
-    others): precompile leaves them out; the compile check covers their
-    representative set."""
+    """rows_cached and rows_uncached with the quantizing store (quantize=)
+    for each of their RMSNorm and LayerNorm instantiations of 16- and 32-bit
+    data, each format, scaling and group size. They compile on first use
+    (an option, as the epilogue's others): precompile leaves them out; the
+    compile check covers their representative set."""
     policies = {norm_info(norm).policy for norm in ("rms", "ln")}
+    decls = {"rows_cached": K.ROWS_CACHED, "rows_uncached": K.ROWS_UNCACHED}
     out = {}
     for k in all_kernels():
         args = k.template_args
-        if k.name != "rows_cached" or args[0] not in policies or args[1] == "double" or args[2].args[2] != args[1]:
+        if k.name not in decls or args[0] not in policies or args[1] == "double" or args[2].args[2] != args[1]:
             continue
         params, flags, _ = args[2].args
         vec = args[4]
@@ -148,7 +149,7 @@ def quantized_kernels() -> list[Kernel]:
                 groups = [0] + [g for g in quantize.GROUPS if scaling != quantize.STATIC and g // vec <= 32]
                 for group in groups:
                     store = K.quant_store(params, flags, fmt.kernel_type, scaling, group)
-                    kernel = K.ROWS_CACHED(*args[:2], store, *args[3:])
+                    kernel = decls[k.name](*args[:2], store, *args[3:])
                     out[kernel.expression] = kernel
     return list(out.values())
 

@@ -159,7 +159,8 @@ ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD",
                                "x_row_stride:i64 eps:acc threads_per_row:i32 scale_row_stride "
                                "scale_group_stride:i64"))
 ROWS_UNCACHED = KernelDecl("rows", "rows_uncached", _NORM_ROWS,
-                           _args(f"{_ROW_ARGS} rows n x_row_stride:i64 eps:acc stash_vecs:i64"))
+                           _args("x r w b quant_scale:in y h center_out scale_out y_scale y_plain:out rows n "
+                                 "x_row_stride:i64 eps:acc stash_vecs scale_row_stride scale_group_stride:i64"))
 ROWS_SPLIT_PARTIAL = KernelDecl("rows", "rows_split_partial", ("NormT", "T", "LOAD", "VEC"),
                                 _args("x r:in h partial:out rows n x_row_stride chunks:i64"))
 ROWS_SPLIT_APPLY = KernelDecl("rows", "rows_split_apply", _NORM_ROWS,

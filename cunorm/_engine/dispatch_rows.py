@@ -315,6 +315,11 @@ def rows_cache_fits(plan: Plan, threads: int) -> bool:
     return group_fits(cost) if threads <= 32 else threads <= limit
 
 
+def _quant_store(plan: Plan, params: str):
+    quant = quantize.by_key(plan.quant)
+    return K.quant_store(params, plan.flags, quant.format.kernel_type, quant.scaling, quant.group)
+
+
 def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     tune = tuning.of(device)
     vec_bytes = plan.vec * plan.dtype.itemsize
@@ -343,15 +348,14 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     vpt = next_pow2(_ceil_div(n_vec, threads))
     tier = override.get("tier")
     if tier is None and plan.quant is not None:
-        # A quantized y: the cached tier alone forms a row's scale before
-        # it stores (rows_cached, QuantStore).
-        if not rows_cache_fits(plan, threads):
-            raise ValueError(f"quantize= takes rows that fit on chip: {plan.reduced} elements of "
-                             f"{plan.dtype.name} are over the cached tier's limit")
-        tier = "cached"
-    if plan.quant is not None and tier != "cached":
-        raise ValueError(f"quantize= runs in the cached tier only, not {tier!r}")
-    if group and threads < group_lanes(plan, group):  # (only a forced thread count gets here)
+        # A quantized y: a row's scale is formed before any of it is stored,
+        # in registers (rows_cached) or, for rows over their budget, by
+        # sweeps re-reading the row from L2 (rows_uncached); never split
+        # across blocks, so the tier follows the row alone.
+        tier = "cached" if rows_cache_fits(plan, threads) else "uncached"
+    if plan.quant is not None and tier not in ("cached", "uncached"):
+        raise ValueError(f"quantize= runs in the cached or uncached tier, not {tier!r}")
+    if group and tier == "cached" and threads < group_lanes(plan, group):  # (only a forced thread count gets here)
         raise ValueError(f"rows_cached: {threads} threads a row are fewer than a {group}-element group's lanes")
     if tier is None:
         # Below tuning.split_min_row_bytes the tier (and every choice inside it)
@@ -373,10 +377,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     if tier == "cached":
         if not rows_cache_fits(plan, threads):  # only a forced tier or thread count gets here
             raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
-        store = K.affine_store(p, plan.flags, output_type(plan))
-        if plan.quant is not None:
-            quant = quantize.by_key(plan.quant)
-            store = K.quant_store(p, plan.flags, quant.format.kernel_type, quant.scaling, quant.group)
+        store = K.affine_store(p, plan.flags, output_type(plan)) if plan.quant is None else _quant_store(plan, p)
         cached = (policy, t, store, load, plan.vec, vpt)
         if threads <= 32:
             block = GROUP_BLOCK_THREADS
@@ -390,16 +391,17 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         return Launch("cached", (step,), threads_per_row=threads)
     if tier == "uncached":
         # rows that may start misaligned are walked with the vector of their aligned body
-        vec = plan.peel_vec
+        vec = plan.peel_vec if plan.quant is None else plan.vec  # (a quantized row's sweeps take no odd elements)
         vec_bytes = vec * plan.dtype.itemsize
         per_sm = override.get("blocks_per_sm", tune.uncached_blocks_per_sm)
         grid = min(rows, per_sm * device.sm_count if per_sm else rows, MAX_GRID_X)
         stash_bytes = 0
-        if not plan.residual and vec_bytes >= 4:  # the stash's cp.async copies 4 to 16 bytes
+        if not plan.residual and plan.quant is None and vec_bytes >= 4:  # the stash's cp.async copies 4 to 16 bytes
             room = (device.max_shared_per_block - UNCACHED_SHARED_RESERVE) // max(per_sm, 1)
             stash_bytes = min(override.get("stash_bytes", tune.uncached_stash_bytes), room, row_bytes)
         stash_vecs = stash_bytes // vec_bytes
-        kernel = K.ROWS_UNCACHED(*common[:4], vec, persistent=bool(per_sm))
+        store = common[2] if plan.quant is None else _quant_store(plan, p)
+        kernel = K.ROWS_UNCACHED(*common[:2], store, common[3], vec, persistent=bool(per_sm))
         block = override.get("threads", UNCACHED_BLOCK_THREADS)
         if block > UNCACHED_BLOCK_THREADS or block % 32:
             raise ValueError(f"rows_uncached: {block} threads is over its 512-thread bounds or not whole warps")

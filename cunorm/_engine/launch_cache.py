@@ -126,12 +126,7 @@ class Entry:
     def __init__(self, ad, device, program, inputs, outputs, sources, returns, likes=()):
         self.ad, self.device, self.program, self.inputs = ad, device, program, inputs
         likes = dict(likes) if getattr(ad, "empty_like", None) is not None else {}
-        # each output: ("like", input index), ("beside", shape, dtype, perm) or, where its layout is a
-        # quantize.Strided, ("strided", shape, dtype, strides, elements held)
-        self.specs = tuple(("like", likes[i]) if i in likes else
-                           ("strided", tuple(shape), ad.native_dtype(dtype), perm.strides, perm.held)
-                           if isinstance(perm, quantize.Strided) else
-                           ("beside", tuple(shape), ad.native_dtype(dtype), perm)
+        self.specs = tuple(_spec(ad, int(device), likes.get(i), shape, dtype, perm)
                            for i, (shape, dtype, perm) in enumerate(outputs))
         self.makers = tuple(_maker(ad, spec) for spec in self.specs)
         self.sources = tuple(sources)
@@ -157,6 +152,21 @@ class Entry:
         return tuple(None if k < 0 else arrays[k] for k in self.returns)
 
 
+def _spec(ad, device: int, like, shape, dtype, perm):
+    """How an output is allocated: ("like", input index), ("template", a
+    tensor empty_like copies the shape and dtype of: the adapter's
+    ``template``), ("beside", shape, dtype, perm) or, where its layout is a
+    quantize.Strided, ("strided", shape, dtype, strides, elements held)."""
+    if like is not None:
+        return ("like", like)
+    shape, dtype = tuple(shape), ad.native_dtype(dtype)
+    if isinstance(perm, quantize.Strided):
+        return ("strided", shape, dtype, perm.strides, perm.held)
+    make_template = getattr(ad, "template", None)
+    found = make_template(device, shape, dtype) if make_template is not None and perm is None else None
+    return ("beside", shape, dtype, perm) if found is None else ("template", found)
+
+
 def _maker(ad, spec):
     """An output's allocation, called with the Entry's inputs: like an
     input (torch's empty_like parses no shape, dtype or device), else from
@@ -165,6 +175,9 @@ def _maker(ad, spec):
     if spec[0] == "like":
         empty_like, k = ad.empty_like, spec[1]
         return lambda inputs: empty_like(inputs[k])
+    if spec[0] == "template":
+        empty_like, t = ad.empty_like, spec[1]
+        return lambda inputs: empty_like(t)
     if spec[0] == "strided":
         empty_strided, (_, shape, dtype, strides, held) = ad.empty_strided, spec
         return lambda inputs: empty_strided(inputs[0], shape, dtype, strides, held)
@@ -198,6 +211,9 @@ def launcher(e: Entry):
     for i, spec in enumerate(e.specs):
         if spec[0] == "like":
             code.append(f"    o{i} = empty_like(a{int(spec[1])})")
+        elif spec[0] == "template":
+            scope[f"template{i}"] = spec[1]
+            code.append(f"    o{i} = empty_like(template{i})")
         elif spec[0] == "strided":
             scope[f"shape{i}"], scope[f"dtype{i}"], scope[f"strides{i}"], scope[f"held{i}"] = spec[1:]
             code.append(f"    o{i} = empty_strided(a0, shape{i}, dtype{i}, strides{i}, held{i})")

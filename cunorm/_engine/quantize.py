@@ -198,7 +198,7 @@ def scales_layout(quant: Quantize, rows: int, groups: int) -> tuple[int, int, in
 
 
 def kernel_strides(quant: Quantize | None, rows: int, n: int) -> tuple[int, int]:
-    """rows_cached's scale_row_stride and scale_group_stride for ``rows``
+    """The quantizing kernels' scale_row_stride and scale_group_stride for ``rows``
     rows of ``n`` elements (a scale a row: row stride 1)."""
     if quant is None or not quant.group:
         return 1, 0

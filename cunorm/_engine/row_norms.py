@@ -574,15 +574,15 @@ def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool, 
     acc_bytes = dtypes.accumulation(plan.dtype).itemsize
     rows = {"rows": plan.outer, "n": plan.reduced, "x_row_stride": plan.outer_stride}
     outputs = {"y": y, "w": w, "b": b, "center_out": center, "scale_out": scale}
-    if launch.tier == "cached":
+    if launch.tier in ("cached", "uncached"):  # (the tiers that take a quantized y)
         quant = quantize.by_key(plan.quant)
-        quant_scale = pb["quant_scale"] if quant is not None and quant.scaling != quantize.ROW else None
-        y_scale = pb["y_scale"] if quant is not None and quant.row_scales else None
-        y_plain = pb["y_plain"] if quant is not None and quant.plain else None
         s_row, s_group = quantize.kernel_strides(quant, plan.outer, plan.reduced)
-        pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, threads_per_row=launch.threads_per_row,
-                  quant_scale=quant_scale, y_scale=y_scale, y_plain=y_plain, scale_row_stride=s_row,
-                  scale_group_stride=s_group)
+        outputs.update(quant_scale=pb["quant_scale"] if quant is not None and quant.scaling != quantize.ROW else None,
+                       y_scale=pb["y_scale"] if quant is not None and quant.row_scales else None,
+                       y_plain=pb["y_plain"] if quant is not None and quant.plain else None,
+                       scale_row_stride=s_row, scale_group_stride=s_group)
+    if launch.tier == "cached":
+        pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, threads_per_row=launch.threads_per_row)
     elif launch.tier == "uncached":
         pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, stash_vecs=launch.stash_vecs)
     elif launch.tier == "resident":

@@ -231,6 +231,20 @@ _QUANTIZED = {f.numpy: getattr(torch, f.name) for f in quantize.FORMATS.values()
 empty_like = torch.empty_like
 
 
+def template(device: int, shape, dtype):
+    """One element seen as ``shape`` (all strides 0): ``empty_like`` of it is
+    a new C-contiguous tensor of that shape and dtype on ``device``, at
+    empty_like's cost (1.8 us against new_empty's 2.8 us on an H100 host:
+    nothing to parse). None where empty_like would lay it out otherwise
+    (or the probe that tells does not fit in memory)."""
+    t = torch.empty((), dtype=dtype, device=torch.device("cuda", device)).expand(shape)
+    try:
+        probe = torch.empty_like(t)
+    except RuntimeError:  # (torch.OutOfMemoryError)
+        return None
+    return t if probe.is_contiguous() and probe.shape == t.shape else None
+
+
 def empty_beside(a, shape, dtype, perm=None):
     """A new tensor on a's device (new_empty parses no device: 3.2 us
     against torch.empty's 5.8 us for a (1,) float32 on an H100 host)."""

@@ -24,7 +24,7 @@
 //                  y's storage type (STORE::Out) may be float for
 //                  16-bit T (LayerNorm under autocast reads bf16 and
 //                  returns float32, with no cast pass before it); the other
-//                  tiers write y in T.
+//                  tiers write y in T, but for rows_uncached's quantized y.
 //                  BLOCK_PER_ROW=false: a group of threads_per_row lanes (a
 //                  power of two <= 32) per row, several rows per block,
 //                  butterfly shuffles only (short rows). BLOCK_PER_ROW=true:
@@ -332,7 +332,81 @@ __device__ __forceinline__ int misaligned_head(const T* p, long long n) {
 // whose registers are spent already (ptxas spilled there, sm_80 and sm_90).
 template <class STORE, class LOAD>
 __host__ __device__ constexpr int uncached_held_vectors() {
-    return (STORE::kBare && !LOAD::kResidual) ? 4 : 0;
+    return (STORE::kBare && !LOAD::kResidual && !STORE::kQuantized) ? 4 : 0;
+}
+
+// rows_uncached's sweeps for a quantizing store (QuantStore), after the
+// row's statistic: the row's scale needs max |y| over the whole row before
+// any element is stored, so there is no stash or held vectors; each sweep
+// re-reads the row (x, or h with a residual) from L2, where the statistic's
+// sweep left it (one row a block, a block an SM: at most a few tens of MB).
+//   static scale:     one write sweep;
+//   a row's scale:    a sweep for max |y|, a block reduction, the write sweep;
+//   a group's scale:  one write sweep whose loop bounds are uniform across
+//                     the warp, so a group's GROUP / VEC adjacent lanes
+//                     (aligned: blockDim.x and the row are whole groups)
+//                     combine their max |y| by shuffles; every lane divides
+//                     for its own scale (rows_cached shares the divisions;
+//                     this tier is the fallback for rows beyond its budget).
+template <class T, class STORE, class LOAD, int VEC, class A, class Stats>
+__device__ __forceinline__ void uncached_quantized_sweeps(
+    const T* src, const typename STORE::Param* __restrict__ w, const typename STORE::Param* __restrict__ b,
+    const float* __restrict__ quant_scale, typename STORE::Out* yr, T* plain_r, float* y_scale_row,
+    long long scale_group_stride, long long body, const Affine<A>& f, A pivot, typename STORE::Scale quant,
+    Stats* scratch) {
+    // The plain write sweep's batch (with a residual: four spilled on sm_80,
+    // two ran no faster on the H100 than one).
+    constexpr int kWriteBatch = write_batch<T, STORE, LOAD, VEC>();
+    auto load = [&](long long v) {
+        const long long e = v * VEC;
+        return Loaded<T, STORE, VEC>{load_vec<T, VEC>(src + e), STORE::template params<VEC>(w, b, e)};
+    };
+    if constexpr (STORE::kGroup > 0) {
+        constexpr int kLanes = STORE::kGroup / VEC;
+        static_assert(kLanes >= 1 && kLanes <= 32, "a group spans one to 32 lanes");
+        const long long warp_first = static_cast<long long>(threadIdx.x & ~31u);
+        const int lane = static_cast<int>(threadIdx.x) & 31;
+#pragma unroll 1
+        for (long long v0 = warp_first; v0 < body; v0 += kWriteBatch * static_cast<long long>(blockDim.x)) {
+            Loaded<T, STORE, VEC> in[kWriteBatch];
+#pragma unroll
+            for (int u = 0; u < kWriteBatch; ++u) {
+                const long long v = v0 + lane + u * static_cast<long long>(blockDim.x);
+                if (v < body) in[u] = load(v);
+            }
+#pragma unroll
+            for (int u = 0; u < kWriteBatch; ++u) {
+                const long long v = v0 + lane + u * static_cast<long long>(blockDim.x);
+                float m = v < body ? STORE::template amax<T>(in[u].v, in[u].p, f, pivot) : 0.0f;
+#pragma unroll
+                for (int mask = kLanes / 2; mask > 0; mask /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, mask));
+                if (v < body) {
+                    const typename STORE::Scale s = STORE::row_scale(m, quant_scale);
+                    if ((lane & (kLanes - 1)) == 0) y_scale_row[(v / kLanes) * scale_group_stride] = s.scale;
+                    store_vec(yr + v * VEC, STORE::template apply<T>(in[u].v, in[u].p, f, pivot, s));
+                    store_plain<STORE>(plain_r, v * VEC, in[u].v, in[u].p, f, pivot);
+                }
+            }
+        }
+    } else {
+        if constexpr (STORE::kRowScale) {
+            using Max = MaxMagnitude<A>;
+            typename Max::Stats m = Max::init();
+            for_each_batched<kWriteBatch>(threadIdx.x, body, blockDim.x, load,
+                                          [&](long long, const Loaded<T, STORE, VEC>& in) {
+                                              m.v = fmax(m.v, STORE::template amax<T>(in.v, in.p, f, pivot));
+                                          });
+            m = block_reduce<Max>(m, reinterpret_cast<typename Max::Stats*>(scratch));
+            quant = STORE::row_scale(m.v, quant_scale);
+            if (threadIdx.x == 0) y_scale_row[0] = quant.scale;
+        }
+        for_each_batched<kWriteBatch>(threadIdx.x, body, blockDim.x, load,
+                                      [&](long long v, const Loaded<T, STORE, VEC>& in) {
+                                          store_vec(yr + v * VEC, STORE::template apply<T>(in.v, in.p, f, pivot,
+                                                                                           quant));
+                                          store_plain<STORE>(plain_r, v * VEC, in.v, in.p, f, pivot);
+                                      });
+    }
 }
 
 // rows_uncached: rows too long for registers, when there are enough of them
@@ -366,15 +440,18 @@ __host__ __device__ constexpr int uncached_held_vectors() {
 // registers) and the rest's second sweep reads h back (written by other
 // threads of the block: block_reduce's barriers order it). Nor is there
 // one for 2-byte vectors, which cp.async cannot copy.
+// A quantizing store (quantize= on rows beyond rows_cached's budget) takes
+// steps 2 and 3 as uncached_quantized_sweeps.
 // Up to 128 registers a thread: four batched vectors plus float32 weight
 // and bias vectors of 8 need more than 64.
 template <template <class> class NormT, class T, class STORE, class LOAD, int VEC>
 __global__ void __launch_bounds__(512, 1)
 rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const typename STORE::Param* __restrict__ w,
-              const typename STORE::Param* __restrict__ b,
+              const typename STORE::Param* __restrict__ b, const float* __restrict__ quant_scale,
               typename STORE::Out* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
-              typename AccOf<T>::type* scale_out, long long rows, long long n, long long x_row_stride,
-              typename AccOf<T>::type eps, long long stash_vecs) {
+              typename AccOf<T>::type* scale_out, float* __restrict__ y_scale, T* __restrict__ y_plain,
+              long long rows, long long n, long long x_row_stride, typename AccOf<T>::type eps, long long stash_vecs,
+              long long scale_row_stride, long long scale_group_stride) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -385,6 +462,8 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const typename S
     constexpr int kWriteBatch = write_batch<T, STORE, LOAD, VEC>();
     constexpr int kHeld = uncached_held_vectors<STORE, LOAD>();
     const unsigned long long stream = l2_policy_evict_first();
+    // The caller's scale, where a quantizing store takes one.
+    const typename STORE::Scale given_scale = STORE::static_scale(quant_scale);
 
     // Row geometry: the aligned body starts at element `head`; `kept` of its
     // vectors are stashed.
@@ -466,41 +545,49 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const typename S
         const Affine<A> f = Norm::finalize(s, n, eps);
         if (threadIdx.x == 0) store_stats(center_out, scale_out, row, f, pivot);
 
-        // 2. The stash and the odd elements out; the stash refilled.
         const T* src = LOAD::kResidual ? static_cast<const T*>(hr) : xr;
-        if (static_cast<int>(threadIdx.x) < odd) {
-            store_vec(yr + odd_e, STORE::template apply<T>(load_vec<T, 1>(src + odd_e),
-                                                           STORE::template params<1>(w, b, odd_e), f, pivot));
-        }
-        for (long long i = threadIdx.x; i < kept; i += blockDim.x) {
-            const long long e = head + i * VEC;
-            store_vec_hint(yr + e, STORE::template apply<T>(stash[i], STORE::template params<VEC>(w, b, e),
-                                                                         f, pivot), stream);
-        }
-        if (kept > 0 && row + gridDim.x < rows) fill_stash(row_at(row + gridDim.x));
-#pragma unroll
-        for (int k = 0; k < kHeld; ++k) {
-            const long long v = kept + threadIdx.x + static_cast<long long>(k) * blockDim.x;
-            if (v < held_end) {
-                const long long e = head + v * VEC;
-                store_vec_hint(yr + e, STORE::template apply<T>(held[k], STORE::template params<VEC>(w, b, e),
+        if constexpr (STORE::kQuantized) {
+            // (no stash, held vectors or odd elements: the dispatch gives these rows none)
+            uncached_quantized_sweeps<T, STORE, LOAD, VEC>(
+                src, w, b, quant_scale, yr, y_plain == nullptr ? nullptr : y_plain + row * n,
+                STORE::kRowScale ? y_scale + row * scale_row_stride : nullptr, scale_group_stride, body, f, pivot,
+                given_scale, scratch);
+        } else {
+            // 2. The stash and the odd elements out; the stash refilled.
+            if (static_cast<int>(threadIdx.x) < odd) {
+                store_vec(yr + odd_e, STORE::template apply<T>(load_vec<T, 1>(src + odd_e),
+                                                               STORE::template params<1>(w, b, odd_e), f, pivot));
+            }
+            for (long long i = threadIdx.x; i < kept; i += blockDim.x) {
+                const long long e = head + i * VEC;
+                store_vec_hint(yr + e, STORE::template apply<T>(stash[i], STORE::template params<VEC>(w, b, e),
                                                                              f, pivot), stream);
             }
-        }
+            if (kept > 0 && row + gridDim.x < rows) fill_stash(row_at(row + gridDim.x));
+#pragma unroll
+            for (int k = 0; k < kHeld; ++k) {
+                const long long v = kept + threadIdx.x + static_cast<long long>(k) * blockDim.x;
+                if (v < held_end) {
+                    const long long e = head + v * VEC;
+                    store_vec_hint(yr + e, STORE::template apply<T>(held[k], STORE::template params<VEC>(w, b, e),
+                                                                                 f, pivot), stream);
+                }
+            }
 
-        // 3. The rest again, backwards: h (with a residual) or x.
-        const long long rest = body - held_end;
-        for_each_batched<kWriteBatch>(
-            threadIdx.x, rest, blockDim.x,
-            [&](long long v) {
-                const long long e = head + (body - 1 - v) * VEC;
-                return Loaded<T, STORE, VEC>{load_vec_hint<T, VEC>(src + e, stream),
-                                                STORE::template params<VEC>(w, b, e)};
-            },
-            [&](long long v, const Loaded<T, STORE, VEC>& in) {
-                const long long e = head + (body - 1 - v) * VEC;
-                store_vec_hint(yr + e, STORE::template apply<T>(in.v, in.p, f, pivot), stream);
-            });
+            // 3. The rest again, backwards: h (with a residual) or x.
+            const long long rest = body - held_end;
+            for_each_batched<kWriteBatch>(
+                threadIdx.x, rest, blockDim.x,
+                [&](long long v) {
+                    const long long e = head + (body - 1 - v) * VEC;
+                    return Loaded<T, STORE, VEC>{load_vec_hint<T, VEC>(src + e, stream),
+                                                    STORE::template params<VEC>(w, b, e)};
+                },
+                [&](long long v, const Loaded<T, STORE, VEC>& in) {
+                    const long long e = head + (body - 1 - v) * VEC;
+                    store_vec_hint(yr + e, STORE::template apply<T>(in.v, in.p, f, pivot), stream);
+                });
+        }
     }
 }
 

@@ -47,22 +47,25 @@ def test_statistics_only_rows_compile_without_spills():
 
 
 def test_quantized_rows_compile_without_spills():
-    """rows_cached with the quantizing store (quantize=), its representative
-    set, both architectures (sm_80 converts to FP8 in software)."""
-    # the most work a thread per norm, data type, load, block shape, format's conversion and scaling
-    # (group scales: bounded or not alike, one fminf apart): the register pressure of forming the
-    # row's scale shows at the most vectors a thread
+    """rows_cached and rows_uncached with the quantizing store (quantize=),
+    their representative set, both architectures (sm_80 converts to FP8 in
+    software)."""
+    # the most work a thread per kernel, norm, data type, load, block shape, format's conversion and
+    # scaling (group scales: bounded or not alike, one fminf apart): the register pressure of forming
+    # the row's scale shows at the most vectors a thread (rows_cached); rows_uncached's sweeps hold a
+    # batch whatever the scaling (its heaviest: the row's scale under a bound, the widest vectors)
     heaviest = {}
     for k in catalogue.quantized_kernels():
-        policy, t, store, load, vec, vpt, block = k.template_args
+        policy, t, store, load, vec, *cached = k.template_args
+        vpt, block = cached or (0, None)
         params, flags, quantized, scaling, group_size = store.args
-        group = (policy, t, load.name, block, quantized == "signed char", -1 if group_size else scaling,
-                 bool(group_size))
-        work = (vpt, vec, flags, params == "float")
+        group = (k.name, policy, t, load.name, block, quantized == "signed char",
+                 -1 if group_size else scaling if cached else None, bool(group_size))
+        work = (vpt, vec, flags, params == "float", scaling)
         if group not in heaviest or work > heaviest[group][0]:
             heaviest[group] = (work, k)
     kernels = [k for _, k in heaviest.values()]
-    assert len(kernels) >= 150
+    assert len(kernels) >= 150 and {k.name for k in kernels} == {"rows_cached", "rows_uncached"}
     _check("sm_90", kernels)
     _check("sm_80", kernels)
 

@@ -94,22 +94,29 @@ def test_workspaces_are_one_allocation_with_zeroed_ranges_set_on_the_stream(monk
     assert memsets == [(4096 + 256, 4, 7), (4096 + 512, 300, 7)]
 
 
-def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype(monkeypatch):
-    """y like x where x is C-contiguous and y has its shape and dtype; the
-    statistics, and y beside a strided x, from their shape."""
-    made = []
+def _allocations_recorded(made, like, empty):
+    """_NumpyAdapter noting each allocation in ``made``: ("like", *like(a))
+    for empty_like(a), ("empty", *empty(shape, dtype)) for empty_beside."""
 
     class Adapter(_NumpyAdapter):
         @staticmethod
         def empty_beside(a, shape, dtype, perm=None):
-            made.append(("empty", tuple(shape), np.dtype(dtype)))
+            made.append(("empty", *empty(tuple(shape), np.dtype(dtype))))
             return np.empty(shape, dtype)
 
         @staticmethod
         def empty_like(a):
-            made.append(("like", a.shape, a.dtype))
+            made.append(("like", *like(a)))
             return np.empty_like(a)
 
+    return Adapter
+
+
+def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype(monkeypatch):
+    """y like x where x is C-contiguous and y has its shape and dtype; the
+    statistics, and y beside a strided x, from their shape."""
+    made = []
+    Adapter = _allocations_recorded(made, lambda a: (a.shape, a.dtype), lambda shape, dtype: (shape, dtype))
     _, program = _recording(monkeypatch)
     x = np.zeros((4, 8), np.float32)
     outputs = {"y": (x.shape, x.dtype, None), "rstd": ((4,), np.dtype(np.float32), None)}
@@ -123,6 +130,33 @@ def test_entry_allocates_like_a_contiguous_input_of_the_same_shape_and_dtype(mon
                                arrays={"x": strided})
     entry(strided, None)
     assert made == [("empty", (4, 8), np.float32), ("empty", (4,), np.float32)]
+
+def test_entry_allocates_from_the_adapters_template(monkeypatch):
+    """An output like no input, where the adapter offers a template (torch:
+    one element seen as the shape), is empty_like of the template, in the
+    Entry and its generated launcher alike; where the template is refused
+    (None), from its shape."""
+    made = []
+
+    class Adapter(_allocations_recorded(made, lambda a: (a.shape, a.strides), lambda shape, dtype: (shape,))):
+        @staticmethod
+        def template(device, shape, dtype):
+            assert device == 0
+            return None if shape == (4, 16) else np.broadcast_to(np.empty((), dtype), shape)
+
+    _, program = _recording(monkeypatch)
+    x = np.zeros((4, 8), np.float32)
+    slots = {"x": "x", "w": "w", "y": "y", "rstd": "rstd"}
+    for shape in ((4, 8), (4, 16)):
+        outputs = {"y": (shape, np.dtype(np.float16), None), "rstd": ((4,), np.dtype(np.float32), None)}
+        entry = launch_cache.entry(Adapter, 0, program, ("x", "w"), outputs, slots, ("y", "rstd"), arrays={"x": x})
+        for run in (entry.entry, entry):
+            made.clear()
+            y, rstd = run(x, None)
+            assert y.shape == shape and y.dtype == np.float16 and y.flags.c_contiguous and rstd.shape == (4,)
+            first = ("like", shape, (0, 0)) if shape == (4, 8) else ("empty", shape)
+            assert made == [first, ("like", (4,), (0,))]
+
 
 def _program_of_two_steps():
     """A Program of a plain step and a cooperative one over slots (x, w, y,
