@@ -354,8 +354,8 @@ __device__ __forceinline__ void uncached_quantized_sweeps(
     const float* __restrict__ quant_scale, typename STORE::Out* yr, T* plain_r, float* y_scale_row,
     long long scale_group_stride, long long body, const Affine<A>& f, A pivot, typename STORE::Scale quant,
     Stats* scratch) {
-    // The plain write sweep's batch (with a residual: four spilled on sm_80,
-    // two ran no faster on the H100 than one).
+    // The plain write sweep's batch: smaller with a residual, whose kernel
+    // keeps more live (ptxas spilled beyond it on sm_80).
     constexpr int kWriteBatch = write_batch<T, STORE, LOAD, VEC>();
     auto load = [&](long long v) {
         const long long e = v * VEC;
