@@ -226,6 +226,11 @@ template <> struct QuantMax<e4m3_t> { static constexpr float value = 448.0f; };
 template <> struct QuantMax<e5m2_t> { static constexpr float value = 57344.0f; };
 template <> struct QuantMax<signed char> { static constexpr float value = 127.0f; };
 
+// Which FP8 format a storage type is (0: not FP8).
+template <class Q> struct Fp8Kind { static constexpr int value = 0; };
+template <> struct Fp8Kind<e4m3_t> { static constexpr int value = 1; };
+template <> struct Fp8Kind<e5m2_t> { static constexpr int value = 2; };
+
 // v rounded to nearest even in the format, saturated to its finite range
 // (NaN stays NaN; int8 has none: NaN becomes 0). sm_89+ converts with one
 // instruction; older GPUs with the same rounding in integer arithmetic.
@@ -270,6 +275,29 @@ __device__ __forceinline__ void quantize(float v, e5m2_t& out) {
 __device__ __forceinline__ void quantize(float v, signed char& out) {
     const int q = __float2int_rn(v);  // (NaN: 0)
     out = static_cast<signed char>(q > 127 ? 127 : q < -127 ? -127 : q);
+}
+// Two adjacent values: sm_89+ converts a pair of FP8 values with one
+// instruction (a in the low byte, b in the high), half the conversions and
+// byte moves of two single ones; the rounding is the same.
+template <class Q>
+__device__ __forceinline__ void quantize_pair(float a, float b, Q& qa, Q& qb) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    constexpr bool kE4M3 = Fp8Kind<Q>::value == 1;
+    constexpr bool kE5M2 = Fp8Kind<Q>::value == 2;
+    if constexpr (kE4M3 || kE5M2) {
+        unsigned short pair;
+        if constexpr (kE4M3) {
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(b), "f"(a));
+        } else {
+            asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(b), "f"(a));
+        }
+        qa.bits = static_cast<unsigned char>(pair & 0xffu);
+        qb.bits = static_cast<unsigned char>(pair >> 8);
+        return;
+    }
+#endif
+    quantize(a, qa);
+    quantize(b, qb);
 }
 
 enum Scaling { kStaticScale = 0, kRowScale = 1, kRowScaleBounded = 2 };
@@ -328,12 +356,15 @@ struct QuantStore : AffineStore<P, FLAGS, Q> {
     __device__ __forceinline__ static Vec<Q, VEC> apply(const Vec<T, VEC>& in, const Params<VEC>& p,
                                                         const Affine<float>& f, float pivot, Scale s) {
         Vec<Q, VEC> out;
+        float v[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             const float shifted = static_cast<float>(widen(in.v[j])) - pivot;
-            const float v = Base::template value<T>(shifted, f, Base::template scalars_at<float>(p, j));
-            quantize(v * s.inverse, out.v[j]);
+            v[j] = Base::template value<T>(shifted, f, Base::template scalars_at<float>(p, j)) * s.inverse;
         }
+#pragma unroll
+        for (int j = 0; j + 1 < VEC; j += 2) quantize_pair(v[j], v[j + 1], out.v[j], out.v[j + 1]);
+        if constexpr (VEC % 2 != 0) quantize(v[VEC - 1], out.v[VEC - 1]);
         return out;
     }
 };
