@@ -228,7 +228,8 @@ CHANNEL_GRAD_SUMS = KernelDecl("channel_grads", "channel_grad_sums", ("T", "VEC"
 CHANNEL_GRAD_COMBINE = KernelDecl("channel_grads", "channel_grad_combine", ("A",),
                                   _args("partial:in sums:out members chunks:i64"))
 CHANNEL_GRAD_FINALIZE = KernelDecl("channel_grads", "channel_grad_finalize", ("A", "P", "FLAGS", "TRAINING"),
-                                   _args(f"sums mean rstd w:in coeffs dw db:out {_CHANNEL_DIMS} stat_batch:i32"))
+                                   _args(f"sums mean rstd w:in coeffs dw db totals:out {_CHANNEL_DIMS} stat_batch:i32 "
+                                         f"sums_batch:i64 count:acc"))
 CHANNEL_GRAD_APPLY = KernelDecl("channel_grads", "channel_grad_apply", ("T", "VEC", "LAST"),
                                 _args(f"dy x mean coeffs:in dx:out {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64 "
                                       f"block_x:i32"))

@@ -151,11 +151,18 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
 // ends with the same bits), and write the coefficients, the same for every
 // sample. One thread a (n, c) re-added the whole batch: O(batch^2 C) loads,
 // 35 us on ResNet-50's (64,2048,7,7).
+// For BatchNorm in training the sums added are the first sums_batch
+// samples' and count is the values a channel's statistics cover: batch and
+// batch * spatial for one GPU; SyncBatchNorm passes its ranks' totals as
+// one sample and the global count. totals, where not null, receives each
+// channel's (sum dy, sum dy * (x - mean)) as added (what SyncBatchNorm's
+// collective exchanges).
 template <class A, class P, int FLAGS, bool TRAINING>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     channel_grad_finalize(const A* __restrict__ sums, const A* __restrict__ mean, const A* __restrict__ rstd,
                           const P* __restrict__ w, A* __restrict__ coeffs, P* __restrict__ dw, P* __restrict__ db,
-                          long long batch, long long spatial, int channels, int channels_per_group, int stat_batch) {
+                          A* __restrict__ totals, long long batch, long long spatial, int channels,
+                          int channels_per_group, int stat_batch, long long sums_batch, A count) {
     using Out = typename AccOf<P>::type;
     const long long m = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if constexpr (TRAINING) {
@@ -165,7 +172,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
             if (channel >= channels) return;  // the whole warp: m's high bits are the warp's
             const int c = static_cast<int>(channel);
             A g = A(0), gx = A(0);
-            for (long long k = lane; k < batch; k += 32) {
+            for (long long k = lane; k < sums_batch; k += 32) {
                 g += sums[(k * channels + c) * 2];
                 gx += sums[(k * channels + c) * 2 + 1];
             }
@@ -176,7 +183,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
             const A r = rstd[c];
             A wc = A(1);
             if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
-            const A inv = A(1) / (static_cast<A>(batch) * static_cast<A>(spatial));
+            const A inv = A(1) / count;
             const A alpha = r * wc, beta = -r * r * r * (wc * gx) * inv, gamma = -r * (wc * g) * inv;
             for (long long k = lane; k < batch; k += 32) {
                 coeffs[(k * channels + c) * 3] = alpha;
@@ -186,6 +193,10 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
             if (lane == 0) {
                 if constexpr (FLAGS & kWeight) narrow(static_cast<Out>(r * gx), dw[c]);
                 if constexpr (FLAGS & kBias) narrow(static_cast<Out>(g), db[c]);
+                if (totals != nullptr) {
+                    totals[c * 2] = g;
+                    totals[c * 2 + 1] = gx;
+                }
             }
             return;
         }

@@ -11,12 +11,12 @@ Forward, per rank:
   4. the running buffers updated as torch does (the unbiased variance over
      the global count); y from cunorm's BatchNorm with the global mean and
      variance as its statistics (one launch).
-Backward, per rank: the per-channel sums of dy and dy * xhat over its own
-batch (cunorm's BatchNorm backward, eval form, which also gives dy * weight
-* rstd), one collective for every rank's sums (added in rank order), then
-dx from the global sums. The weight and bias gradients are the rank's own
-sums, as torch's SyncBatchNorm returns them (DistributedDataParallel
-averages them across ranks).
+Backward, per rank (cunorm/_engine/sync_batch.py): the per-channel sums of
+dy and dy * (x - mean) over its own batch (dy and x read once), one
+collective for every rank's sums (added in rank order), then dx from the
+global sums (dy and x read once more, dx written). The weight and bias
+gradients are the rank's own sums, as torch's SyncBatchNorm returns them
+(DistributedDataParallel averages them across ranks).
 
 Ranks with an empty batch send count 0 and change nothing, as in torch.
 """
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._engine import calls, channel_norms, sync_stats
+from .._engine import calls, channel_norms, gradients, sync_batch, sync_stats
 from ._layers import batch_forward
 
 #: what torch raises for a training step of one value a channel
@@ -63,10 +63,6 @@ def gathered(t: Tensor, group, world: int) -> Tensor:
     return out
 
 
-def _per_channel(v: Tensor, ndim: int) -> Tensor:
-    return v.reshape((1, -1) + (1,) * (ndim - 2))
-
-
 class SyncBatchNormFunction(torch.autograd.Function):
     """y of SyncBatchNorm in training over ``world`` ranks of ``group``;
     updates the running buffers (when given) in place."""
@@ -86,38 +82,29 @@ class SyncBatchNormFunction(torch.autograd.Function):
             running_var.copy_(new_var)
         y = calls.channels("batch", x, None, weight, bias, mean, var, False, 0.1, eps, 1, False, None) \
             if x.numel() else torch.empty_like(x)
-        ctx.save_for_backward(x, weight, mean, var)
+        ctx.save_for_backward(x, weight, bias, mean, torch.rsqrt(var + eps))
         ctx.eps, ctx.group, ctx.world, ctx.total = eps, group, world, total
-        ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, var = ctx.saved_tensors
-        acc = mean.dtype
-        channels = x.shape[1]
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dw = db = None
         if x.numel():
-            # the eval form: dx0 = dy * w * rstd (unused), dw = sum(dy * xhat), db = sum(dy)
-            ones = torch.ones(channels, dtype=acc, device=x.device)
-            _, sum_dy_xhat, sum_dy = calls.channel_grad("batch", dy.contiguous(), x, mean, var, None, ones, ones, 1,
-                                                        False, ctx.eps, None)
-            local = torch.stack([sum_dy.to(acc), sum_dy_xhat.to(acc)])
+            g = gradients.ChannelGradCall("batch", dy, x, mean, rstd, weight=weight, bias=bias, channel_axis=1,
+                                          training=True, eps=ctx.eps)
+            pending, local, dw, db = sync_batch.grad_totals(g)
         else:
-            local = torch.zeros(2, channels, dtype=acc, device=x.device)
+            local = torch.zeros(x.shape[1], 2, dtype=mean.dtype, device=x.device)
+            dw = None if weight is None else torch.zeros_like(weight)
+            db = None if bias is None else torch.zeros_like(bias)
         sums = gathered(local, ctx.group, ctx.world)
-        total_sums = sums[0]
+        total = sums[0]
         for r in range(1, ctx.world):  # rank order: the same bits on every rank
-            total_sums = total_sums + sums[r]
-        rstd = torch.rsqrt(var + ctx.eps)
-        w = rstd if weight is None else weight.to(acc) * rstd
-        # dx = w rstd (dy - sum(dy) / N - xhat sum(dy xhat) / N), xhat = (x - mean) rstd
-        scale_dy = _per_channel(w, x.dim())
-        scale_x = _per_channel(w * rstd * total_sums[1] / ctx.total, x.dim())
-        shift = _per_channel(w * total_sums[0] / ctx.total - mean * w * rstd * total_sums[1] / ctx.total, x.dim())
-        dx = (dy.to(acc) * scale_dy - x.to(acc) * scale_x - shift).to(x.dtype) if x.numel() else torch.zeros_like(x)
-        dw = local[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        db = local[0].to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None, None
+            total = total + sums[r]
+        dx = sync_batch.grad_apply(pending, total, ctx.total) if x.numel() else torch.zeros_like(x)
+        return (dx, dw if ctx.needs_input_grad[1] else None, db if ctx.needs_input_grad[2] else None,
+                None, None, None, None, None, None)
 
 
 class SyncBatchNorm(torch.nn.SyncBatchNorm):

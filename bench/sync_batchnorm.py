@@ -1,0 +1,94 @@
+"""SyncBatchNorm across two GPUs: cunorm.torch.SyncBatchNorm against
+torch.nn.SyncBatchNorm, one training step per rank (forward, then backward
+of a fixed dy), float32 and bfloat16 under autocast (float32 parameters),
+channels-last and channels-first x, the ResNet shapes of issue record
+(per rank). Each step is timed with CUDA events on every rank after a
+barrier, median of 20 after 5 warm-up steps; rank 0 reports the slower
+rank's time of each step. The two layers start from the same parameters
+and buffers; after the timed steps their y, dx, dweight and running
+buffers are compared (max error relative to torch's largest value).
+
+    torchrun --nproc-per-node 2 bench/sync_batchnorm.py OUT.json
+"""
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+import cunorm.torch as ct
+
+SHAPES = [(32, 256, 56, 56), (64, 64, 112, 112), (32, 2048, 7, 7)]
+STEPS, WARMUP = 20, 5
+
+
+def step_times(layer, x, dy, autocast):
+    times = []
+    for i in range(WARMUP + STEPS):
+        xi = x.detach().requires_grad_()
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(xi)
+        y.backward(dy)
+        stop.record()
+        torch.cuda.synchronize()
+        if i >= WARMUP:
+            times.append(start.elapsed_time(stop))
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t), y.detach(), xi.grad
+
+
+def relative(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def main(out_path):
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    rows = []
+    for shape in SHAPES:
+        for dtype_name, autocast in (("fp32", False), ("bf16 autocast", True)):
+            for layout in ("channels-last", "channels-first"):
+                gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+                x = torch.randn(shape, device="cuda", generator=gen) * 2 + 1
+                dy = torch.randn(shape, device="cuda", generator=gen)
+                if autocast:
+                    x, dy = x.bfloat16(), dy.bfloat16()
+                if layout == "channels-last":
+                    x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
+                layers = {}
+                for name, cls in (("torch", torch.nn.SyncBatchNorm), ("cunorm", ct.SyncBatchNorm)):
+                    torch.manual_seed(0)
+                    layer = cls(shape[1]).cuda()
+                    with torch.no_grad():
+                        layer.weight.uniform_(0.5, 1.5)
+                        layer.bias.uniform_(-0.5, 0.5)
+                    layers[name] = layer
+                row = {"shape": list(shape), "dtype": dtype_name, "layout": layout, "world": dist.get_world_size()}
+                results = {}
+                for name, layer in layers.items():
+                    row[f"{name}_ms"], y, dx = step_times(layer, x, dy, autocast)
+                    results[name] = (y, dx, layer.weight.grad, layer.running_mean, layer.running_var)
+                row["speedup"] = row["torch_ms"] / row["cunorm_ms"]
+                for i, what in enumerate(("y", "dx", "dw", "running_mean", "running_var")):
+                    row[f"err_{what}"] = relative(results["cunorm"][i], results["torch"][i])
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+                rows.append(row)
+                del layers, results, x, dy
+                torch.cuda.empty_cache()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.environ.get("OUT", "."), "sync_batchnorm.json"))
