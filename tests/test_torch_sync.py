@@ -129,14 +129,55 @@ def test_synchronized_step_on_one_rank_matches_float64(one_rank_group, dtype, sh
 
 @pytest.mark.gpu
 def test_one_value_a_channel_is_refused_as_torch_refuses_it(one_rank_group):
-    """One value a channel in all: torch's error, after the collective
-    (a rank's single value is valid where other ranks add more)."""
+    """One value a channel on one rank: torch's error (a rank's single value
+    is valid where other ranks may add more)."""
     x = torch.randn(1, 4, device="cuda")
     local = _torch_sync.local_statistics(x)
     assert torch.equal(local[1], x[0]) and torch.equal(local[0], torch.ones(4, device="cuda"))
-    assert not local[2].any()
+    assert torch.isinf(local[2]).all()  # (rstd of no spread: M2 = 0)
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
         _torch_sync.SyncBatchNormFunction.apply(x, None, None, None, None, 1e-5, 0.1, one_rank_group, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_the_combine_launch_is_chans_update_in_rank_order(dtype):
+    """channel_sync_combine against sync_stats' float64 Chan update over
+    gathered blocks with an empty rank, a one-value rank and a channel
+    without spread; the running buffers as torch updates them."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    from cunorm._engine import sync_stats
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    ranks, channels = 5, 37
+    counts = torch.tensor([7.0, 0.0, 1.0, 300.0, 64.0])
+    means = torch.randn(ranks, channels, generator=gen, dtype=torch.float64) * 3 + 1000
+    var = torch.rand(ranks, channels, generator=gen, dtype=torch.float64) + 0.1
+    var[:, 3] = 0  # no spread anywhere in channel 3 ...
+    means[:, 3] = 2.5  # ... and one value
+    var[2] = 0  # the one-value rank
+    var[1], means[1] = 0, 0  # the empty rank sends zeros
+    rstd = var.rsqrt()
+    rstd[1] = 0
+    blocks = torch.stack([counts[:, None].expand(ranks, channels), means, rstd], 1).to(dtype).cuda()
+    rm = torch.randn(channels, generator=gen, dtype=torch.float64).to(dtype).cuda()
+    rv = (torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5).to(dtype).cuda()
+    rm0, rv0 = rm.double().cpu(), rv.double().cpu()
+    eps, momentum = 1e-5, 0.3
+    mean, got_var, got_rstd, count = _torch_sync.combine(blocks, rm, rv, eps, momentum)
+    b = blocks.double().cpu()
+    m2 = torch.where(b[:, 0] > 0, b[:, 0] / b[:, 2] ** 2, torch.zeros(()))
+    n, want_mean, want_m2 = sync_stats.combine(b[:, 0], b[:, 1], m2)
+    want_rm, want_rv = sync_stats.running_update(rm0, rv0, want_mean, want_m2, n, momentum)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    assert float(count) == float(n[0]) == 372
+    torch.testing.assert_close(mean.double().cpu(), want_mean, **tol)
+    torch.testing.assert_close(got_var.double().cpu(), want_m2 / n, **tol)
+    torch.testing.assert_close(got_rstd.double().cpu(), (want_m2 / n + eps).rsqrt(), **tol)
+    torch.testing.assert_close(rm.double().cpu(), want_rm, **tol)
+    torch.testing.assert_close(rv.double().cpu(), want_rv, **tol)
+    assert float(got_var[3]) == 0
 
 
 # --- two GPUs -----------------------------------------------------------------------------------------------------------

@@ -197,6 +197,7 @@ def backward_kernels() -> list[Kernel]:
                     for strided in (False, True):
                         out.append(K.ROWS_GRAD_APPLY(grad, t, p, flags, vec, strided))
         out.append(K.CHANNEL_GRAD_COMBINE(a))
+        out.append(K.CHANNEL_SYNC_COMBINE(a))
         onchip_most = max(grad_onchip_max_elements(dtype.itemsize, tune) for tune in tunes)
         for p, flags in [(dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]:
             for training in (False, True):

@@ -394,37 +394,10 @@ def build_channels(pb, plan, launch, from_running: bool, eps: float, momentum: f
         pb.launch(launch.steps[0], x=x, partial=ws, **dims, chunks=launch.chunks, chunk_len=launch.chunk_vecs)
         pb.launch(launch.steps[1], x=x, partial=ws, affine=affine, mean_out=mean, rstd_out=rstd, running_mean=rm,
                   running_var=rv, **dims, chunks=launch.chunks, eps=eps, momentum=momentum)
-    if launch.tier == "channel_statistics":  # (batch_statistics: the statistics alone, no y)
+    if launch.tier == "channel_statistics":  # (SyncBatchNorm's per-rank statistics alone, no y: sync_batch.py)
         return pb
     pb.launch(launch.steps[-1], affine=affine, running_mean=None, running_var=None, **apply)
     return pb
-
-
-def batch_statistics(call: ChannelCall):
-    """(mean, rstd) per channel of a training-mode BatchNorm call over
-    non-empty GPU x, as CuPy arrays, with no y: the three launches'
-    channel_partial and channel_finalize alone (x read once).
-    SyncBatchNorm's per-rank statistics (cunorm/torch/_sync.py); with eps
-    0, rstd ** -2 is the biased variance."""
-    import dataclasses
-
-    import cupy
-
-    if call.per_sample or not call.training or not call.x.size:
-        raise ValueError("batch_statistics takes a training-mode batch_norm call over a non-empty x")
-    ca = call.channel_axis
-    x, last = _dense(call.x, ca, False)
-    batch, channels = x.shape[0], x.shape[ca]
-    spatial = x.size // (batch * channels)
-    device = x.data.device_id
-    plan, launch = _planned("batch", x.dtype, None, 0, last, batch, channels, spatial, 1, False, x.data.ptr % 32,
-                            x.data.ptr % 32, False, True, device, (("walk", "split"),))
-    alone = dataclasses.replace(launch, tier="channel_statistics", steps=launch.steps[:2])
-    acc = dtypes.accumulation(x.dtype)
-    mean, rstd = (cupy.empty(channels, dtype=acc) for _ in range(2))
-    program = channel_program(plan, alone, False, call.eps, 0.0, True, (False, False), device)
-    program.run_named({"x": x, "mean": mean, "rstd": rstd}, launches.cupy_stream(), launches.cupy_alloc)
-    return mean, rstd
 
 
 @functools.lru_cache(maxsize=1024)

@@ -228,10 +228,15 @@ CHANNEL_GRAD_SUMS = KernelDecl("channel_grads", "channel_grad_sums", ("T", "VEC"
 CHANNEL_GRAD_COMBINE = KernelDecl("channel_grads", "channel_grad_combine", ("A",),
                                   _args("partial:in sums:out members chunks:i64"))
 CHANNEL_GRAD_FINALIZE = KernelDecl("channel_grads", "channel_grad_finalize", ("A", "P", "FLAGS", "TRAINING"),
-                                   _args(f"sums mean rstd w:in coeffs dw db totals:out {_CHANNEL_DIMS} stat_batch:i32 "
-                                         f"sums_batch:i64 count:acc"))
+                                   _args(f"sums mean rstd w count_at:in coeffs dw db totals:out {_CHANNEL_DIMS} "
+                                         f"stat_batch:i32 sums_batch:i64 count:acc"))
 CHANNEL_GRAD_APPLY = KernelDecl("channel_grads", "channel_grad_apply", ("T", "VEC", "LAST"),
                                 _args(f"dy x mean coeffs:in dx:out {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64 "
                                       f"block_x:i32"))
+
+# sync.cu
+CHANNEL_SYNC_COMBINE = KernelDecl("sync", "channel_sync_combine", ("A",),
+                                  _args("gathered:in running_mean running_var:io mean var rstd count:out "
+                                        "ranks channels:i32 eps momentum:acc"))
 
 DECLARATIONS = tuple(v for v in dict(globals()).values() if isinstance(v, KernelDecl))

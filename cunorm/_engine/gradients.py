@@ -478,8 +478,8 @@ def build_channel_grad(pb, plan, launch):
     chunking = {"chunks": launch.chunks, "chunk_len": launch.chunk_len}
     pb.launch(launch.steps[0], dy=dy, x=x, mean=mean, partial=ws, **dims, **chunking)
     pb.launch(launch.steps[1], partial=ws, sums=sums, members=members, chunks=launch.chunks)
-    pb.launch(launch.steps[2], sums=sums, mean=mean, rstd=pb["rstd"], w=w, coeffs=coeffs, dw=dw, db=db, totals=None,
-              sums_batch=plan.batch, count=float(plan.batch * plan.spatial), **dims)
+    pb.launch(launch.steps[2], sums=sums, mean=mean, rstd=pb["rstd"], w=w, count_at=None, coeffs=coeffs, dw=dw,
+              db=db, totals=None, sums_batch=plan.batch, count=float(plan.batch * plan.spatial), **dims)
     pb.launch(launch.steps[3], dy=dy, x=x, dx=pb["dx"], mean=mean, coeffs=coeffs, **dims, **chunking)
     return pb
 

@@ -1,121 +1,120 @@
-"""SyncBatchNorm's backward on the GPU, in the two halves its collective
-separates (the front end, cunorm/torch/_sync.py, runs the collective).
+"""SyncBatchNorm's launches for a front end that runs its collectives
+(cunorm/torch/_sync.py): each phase one cached Program, run over the
+front end's raw pointers on its stream, so a training step costs a few
+launches beside the two collectives.
 
-Before it (``grad_totals``): the channel backward's first pass over dy and
-x (channel_grad_sums and its combine), then channel_grad_finalize, which
-adds each channel's sums over the rank's batch in order and writes them as
-(channels, 2) totals, with the rank's own dweight and dbias.
-After it (``grad_apply``): channel_grad_finalize again over the ranks'
-totals added, as one sample, with the global count, forming dx's
-coefficients; then channel_grad_apply writes dx, x and dy read once more.
-Nothing is launched between the halves but the collective and the ranks'
-totals added in rank order, so every rank forms the same coefficients.
+Forward:
+  ``statistics_program``: this rank's per-channel mean and rstd with eps 0
+  (channel_partial and channel_finalize, x read once), written into rows 1
+  and 2 of the (3, channels) block the collective gathers (row 0: the
+  count, filled by the front end);
+  ``combine_program``: channel_sync_combine over the gathered (ranks, 3,
+  channels) blocks, in rank order: the global mean, variance, rstd and
+  count, the running buffers updated; y is then BatchNorm's eval-form
+  apply with that mean and variance.
+Backward (``grad_programs``), around its collective:
+  before it, channel_grad_sums, combine and finalize: the rank's
+  (channels, 2) totals of dy and dy * (x - mean), and its own dweight and
+  dbias;
+  after it, finalize over the gathered (ranks, channels, 2) totals with
+  the global count read from the GPU, then channel_grad_apply writes dx.
+Every rank runs the same launches over the same gathered bytes, so every
+rank forms the same statistics and coefficients.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 
-from . import dtypes, gradients, launches, plans
+from . import channel_norms, dtypes, launches, plans
+from .dispatch_rows import Step
 
-#: the slots of both halves' Programs
-SLOTS = ("dy", "x", "dx", "mean", "rstd", "w", "dw", "db", "totals")
-#: the launch every rank runs: the split walk (the one-launch channel_grad_onchip
-#: backward has no point between its sums and dx)
+#: the combine's slots
+COMBINE_SLOTS = ("gathered", "running_mean", "running_var", "mean", "var", "rstd", "count")
+#: the backward's slots (both Programs)
+GRAD_SLOTS = ("dy", "x", "dx", "mean", "rstd", "w", "dw", "db", "totals", "gathered", "count")
+#: the split walk: the one-launch channel_grad_onchip backward has no point
+#: between its sums and dx for the collective
 _SPLIT = (("walk", "split"),)
 
 
-@dataclasses.dataclass
-class Pending:
-    """What grad_apply needs of grad_totals' call."""
-
-    call: object
-    arrays: gradients.ChannelGradArrays
-    plan: plans.ChannelPlan
-    launch: object
+def layout(shape, strides) -> bool | None:
+    """True for channels-last x (element strides), False for
+    channels-first, None for neither (then copied first)."""
+    return plans.channel_layout(tuple(shape), tuple(strides), 1, False)
 
 
-def grad_totals(g: gradients.ChannelGradCall):
-    """(pending, totals, dweight, dbias) of a training-mode batch_norm
-    backward over this rank's non-empty x, as the caller's arrays: totals
-    the (channels, 2) sums of dy and dy * (x - mean) in the accumulation
-    dtype; dweight and dbias this rank's own (None where absent)."""
-    import cupy
-
-    call = g.call
-    if call.norm != "batch" or not g.training or not call.x.size:
-        raise ValueError("grad_totals takes a training-mode batch_norm backward over a non-empty x")
-    with call.adapter.scope(call.x.data.device_id):
-        a = gradients.channel_grad_arrays(g)
-        plan = a.plan(call)
-        device = a.x.data.device_id
-        launch = gradients._channel_launch(plan, True, device, _SPLIT)
-        totals = cupy.empty((plan.channels, 2), dtype=dtypes.accumulation(a.x.dtype))
-        _totals_program(plan, launch, device).run_named(dict(a.named(), totals=totals), launches.cupy_stream(),
-                                                        launches.cupy_alloc)
-        dw, db = gradients._param_grads(call, a.dw, a.db, empty=False)
-        wrap = call.adapter.from_cupy
-        return (Pending(call, a, plan, launch), wrap(totals), None if dw is None else wrap(dw),
-                None if db is None else wrap(db))
-
-
-def grad_apply(pending: Pending, totals, count: int):
-    """dx (the caller's array type) from every rank's totals added
-    ((channels, 2), the accumulation dtype, any array the adapter takes) and
-    the number of values a channel has over every rank."""
-    call, a = pending.call, pending.arrays
-    with call.adapter.scope(a.x.data.device_id):
-        totals = gradients._contiguous(call.adapter.to_cupy(totals, "totals"))
-        want = (pending.plan.channels, 2)
-        if tuple(totals.shape) != want or totals.dtype != dtypes.accumulation(a.x.dtype):
-            raise ValueError(f"totals must be {want} in {dtypes.accumulation(a.x.dtype)}, got "
-                             f"{tuple(totals.shape)} in {totals.dtype}")
-        program = _apply_program(pending.plan, pending.launch, a.x.data.device_id, int(count))
-        program.run_named(dict(a.named(), totals=totals), launches.cupy_stream(), launches.cupy_alloc)
-        return call.adapter.from_cupy(a.dx)
-
-
-def _finalize_args(pb, plan):
-    x = pb["x"]
-    weight, bias = plan.flags & plans.FLAG_WEIGHT, plan.flags & plans.FLAG_BIAS
-    return {"mean": pb["mean"], "rstd": pb["rstd"], "w": pb["w"] if weight else x,
-            "batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
-            "channels_per_group": plan.channels_per_group, "stat_batch": 0}, bool(weight), bool(bias)
+def dims(shape) -> tuple[int, int, int]:
+    """(batch, channels, spatial) of x (N, C, *)."""
+    batch, channels = shape[0], shape[1]
+    spatial = 1
+    for s in shape[2:]:
+        spatial *= s
+    return batch, channels, spatial
 
 
 @functools.lru_cache(maxsize=256)
-def _totals_program(plan, launch, device) -> launches.Program:
-    pb = launches.ProgramBuilder(SLOTS, device)
+def statistics_program(dtype, last: bool, shape: tuple, x_mod: int, device: int) -> launches.Program:
+    """channel_norms.CHANNEL_SLOTS: x in, mean and rstd out (eps 0)."""
+    batch, channels, spatial = dims(shape)
+    plan, launch = channel_norms._planned("batch", dtype, None, 0, last, batch, channels, spatial, 1, False, x_mod,
+                                          x_mod, False, True, device, _SPLIT)
+    alone = dataclasses.replace(launch, tier="channel_statistics", steps=launch.steps[:2])
+    return channel_norms.channel_program(plan, alone, False, 0.0, 0.0, True, (False, False), device)
+
+
+@functools.lru_cache(maxsize=256)
+def combine_program(acc, ranks: int, channels: int, eps: float, momentum: float, device: int) -> launches.Program:
+    from . import declarations as K
+
+    pb = launches.ProgramBuilder(COMBINE_SLOTS, device)
+    threads = 256
+    step = Step(K.CHANNEL_SYNC_COMBINE(dtypes.KERNEL_TYPE[acc]), (-(-channels // threads),), (threads,))
+    launches.check_limits(step, launches.device_info(device))
+    pb.launch(step, gathered=pb["gathered"], running_mean=pb["running_mean"], running_var=pb["running_var"],
+              mean=pb["mean"], var=pb["var"], rstd=pb["rstd"], count=pb["count"], ranks=ranks, channels=channels,
+              eps=eps, momentum=momentum)
+    return pb.build()
+
+
+@functools.lru_cache(maxsize=256)
+def grad_programs(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: int, dx_mod: int, ranks: int,
+                  device: int) -> tuple[launches.Program, launches.Program]:
+    """(before, after) the backward's collective, over GRAD_SLOTS: before
+    writes totals, dw and db; after reads gathered and count, writes dx."""
+    from .gradients import _channel_launch
+
+    batch, channels, spatial = dims(shape)
+    plan = plans.make_channel_plan("batch", dtype, pdtype, flags, last, batch, channels, spatial, 1, False, x_mod,
+                                   dx_mod)
+    launch = _channel_launch(plan, True, device, _SPLIT)
     acc_bytes = dtypes.accumulation(plan.dtype).itemsize
     members = plan.batch * plan.channels
-    partial = pb.workspace(members * launch.chunks * 2 * acc_bytes)
-    sums = pb.workspace(members * 2 * acc_bytes)
-    coeffs = pb.workspace(members * 3 * acc_bytes)  # (this rank's alone: not used)
     chunking = {"chunks": launch.chunks, "chunk_len": launch.chunk_len}
-    dims = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
-            "channels_per_group": plan.channels_per_group, "stat_batch": 0}
-    pb.launch(launch.steps[0], dy=pb["dy"], x=pb["x"], mean=pb["mean"], partial=partial, **dims, **chunking)
-    pb.launch(launch.steps[1], partial=partial, sums=sums, members=members, chunks=launch.chunks)
-    args, weight, bias = _finalize_args(pb, plan)
-    pb.launch(launch.steps[2], sums=sums, coeffs=coeffs, dw=pb["dw"] if weight else pb["x"],
-              db=pb["db"] if bias else pb["x"], totals=pb["totals"], sums_batch=plan.batch,
-              count=float(plan.batch * plan.spatial), **args)
-    return pb.build()
+    shape_args = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
+                  "channels_per_group": 1, "stat_batch": 0}
 
+    before = launches.ProgramBuilder(GRAD_SLOTS, device)
+    x = before["x"]
+    weight, bias = plan.flags & plans.FLAG_WEIGHT, plan.flags & plans.FLAG_BIAS
+    finalize = {"mean": before["mean"], "rstd": before["rstd"], "w": before["w"] if weight else x, **shape_args}
+    partial = before.workspace(members * launch.chunks * 2 * acc_bytes)
+    sums = before.workspace(members * 2 * acc_bytes)
+    coeffs = before.workspace(members * 3 * acc_bytes)  # (this rank's alone: not used)
+    before.launch(launch.steps[0], dy=before["dy"], x=x, mean=before["mean"], partial=partial, **shape_args,
+                  **chunking)
+    before.launch(launch.steps[1], partial=partial, sums=sums, members=members, chunks=launch.chunks)
+    before.launch(launch.steps[2], sums=sums, count_at=None, coeffs=coeffs, dw=before["dw"] if weight else x,
+                  db=before["db"] if bias else x, totals=before["totals"], sums_batch=plan.batch,
+                  count=float(plan.batch * plan.spatial), **finalize)
 
-@functools.lru_cache(maxsize=256)
-def _apply_program(plan, launch, device, count: int) -> launches.Program:
-    pb = launches.ProgramBuilder(SLOTS, device)
-    acc_bytes = dtypes.accumulation(plan.dtype).itemsize
-    coeffs = pb.workspace(plan.batch * plan.channels * 3 * acc_bytes)
-    # the global dweight and dbias the finalize also forms go to scratch (the
-    # rank's own were returned by grad_totals)
-    dw, db = pb.workspace(plan.channels * 8), pb.workspace(plan.channels * 8)
-    args, _, _ = _finalize_args(pb, plan)
-    pb.launch(launch.steps[2], sums=pb["totals"], coeffs=coeffs, dw=dw, db=db, totals=None, sums_batch=1,
-              count=float(count), **args)
-    pb.launch(launch.steps[3], dy=pb["dy"], x=pb["x"], dx=pb["dx"], mean=pb["mean"], coeffs=coeffs,
-              batch=plan.batch, spatial=plan.spatial, channels=plan.channels,
-              channels_per_group=plan.channels_per_group, stat_batch=0, chunks=launch.chunks,
-              chunk_len=launch.chunk_len)
-    return pb.build()
+    after = launches.ProgramBuilder(GRAD_SLOTS, device)
+    coeffs = after.workspace(members * 3 * acc_bytes)
+    # the ranks' dweight and dbias, which this finalize also forms, go to
+    # scratch (each rank's own came before the collective)
+    scratch_w, scratch_b = after.workspace(plan.channels * 8), after.workspace(plan.channels * 8)
+    after.launch(launch.steps[2], sums=after["gathered"], count_at=after["count"], coeffs=coeffs, dw=scratch_w,
+                 db=scratch_b, totals=None, sums_batch=ranks, count=1.0, **finalize)
+    after.launch(launch.steps[3], dy=after["dy"], x=after["x"], dx=after["dx"], mean=after["mean"], coeffs=coeffs,
+                 **shape_args, **chunking)
+    return before.build(), after.build()

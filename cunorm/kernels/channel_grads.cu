@@ -154,13 +154,15 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
 // For BatchNorm in training the sums added are the first sums_batch
 // samples' and count is the values a channel's statistics cover: batch and
 // batch * spatial for one GPU; SyncBatchNorm passes its ranks' totals as
-// one sample and the global count. totals, where not null, receives each
+// its samples and the global count (count_at, where not null: read from
+// the GPU, as its combine wrote it). totals, where not null, receives each
 // channel's (sum dy, sum dy * (x - mean)) as added (what SyncBatchNorm's
 // collective exchanges).
 template <class A, class P, int FLAGS, bool TRAINING>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     channel_grad_finalize(const A* __restrict__ sums, const A* __restrict__ mean, const A* __restrict__ rstd,
-                          const P* __restrict__ w, A* __restrict__ coeffs, P* __restrict__ dw, P* __restrict__ db,
+                          const P* __restrict__ w, const A* __restrict__ count_at, A* __restrict__ coeffs,
+                          P* __restrict__ dw, P* __restrict__ db,
                           A* __restrict__ totals, long long batch, long long spatial, int channels,
                           int channels_per_group, int stat_batch, long long sums_batch, A count) {
     using Out = typename AccOf<P>::type;
@@ -183,7 +185,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
             const A r = rstd[c];
             A wc = A(1);
             if constexpr ((FLAGS & kWeight) != 0) wc = static_cast<A>(widen(w[c]));
-            const A inv = A(1) / count;
+            const A inv = A(1) / (count_at != nullptr ? *count_at : count);
             const A alpha = r * wc, beta = -r * r * r * (wc * gx) * inv, gamma = -r * (wc * g) * inv;
             for (long long k = lane; k < batch; k += 32) {
                 coeffs[(k * channels + c) * 3] = alpha;
