@@ -1,10 +1,10 @@
 """SyncBatchNorm across two GPUs: cunorm.torch.SyncBatchNorm against
 torch.nn.SyncBatchNorm, one training step per rank (forward, then backward
 of a fixed dy), float32 and bfloat16 under autocast (float32 parameters),
-channels-last and channels-first x, the ResNet shapes of issue record
-(per rank). Each step is timed with CUDA events on every rank after a
-barrier, median of 20 after 5 warm-up steps; rank 0 reports the slower
-rank's time of each step. The two layers start from the same parameters
+channels-last and channels-first x, three ResNet shapes (x per rank).
+Each step is timed with CUDA events on every rank after a barrier, median
+of 20 after 5 warm-up steps; rank 0 reports the slower rank's time of
+each step. The two layers start from the same parameters
 and buffers; after the timed steps their y, dx, dweight and running
 buffers are compared (max error relative to torch's largest value).
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from . import channel_norms, dtypes, launches, plans
+from . import channel_norms, declarations as K, dtypes, launches, plans
 from .dispatch_rows import Step
+from .gradients import _channel_launch
 
 #: the combine's slots
 COMBINE_SLOTS = ("gathered", "running_mean", "running_var", "mean", "var", "rstd", "count")
@@ -65,8 +66,6 @@ def statistics_program(dtype, last: bool, shape: tuple, x_mod: int, device: int)
 
 @functools.lru_cache(maxsize=256)
 def combine_program(acc, ranks: int, channels: int, eps: float, momentum: float, device: int) -> launches.Program:
-    from . import declarations as K
-
     pb = launches.ProgramBuilder(COMBINE_SLOTS, device)
     threads = 256
     step = Step(K.CHANNEL_SYNC_COMBINE(dtypes.KERNEL_TYPE[acc]), (-(-channels // threads),), (threads,))
@@ -82,8 +81,6 @@ def grad_programs(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: in
                   device: int) -> tuple[launches.Program, launches.Program]:
     """(before, after) the backward's collective, over GRAD_SLOTS: before
     writes totals, dw and db; after reads gathered and count, writes dx."""
-    from .gradients import _channel_launch
-
     batch, channels, spatial = dims(shape)
     plan = plans.make_channel_plan("batch", dtype, pdtype, flags, last, batch, channels, spatial, 1, False, x_mod,
                                    dx_mod)
