@@ -358,47 +358,13 @@ def _channel_grad_entry(g: ChannelGradCall, program, last: bool) -> launch_cache
                               arrays={"x": x, "w": call.weight, "b": call.bias})
 
 
-@dataclasses.dataclass
-class ChannelGradArrays:
-    """A channel backward's arrays as its kernels take them (CuPy): x dense
-    in one of the two layouts, dy and dx in x's, the statistics flat and
-    contiguous, the weight in the kernels' parameter dtype; ``clean`` when
-    none of them is a copy of the caller's."""
-
-    x: object
-    dy: object
-    dx: object
-    mean: object
-    rstd: object
-    w: object
-    dw: object
-    db: object
-    last: bool
-    flags: int
-    pdtype: object
-    clean: bool
-
-    def named(self) -> dict:
-        return {"dy": self.dy, "x": self.x, "dx": self.dx, "mean": self.mean, "rstd": self.rstd, "w": self.w,
-                "dw": self.dw, "db": self.db}
-
-    def plan(self, call):
-        x = self.x
-        channels = x.shape[call.channel_axis]
-        batch = x.shape[0]
-        spatial = x.size // (batch * channels)
-        return plans.make_channel_plan(call.norm, x.dtype, self.pdtype, self.flags, self.last, batch, channels,
-                                       spatial, channels // call.groups, call.per_sample, x.data.ptr % 32,
-                                       self.dx.data.ptr % 32)
-
-
-def channel_grad_arrays(g: ChannelGradCall) -> ChannelGradArrays:
-    """g's arrays prepared for the channel backward's kernels."""
+def _channels_gpu(g: ChannelGradCall, override=None):
     import cupy
 
     call = g.call
     # x dense in one of the two layouts (copied if not), dx in the same
     x, dx, last, _ = channel_norms.prepare(call)
+    per_sample = call.per_sample
     dy = g.dy
     clean = x is call.x
     if not plans.same_layout(x.shape, dy.strides, x.strides) or dy.data.ptr % 16:  # dy into x's (and dx's) layout, 16-byte aligned
@@ -407,7 +373,8 @@ def channel_grad_arrays(g: ChannelGradCall) -> ChannelGradArrays:
         clean = False
     flags, pdtype = row_norms.kernel_params(x.dtype, call.weight, call.bias)
     w = row_norms._as_param(call.weight, pdtype)
-    dw, db = _param_grad_buffers(call, (x.shape[call.channel_axis],), pdtype)
+    channels = x.shape[call.channel_axis]
+    dw, db = _param_grad_buffers(call, (channels,), pdtype)
     acc = dtypes.accumulation(x.dtype)
     mean, rstd = g.mean, g.rstd
     if call.norm == "batch" and not g.training:
@@ -417,22 +384,20 @@ def channel_grad_arrays(g: ChannelGradCall) -> ChannelGradArrays:
     flat = mean.reshape(-1), rstd.reshape(-1)
     mean, rstd = (_contiguous(a) for a in flat)
     clean = clean and mean is flat[0] and rstd is flat[1] and w is call.weight and x.size > 0
-    return ChannelGradArrays(x, dy, dx, mean, rstd, w, dw, db, last, flags, pdtype, clean)
-
-
-def _channels_gpu(g: ChannelGradCall, override=None):
-    call = g.call
-    a = channel_grad_arrays(g)
     program = None
-    if a.x.size:
-        plan = a.plan(call)
-        launch = _channel_launch(plan, g.training, a.x.data.device_id,
+    if x.size:
+        batch = x.shape[0]
+        spatial = x.size // (batch * channels)
+        plan = plans.make_channel_plan(call.norm, x.dtype, pdtype, flags, last, batch, channels, spatial,
+                                       channels // call.groups, per_sample, x.data.ptr % 32, dx.data.ptr % 32)
+        launch = _channel_launch(plan, g.training, x.data.device_id,
                                  None if override is None else tuple(sorted(override.items())))
-        program = channel_grad_program(plan, launch, a.x.data.device_id)
-        program.run_named(a.named(), launches.cupy_stream(), launches.cupy_alloc)
-    grads = _param_grads(call, a.dw, a.db, empty=not a.x.size)
-    clean = a.clean and grads[0] is a.dw and grads[1] is a.db
-    return (a.dx,) + grads, program if clean else None, a.last
+        program = channel_grad_program(plan, launch, x.data.device_id)
+        program.run_named({"dy": dy, "x": x, "dx": dx, "mean": mean, "rstd": rstd, "w": w, "dw": dw, "db": db},
+                          launches.cupy_stream(), launches.cupy_alloc)
+    grads = _param_grads(call, dw, db, empty=not x.size)
+    clean = clean and grads[0] is dw and grads[1] is db
+    return (dx,) + grads, program if clean else None, last
 
 
 @functools.lru_cache(maxsize=1024)
@@ -468,20 +433,33 @@ def build_channel_grad(pb, plan, launch):
         pb.launch(launch.steps[0], dy=dy, x=x, dx=pb["dx"], mean=mean, rstd=pb["rstd"], w=w, dw=dw, db=db,
                   batch=plan.batch, plane_vecs=plan.spatial // plan.vec, channels=plan.channels)
         return pb
+    sums = build_channel_grad_sums(pb, plan, launch)
+    coeffs = pb.workspace(plan.batch * plan.channels * 3 * dtypes.accumulation(plan.dtype).itemsize)
+    dims = channel_grad_dims(plan)
+    pb.launch(launch.steps[2], sums=sums, mean=mean, rstd=pb["rstd"], w=w, count_at=None, coeffs=coeffs, dw=dw,
+              db=db, totals=None, sums_batch=plan.batch, count=float(plan.batch * plan.spatial), **dims)
+    pb.launch(launch.steps[3], dy=dy, x=x, dx=pb["dx"], mean=mean, coeffs=coeffs, **dims, chunks=launch.chunks,
+              chunk_len=launch.chunk_len)
+    return pb
+
+
+def build_channel_grad_sums(pb, plan, launch):
+    """The backward's first pass and its combine into ``pb`` (slots dy, x,
+    mean): returns the workspace of the (sample, channel) sums."""
     acc_bytes = dtypes.accumulation(plan.dtype).itemsize
     members = plan.batch * plan.channels
     ws = pb.workspace(members * launch.chunks * 2 * acc_bytes)  # the partial sums
     sums = pb.workspace(members * 2 * acc_bytes)  # combined
-    coeffs = pb.workspace(members * 3 * acc_bytes)
-    dims = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
-            "channels_per_group": plan.channels_per_group, "stat_batch": _stat_batch(plan)}
-    chunking = {"chunks": launch.chunks, "chunk_len": launch.chunk_len}
-    pb.launch(launch.steps[0], dy=dy, x=x, mean=mean, partial=ws, **dims, **chunking)
+    pb.launch(launch.steps[0], dy=pb["dy"], x=pb["x"], mean=pb["mean"], partial=ws, **channel_grad_dims(plan),
+              chunks=launch.chunks, chunk_len=launch.chunk_len)
     pb.launch(launch.steps[1], partial=ws, sums=sums, members=members, chunks=launch.chunks)
-    pb.launch(launch.steps[2], sums=sums, mean=mean, rstd=pb["rstd"], w=w, count_at=None, coeffs=coeffs, dw=dw,
-              db=db, totals=None, sums_batch=plan.batch, count=float(plan.batch * plan.spatial), **dims)
-    pb.launch(launch.steps[3], dy=dy, x=x, dx=pb["dx"], mean=mean, coeffs=coeffs, **dims, **chunking)
-    return pb
+    return sums
+
+
+def channel_grad_dims(plan) -> dict:
+    """The channel backward kernels' shape arguments."""
+    return {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
+            "channels_per_group": plan.channels_per_group, "stat_batch": _stat_batch(plan)}
 
 
 def _stat_batch(plan) -> int:

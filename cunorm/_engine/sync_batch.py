@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from . import channel_norms, declarations as K, dtypes, launches, plans
 from .dispatch_rows import Step
-from .gradients import _channel_launch
+from .gradients import _channel_launch, build_channel_grad_sums, channel_grad_dims
 
 #: the combine's slots
 COMBINE_SLOTS = ("gathered", "running_mean", "running_var", "mean", "var", "rstd", "count")
@@ -47,11 +48,7 @@ def layout(shape, strides) -> bool | None:
 
 def dims(shape) -> tuple[int, int, int]:
     """(batch, channels, spatial) of x (N, C, *)."""
-    batch, channels = shape[0], shape[1]
-    spatial = 1
-    for s in shape[2:]:
-        spatial *= s
-    return batch, channels, spatial
+    return shape[0], shape[1], math.prod(shape[2:])
 
 
 @functools.lru_cache(maxsize=256)
@@ -85,33 +82,25 @@ def grad_programs(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: in
     plan = plans.make_channel_plan("batch", dtype, pdtype, flags, last, batch, channels, spatial, 1, False, x_mod,
                                    dx_mod)
     launch = _channel_launch(plan, True, device, _SPLIT)
-    acc_bytes = dtypes.accumulation(plan.dtype).itemsize
-    members = plan.batch * plan.channels
-    chunking = {"chunks": launch.chunks, "chunk_len": launch.chunk_len}
-    shape_args = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
-                  "channels_per_group": 1, "stat_batch": 0}
+    coeffs_bytes = plan.batch * plan.channels * 3 * dtypes.accumulation(plan.dtype).itemsize
+    weight, bias = plan.flags & plans.FLAG_WEIGHT, plan.flags & plans.FLAG_BIAS
 
     before = launches.ProgramBuilder(GRAD_SLOTS, device)
-    x = before["x"]
-    weight, bias = plan.flags & plans.FLAG_WEIGHT, plan.flags & plans.FLAG_BIAS
-    finalize = {"mean": before["mean"], "rstd": before["rstd"], "w": before["w"] if weight else x, **shape_args}
-    partial = before.workspace(members * launch.chunks * 2 * acc_bytes)
-    sums = before.workspace(members * 2 * acc_bytes)
-    coeffs = before.workspace(members * 3 * acc_bytes)  # (this rank's alone: not used)
-    before.launch(launch.steps[0], dy=before["dy"], x=x, mean=before["mean"], partial=partial, **shape_args,
-                  **chunking)
-    before.launch(launch.steps[1], partial=partial, sums=sums, members=members, chunks=launch.chunks)
-    before.launch(launch.steps[2], sums=sums, count_at=None, coeffs=coeffs, dw=before["dw"] if weight else x,
-                  db=before["db"] if bias else x, totals=before["totals"], sums_batch=plan.batch,
-                  count=float(plan.batch * plan.spatial), **finalize)
+    x = before["x"]  # (the slots of both Programs are the same)
+    finalize = {"mean": before["mean"], "rstd": before["rstd"], "w": before["w"] if weight else x,
+                **channel_grad_dims(plan)}
+    sums = build_channel_grad_sums(before, plan, launch)
+    before.launch(launch.steps[2], sums=sums, count_at=None, coeffs=before.workspace(coeffs_bytes),
+                  dw=before["dw"] if weight else x, db=before["db"] if bias else x, totals=before["totals"],
+                  sums_batch=plan.batch, count=float(plan.batch * plan.spatial), **finalize)  # (coeffs: not used)
 
     after = launches.ProgramBuilder(GRAD_SLOTS, device)
-    coeffs = after.workspace(members * 3 * acc_bytes)
+    coeffs = after.workspace(coeffs_bytes)
     # the ranks' dweight and dbias, which this finalize also forms, go to
     # scratch (each rank's own came before the collective)
     scratch_w, scratch_b = after.workspace(plan.channels * 8), after.workspace(plan.channels * 8)
     after.launch(launch.steps[2], sums=after["gathered"], count_at=after["count"], coeffs=coeffs, dw=scratch_w,
-                 db=scratch_b, totals=None, sums_batch=ranks, count=1.0, **finalize)
-    after.launch(launch.steps[3], dy=after["dy"], x=after["x"], dx=after["dx"], mean=after["mean"], coeffs=coeffs,
-                 **shape_args, **chunking)
+                 db=scratch_b, totals=None, sums_batch=ranks, count=1.0, **finalize)  # (count_at holds it)
+    after.launch(launch.steps[3], dy=after["dy"], x=x, dx=after["dx"], mean=after["mean"], coeffs=coeffs,
+                 **channel_grad_dims(plan), chunks=launch.chunks, chunk_len=launch.chunk_len)
     return before.build(), after.build()
