@@ -3,6 +3,7 @@ platform runs the abstract evaluation, the dispatch and the builders, and
 emits the MLIR of every custom call (cunorm/jax/_jit.py) for a fake H100.
 The proto each call carries needs jaxlib's GPU plugin and is stubbed here;
 the PTX it names is compiled by NVRTC, as on the GPU."""
+import dataclasses
 import functools
 import json
 import re
@@ -473,3 +474,53 @@ def test_quantize_lowers_to_the_quantizing_store(lowering, scaling):
     with pytest.raises(ValueError, match="strided view"):
         lower(lambda x: cj.rms_norm(x, quantize="int8", quant_group=64, quant_scale_layout="column_major"),
               (shape, BF16))
+
+
+def test_sharding_layouts_keep_the_normalized_axes_whole():
+    """The primitives' arrays by their dimensions (cunorm/jax/_sharding.py):
+    Shardy's rule, and the shardings and sums a partition takes from x's."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from cunorm.jax import _jit as jj, _sharding
+
+    spec = jj.RowSpec("rms", (8, 6, 64), np.dtype(np.float32), 2, 2, 1e-5, residual=True, weight=True,
+                      pdtype=np.dtype(np.float32), stats=True)
+    text, factors = jj._rows_layout(spec).rule()
+    assert text == "d0 d1 d2, d0 d1 d2, d2 -> d0 d1 d2, d0 d1 d2, d0 d1"  # x, r, w -> y, h, rstd
+    assert factors == {"need_replication_factors": ("d2",)}
+    grad = jj._rows_grad_layout(jj.RowGradSpec(spec, dh=True))
+    assert grad.rule()[0] == "d0 d1 d2, d0 d1 d2, d0 d1 d2, d2, d0 d1 -> d0 d1 d2, d2"  # dy x dh w rstd -> dx dw
+    assert grad.summed == {1}
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("a", "b", "c"))
+    first, ins, outs, sums = _sharding._shardings(grad, mesh, NamedSharding(mesh, P("a", None, "b")))
+    assert [tuple(s.spec) for s in outs] == [("a", None, None), (None,)]  # the normalized axis made whole
+    assert tuple(ins[4].spec) == ("a", None) and sums == {1: ("a",)}
+    strided = jj.RowSpec("ln", (4, 16, 5), np.dtype(np.float32), 1, 1, 1e-5, weight=True, bias=True,
+                         pdtype=np.dtype(np.float32))
+    grad = jj._rows_grad_layout(jj.RowGradSpec(dataclasses.replace(strided, stats=True)))
+    _, _, outs, sums = _sharding._shardings(grad, mesh, NamedSharding(mesh, P("a", "b", ("c",))))
+    assert sums == {1: ("a", "c"), 2: ("a", "c")}  # dweight and dbias over the axes before and after
+    assert [tuple(s.spec) for s in outs] == [("a", None, "c"), (None,), (None,)]
+    quant = jj.RowSpec("rms", (8, 6, 64), np.dtype(np.float32), 1, 2, 1e-5,
+                       quant=("int8", 1, 32, "row_major", False))
+    text, factors = jj._rows_layout(quant).rule()
+    assert text == "d0 d1 d2 -> d0 d1 d2, d0 e1"  # (the scales: 12 groups of a row's 384)
+    assert factors == {"need_replication_factors": ("d1", "d2", "e1")}
+
+
+@pytest.mark.parametrize("norm, channels_last, whole, stats", [
+    ("group", False, ("d1", "d2", "d3", "e0"), "d0 e0"),
+    ("instance", True, ("d1", "d2", "d3"), "d0 d3"),
+    ("batch", False, ("d0", "d1", "d2", "d3"), "d1"),
+])
+def test_channel_layouts_split_only_per_sample_statistics(norm, channels_last, whole, stats):
+    from cunorm.jax import _jit as jj
+
+    spec = jj.ChannelSpec(norm, (4, 8, 5, 8), np.dtype(np.float32), channels_last, 2 if norm == "group" else 8,
+                          1e-5, weight=True, bias=True, pdtype=np.dtype(np.float32), stats=True)
+    text, factors = jj._channels_layout(spec).rule()
+    c = "d3" if channels_last else "d1"
+    assert text == f"d0 d1 d2 d3, {c}, {c} -> d0 d1 d2 d3, {stats}, {stats}"
+    assert factors["need_replication_factors"] == whole
+    grad = jj._channels_grad_layout(jj.ChannelGradSpec(spec))
+    assert grad.rule()[0] == f"d0 d1 d2 d3, d0 d1 d2 d3, {stats}, {stats}, {c} -> d0 d1 d2 d3, {c}, {c}"
+    assert grad.summed == {1, 2}

@@ -33,6 +33,7 @@ except ImportError:  # (jax versions that keep it private)
 
 from .._engine import channel_norms, dispatch_grad, dtypes, gradients, launches, ops, plans, quantize, row_norms
 from ._custom_call import emit, target
+from . import _sharding
 
 
 #: the table's statistics (ops.OPS) as the row kernels' outputs name them
@@ -167,7 +168,21 @@ def _rows_lowering(ctx, *args, spec: RowSpec):
     return [out[name] for name in _rows_outputs(spec)]
 
 
-mlir.register_lowering(rows_p, _rows_lowering, platform="cuda")
+def _rows_layout(spec: RowSpec) -> _sharding.Layout:
+    """A row norm's arrays by their dimensions: the normalized axes whole."""
+    x = _sharding.labels(len(spec.shape))
+    norm, stats = x[spec.first:spec.last + 1], x[:spec.first] + x[spec.last + 1:]
+    operands = {"x": x, "r": x, "w": norm, "b": norm, "quant_scale": _sharding.fresh(1)}
+    results = []
+    for name, (shape, _) in _rows_outputs(spec).items():
+        if name == "y_scale":  # x's leading axes, then the groups of a row or size-1 axes
+            results.append(x[:spec.first] + _sharding.fresh(len(shape) - spec.first, 1))
+        else:
+            results.append(stats if name in ("center", "scale") else x)
+    return _sharding.Layout(tuple(operands[n] for n in _rows_inputs(spec)), tuple(results), frozenset(norm))
+
+
+_sharding.register(rows_p, _rows_lowering, _rows_layout, lambda spec, shape: dataclasses.replace(spec, shape=shape))
 
 
 def _rows_dce(used_outputs, eqn):
@@ -227,7 +242,21 @@ def _rows_grad_lowering(ctx, *args, spec: RowGradSpec):
     return [out[name] for name in spec.outputs()]
 
 
-mlir.register_lowering(rows_grad_p, _rows_grad_lowering, platform="cuda")
+def _rows_grad_layout(spec: RowGradSpec) -> _sharding.Layout:
+    """The backward's: dweight and dbias summed across the shards of the
+    other axes."""
+    f = spec.forward
+    x = _sharding.labels(len(f.shape))
+    norm, stats = x[f.first:f.last + 1], x[:f.first] + x[f.last + 1:]
+    operands = {"dy": x, "x": x, "dh": x, "w": norm, "center": stats, "scale": stats}
+    outputs = list(spec.outputs())
+    return _sharding.Layout(tuple(operands[n] for n in spec.inputs()),
+                            tuple(x if n == "dx" else norm for n in outputs), frozenset(norm),
+                            frozenset(i for i, n in enumerate(outputs) if n != "dx"))
+
+
+_sharding.register(rows_grad_p, _rows_grad_lowering, _rows_grad_layout,
+                   lambda spec, shape: RowGradSpec(dataclasses.replace(spec.forward, shape=shape), spec.dh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +356,25 @@ def _walk(spec: ChannelSpec, device_id: int) -> str | None:
     return dispatch_channels.choose_channel_walk(plan, launches.device_info(device_id))
 
 
-mlir.register_lowering(channels_p, _channels_lowering, platform="cuda")
+def _channel_labels(spec: ChannelSpec):
+    """(x's labels, the channel axis', the statistics', the labels kept
+    whole: all but the batch's for per-sample statistics, all for
+    BatchNorm's)."""
+    x = _sharding.labels(len(spec.shape))
+    c = x[-1] if spec.channels_last else x[1]
+    stats = {"group": (x[0],) + _sharding.fresh(1), "instance": (x[0], c), "batch": (c,)}[spec.norm]
+    return x, c, stats, frozenset(x[1:] if spec.per_sample else x)
+
+
+def _channels_layout(spec: ChannelSpec) -> _sharding.Layout:
+    x, c, stats, whole = _channel_labels(spec)
+    labelled = {"x": x, "y": x, "mean": stats, "rstd": stats}
+    return _sharding.Layout(tuple(labelled.get(n, (c,)) for n in spec.inputs()),
+                            tuple(labelled.get(n, (c,)) for n in spec.outputs()), whole)
+
+
+_sharding.register(channels_p, _channels_lowering, _channels_layout,
+                   lambda spec, shape: dataclasses.replace(spec, shape=shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,7 +405,17 @@ def _channels_grad_lowering(ctx, *args, spec: ChannelGradSpec):
     return [out[name] for name in spec.outputs()]
 
 
-mlir.register_lowering(channels_grad_p, _channels_grad_lowering, platform="cuda")
+def _channels_grad_layout(spec: ChannelGradSpec) -> _sharding.Layout:
+    x, c, stats, whole = _channel_labels(spec.forward)
+    labelled = {"dy": x, "x": x, "dx": x, "mean": stats, "rstd": stats}
+    outputs = list(spec.outputs())
+    return _sharding.Layout(tuple(labelled.get(n, (c,)) for n in spec.inputs()),
+                            tuple(labelled.get(n, (c,)) for n in outputs), whole,
+                            frozenset(i for i, n in enumerate(outputs) if n != "dx"))
+
+
+_sharding.register(channels_grad_p, _channels_grad_lowering, _channels_grad_layout,
+                   lambda spec, shape: ChannelGradSpec(dataclasses.replace(spec.forward, shape=shape)))
 
 
 # --- vmap: the mapped axis folded into the rows or the samples ----------------------
