@@ -7,6 +7,10 @@ of 20 after 5 warm-up steps; rank 0 reports the slower rank's time of
 each step. The two layers start from the same parameters
 and buffers; after the timed steps their y, dx, dweight and running
 buffers are compared (max error relative to torch's largest value).
+A skeleton step is timed the same way: an autograd Function with the
+same two collectives (the statistics gathered forward, the sums
+backward) and one copy of x forward and of dy backward, the least any
+SyncBatchNorm built on torch.distributed and autograd costs per step.
 
     torchrun --nproc-per-node 2 bench/sync_batchnorm.py OUT.json
 """
@@ -22,6 +26,27 @@ import cunorm.torch as ct
 
 SHAPES = [(32, 256, 56, 56), (64, 64, 112, 112), (32, 2048, 7, 7)]
 STEPS, WARMUP = 20, 5
+
+
+class _SkeletonFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        stats = torch.empty(3, x.shape[1], device=x.device)
+        out = torch.empty((dist.get_world_size(),) + tuple(stats.shape), device=x.device)
+        dist.all_gather_into_tensor(out, stats)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        sums = torch.empty(dy.shape[1], 2, device=dy.device)
+        out = torch.empty((dist.get_world_size(),) + tuple(sums.shape), device=dy.device)
+        dist.all_gather_into_tensor(out, sums)
+        return dy.clone()
+
+
+class Skeleton(torch.nn.Module):
+    def forward(self, x):
+        return _SkeletonFunction.apply(x)
 
 
 def step_times(layer, x, dy, autocast):
@@ -76,7 +101,9 @@ def main(out_path):
                 for name, layer in layers.items():
                     row[f"{name}_ms"], y, dx = step_times(layer, x, dy, autocast)
                     results[name] = (y, dx, layer.weight.grad, layer.running_mean, layer.running_var)
+                row["skeleton_ms"] = step_times(Skeleton(), x, dy, autocast)[0]
                 row["speedup"] = row["torch_ms"] / row["cunorm_ms"]
+                row["torch_over_skeleton"] = row["torch_ms"] / row["skeleton_ms"]
                 for i, what in enumerate(("y", "dx", "dw", "running_mean", "running_var")):
                     row[f"err_{what}"] = relative(results["cunorm"][i], results["torch"][i])
                 if rank == 0:

@@ -132,7 +132,7 @@ def test_one_value_a_channel_is_refused_as_torch_refuses_it(one_rank_group):
     """One value a channel on one rank: torch's error (a rank's single value
     is valid where other ranks may add more)."""
     x = torch.randn(1, 4, device="cuda")
-    local = _torch_sync.local_statistics(x)
+    local = _torch_sync.local_statistics(x, False)
     assert torch.equal(local[1], x[0]) and torch.equal(local[0], torch.ones(4, device="cuda"))
     assert torch.isinf(local[2]).all()  # (rstd of no spread: M2 = 0)
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
@@ -165,7 +165,8 @@ def test_the_combine_launch_is_chans_update_in_rank_order(dtype):
     rv = (torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5).to(dtype).cuda()
     rm0, rv0 = rm.double().cpu(), rv.double().cpu()
     eps, momentum = 1e-5, 0.3
-    mean, got_var, got_rstd, count = _torch_sync.combine(blocks, rm, rv, eps, momentum)
+    mean, got_var, got_rstd, count = _torch_sync.combine(blocks, rm, rv, eps, momentum)  # (rows of a (4, C) block)
+    count = count[0]
     b = blocks.double().cpu()
     m2 = torch.where(b[:, 0] > 0, b[:, 0] / b[:, 2] ** 2, torch.zeros(()))
     n, want_mean, want_m2 = sync_stats.combine(b[:, 0], b[:, 1], m2)

@@ -339,7 +339,7 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, overr
     # (the kernels walk channel tiles and samples past the grid's y and z
     # limits by grid stride, as the forward's)
     members = plan.batch * plan.channels
-    per_member = (_ceil_div(members, GRAD_BLOCK_THREADS),)
+    per_member = (_ceil_div(members * 32, GRAD_BLOCK_THREADS),)  # (channel_grad_combine: a warp a member)
     # BatchNorm in training: channel_grad_finalize takes a warp a channel
     finalize_threads = max(members, 32 * plan.channels) if training and not plan.per_sample else members
     steps = (

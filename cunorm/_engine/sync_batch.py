@@ -10,8 +10,9 @@ Forward:
   count, filled by the front end);
   ``combine_program``: channel_sync_combine over the gathered (ranks, 3,
   channels) blocks, in rank order: the global mean, variance, rstd and
-  count, the running buffers updated; y is then BatchNorm's eval-form
-  apply with that mean and variance.
+  count, the running buffers updated;
+  ``apply_program``: y, BatchNorm's eval-form apply with that mean and
+  variance in the running buffers' slots (one launch).
 Backward (``grad_programs``), around its collective:
   before it, channel_grad_sums, combine and finalize: the rank's
   (channels, 2) totals of dy and dy * (x - mean), and its own dweight and
@@ -71,6 +72,17 @@ def combine_program(acc, ranks: int, channels: int, eps: float, momentum: float,
               mean=pb["mean"], var=pb["var"], rstd=pb["rstd"], count=pb["count"], ranks=ranks, channels=channels,
               eps=eps, momentum=momentum)
     return pb.build()
+
+
+@functools.lru_cache(maxsize=256)
+def apply_program(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: int, y_mod: int, eps: float,
+                  device: int) -> launches.Program:
+    """channel_norms.CHANNEL_SLOTS: x, w, b and the global mean and variance
+    (running_mean, running_var) in, y out."""
+    batch, channels, spatial = dims(shape)
+    plan, launch = channel_norms._planned("batch", dtype, pdtype, flags, last, batch, channels, spatial, 1, False, x_mod,
+                                          y_mod, True, False, device)
+    return channel_norms.channel_program(plan, launch, True, eps, 0.0, False, (True, True), device)
 
 
 @functools.lru_cache(maxsize=256)

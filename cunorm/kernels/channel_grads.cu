@@ -123,19 +123,30 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
     }
 }
 
-// One thread a (n, c): combine its chunks in order into sums[(n, c) * 2].
+// A warp a (n, c): lane l adds the (n, c) partials of chunks l, l + 32, ...
+// in order (a step's 32 loads are contiguous, where a thread a member read
+// its chunks one dependent, strided load at a time), then the lanes' sums
+// are added by a butterfly, a fixed order: sums[(n, c) * 2].
 template <class A>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     channel_grad_combine(const A* __restrict__ partial, A* __restrict__ sums, long long members, long long chunks) {
-    const long long m = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (m >= members) return;
+    const long long m = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x & 31;
+    if (m >= members) return;  // (whole warps: the block is a multiple of 32)
     A a = A(0), b = A(0);
-    for (long long c = 0; c < chunks; ++c) {
+    for (long long c = lane; c < chunks; c += 32) {
         a += partial[(m * chunks + c) * 2];
         b += partial[(m * chunks + c) * 2 + 1];
     }
-    sums[m * 2] = a;
-    sums[m * 2 + 1] = b;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, offset);
+        b += __shfl_xor_sync(0xffffffffu, b, offset);
+    }
+    if (lane == 0) {
+        sums[m * 2] = a;
+        sums[m * 2 + 1] = b;
+    }
 }
 
 // One thread a (n, c): the coefficients of dx = alpha * dy + beta *
