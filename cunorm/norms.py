@@ -37,7 +37,8 @@ def _torch():
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
              rounding="output", activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None,
-             quant_group=None, quant_scale_layout=None, return_unquantized=False):
+             quant_group=None, quant_scale_layout=None, return_unquantized=False, shift=None, scale=None,
+             residual_gate=None):
     """Root-mean-square normalization.
 
     ``y = h * rsqrt(mean(h**2 over axis) + eps) [* weight]`` where h is x, or
@@ -50,8 +51,11 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     {x}
     weight : array, optional
         Shaped like the normalized axes (``x.shape[axis]``, or the tuple of
-        the adjacent axes' sizes). Any of the four float dtypes; float32 with
-        16-bit x is read as float32; other mixes are cast to float32 first.
+        the adjacent axes' sizes), or like more of x's trailing axes when
+        the normalized axes are the last ones: a weight per head, (heads,
+        head_dim) over x of (B, S, heads, head_dim) normalized over
+        head_dim. Any of the four float dtypes; float32 with 16-bit x is
+        read as float32; other mixes are cast to float32 first.
     axis : int or tuple of int, default -1
         The axis, or several adjacent axes, to normalize over. ``axis=1`` of
         an NCHW array normalizes across channels at every (n, h, w).
@@ -85,6 +89,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
         may be x itself (in place); it may not otherwise overlap x or the
         residual.
     {quantize}
+    {conditioned}
 
     Returns
     -------
@@ -111,6 +116,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     (``|x|`` beyond about 1e19). Other groups are unaffected.
     """
     epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
+    conditioned = {"shift": shift, "scale": scale, "residual_gate": residual_gate}
     return calls.rows("rms", x, weight, None, residual, axis, eps, return_stats, out, reference.rms_norm, epilogue,
                       None, lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
                                                       return_stats=return_stats, weight_offset=weight_offset,
@@ -118,14 +124,14 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
                                                       quant_scale=quant_scale, quant_scale_ub=quant_scale_ub,
                                                       quant_group=quant_group,
                                                       quant_scale_layout=quant_scale_layout,
-                                                      return_unquantized=return_unquantized),
+                                                      return_unquantized=return_unquantized, **conditioned),
                       quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout,
-                                return_unquantized))
+                                return_unquantized), conditioned=conditioned)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
                activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
-               quant_scale_layout=None, return_unquantized=False):
+               quant_scale_layout=None, return_unquantized=False, shift=None, scale=None, residual_gate=None):
     """Layer normalization.
 
     ``y = (h - mean) * rsqrt(var + eps) [* weight] [+ bias]`` over the
@@ -139,9 +145,10 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     {x}
     weight, bias : array, optional
         Each shaped like the normalized axes (for axis=(1, 2, 3) of
-        (16, 64, 256, 256): (64, 256, 256)). Any of the four float dtypes;
-        in x's dtype or float32 (float64 for float64 x) they are read as they
-        are, other mixes are cast to float32 first.
+        (16, 64, 256, 256): (64, 256, 256)), or both like more of x's
+        trailing axes (per head, as for :func:`rms_norm`). Any of the four
+        float dtypes; in x's dtype or float32 (float64 for float64 x) they
+        are read as they are, other mixes are cast to float32 first.
     axis : int or tuple of int, default -1
         The axis, or several adjacent axes (typically the trailing ones), to
         normalize over.
@@ -161,6 +168,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
         Where to write y: same kind, shape and dtype as x, C-contiguous; may
         be x itself (in place), may not otherwise overlap x or the residual.
     {quantize}
+    {conditioned}
 
     Returns
     -------
@@ -180,15 +188,16 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     unaffected.
     """
     epilogue = plans.activation_flags(activation)
+    conditioned = {"shift": shift, "scale": scale, "residual_gate": residual_gate}
     return calls.rows("ln", x, weight, bias, residual, axis, eps, return_stats, out, reference.layer_norm, epilogue,
                       None, lambda: _torch().layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual,
                                                         return_stats=return_stats, activation=activation,
                                                         quantize=quantize, quant_scale=quant_scale,
                                                         quant_scale_ub=quant_scale_ub, quant_group=quant_group,
                                                         quant_scale_layout=quant_scale_layout,
-                                                      return_unquantized=return_unquantized),
+                                                        return_unquantized=return_unquantized, **conditioned),
                       quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout,
-                                return_unquantized))
+                                return_unquantized), conditioned=conditioned)
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, out=None):
@@ -490,8 +499,31 @@ _QUANTIZE = """quantize : str, optional
         ``quantize=`` forms it (rounded once), after the scales: one more
         write of y in the same pass, for a consumer that reads both."""
 
+# shift=, scale=, residual_gate=, shared likewise
+_CONDITIONED = """shift, scale : array, optional
+        adaLN's modulation: ``y = act(v * (1 + scale) + shift)`` where v is
+        the affine norm (after the weight and bias), as DiT's modulate()
+        follows its LayerNorm; formed in float32 (float64 for float64 x)
+        and rounded once. Each broadcasts against x and spans the
+        normalized axes: per sample ((B, 1, H) for x of (B, T, H)), per
+        token ((B, T, H)) or one for all ((H,)). The normalized axes must
+        be the trailing ones.
+    residual_gate : array, optional
+        With ``residual``: ``h = residual + residual_gate * x`` (adaLN-Zero's
+        gated residual), formed in float32 and rounded once to x's dtype,
+        normalized and returned; broadcast as shift and scale.
+        Per-head weights, shift, scale and residual_gate run fused in one
+        pass (rows_cached), for rows that fit one block's registers: 16-bit
+        rows of up to 32768 elements (with residual_gate 16384 for rms_norm,
+        8192 for layer_norm), float32 rows half of those; longer rows raise
+        a ValueError. Where
+        autograd records, dynamo traces or ``jax.jit`` traces, they run as
+        the plain norm followed by the framework's own elementwise ops
+        (gradients through those), whose y may differ from the fused one by
+        a rounding or two."""
+
 for _f in (rms_norm, layer_norm):
-    _f.__doc__ = _f.__doc__.replace("{quantize}", _QUANTIZE)
+    _f.__doc__ = _f.__doc__.replace("{quantize}", _QUANTIZE).replace("{conditioned}", _CONDITIONED)
 for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (normalize, _ROW_X), (mean_abs_normalize, _ROW_X),
                (frobenius_normalize, _ROW_X), (group_norm, _CHANNEL_X), (instance_norm, _CHANNEL_X),
                (batch_norm, _CHANNEL_X)):

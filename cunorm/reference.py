@@ -30,33 +30,39 @@ def apply_activation(y, name):
 
 
 def rms_norm(x, weight=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False, weight_offset=0,
-             rounding="output", activation=None, exact=False):
-    """``act(h * rsqrt(mean(h**2 over axis) + eps) [* (weight_offset + weight)])``
-    with h = x (+ residual); ``rounding="normalized"`` rounds the normalized
-    h to x's dtype before the weight multiplies. Returns y, then h if
+             rounding="output", activation=None, shift=None, scale=None, residual_gate=None, exact=False):
+    """``act(modulate(h * rsqrt(mean(h**2 over axis) + eps) [* (weight_offset + weight)]))``
+    with h = x (+ residual, or residual + residual_gate * x) and
+    ``modulate(v) = v * (1 + scale) + shift``; ``rounding="normalized"``
+    rounds the normalized h to x's dtype before the weight multiplies.
+    weight may span more of x's trailing axes (per-head weights); shift,
+    scale and residual_gate broadcast against x. Returns y, then h if
     residual is given, then rstd if return_stats."""
     return _normalize("rms", x, weight, None, axis, eps, residual, return_stats, exact,
-                      (weight_offset, rounding, activation))
+                      (weight_offset, rounding, activation), (shift, scale, residual_gate))
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False,
-               activation=None, exact=False):
-    """``act((h - mean) * rsqrt(var + eps) [* weight] [+ bias])`` over axis,
-    var biased, with h = x (+ residual). Returns y, then h if residual is
-    given, then mean and rstd if return_stats."""
-    return _normalize("ln", x, weight, bias, axis, eps, residual, return_stats, exact, (0, "output", activation))
+               activation=None, shift=None, scale=None, residual_gate=None, exact=False):
+    """``act(modulate((h - mean) * rsqrt(var + eps) [* weight] [+ bias]))``
+    over axis, var biased, with h and modulate as for rms_norm. Returns y,
+    then h if residual is given, then mean and rstd if return_stats."""
+    return _normalize("ln", x, weight, bias, axis, eps, residual, return_stats, exact, (0, "output", activation),
+                      (shift, scale, residual_gate))
 
 
-def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact, epilogue):
+def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact, epilogue, conditioned=(None,) * 3):
     from ._engine.dtypes import accumulation
     from ._engine.plans import normalize_axes
 
     x = np.asarray(x)
     first, last = normalize_axes(axis, x.ndim)
     axes = tuple(range(first, last + 1))
+    shift, mod_scale, gate = (None if a is None else np.asarray(a).astype(np.float64) for a in conditioned)
     if residual is not None:
         # h is rounded to x's dtype, and the norm sees exactly that h.
-        h = (x.astype(np.float64) + np.asarray(residual).astype(np.float64)).astype(x.dtype)
+        xg = x.astype(np.float64) if gate is None else gate * x.astype(np.float64)
+        h = (xg + np.asarray(residual).astype(np.float64)).astype(x.dtype)
     else:
         h = x
     hf = h.astype(np.float64)
@@ -85,6 +91,10 @@ def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact, 
         if bias is not None:
             b = np.asarray(bias).astype(np.float64)
             y = y + b.reshape(b.shape + tail)
+        if mod_scale is not None:
+            y = y * (1.0 + mod_scale)
+        if shift is not None:
+            y = y + shift
         y = apply_activation(y, act)
     results = [y if exact else y.astype(x.dtype)]
     if residual is not None:

@@ -28,13 +28,24 @@ def _noted(trace, cache, key, inputs, results):
 
 
 def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, epilogue=0, out_dtype=None,
-         route=None, trace=None, quantize=None):
+         route=None, trace=None, quantize=None, conditioned=None):
     """A row norm (``norm``: its policy name). ``reference_fn``: the float64
     forward of a NumPy call; ``epilogue``: the validated FLAGS bits of the
     epilogue's options; ``out_dtype``: y's dtype where it is not x's (the
     torch layers under autocast); ``quantize``: (format, static scale,
     bound, group, scale layout, unquantized y asked) of quantize=
-    (quantize.py), which the general path validates."""
+    (quantize.py), which the general path validates; ``conditioned``:
+    {"shift", "scale", "residual_gate": array or None} (conditioning.py),
+    which the general path takes (no launch cache entry)."""
+    if conditioned is not None and any(a is not None for a in conditioned.values()):
+        if route is not None and _interop.torch_route(x, weight, bias, residual, *conditioned.values(), out=out):
+            return route()
+        q = quantize or (None, None, None, None, None, False)
+        call = row_norms.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual,
+                              return_stats=return_stats, epilogue=epilogue, quant=q[0], quant_scale=q[1],
+                              quant_scale_ub=q[2], quant_group=q[3], quant_scale_layout=q[4],
+                              return_unquantized=q[5], conditioned=conditioned)  # (quantize= with them: refused)
+        return row_norms.run(call, reference_fn)
     # (identity tests alone: the plain path takes them on every call)
     if quantize is not None and (quantize[0] is not None or quantize[1] is not None or quantize[2] is not None
                                  or quantize[3] is not None or quantize[4] is not None or quantize[5] is not False):

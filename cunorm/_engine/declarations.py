@@ -117,8 +117,11 @@ def quant_store(params: str, flags: int, quantized: str, scaling: int, group: in
 NO_STORE = Stage("NoStore")
 
 
-def row_load(data: str, residual: bool) -> Stage:
-    """x, or h = x + r formed and written out (``residual``)."""
+def row_load(data: str, residual: bool, gate: str | None = None) -> Stage:
+    """x, or h = x + r formed and written out (``residual``), or h = r + g *
+    x with g stored as ``gate`` (a storage type name)."""
+    if gate is not None:
+        return Stage("ScaledResidualLoad", (data, gate))
     return Stage("ResidualLoad" if residual else "XLoad", (data,))
 
 
@@ -155,9 +158,9 @@ _CHANNEL_DIMS = "batch spatial:i64 channels channels_per_group"
 
 # rows.cu
 ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD", "BLOCK_PER_ROW"),
-                         _args("x r w b quant_scale:in y h center_out scale_out y_scale y_plain:out rows:i64 n:i32 "
-                               "x_row_stride:i64 eps:acc threads_per_row:i32 scale_row_stride "
-                               "scale_group_stride:i64"))
+                         _args("x r w b quant_scale shift mod_scale res_gate:in y h center_out scale_out y_scale "
+                               "y_plain:out rows:i64 n:i32 x_row_stride:i64 eps:acc threads_per_row:i32 "
+                               "scale_row_stride scale_group_stride param_rows mod_div mod_count:i64"))
 ROWS_UNCACHED = KernelDecl("rows", "rows_uncached", _NORM_ROWS,
                            _args("x r w b quant_scale:in y h center_out scale_out y_scale y_plain:out rows n "
                                  "x_row_stride:i64 eps:acc stash_vecs scale_row_stride scale_group_stride:i64"))

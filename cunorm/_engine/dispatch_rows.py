@@ -52,7 +52,7 @@ import re
 from dataclasses import dataclass, replace
 
 from . import declarations as K
-from . import quantize, tuning
+from . import plans, quantize, tuning
 from .declarations import Kernel  # noqa: F401  (re-exported: the dispatch's Steps hold them)
 from .plans import Plan, kernel_types, output_type
 
@@ -285,6 +285,13 @@ def choose(plan: Plan, device: Device, *, override: dict | None = None) -> Launc
     override = override or {}
     if plan.out_dtype is not None and (plan.residual or not plan.contiguous_rows):
         return None
+    if plan.flags & plans.CONDITIONED_FLAGS:
+        # per-row operands: rows_cached alone takes them (row_norms composes
+        # the call from the plain norm and elementwise passes otherwise)
+        if not plan.contiguous_rows or plan.quant is not None or plan.out_dtype is not None:
+            return None
+        launch = _choose_rows(plan, device, override)
+        return launch if launch.tier == "cached" else None
     if plan.contiguous_rows:
         launch = _choose_rows(plan, device, override)
         return None if plan.out_dtype is not None and launch.tier != "cached" else launch
@@ -311,7 +318,9 @@ def rows_cache_fits(plan: Plan, threads: int) -> bool:
         return False
     heavy = is_heavy(plan.norm, plan.dtype)
     cost = cached_cost(vpt, plan.vec * plan.dtype.itemsize, plan.residual, heavy)
-    limit = block_cache_limit(cost, cached_loads(vpt, plan.residual), heavy)
+    # (per-row operands keep 128 registers, as heavy statistics: RowsCachedBounds)
+    limit = block_cache_limit(cost, cached_loads(vpt, plan.residual),
+                              heavy or bool(plan.flags & plans.CONDITIONED_FLAGS))
     return group_fits(cost) if threads <= 32 else threads <= limit
 
 
@@ -355,6 +364,10 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         tier = "cached" if rows_cache_fits(plan, threads) else "uncached"
     if plan.quant is not None and tier not in ("cached", "uncached"):
         raise ValueError(f"quantize= runs in the cached or uncached tier, not {tier!r}")
+    if tier is None and plan.flags & plans.CONDITIONED_FLAGS:
+        # per-row operands: rows_cached whatever the rows (choose() returns
+        # None for the rest), so the tier follows the row alone
+        tier = "cached" if rows_cache_fits(plan, threads) else "uncached"
     if group and tier == "cached" and threads < group_lanes(plan, group):  # (only a forced thread count gets here)
         raise ValueError(f"rows_cached: {threads} threads a row are fewer than a {group}-element group's lanes")
     if tier is None:
@@ -372,12 +385,13 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
 
     t, p = kernel_types(plan)
     policy = norm_info(plan.norm).policy
-    load = K.row_load(t, plan.residual)
-    common = (policy, t, K.affine_store(p, plan.flags, t), load, plan.vec)
+    load = K.row_load(t, plan.residual, p if plan.flags & plans.FLAG_RESIDUAL_GATE else None)
+    store_flags = plan.flags & plans.STORE_FLAGS
+    common = (policy, t, K.affine_store(p, store_flags, t), load, plan.vec)
     if tier == "cached":
         if not rows_cache_fits(plan, threads):  # only a forced tier or thread count gets here
             raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
-        store = K.affine_store(p, plan.flags, output_type(plan)) if plan.quant is None else _quant_store(plan, p)
+        store = K.affine_store(p, store_flags, output_type(plan)) if plan.quant is None else _quant_store(plan, p)
         cached = (policy, t, store, load, plan.vec, vpt)
         if threads <= 32:
             block = GROUP_BLOCK_THREADS

@@ -79,6 +79,10 @@ class Op:
         share one: the Lp family's, the channel norms' backward).
     per_sample: its statistic groups lie within one sample (False:
         BatchNorm's, which span the batch and every position).
+    conditioned: the per-row operands it takes (conditioning.py): adaLN's
+        ``shift`` and ``scale``, the gated residual's ``residual_gate``
+        (and per-head parameters, which every op with parameters over
+        rows takes through their shape).
     """
 
     name: str
@@ -95,6 +99,7 @@ class Op:
     forward: Operator
     backward: Operator
     per_sample: bool = True
+    conditioned: tuple[str, ...] = ()
 
     @property
     def groups(self) -> bool:
@@ -103,6 +108,7 @@ class Op:
 
 
 _ROWS_BACKWARD = ("dy", "x")
+_CONDITIONED = ("shift", "scale", "residual_gate")
 _CHANNELS = ("eps", "channel_axis", "return_stats", "epilogue")
 _NORMALIZE = Operator("normalize", ("x", "norm", "axes", "eps"), single=True)
 _NORMALIZE_BACKWARD = Operator("normalize_backward", ("dy", "x", "norm", "axes", "eps"), single=True)
@@ -113,11 +119,12 @@ OPS = {op.name: op for op in (
     Op("rms_norm", "rows", "rms", ("weight",), True, False, ("rstd",), ("weight_offset", "rounding", "activation"),
        DEFAULT_EPS, reference.rms_norm, reference.rms_norm_backward,
        Operator("rms_norm", ("x", "weight", "residual", "axes", "eps", "return_stats", "epilogue")),
-       Operator("rms_norm_backward", _ROWS_BACKWARD + ("rstd", "weight", "dh", "axes"))),
+       Operator("rms_norm_backward", _ROWS_BACKWARD + ("rstd", "weight", "dh", "axes")), conditioned=_CONDITIONED),
     Op("layer_norm", "rows", "ln", ("weight", "bias"), True, False, ("mean", "rstd"), ("activation",),
        DEFAULT_EPS, reference.layer_norm, reference.layer_norm_backward,
        Operator("layer_norm", ("x", "weight", "bias", "residual", "axes", "eps", "return_stats", "epilogue")),
-       Operator("layer_norm_backward", _ROWS_BACKWARD + ("mean", "rstd", "weight", "bias", "dh", "axes"))),
+       Operator("layer_norm_backward", _ROWS_BACKWARD + ("mean", "rstd", "weight", "bias", "dh", "axes")),
+       conditioned=_CONDITIONED),
     Op("normalize", "rows", None, (), False, False, (), (), LP_EPS, reference.normalize,
        reference.normalize_backward, _NORMALIZE, _NORMALIZE_BACKWARD),
     Op("mean_abs_normalize", "rows", "mean_abs", (), False, False, (), (), LP_EPS, reference.mean_abs_normalize,

@@ -44,6 +44,10 @@ class Plan:
         it (cunorm/_engine/dispatch_rows.py); y's alignment counts in vec.
     quant: the key of a quantized y's request (cunorm/_engine/quantize.py),
         one byte an element, else None. Only rows_cached writes it.
+    conditioning: (param_rows, mod_div, mod_count) where the flags ask for
+        per-row operands (CONDITIONED_FLAGS): row r reads parameter row r %
+        param_rows and modulation (and residual gate) row r // mod_div %
+        mod_count; else (). Only rows_cached takes them.
     """
 
     norm: str
@@ -60,6 +64,7 @@ class Plan:
     peel_vec: int
     out_dtype: np.dtype | None = None
     quant: tuple | None = None
+    conditioning: tuple = ()
 
     @property
     def contiguous_rows(self) -> bool:
@@ -79,6 +84,19 @@ ACTIVATION_BITS = 7 << ACTIVATION_SHIFT  # the activation's code (bits 4..6)
 #: rounding they do: its backward is the norm's); the torch and JAX wrappers
 #: run them as framework ops after the norm where gradients are taken
 UNFUSED_IN_BACKWARD = FLAG_WEIGHT_OFFSET | ACTIVATION_BITS
+# Per-row operands, rows_cached only (AffineStore and ScaledResidualLoad in
+# cunorm/kernels/stages.cuh): per-head weights, adaLN's modulation, the
+# gated residual. FLAG_RESIDUAL_GATE picks the load stage (h = r + g * x);
+# it is not a bit of the store's FLAGS word (STORE_FLAGS masks it off).
+FLAG_PARAM_ROWS = 128  # kParamRows: the parameters repeat every param_rows rows
+FLAG_SHIFT = 256  # kShift
+FLAG_SCALE = 512  # kScale
+FLAG_RESIDUAL_GATE = 1024
+CONDITIONED_FLAGS = FLAG_PARAM_ROWS | FLAG_SHIFT | FLAG_SCALE | FLAG_RESIDUAL_GATE
+#: what the store's FLAGS word holds of a plan's flags
+STORE_FLAGS = ~FLAG_RESIDUAL_GATE
+#: the flags that take a stored operand of the parameters' dtype
+OPERAND_FLAGS = PARAM_FLAGS | FLAG_SHIFT | FLAG_SCALE | FLAG_RESIDUAL_GATE
 #: the activations of the epilogue (``activation=``), their codes (Activation)
 ACTIVATIONS = {"identity": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}
 #: the rounding points of rms_norm's ``rounding=``
@@ -249,13 +267,16 @@ def vector_width(itemsize: int, extent: int, strides, pointers) -> int:
 
 
 def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, last, x_ptr, y_ptr, r_ptr, h_ptr,
-              w_ptr, b_ptr, out_dtype=None, quant=None):
+              w_ptr, b_ptr, out_dtype=None, quant=None, conditioning=(), operand_ptrs=()):
     """Plan for a call, or None when x must be made contiguous first.
 
     Pointers may be given modulo 32 (only their alignment matters); absent
     arrays pass 0. The residual r shares x's strides; y and h are
     C-contiguous. ``out_dtype``: y's dtype where it is not x's; ``quant``:
-    the key of a one-byte quantized y's request (quantize.Quantize.key).
+    the key of a one-byte quantized y's request (quantize.Quantize.key);
+    ``conditioning``: Plan.conditioning, with ``operand_ptrs`` the
+    addresses of the shift, scale and residual gate (rows of the
+    parameters' dtype).
     """
     view = canonical_view(shape, strides, first, last)
     if view is None:
@@ -269,22 +290,22 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
     if inner == 1:
         extent = reduced
         other_strides = [s_outer] if outer > 1 else []
-        if flags & PARAM_FLAGS:
-            pointers += [(w_ptr, param_dtype.itemsize), (b_ptr, param_dtype.itemsize)]
+        if flags & OPERAND_FLAGS:
+            pointers += [(p, param_dtype.itemsize) for p in (w_ptr, b_ptr) + tuple(operand_ptrs)]
     else:
         extent = inner
         other_strides = [s for s, n in ((s_outer, outer), (s_reduced, reduced)) if n > 1]
     vec = vector_width(itemsize, extent, other_strides, pointers)
     peel_vec = vec
-    if inner == 1 and not flags & PARAM_FLAGS and not residual and out_dtype is None:
+    if inner == 1 and not flags & OPERAND_FLAGS and not residual and out_dtype is None:
         # every row of x must start as far off alignment as y's (C-contiguous,
         # a row each `reduced` elements): their strides and addresses differ
         # by whole vectors
         x_row_stride = s_outer if outer > 1 else reduced
         peel_vec = max(vec, vector_width(itemsize, 0, [x_row_stride - reduced], [(x_ptr - y_ptr, itemsize)]))
-    params = param_dtype if flags & PARAM_FLAGS else None
+    params = param_dtype if flags & OPERAND_FLAGS else None
     return Plan(norm, dtype, params, flags, residual, outer, reduced, inner, s_outer,
-                s_reduced, vec, peel_vec, out_dtype, quant)
+                s_reduced, vec, peel_vec, out_dtype, quant, tuple(conditioning))
 
 
 

@@ -12,7 +12,8 @@ import numbers
 
 import numpy as np
 
-from . import dispatch_rows, dtypes, launch_cache, launches, ops, plans, quantize
+from . import conditioning, dispatch_rows, dtypes, launch_cache, launches, ops, plans, quantize
+from .overlap import _overlaps, _same_view, check_writable, first_overlap, refuse_jax  # noqa: F401  (their home: overlap.py)
 from .. import _interop
 
 
@@ -92,11 +93,11 @@ class Call:
     parameters, the residual, eps and out, each checked against x."""
 
     __slots__ = ("norm", "adapter", "x", "first", "last", "norm_shape", "weight", "bias", "residual", "eps", "out",
-                 "out_given", "return_stats", "epilogue", "out_dtype", "quant", "quant_scale")
+                 "out_given", "return_stats", "epilogue", "out_dtype", "quant", "quant_scale", "cond")
 
     def __init__(self, norm, x, axis, eps, out, *, weight=None, bias=None, residual=None, return_stats=False,
                  epilogue=0, out_dtype=None, quant=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
-                 quant_scale_layout=None, return_unquantized=False):
+                 quant_scale_layout=None, return_unquantized=False, conditioned=None):
         self.norm = norm
         self.epilogue = epilogue  # the epilogue's FLAGS bits (plans: rounding, weight offset, activation)
         # y's dtype where it is not x's (cunorm's layers under autocast: float32
@@ -113,6 +114,16 @@ class Call:
         self.weight = self._param(weight, "weight")
         self.bias = self._param(bias, "bias")
         self.residual = self._residual(residual)
+        # per-head weights, shift=, scale=, residual_gate= (conditioning.py)
+        given = {}
+        for name, a in (conditioned or {}).items():
+            if a is not None:
+                a = self._same_kind(a, name)
+                check_dtype(a.dtype, name)
+            given[name] = a
+        self.cond = conditioning.check(self, given)
+        if self.cond.flags and (quant is not None or out_dtype is not None):
+            raise ValueError("quantize= takes no per-head weights, shift=, scale= or residual_gate=")
         self.eps = check_eps(eps, xa.dtype)
         self.out_given = out
         self.out = None if out is None else self._out(out)
@@ -158,10 +169,8 @@ class Call:
             return None
         pa = self._same_kind(p, name)
         check_dtype(pa.dtype, name)
-        if tuple(pa.shape) != self.norm_shape:
-            raise ValueError(
-                f"{name} must have the shape of the normalized axes {self.norm_shape}, got {tuple(pa.shape)}"
-            )
+        if tuple(pa.shape) != self.norm_shape:  # (or per-head: more of x's trailing axes)
+            conditioning.param_rows(name, tuple(pa.shape), tuple(self.x.shape), self.norm_shape, self.last)
         return pa
 
     def _residual(self, r):
@@ -216,73 +225,6 @@ def stats_shape(shape: tuple, first: int, last: int) -> tuple:
     return shape[:first] + shape[last + 1 :]
 
 
-def refuse_jax(a, name: str):
-    """Refuse a JAX array where cunorm takes an array it may write (out=,
-    BatchNorm's running buffers); returns a's adapter."""
-    adapter = _interop.adapter_for(a, name)
-    if getattr(adapter, "name", None) == "jax":
-        raise TypeError(f"{name} is a JAX array, which cunorm must not write into (JAX arrays are immutable); "
-                        f"leave {name} out and use the returned array")
-    return adapter
-
-
-def check_writable(a, name: str) -> None:
-    """Refuse an array cunorm would write into but may not: a JAX array
-    (immutable), a read-only NumPy array, a torch inference tensor outside
-    inference mode. Checked with every other argument, before anything is
-    launched or written."""
-    adapter = refuse_jax(a, name)
-    if adapter is _interop.NUMPY:
-        if not a.flags.writeable:
-            raise ValueError(f"{name} is a read-only NumPy array, which this call writes into: pass a writable "
-                             f"array (e.g. {name}.copy())")
-        return
-    unwritable = getattr(adapter, "unwritable", None)
-    reason = None if unwritable is None else unwritable(a)
-    if reason is not None:
-        raise ValueError(f"{name} {reason}, which this call writes into")
-
-
-def _pointer(a) -> int:
-    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
-
-
-def _span(a):
-    lo = hi = _pointer(a)
-    for n, s in zip(a.shape, a.strides):
-        if n > 1:
-            if s > 0:
-                hi += (n - 1) * s
-            else:
-                lo += (n - 1) * s
-    return lo, hi + a.itemsize
-
-
-def _overlaps(a, b) -> bool:
-    if a.size == 0 or b.size == 0:
-        return False
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
-
-
-def first_overlap(written, *others) -> str | None:
-    """The name of the first of ``others`` ((array or None, name) pairs)
-    whose memory overlaps ``written``'s, or None; written's span taken once."""
-    if written.size == 0:
-        return None
-    lo, hi = _span(written)
-    for a, name in others:
-        if a is not None and a.size:
-            a_lo, a_hi = _span(a)
-            if lo < a_hi and a_lo < hi:
-                return name
-    return None
-
-
-def _same_view(a, b) -> bool:
-    return _pointer(a) == _pointer(b) and a.shape == b.shape and plans.same_layout(a.shape, a.strides, b.strides)
-
-
 def run(call: Call, reference, key=None):
     """Compute the call's norm; return y (then h, then the statistics) as the
     caller's array type. ``key``: the call's signature in the launch cache
@@ -329,6 +271,8 @@ def reference_arguments(call: Call) -> dict:
         kwargs["weight_offset"] = int(bool(call.epilogue & plans.FLAG_WEIGHT_OFFSET))
     if "rounding" in op.options:
         kwargs["rounding"] = "normalized" if call.epilogue & plans.FLAG_ROUND_NORMALIZED else "output"
+    if op.conditioned:
+        kwargs.update(call.cond.arrays)
     return kwargs
 
 
@@ -401,17 +345,21 @@ def _run_gpu(call: Call):
                 s.fill(np.nan)
     program = None
     if x.size:
-        _, pdtype = kernel_params(x.dtype, call.weight, call.bias)
+        cond = call.cond
+        _, pdtype = kernel_params(x.dtype, call.weight, call.bias, conditioning.dtypes_of(cond))
         w, b = _as_param(call.weight, pdtype), _as_param(call.bias, pdtype)
         x, r, w, b = quantize.aligned_for_groups(quant, x, call.residual, w, b)
         named = dict(zip(ops.statistics_of(call.norm), stats))
         center, scale = named.get("mean"), named.get("rstd")
+        extra = dict(quant_scale=call.quant_scale, y_scale=y_scale, y_plain=y_plain)
+        if cond.flags:
+            extra.update(conditioning.kernel_rows(cond, tuple(x.shape), call.first, pdtype))
         _, _, program = _launch_rows(call.norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale,
-                                     first=call.first, last=call.last, eps=call.eps, epilogue=call.epilogue,
-                                     out_dtype=call.out_dtype, quant=quant, quant_arrays=dict(
-                                         quant_scale=call.quant_scale, y_scale=y_scale, y_plain=y_plain))
+                                     first=call.first, last=call.last, eps=call.eps,
+                                     epilogue=call.epilogue | cond.flags, out_dtype=call.out_dtype, quant=quant,
+                                     quant_arrays=extra, conditioning=cond.rows)
         copied = w is not call.weight or b is not call.bias or x is not call.x or r is not call.residual
-        if copied or call.out is not None:
+        if copied or call.out is not None or cond.flags:  # (per-row operands: the general path each call)
             program = None
     out = call.adapter.from_cupy
     results = [call.out_given if call.out is not None else out(y)]
@@ -424,15 +372,17 @@ def _run_gpu(call: Call):
     return (results[0] if len(results) == 1 else tuple(results)), program
 
 
-def kernel_params(x_dtype, w, b) -> tuple[int, np.dtype | None]:
+def kernel_params(x_dtype, w, b, operands=()) -> tuple[int, np.dtype | None]:
     """(flags, dtype) of the affine parameters as the kernels read them:
     which are present (FLAG_WEIGHT | FLAG_BIAS) and the one storage dtype
-    (dtypes.param_storage; None without parameters). Callers cast what they
-    read with _as_param."""
+    (dtypes.param_storage; None without parameters) of them and of the
+    ``operands``' dtypes (shift, scale and residual gate: stored alike).
+    Callers cast what they read with _as_param."""
     flags = (plans.FLAG_WEIGHT if w is not None else 0) | (plans.FLAG_BIAS if b is not None else 0)
-    if not flags:
+    kinds = [p.dtype for p in (w, b) if p is not None] + list(operands)
+    if not kinds:
         return 0, None
-    return flags, dtypes.param_storage(x_dtype, [p.dtype for p in (w, b) if p is not None])
+    return flags, dtypes.param_storage(x_dtype, kinds)
 
 
 def _as_param(p, dtype):
@@ -481,7 +431,7 @@ def launch_on(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=
 
 
 def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, scale=None, first, last, eps,
-                 override=None, epilogue=0, out_dtype=None, quant=None, quant_arrays=None):
+                 override=None, epilogue=0, out_dtype=None, quant=None, quant_arrays=None, conditioning=()):
     """launch_on, returning (plan, launch, program): program is the Program
     that ran over the arrays as given, None when x or r was copied or h
     formed unfused first. ``epilogue``: the epilogue's FLAGS bits.
@@ -496,8 +446,10 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
     import cupy
 
     flags = (plans.FLAG_WEIGHT if w is not None else 0) | (plans.FLAG_BIAS if b is not None else 0)
-    pdtype = None if not flags else (w if w is not None else b).dtype
     flags |= epilogue
+    operands = [(quant_arrays or {}).get(slot) for slot in CONDITIONED_SLOTS]
+    stored = [a for a in [w, b] + operands if a is not None]
+    pdtype = stored[0].dtype if stored and flags & plans.OPERAND_FLAGS else None
 
     def plan_for(x, r, h, out_dtype):
         mixed = out_dtype if out_dtype is not None and out_dtype != x.dtype else None
@@ -505,7 +457,8 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
         strides = tuple([s // itemsize for s in plans.canonical_strides(x.shape, x.strides, itemsize)])
         key = (norm, x.dtype, pdtype, flags, r is not None, x.shape, strides, first, last, x.data.ptr % 32,
                y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), mixed,
-               None if quant is None else quant.key, x.data.device_id)
+               None if quant is None else quant.key, conditioning, tuple(_mod32(a) for a in operands),
+               x.data.device_id)
         return (_planned(*key) if override is None else _plan_and_choose(key, override)) + (mixed,)
 
     given = (x, r)
@@ -523,6 +476,10 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
         _residual_add(cupy.ascontiguousarray(x), cupy.ascontiguousarray(r), h)
         x, r, h = h, None, None
         plan, launch, mixed = plan_for(x, r, h, out_dtype)
+    if (plan is None or launch is None) and flags & plans.CONDITIONED_FLAGS:
+        raise ValueError(f"per-head weights, shift=, scale= and residual_gate= run where a row fits in one block's "
+                         f"registers (rows_cached); a row of {plan.reduced if plan else '?'} "
+                         f"{np.dtype(x.dtype).name} elements does not")
     if plan is None or launch is None:
         raise RuntimeError(f"cunorm: no {norm} launch for x of shape {x.shape} and strides {x.strides}")
     program = rows_program(plan, launch, float(eps), center is not None, scale is not None, x.data.device_id)
@@ -547,8 +504,10 @@ def _residual_add_program(dtype, n_vec: int, vec: int, device: int) -> launches.
     return pb.build()
 
 
+#: the per-row operands' slots (conditioning.kernel_rows)
+CONDITIONED_SLOTS = ("shift", "mod_scale", "res_gate")
 #: a row norm's slots, in the order Program.run takes their pointers
-ROW_SLOTS = ("x", "r", "y", "h", "w", "b", "center", "scale", "quant_scale", "y_scale", "y_plain")
+ROW_SLOTS = ("x", "r", "y", "h", "w", "b", "center", "scale", "quant_scale", "y_scale", "y_plain") + CONDITIONED_SLOTS
 
 
 @functools.lru_cache(maxsize=1024)
@@ -582,7 +541,12 @@ def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool, 
                        y_plain=pb["y_plain"] if quant is not None and quant.plain else None,
                        scale_row_stride=s_row, scale_group_stride=s_group)
     if launch.tier == "cached":
-        pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, threads_per_row=launch.threads_per_row)
+        param_rows, mod_div, mod_count = plan.conditioning or (1, 1, 1)
+        operands = {slot: pb[slot] if plan.flags & bit else None for slot, bit in zip(
+            CONDITIONED_SLOTS, (plans.FLAG_SHIFT, plans.FLAG_SCALE, plans.FLAG_RESIDUAL_GATE))}
+        pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, **operands, eps=eps,
+                  threads_per_row=launch.threads_per_row, param_rows=param_rows, mod_div=mod_div,
+                  mod_count=mod_count)
     elif launch.tier == "uncached":
         pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, eps=eps, stash_vecs=launch.stash_vecs)
     elif launch.tier == "resident":

@@ -154,6 +154,11 @@ def set_lowering_target(arch=None, *, sm_count=None, l2_bytes=None):
     return _custom_call.set_lowering_target(arch, sm_count=sm_count, l2_bytes=l2_bytes)
 
 
+def _per_head(weight, axis) -> bool:
+    """Whether ``weight`` spans more axes than the normalized ones."""
+    return weight is not None and weight.ndim > (len(axis) if isinstance(axis, (tuple, list)) else 1)
+
+
 def _no_out(fn, kwargs):
     if "out" in kwargs:
         raise TypeError(f"cunorm.jax.{fn} has no out=: JAX arrays are immutable (use the result)")
@@ -248,29 +253,89 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
+def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, return_stats, activation, shift,
+                        scale, residual_gate, **options):
+    """A traced call with per-head weights, shift=, scale= or
+    residual_gate=: the plain norm (``plain``, the traced call without
+    them), then jax.numpy ops, each formed in the accumulation dtype and
+    rounded once to x's dtype, as cunorm.torch does where autograd records
+    (cunorm/torch/_conditioned.py); the arguments are checked as the eager
+    call checks them."""
+    call = row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
+                          residual=_stand_in(residual), return_stats=return_stats,
+                          conditioned={"shift": _stand_in(shift), "scale": _stand_in(scale),
+                                       "residual_gate": _stand_in(residual_gate)})
+    acc = dtypes.accumulation(np.dtype(x.dtype))
+    h = None
+    if residual_gate is not None:
+        h = (residual.astype(acc) + residual_gate.astype(acc) * x.astype(acc)).astype(x.dtype)
+        x, residual = h, None
+    heads = call.cond.param_rows > 1
+    after = heads or shift is not None or scale is not None
+    offset = heads and bool(options.get("weight_offset", 0))
+    if heads and "weight_offset" in options:
+        options = {**options, "weight_offset": 0}  # (1 + w multiplies below)
+    outs = plain(x, None if heads else weight, None if heads else bias, axis=axis, eps=eps, residual=residual,
+                 return_stats=return_stats, activation=None if after else activation, **options)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    if after:
+        y = outs[0].astype(acc)
+        if heads and weight is not None:
+            y = y * (weight.astype(acc) + 1 if offset else weight.astype(acc))
+        if heads and bias is not None:
+            y = y + bias.astype(acc)
+        if scale is not None:
+            y = y * (1 + scale.astype(acc))
+        if shift is not None:
+            y = y + shift.astype(acc)
+        if activation is not None:
+            y = JAX_ACTIVATIONS[activation](y)
+        outs[0] = y.astype(outs[0].dtype)
+    if h is not None:
+        outs.insert(1, h)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
              rounding="output", activation=None, quantize=None, quant_scale=None, quant_scale_ub=None,
-             quant_group=None, quant_scale_layout=None, return_unquantized=False, **kwargs):
+             quant_group=None, quant_scale_layout=None, return_unquantized=False, shift=None, scale=None,
+             residual_gate=None, **kwargs):
     _no_out("rms_norm", kwargs)
-    if _traced(x, weight, residual, quant_scale, quant_scale_ub):
+    if _traced(x, weight, residual, quant_scale, quant_scale_ub, shift, scale, residual_gate):
         _no_unknown_kwargs("rms_norm", kwargs)
         epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
+        if shift is not None or scale is not None or residual_gate is not None or _per_head(weight, axis):
+            if quantize is not None:
+                raise ValueError("quantize= takes no per-head weights, shift=, scale= or residual_gate=")
+            return _conditioned_traced(
+                lambda x, w, b, **kw: rms_norm(x, w, **kw), "rms", x, weight, None, axis=axis, eps=eps,
+                residual=residual, return_stats=return_stats, activation=activation, shift=shift, scale=scale,
+                residual_gate=residual_gate, weight_offset=weight_offset, rounding=rounding)
         quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout, return_unquantized)
         return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats, epilogue, quant)
     _check_kind("rms_norm", x)
     return norms.rms_norm(x, weight, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
                           weight_offset=weight_offset, rounding=rounding, activation=activation, quantize=quantize,
                           quant_scale=quant_scale, quant_scale_ub=quant_scale_ub, quant_group=quant_group,
-                          quant_scale_layout=quant_scale_layout, return_unquantized=return_unquantized, **kwargs)
+                          quant_scale_layout=quant_scale_layout, return_unquantized=return_unquantized,
+                          shift=shift, scale=scale, residual_gate=residual_gate, **kwargs)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
                activation=None, quantize=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
-               quant_scale_layout=None, return_unquantized=False, **kwargs):
+               quant_scale_layout=None, return_unquantized=False, shift=None, scale=None, residual_gate=None,
+               **kwargs):
     _no_out("layer_norm", kwargs)
-    if _traced(x, weight, bias, residual, quant_scale, quant_scale_ub):
+    if _traced(x, weight, bias, residual, quant_scale, quant_scale_ub, shift, scale, residual_gate):
         _no_unknown_kwargs("layer_norm", kwargs)
         epilogue = plans.activation_flags(activation)
+        if shift is not None or scale is not None or residual_gate is not None or _per_head(weight, axis) or \
+                _per_head(bias, axis):
+            if quantize is not None:
+                raise ValueError("quantize= takes no per-head weights, shift=, scale= or residual_gate=")
+            return _conditioned_traced(layer_norm, "ln", x, weight, bias, axis=axis, eps=eps, residual=residual,
+                                       return_stats=return_stats, activation=activation, shift=shift, scale=scale,
+                                       residual_gate=residual_gate)
         quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout, return_unquantized)
         return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats, epilogue, quant)
     _check_kind("layer_norm", x)
@@ -278,7 +343,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
                             activation=activation, quantize=quantize, quant_scale=quant_scale,
                             quant_scale_ub=quant_scale_ub, quant_group=quant_group,
                             quant_scale_layout=quant_scale_layout, return_unquantized=return_unquantized,
-                            **kwargs)
+                            shift=shift, scale=scale, residual_gate=residual_gate, **kwargs)
 
 
 def normalize(x, p=2.0, *, axis=-1, eps=LP_EPS, **kwargs):

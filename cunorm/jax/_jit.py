@@ -145,7 +145,7 @@ def _row_key(spec: RowSpec, device_id: int) -> tuple:
     ndim = len(spec.shape)
     strides = tuple(math.prod(spec.shape[i + 1:]) for i in range(ndim))
     return (spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.residual, spec.shape, strides,
-            spec.first, spec.last, 0, 0, 0, 0, 0, 0, None, spec.quant, device_id)
+            spec.first, spec.last, 0, 0, 0, 0, 0, 0, None, spec.quant, (), (), device_id)
 
 
 def _record_rows(spec: RowSpec, values: dict, arch: int) -> dict:

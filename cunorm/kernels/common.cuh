@@ -243,4 +243,38 @@ __device__ __forceinline__ void store_vec_hint(T* p, const Vec<T, N>& v, unsigne
     }
 }
 
+// Wait until at most `left` of this thread's cp.async groups are pending
+// (an immediate operand: `left` must fold to a constant, below 4).
+__device__ __forceinline__ void cp_async_wait_parts_left(int left) {
+    if (left == 0) asm volatile("cp.async.wait_group 0;" ::: "memory");
+    else if (left == 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
+    else if (left == 2) asm volatile("cp.async.wait_group 2;" ::: "memory");
+    else asm volatile("cp.async.wait_group 3;" ::: "memory");
+}
+
+// Asynchronous copy global -> shared of one vector (4, 8 or 16 bytes,
+// sm_80+): no register staging, so a thread can have its whole share of a
+// chunk in flight at once. HINTED 16-byte copies carry an L2 policy.
+// rows_uncached's stash copies go without: hinted, in four commit groups,
+// they raised an illegal-instruction fault at the copy on the H200
+// (compute-sanitizer; two groups, or no hint, ran clean).
+template <int BYTES, bool HINTED = false>
+__device__ __forceinline__ void copy_async(void* shared_dst, const void* global_src,
+                                           unsigned long long policy = 0) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+    if constexpr (BYTES == 16 && HINTED) {
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(global_src),
+                     "l"(policy)
+                     : "memory");
+    } else if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(global_src), "n"(BYTES) : "memory");
+    }
+}
+__device__ __forceinline__ void copy_async_wait_all() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
 }  // namespace cunorm

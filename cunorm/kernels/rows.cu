@@ -66,15 +66,19 @@ namespace cunorm {
 // Set by ptxas's spill reports over every instantiation for sm_80 and sm_90
 // (at 64 registers, 8 float4 vectors a thread spilled on sm_80);
 // cunorm/_engine/dispatch_rows.py (cached_cost, block_cache_limit) mirrors it.
-template <class T, class A, int STAT_WORDS, int VEC, int VECS_PER_THREAD, bool RESIDUAL, bool QUANTIZED>
+// Per-row operands (per-head weights, a modulation, a gated residual: a
+// division or two a row and one more pointer each) keep 128 registers too:
+// at 64, the per-head weights' 16-bit rows of 4 vectors a thread spilled.
+template <class T, class A, int STAT_WORDS, int VEC, int VECS_PER_THREAD, bool RESIDUAL, bool QUANTIZED,
+          bool PER_ROW>
 struct RowsCachedBounds {
     static constexpr int kCost = VECS_PER_THREAD * VEC * static_cast<int>(sizeof(T)) * (RESIDUAL ? 4 : 1) *
                                  ((STAT_WORDS > 1 || sizeof(A) == 8) ? 2 : 1);
     static constexpr int kLoads = VECS_PER_THREAD * (RESIDUAL ? 2 : 1);
     static constexpr bool kHeavy = STAT_WORDS > 1 || sizeof(A) == 8;
-    static constexpr int kBlockMaxThreads = (!kHeavy && kCost <= 64 && kLoads <= 8) ? 1024 : 512;
+    static constexpr int kBlockMaxThreads = (!kHeavy && !PER_ROW && kCost <= 64 && kLoads <= 8) ? 1024 : 512;
     static constexpr int kBlockMinBlocks =
-        (!kHeavy && !QUANTIZED && sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ? 2 : 1;
+        (!kHeavy && !QUANTIZED && !PER_ROW && sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ? 2 : 1;
 };
 
 // Loads in flight per thread in the streaming sweeps (uncached, split).
@@ -102,42 +106,6 @@ __host__ __device__ constexpr int write_batch() {
     return item * 4 <= budget ? 4 : item * 2 <= budget ? 2 : 1;
 }
 
-// Wait until at most `left` of this thread's cp.async groups are pending
-// (an immediate operand: `left` must fold to a constant, below 4).
-__device__ __forceinline__ void cp_async_wait_parts_left(int left) {
-    if (left == 0) asm volatile("cp.async.wait_group 0;" ::: "memory");
-    else if (left == 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
-    else if (left == 2) asm volatile("cp.async.wait_group 2;" ::: "memory");
-    else asm volatile("cp.async.wait_group 3;" ::: "memory");
-}
-// rows_uncached's stash arrives in this many parts (cp.async groups).
-constexpr int kStashParts = 4;
-
-// Asynchronous copy global -> shared of one vector (4, 8 or 16 bytes,
-// sm_80+): no register staging, so a thread can have its whole share of a
-// chunk in flight at once. HINTED 16-byte copies carry an L2 policy.
-// rows_uncached's stash copies go without: hinted, in four commit groups,
-// they raised an illegal-instruction fault at the copy on the H200
-// (compute-sanitizer; two groups, or no hint, ran clean).
-template <int BYTES, bool HINTED = false>
-__device__ __forceinline__ void copy_async(void* shared_dst, const void* global_src,
-                                           unsigned long long policy = 0) {
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
-    if constexpr (BYTES == 16 && HINTED) {
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(global_src),
-                     "l"(policy)
-                     : "memory");
-    } else if constexpr (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
-    } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(global_src), "n"(BYTES) : "memory");
-    }
-}
-__device__ __forceinline__ void copy_async_wait_all() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-}
-
 // A quantizing store's y also as the plain store writes it (x's type,
 // rounded once), where the caller asked for it (y_plain not null: a
 // uniform branch); nothing for the other stores.
@@ -156,17 +124,21 @@ template <template <class> class NormT, class T, class STORE, class LOAD, int VE
           bool BLOCK_PER_ROW>
 __global__ void __launch_bounds__(
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
-                                     VECS_PER_THREAD, LOAD::kResidual, STORE::kQuantized>::kBlockMaxThreads
+                                     VECS_PER_THREAD, LOAD::kResidual, STORE::kQuantized,
+                                     STORE::kPerRow || LOAD::kScaled>::kBlockMaxThreads
                   : kGroupBlockThreads,
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
-                                     VECS_PER_THREAD, LOAD::kResidual, STORE::kQuantized>::kBlockMinBlocks
+                                     VECS_PER_THREAD, LOAD::kResidual, STORE::kQuantized,
+                                     STORE::kPerRow || LOAD::kScaled>::kBlockMinBlocks
                   : 2)
 rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STORE::Param* __restrict__ w,
             const typename STORE::Param* __restrict__ b, const float* __restrict__ quant_scale,
-            typename STORE::Out* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
-            typename AccOf<T>::type* scale_out, float* __restrict__ y_scale, T* __restrict__ y_plain, long long rows,
-            int n, long long x_row_stride, typename AccOf<T>::type eps, int threads_per_row,
-            long long scale_row_stride, long long scale_group_stride) {
+            const typename STORE::Param* __restrict__ shift, const typename STORE::Param* __restrict__ mod_scale,
+            const typename LOAD::Gate* __restrict__ res_gate, typename STORE::Out* __restrict__ y,
+            T* __restrict__ h, typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out,
+            float* __restrict__ y_scale, T* __restrict__ y_plain, long long rows, int n, long long x_row_stride,
+            typename AccOf<T>::type eps, int threads_per_row, long long scale_row_stride,
+            long long scale_group_stride, long long param_rows, long long mod_div, long long mod_count) {
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -191,24 +163,33 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
         const T* xr = x + row * x_row_stride;
 
         // Issue every load of the row before using any of them.
+        using GateVec = typename Select<LOAD::kScaled, Vec<typename LOAD::Gate, VEC>, none_t>::type;
         Vec<T, VEC> cache[VECS_PER_THREAD];
         Vec<T, VEC> residual[LOAD::kResidual ? VECS_PER_THREAD : 1];
+        GateVec gates[LOAD::kScaled ? VECS_PER_THREAD : 1];
+        const typename LOAD::Gate* gr = nullptr;
+        if constexpr (LOAD::kScaled) gr = LOAD::gate_row(res_gate, row, n, mod_div, mod_count);
 #pragma unroll
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
             const int v = lane + k * row_threads;
             if (active && v < n_vec) {
                 cache[k] = load_vec<T, VEC>(xr + static_cast<long long>(v) * VEC);
                 if constexpr (LOAD::kResidual) residual[k] = load_vec<T, VEC>(r + row * x_row_stride + v * VEC);
+                if constexpr (LOAD::kScaled) gates[k] = load_vec<typename LOAD::Gate, VEC>(gr + v * VEC);
             }
         }
-        const A pivot = row_pivot<Norm, A, T, LOAD>(xr, r + row * x_row_stride, active);
+        const A pivot = row_pivot<Norm, A, T, LOAD>(xr, r + row * x_row_stride, active, gr);
         Stats s = Norm::init();
 #pragma unroll
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
             const int v = lane + k * row_threads;
             if (active && v < n_vec) {
                 if constexpr (LOAD::kResidual) {
-                    cache[k] = LOAD::template combine<VEC>(cache[k], residual[k]);
+                    if constexpr (LOAD::kScaled) {
+                        cache[k] = LOAD::template combine<VEC>(cache[k], residual[k], gates[k]);
+                    } else {
+                        cache[k] = LOAD::template combine<VEC>(cache[k], residual[k]);
+                    }
                     store_vec<T, VEC>(h + row * n + static_cast<long long>(v) * VEC, cache[k]);
                 }
                 s = fold<Norm, A, T, VEC>(s, cache[k], pivot);
@@ -221,6 +202,8 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
         }
         const Affine<A> f = Norm::finalize(s, n, eps);
         if (active && lane == 0) store_stats(center_out, scale_out, row, f, pivot);
+        // the row's parameters and modulation (per-head weights, adaLN)
+        const typename STORE::Row ro = STORE::row(w, b, shift, mod_scale, row, n, param_rows, mod_div, mod_count);
 
         if constexpr (STORE::kGroup > 0) {
             // A scale each kGroup elements. The group's lanes (kGroup / VEC
@@ -242,7 +225,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                 m[k] = 0.0f;
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
-                    m[k] = STORE::template amax<T>(cache[k], STORE::template params<VEC>(w, b, e), f, pivot);
+                    m[k] = STORE::template amax<T>(cache[k], STORE::template params<VEC>(ro, e), f, pivot);
                 }
 #pragma unroll
                 for (int mask = kLanes / 2; mask > 0; mask /= 2) {
@@ -274,7 +257,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                 const int v = lane + k * row_threads;
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
-                    const auto p = STORE::template params<VEC>(w, b, e);
+                    const auto p = STORE::template params<VEC>(ro, e);
                     store_vec(yr + e, STORE::template apply<T>(cache[k], p, f, pivot, quant));
                     store_plain<STORE>(y_plain, row * n + e, cache[k], p, f, pivot);
                 }
@@ -291,7 +274,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                     const int v = lane + k * row_threads;
                     if (active && v < n_vec) {
                         const long long e = static_cast<long long>(v) * VEC;
-                        m.v = fmax(m.v, STORE::template amax<T>(cache[k], STORE::template params<VEC>(w, b, e), f,
+                        m.v = fmax(m.v, STORE::template amax<T>(cache[k], STORE::template params<VEC>(ro, e), f,
                                                                 pivot));
                     }
                 }
@@ -309,7 +292,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                 const int v = lane + k * row_threads;
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
-                    const auto p = STORE::template params<VEC>(w, b, e);
+                    const auto p = STORE::template params<VEC>(ro, e);
                     store_vec(yr + e, STORE::template apply<T>(cache[k], p, f, pivot, quant));
                     store_plain<STORE>(y_plain, row * n + e, cache[k], p, f, pivot);
                 }
@@ -325,6 +308,9 @@ __device__ __forceinline__ int misaligned_head(const T* p, long long n) {
     const int misaligned = static_cast<int>((reinterpret_cast<unsigned long long>(p) / sizeof(T)) & (VEC - 1));
     return static_cast<int>(min(static_cast<long long>((VEC - misaligned) & (VEC - 1)), n));
 }
+
+// rows_uncached's stash arrives in this many parts (cp.async groups).
+constexpr int kStashParts = 4;
 
 // Vectors of each row a rows_uncached thread holds in registers after the
 // stash: a 65535-float row is 226 KB of stash plus 512 threads x 4 x 16

@@ -13,8 +13,14 @@
 //   ResidualLoad<T>   h = x + r, rounded to T and written out: the pre-norm
 //                     transformer block's fused add (the norm then sees
 //                     exactly the h it returns)
+//   ScaledResidualLoad<T, G>
+//                     h = r + g * x, g stored as G (adaLN-Zero's gated
+//                     residual: g a row of a per-sample or per-token
+//                     array), formed in the accumulation type and rounded
+//                     once to T, written out (rows_cached only)
 // Members: kResidual (r is read and h written: the tier keeps r's loads in
-// flight, spends registers on them, and re-reads h rather than x);
+// flight, spends registers on them, and re-reads h rather than x); kScaled
+// and Gate (a gate g is read, of type Gate, the row's from gate_row());
 // load<VEC>(x_row, r_row, h_row, e); combine<VEC>(x, r), the add alone, for
 // tiers that issue every load of a row before using any.
 //
@@ -39,6 +45,13 @@
 //                             SCALING values)
 //   NoStore                   no y: the statistics alone (a jit program that
 //                             never reads y)
+// AffineStore's FLAGS may also ask for per-row operands (rows_cached only):
+// kParamRows (row r reads row r % param_rows of a (param_rows, n) weight
+// and bias: per-head weights) and kShift / kScale (the modulation of
+// adaLN: y = act((affine) * (1 + scale) + shift), shift and scale rows of
+// a per-sample or per-token array stored as P). A tier that takes them
+// forms the row's operands once (row(): the parameters' and the
+// modulation's rows) and reads a vector's with params(row, e).
 // Members: Param and Out (the storage types of w, b and of y); kWritesY;
 // kBare (nothing is read or computed beyond the scaling: a tier may spend
 // those registers on holding more of the row); kParamBytes (parameter bytes
@@ -67,9 +80,28 @@ namespace cunorm {
 //                      there), then the product is rounded again
 //   bits 4..6          the activation applied last (Activation), computed
 //                      as torch computes it in float32
+//   kParamRows         the parameters repeat every param_rows rows (row r
+//                      reads row r % param_rows of them: per-head weights)
+//   kShift, kScale     the modulation v * (1 + scale) + shift after the
+//                      affine and before the activation, both per element
+//                      of the row's modulation row (row / mod_div %
+//                      mod_count of a (mod_count, n) array)
 constexpr int kWeightOffset = 4;
 constexpr int kRoundNormalized = 8;
 constexpr int kActivationShift = 4;
+constexpr int kParamRows = 128;
+constexpr int kShift = 256;
+constexpr int kScale = 512;
+
+// A if C, else B.
+template <bool C, class A, class B>
+struct Select {
+    using type = A;
+};
+template <class A, class B>
+struct Select<false, A, B> {
+    using type = B;
+};
 enum Activation { kIdentity = 0, kRelu = 1, kSilu = 2, kGelu = 3, kGeluTanh = 4 };
 
 // v rounded to the storage type T and widened back (exact for float, double).
@@ -108,25 +140,77 @@ struct ParamVec {
 template <class P, bool WEIGHT, bool BIAS, int VEC>
 struct ParamVec<P, WEIGHT, BIAS, VEC, false> {};
 
+// The parameters and the modulation of one vector.
+template <class P, bool WEIGHT, bool BIAS, int VEC>
+struct ModulatedParamVec : ParamVec<P, WEIGHT, BIAS, VEC> {
+    Vec<P, VEC> shift;
+    Vec<P, VEC> scale;
+};
+
+// The row of a per-sample or per-token array that row r reads: r / div % count.
+__device__ __forceinline__ long long broadcast_row(long long row, long long div, long long count) {
+    return (row / div) % count;
+}
+
 template <class P, int FLAGS, class Y>
 struct AffineStore {
     using Param = P;
     using Out = Y;
     static constexpr bool kHasWeight = (FLAGS & kWeight) != 0;
     static constexpr bool kHasBias = (FLAGS & kBias) != 0;
+    static constexpr bool kHasShift = (FLAGS & kShift) != 0;
+    static constexpr bool kHasScale = (FLAGS & kScale) != 0;
+    static constexpr bool kModulated = kHasShift || kHasScale;
+    static constexpr bool kPerRow = (FLAGS & (kParamRows | kShift | kScale)) != 0;  // (rows_cached only)
     static constexpr bool kWritesY = true;
     static constexpr bool kBare = FLAGS == 0;
-    static constexpr int kParamBytes = ((kHasWeight ? 1 : 0) + (kHasBias ? 1 : 0)) * static_cast<int>(sizeof(P));
+    static constexpr int kParamBytes =
+        ((kHasWeight ? 1 : 0) + (kHasBias ? 1 : 0) + (kHasShift ? 1 : 0) + (kHasScale ? 1 : 0)) *
+        static_cast<int>(sizeof(P));
 
     template <int VEC>
-    using Params = ParamVec<P, kHasWeight, kHasBias, VEC>;
+    using Params = typename Select<kModulated, ModulatedParamVec<P, kHasWeight, kHasBias, VEC>,
+                                   ParamVec<P, kHasWeight, kHasBias, VEC>>::type;
     template <class A>
     struct Scalars {
-        A w, b;
+        A w, b, shift, scale;
     };
+
+    // One row's operands: its parameters' row and its modulation's row.
+    struct Row {
+        const P* w;
+        const P* b;
+        const P* shift;
+        const P* scale;
+    };
+    __device__ __forceinline__ static Row row(const P* w, const P* b, const P* shift, const P* scale, long long r,
+                                              int n, long long param_rows, long long mod_div, long long mod_count) {
+        Row o{w, b, shift, scale};
+        if constexpr ((FLAGS & kParamRows) != 0) {
+            const long long at = (r % param_rows) * n;
+            if constexpr (kHasWeight) o.w += at;
+            if constexpr (kHasBias) o.b += at;
+        }
+        if constexpr (kModulated) {
+            const long long at = broadcast_row(r, mod_div, mod_count) * n;
+            if constexpr (kHasShift) o.shift += at;
+            if constexpr (kHasScale) o.scale += at;
+        }
+        return o;
+    }
+    template <int VEC>
+    __device__ __forceinline__ static Params<VEC> params(const Row& o, long long e) {
+        Params<VEC> p;
+        if constexpr (kHasWeight) p.w = load_vec<P, VEC>(o.w + e);
+        if constexpr (kHasBias) p.b = load_vec<P, VEC>(o.b + e);
+        if constexpr (kHasShift) p.shift = load_vec<P, VEC>(o.shift + e);
+        if constexpr (kHasScale) p.scale = load_vec<P, VEC>(o.scale + e);
+        return p;
+    }
 
     template <int VEC>
     __device__ __forceinline__ static Params<VEC> params(const P* w, const P* b, long long e) {
+        static_assert((FLAGS & (kParamRows | kShift | kScale)) == 0, "per-row operands: params(row(...), e)");
         Params<VEC> p;
         if constexpr (kHasWeight) p.w = load_vec<P, VEC>(w + e);
         if constexpr (kHasBias) p.b = load_vec<P, VEC>(b + e);
@@ -147,17 +231,19 @@ struct AffineStore {
     }
     template <class A>
     __device__ __forceinline__ static Scalars<A> channel(const P* w, const P* b, long long c) {
-        Scalars<A> s{A(1), A(0)};
+        Scalars<A> s{A(1), A(0), A(0), A(0)};
         if constexpr (kHasWeight) s.w = static_cast<A>(widen(w[c]));
         if constexpr (kHasBias) s.b = static_cast<A>(widen(b[c]));
         return s;
     }
     // The parameters of element j of a vector.
-    template <class A, int VEC>
-    __device__ __forceinline__ static Scalars<A> scalars_at(const Params<VEC>& p, int j) {
-        Scalars<A> s{A(1), A(0)};
+    template <class A, class PV>
+    __device__ __forceinline__ static Scalars<A> scalars_at(const PV& p, int j) {
+        Scalars<A> s{A(1), A(0), A(0), A(0)};
         if constexpr (kHasWeight) s.w = static_cast<A>(widen(p.w.v[j]));
         if constexpr (kHasBias) s.b = static_cast<A>(widen(p.b.v[j]));
+        if constexpr (kHasShift) s.shift = static_cast<A>(widen(p.shift.v[j]));
+        if constexpr (kHasScale) s.scale = static_cast<A>(widen(p.scale.v[j]));
         return s;
     }
     // Every element of the vector takes channel c's parameters.
@@ -185,6 +271,13 @@ struct AffineStore {
             v = v * s.w;
         } else if constexpr (kHasBias) {
             v = v + s.b;
+        }
+        if constexpr (kHasShift && kHasScale) {
+            v = fma(v, A(1) + s.scale, s.shift);
+        } else if constexpr (kHasScale) {
+            v = v * (A(1) + s.scale);
+        } else if constexpr (kHasShift) {
+            v = v + s.shift;
         }
         return activate<(FLAGS >> kActivationShift) & 7>(v);
     }
@@ -372,12 +465,18 @@ struct QuantStore : AffineStore<P, FLAGS, Q> {
 struct NoStore {
     using Param = none_t;
     using Out = none_t;
+    struct Row {};
+    __device__ __forceinline__ static Row row(const none_t*, const none_t*, const none_t*, const none_t*, long long,
+                                              int, long long, long long, long long) {
+        return Row{};
+    }
     struct Scale {};
     static constexpr bool kQuantized = false;
     static constexpr bool kRowScale = false;
     static constexpr int kGroup = 0;
     __device__ __forceinline__ static Scale static_scale(const float*) { return Scale{}; }
     static constexpr bool kWritesY = false;
+    static constexpr bool kPerRow = false;
     static constexpr bool kBare = true;
     static constexpr int kParamBytes = 0;
 };
@@ -395,6 +494,8 @@ __device__ __forceinline__ Vec<T, VEC> add_residual(const Vec<T, VEC>& x, const 
 template <class T>
 struct XLoad {
     static constexpr bool kResidual = false;
+    static constexpr bool kScaled = false;
+    using Gate = none_t;
     template <int VEC>
     __device__ __forceinline__ static Vec<T, VEC> load(const T* x_row, const T*, T*, long long e) {
         return load_vec<T, VEC>(x_row + e);
@@ -408,6 +509,8 @@ struct XLoad {
 template <class T>
 struct ResidualLoad {
     static constexpr bool kResidual = true;
+    static constexpr bool kScaled = false;
+    using Gate = none_t;
     template <int VEC>
     __device__ __forceinline__ static Vec<T, VEC> load(const T* x_row, const T* r_row, T* h_row, long long e) {
         const Vec<T, VEC> v = add_residual<T, VEC>(load_vec<T, VEC>(x_row + e), load_vec<T, VEC>(r_row + e));
@@ -417,6 +520,31 @@ struct ResidualLoad {
     template <int VEC>
     __device__ __forceinline__ static Vec<T, VEC> combine(const Vec<T, VEC>& x, const Vec<T, VEC>& r) {
         return add_residual<T, VEC>(x, r);
+    }
+};
+
+// h = r + g * x in the accumulation type, rounded once to T; g the row's
+// gate (gate_row: a row of a per-sample or per-token (count, n) array).
+template <class T, class G>
+struct ScaledResidualLoad {
+    static constexpr bool kResidual = true;
+    static constexpr bool kScaled = true;
+    using Gate = G;
+    using A = typename AccOf<T>::type;
+    __device__ __forceinline__ static const G* gate_row(const G* g, long long row, int n, long long div,
+                                                        long long count) {
+        return g + broadcast_row(row, div, count) * n;
+    }
+    template <int VEC>
+    __device__ __forceinline__ static Vec<T, VEC> combine(const Vec<T, VEC>& x, const Vec<T, VEC>& r,
+                                                          const Vec<G, VEC>& g) {
+        Vec<T, VEC> h;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            narrow(fma(static_cast<A>(widen(g.v[j])), static_cast<A>(widen(x.v[j])), static_cast<A>(widen(r.v[j]))),
+                   h.v[j]);
+        }
+        return h;
     }
 };
 

@@ -11,6 +11,7 @@ from .._engine import channel_norms, plans, row_norms
 from .._engine.ops import DEFAULT_EPS, LP_EPS
 from .._interop import torch as _adapter
 from . import _operators  # noqa: F401  (registers torch.ops.cunorm.*)
+from ._conditioned import conditioned as _conditioned, per_head as _per_head
 from ._quantized import quantized as _quantized
 from ._autograd import TORCH_ACTIVATIONS as _TORCH_ACTIVATIONS
 from ._autograd import channel_norm_apply as _channel_norm_apply
@@ -19,6 +20,7 @@ from ._autograd import needs_grad as _needs_grad  # (the forward operators then 
 from ._autograd import row_norm_apply as _row_norm_apply
 
 _ALL_AXES: list[int] = []  # an op's ``axes`` for axis=None (every axis)
+_NOT_QUANTIZED = "quantize= takes no per-head weights, shift=, scale= or residual_gate="
 
 
 # -- functions ------------------------------------------------------------------------------------------------------
@@ -63,11 +65,21 @@ def _offset_weight(x: Tensor, weight: Tensor) -> Tensor:
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
              rounding="output", activation=None, quantize=None, quant_scale=None, quant_scale_ub=None,
-             quant_group=None, quant_scale_layout=None, return_unquantized=False):
+             quant_group=None, quant_scale_layout=None, return_unquantized=False, shift=None, scale=None,
+             residual_gate=None):
     """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm`` (differentiable); with
-    ``quantize=``, ``torch.ops.cunorm.row_norm_quantized`` (inference only)."""
+    ``quantize=``, ``torch.ops.cunorm.row_norm_quantized`` (inference only); with per-head weights,
+    ``shift=``, ``scale=`` or ``residual_gate=``: fused, or where autograd records the norm and torch's
+    elementwise ops (cunorm/torch/_conditioned.py)."""
     stats = row_norms.check_flag(return_stats, "return_stats")
     epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
+    if shift is not None or scale is not None or residual_gate is not None or _per_head(weight, axis):
+        if quantize is not None:
+            raise ValueError(_NOT_QUANTIZED)
+        return _conditioned("rms", lambda x, w, b, **kw: rms_norm(x, w, **kw), x, weight, None, axis=axis,
+                            eps=eps, residual=residual, return_stats=stats, epilogue=epilogue,
+                            activation=activation, shift=shift, scale=scale, residual_gate=residual_gate,
+                            weight_offset=weight_offset, rounding=rounding)
     if (quantize is not None or quant_scale is not None or quant_scale_ub is not None or quant_group is not None
             or quant_scale_layout is not None or return_unquantized is not False):
         return _quantized("rms", x, weight, None, residual, _axes(axis), eps, stats, epilogue, quantize, quant_scale,
@@ -88,11 +100,19 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
                activation=None, quantize=None, quant_scale=None, quant_scale_ub=None, quant_group=None,
-               quant_scale_layout=None, return_unquantized=False):
+               quant_scale_layout=None, return_unquantized=False, shift=None, scale=None, residual_gate=None):
     """:func:`cunorm.layer_norm` as the registered op ``torch.ops.cunorm.layer_norm`` (differentiable); with
-    ``quantize=``, ``torch.ops.cunorm.row_norm_quantized`` (inference only)."""
+    ``quantize=``, ``torch.ops.cunorm.row_norm_quantized`` (inference only); conditioned as
+    :func:`rms_norm`."""
     stats = row_norms.check_flag(return_stats, "return_stats")
     epilogue = plans.activation_flags(activation)
+    if shift is not None or scale is not None or residual_gate is not None or _per_head(weight, axis) or \
+            _per_head(bias, axis):
+        if quantize is not None:
+            raise ValueError(_NOT_QUANTIZED)
+        return _conditioned("ln", layer_norm, x, weight, bias, axis=axis, eps=eps, residual=residual,
+                            return_stats=stats, epilogue=epilogue, activation=activation, shift=shift,
+                            scale=scale, residual_gate=residual_gate)
     if (quantize is not None or quant_scale is not None or quant_scale_ub is not None or quant_group is not None
             or quant_scale_layout is not None or return_unquantized is not False):
         return _quantized("ln", x, weight, bias, residual, _axes(axis), eps, stats, epilogue, quantize, quant_scale,

@@ -1,0 +1,153 @@
+"""Per-row operands of a row norm: per-head weights, adaLN's modulation
+(``shift=``, ``scale=``) and the gated residual (``residual_gate=``).
+
+Each is validated against x and brought to what rows_cached reads
+(cunorm/kernels/stages.cuh: AffineStore's kParamRows, kShift, kScale;
+ScaledResidualLoad): rows of the normalized axes' n elements, contiguous,
+in the parameters' dtype, row r of x reading
+
+- parameter row ``r % param_rows`` (a weight and bias over more trailing
+  axes than the normalized ones: (heads, head_dim) over x of (B, S,
+  heads, head_dim));
+- modulation (and gate) row ``r // mod_div % mod_count`` (an array that
+  broadcasts against x: per sample (B, 1, H) for x of (B, T, H), per
+  token (B, T, H), one for all (H,)).
+
+An array whose kept leading axes are not adjacent ((B, 1, S2, H) against
+x of (B, S1, S2, H)) is broadcast out to one row a row of x first.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import plans
+
+#: the arrays, by keyword, and their FLAGS bits
+OPERANDS = {"shift": plans.FLAG_SHIFT, "scale": plans.FLAG_SCALE, "residual_gate": plans.FLAG_RESIDUAL_GATE}
+
+
+@dataclass
+class Conditioning:
+    """A call's per-row operands: the arrays (x's kind, validated, None
+    where absent), the rows they read (Plan.conditioning) and the flags."""
+
+    shift: object = None
+    scale: object = None
+    residual_gate: object = None
+    param_rows: int = 1
+    mod_div: int = 1
+    mod_count: int = 1
+    flags: int = 0
+    #: the arrays keep no one pattern: each is broadcast out to x's rows
+    expand: bool = False
+
+    @property
+    def arrays(self) -> dict:
+        return {name: getattr(self, name) for name in OPERANDS if getattr(self, name) is not None}
+
+    @property
+    def rows(self) -> tuple:
+        """Plan.conditioning: (param_rows, mod_div, mod_count), () without
+        per-row operands."""
+        return (self.param_rows, self.mod_div, self.mod_count) if self.flags else ()
+
+
+def param_rows(name: str, shape: tuple, x_shape: tuple, norm_shape: tuple, last: int) -> int:
+    """The parameter rows of a weight or bias of ``shape``: 1 over the
+    normalized axes alone; the product of its leading axes where it spans
+    more of x's trailing axes (per-head weights, the normalized axes
+    trailing). Raises ValueError for any other shape."""
+    if shape == norm_shape:
+        return 1
+    extra = len(shape) - len(norm_shape)
+    if extra > 0 and last == len(x_shape) - 1 and shape == x_shape[len(x_shape) - len(shape):]:
+        return math.prod(shape[:extra])
+    raise ValueError(f"{name} must have the shape of the normalized axes {norm_shape}, got {shape} (or, per head, "
+                     f"that of more of x's trailing axes: {x_shape[-len(norm_shape) - 1:]})")
+
+
+def broadcast_rows(x_shape: tuple, first: int, shape: tuple) -> tuple[int, int] | None:
+    """(mod_div, mod_count) with which row r of x (its axes before
+    ``first``, the normalized ones after) reads row r // mod_div %
+    mod_count of an array of ``shape`` broadcast against x; None where the
+    axes it keeps are not adjacent."""
+    lead = x_shape[:first]
+    own = ((1,) * (len(x_shape) - len(shape)) + tuple(shape))[:first]
+    kept = [i for i, (a, n) in enumerate(zip(own, lead)) if a == n and n != 1]
+    if not kept:
+        return 1, 1
+    if kept != list(range(kept[0], kept[-1] + 1)):
+        return None
+    return math.prod(lead[kept[-1] + 1:]), math.prod(lead[kept[0]:kept[-1] + 1])
+
+
+def check(call, given: dict) -> Conditioning:
+    """The call's per-row operands (``given``: {keyword: array or None},
+    each of x's kind and a float dtype already), validated against x;
+    ``call``: a row_norms.Call with its weight, bias and residual
+    checked."""
+    x_shape = tuple(call.x.shape)
+    cond = Conditioning()
+    params = [p for p in (call.weight, call.bias) if p is not None]
+    if len(params) == 2 and tuple(params[0].shape) != tuple(params[1].shape):
+        raise ValueError(f"weight and bias must have one shape, got {tuple(params[0].shape)} and "
+                         f"{tuple(params[1].shape)}")
+    if params:
+        cond.param_rows = param_rows("weight" if call.weight is not None else "bias", tuple(params[0].shape),
+                                     x_shape, call.norm_shape, call.last)
+    if cond.param_rows > 1:
+        cond.flags |= plans.FLAG_PARAM_ROWS
+    patterns = set()
+    for name, a in given.items():
+        if a is None:
+            continue
+        if name == "residual_gate" and call.residual is None:
+            raise ValueError("residual_gate scales x in h = residual + residual_gate * x: pass residual= too")
+        if call.last != len(x_shape) - 1:
+            raise ValueError(f"{name}= conditions rows: normalize over the trailing axes, got axes "
+                             f"{call.first}..{call.last} of a {len(x_shape)}-d x")
+        shape = tuple(a.shape)
+        aligned = (1,) * (len(x_shape) - len(shape)) + shape
+        if len(shape) > len(x_shape) or len(shape) < len(call.norm_shape) or \
+                aligned[call.first:] != call.norm_shape or \
+                any(s not in (1, n) for s, n in zip(aligned[:call.first], x_shape[:call.first])):
+            raise ValueError(f"{name} must broadcast against x {x_shape} and span the normalized axes "
+                             f"{call.norm_shape} (per sample, per token, or one for all), got {shape}")
+        setattr(cond, name, a)
+        cond.flags |= OPERANDS[name]
+        patterns.add(broadcast_rows(x_shape, call.first, shape))
+    if len(patterns) == 1 and None not in patterns:
+        cond.mod_div, cond.mod_count = patterns.pop()
+    elif patterns:
+        cond.mod_div, cond.mod_count, cond.expand = 1, math.prod(x_shape[:call.first]), True
+    return cond
+
+
+def dtypes_of(cond: Conditioning) -> list:
+    """The dtypes of the arrays (the parameters' storage dtype counts them)."""
+    return [a.dtype for a in cond.arrays.values()]
+
+
+def kernel_rows(cond: Conditioning, x_shape: tuple, first: int, dtype) -> dict:
+    """The arrays as rows_cached reads them ({slot: CuPy array}): rows of
+    n elements, C-contiguous, in ``dtype`` (the parameters' storage
+    dtype), broadcast out to x's rows where they keep no one pattern."""
+    import cupy
+
+    n = math.prod(x_shape[first:])
+    out = {}
+    for name, slot in (("shift", "shift"), ("scale", "mod_scale"), ("residual_gate", "res_gate")):
+        a = getattr(cond, name)
+        if a is None:
+            continue
+        if cond.expand:
+            a = cupy.broadcast_to(a, x_shape)
+        else:
+            lead = x_shape[:first]
+            own = ((1,) * (len(x_shape) - a.ndim) + tuple(a.shape))[:first]
+            kept = [i for i, (s, m) in enumerate(zip(own, lead)) if s == m and m != 1]
+            a = a.reshape(((1,) * (len(x_shape) - a.ndim)) + tuple(a.shape))
+            a = a[tuple(slice(None) if i in kept else 0 for i in range(first))]  # (the kept axes, then n)
+        out[slot] = cupy.ascontiguousarray(a, dtype=dtype).reshape(-1, n)
+    return out

@@ -1,0 +1,130 @@
+"""Per-head weights, shift=, scale= and residual_gate= (cunorm/_engine/
+conditioning.py): the rows each array is read by, the float64 reference
+against a direct formulation, the argument checks on every path (NumPy
+here; CuPy on a GPU), and the kernels' dispatch (pure)."""
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm import reference
+from cunorm._engine import conditioning, dispatch_rows, plans
+from helpers import arr, random
+
+
+@pytest.mark.parametrize("x_shape, first, shape, rows", [
+    ((4, 7, 16), 2, (4, 1, 16), (7, 4)),  # per sample
+    ((4, 7, 16), 2, (4, 7, 16), (1, 28)),  # per token
+    ((4, 7, 16), 2, (7, 16), (1, 7)),  # per position, shared by the batch
+    ((4, 7, 16), 2, (16,), (1, 1)),  # one for all
+    ((4, 7, 16), 2, (1, 1, 16), (1, 1)),
+    ((2, 3, 5, 8), 3, (2, 3, 1, 8), (5, 6)),  # two adjacent kept axes
+    ((2, 3, 5, 8), 3, (2, 1, 5, 8), None),  # kept axes not adjacent: broadcast out first
+    ((1, 7, 16), 2, (1, 7, 16), (1, 7)),
+])
+def test_each_row_reads_its_broadcast_row(x_shape, first, shape, rows):
+    assert conditioning.broadcast_rows(x_shape, first, shape) == rows
+    if rows is None:
+        return
+    div, count = rows
+    lead = x_shape[:first]
+    index = np.arange(int(np.prod(shape[:-1] if len(shape) > 1 else (1,)))).reshape(
+        ((1,) * (len(x_shape) - len(shape)) + tuple(shape))[:first])
+    want = np.broadcast_to(index, lead).reshape(-1)
+    got = (np.arange(int(np.prod(lead))) // div) % count
+    assert np.array_equal(np.unique(want, return_inverse=True)[1], got)
+
+
+def _direct(x, w, b, shift, scale, gate, residual, kind):
+    """The formula written out in float64."""
+    w, b, shift, scale, gate = (None if a is None else a.astype(np.float64) for a in (w, b, shift, scale, gate))
+    xf = x.astype(np.float64)
+    h = xf if residual is None else (residual.astype(np.float64) + (1.0 if gate is None else gate) * xf)
+    h = h.astype(x.dtype).astype(np.float64)
+    if kind == "ln":
+        v = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-5)
+    else:
+        v = h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-5)
+    v = v * (1.0 if w is None else w) + (0.0 if b is None else b)
+    return v * (1 + (0.0 if scale is None else scale)) + (0.0 if shift is None else shift), h
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+def test_the_reference_is_the_formula(rng, kind):
+    x, r = random(rng, (3, 5, 4, 8), np.float32), random(rng, (3, 5, 4, 8), np.float32)
+    w, b = random(rng, (4, 8), np.float32), random(rng, (4, 8), np.float32)
+    shift, scale, gate = (random(rng, (3, 1, 1, 8), np.float32) for _ in range(3))
+    fn = reference.rms_norm if kind == "rms" else reference.layer_norm
+    bias = {} if kind == "rms" else {"bias": b}
+    y, h = fn(x, w, **bias, residual=r, shift=shift, scale=scale, residual_gate=gate, exact=True)
+    want, want_h = _direct(x, w, b if kind == "ln" else None, shift, scale, gate, r, kind)
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(h.astype(np.float64), want_h)
+
+
+def test_the_numpy_path_runs_the_reference(rng):
+    x = random(rng, (2, 6, 24), np.float32)
+    shift, scale = random(rng, (2, 1, 24), np.float32), random(rng, (24,), np.float32)
+    y = cunorm.layer_norm(x, shift=shift, scale=scale, activation="silu")
+    want = reference.layer_norm(x, shift=shift, scale=scale, activation="silu")
+    np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"shift": (3, 1, 16)}, ValueError, r"shift must broadcast against x \(2, 5, 16\)"),
+    ({"scale": (2, 5, 8)}, ValueError, "span the normalized axes"),
+    ({"shift": (1, 2, 5, 16)}, ValueError, "shift must broadcast"),
+    ({"residual_gate": (2, 1, 16)}, ValueError, "pass residual= too"),
+    ({"shift": (2, 1, 16), "axis": 1}, ValueError, "normalize over the trailing axes"),
+    ({"weight": (3, 16)}, ValueError, r"weight must have the shape of the normalized axes \(16,\), got \(3, 16\)"),
+    ({"weight": (5, 16), "bias": (16,)}, ValueError, "weight and bias must have one shape"),
+    ({"shift": (2, 1, 16), "quantize": "int8"}, ValueError, "quantize= takes no"),
+])
+def test_bad_operands_are_refused_before_anything_runs(xp, kwargs, error, match):
+    x = arr(xp, (2, 5, 16))
+    given = {k: arr(xp, v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+    if "residual_gate" in given and "pass residual" not in match:
+        given["residual"] = arr(xp, (2, 5, 16))
+    with pytest.raises(error, match=match):
+        cunorm.layer_norm(x, **given)
+
+
+def test_a_shift_of_another_kind_or_dtype_is_a_type_error(xp):
+    x = arr(xp, (2, 5, 16))
+    with pytest.raises(TypeError, match="scale must have dtype"):
+        cunorm.rms_norm(x, scale=xp.zeros((2, 1, 16), dtype=np.int32))
+    if xp is not np:
+        with pytest.raises(TypeError, match="shift is a NumPy array but x is a GPU array"):
+            cunorm.rms_norm(x, shift=np.zeros((2, 1, 16), np.float32))
+
+
+H100 = dispatch_rows.Device(sm_count=132, compute_capability=90, max_shared_per_block=227 * 1024,
+                            l2_bytes=50 * 1024 * 1024)
+
+
+@pytest.mark.parametrize("norm", ["rms", "ln"])
+@pytest.mark.parametrize("n", [64, 1152, 3072, 8192])
+@pytest.mark.parametrize("rows", [1, 7, 4096])
+def test_per_row_operands_take_the_cached_tier_whatever_the_rows(norm, n, rows):
+    """rows_cached alone takes them, and its launch follows the row alone
+    (batch invariance)."""
+    from cunorm._engine import dtypes
+
+    flags = plans.FLAG_WEIGHT | plans.FLAG_SHIFT | plans.FLAG_SCALE | plans.FLAG_RESIDUAL_GATE
+    plan = plans.make_plan(norm, dtypes.bfloat16, dtypes.float32, flags, True, (rows, n), (n, 1), 1, 1, 0, 0, 0, 0,
+                           0, 0, None, None, (1, rows, 1), (0, 0, 0))
+    launch = dispatch_rows.choose(plan, H100)
+    assert launch.tier == "cached"
+    assert "ScaledResidualLoad" in launch.steps[0].kernel.expression
+    assert f"AffineStore<float, {flags & plans.STORE_FLAGS}," in launch.steps[0].kernel.expression
+    one = plans.make_plan(norm, dtypes.bfloat16, dtypes.float32, flags, True, (1, n), (n, 1), 1, 1, 0, 0, 0, 0, 0, 0,
+                          None, None, (1, 1, 1), (0, 0, 0))
+    assert dispatch_rows.choose(one, H100).steps[0].kernel == launch.steps[0].kernel
+
+
+def test_rows_past_the_register_tier_are_refused_clearly():
+    from cunorm._engine import dtypes
+
+    flags = plans.FLAG_SHIFT | plans.FLAG_SCALE
+    plan = plans.make_plan("ln", dtypes.float32, dtypes.float32, flags, False, (4, 1 << 16), (1 << 16, 1), 1, 1, 0,
+                           0, 0, 0, 0, 0, None, None, (1, 4, 1), (0, 0))
+    assert dispatch_rows.choose(plan, H100) is None

@@ -1,0 +1,195 @@
+"""Per-head weights, shift=, scale= and residual_gate= on the GPU: the
+fused kernel (rows_cached) against the float64 reference, outputs
+poisoned first, inputs never written, batch invariance; torch (fused
+outside autograd, the unfused composition's gradients under it) and JAX
+(eager fused, jit and grad)."""
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm import reference
+from cunorm._engine import dtypes
+from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy")
+
+# name: (x shape, weight shape or None, bias?, conditioning shapes, residual?)
+CASES = {
+    "dit per sample": ((3, 17, 1152), None, False, {"shift": (3, 1, 1152), "scale": (3, 1, 1152)}, False),
+    "dit affine, gated residual": ((2, 9, 384), (384,), True, {"shift": (2, 1, 384), "scale": (2, 1, 384),
+                                                               "residual_gate": (2, 1, 384)}, True),
+    "per token": ((4, 5, 96), (96,), True, {"shift": (4, 5, 96), "scale": (4, 5, 96)}, False),
+    "one for all, scale only": ((6, 40), None, False, {"scale": (40,)}, False),
+    "shift only, per position": ((2, 7, 200), (200,), True, {"shift": (7, 200)}, False),
+    "kept axes apart": ((2, 3, 4, 64), None, False, {"shift": (2, 1, 4, 64), "scale": (2, 1, 1, 64)}, False),
+    "per-head weights": ((2, 5, 4, 32), (4, 32), True, {}, False),
+    "per-head, modulated": ((2, 5, 8, 128), (8, 128), True, {"shift": (2, 1, 1, 128)}, True),
+    "gated residual alone": ((3, 11, 1000), (1000,), True, {"residual_gate": (3, 1, 1000)}, True),
+    "decode": ((1, 1, 3072), (3072,), True, {"shift": (1, 1, 3072), "scale": (1, 1, 3072)}, False),
+}
+
+
+def _arrays(rng, case, dtype, pdtype=np.float32):
+    shape, wshape, has_bias, cond, has_r = CASES[case]
+    x = random(rng, shape, dtype, 2.0, 0.5)
+    w = None if wshape is None else random(rng, wshape, pdtype, 0.5, 1.0)
+    b = None if wshape is None or not has_bias else random(rng, wshape, pdtype)
+    r = random(rng, shape, dtype) if has_r else None
+    named = {k: random(rng, s, pdtype, 0.5) for k, s in cond.items()}
+    return x, w, b, r, named
+
+
+def _run(xp_call, kind, x, w, b, r, named, **kw):
+    if kind == "rms":
+        return xp_call.rms_norm(x, w, residual=r, **named, **kw)
+    return xp_call.layer_norm(x, w, b, residual=r, **named, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_fused_kernel_matches_the_reference(rng, poisoned, case, kind, dtype):
+    pdtype = np.float64 if dtype == dtypes.float64 else np.float32
+    x, w, b, r, named = _arrays(rng, case, dtype, pdtype)
+    if kind == "rms":
+        b = None
+    dev = {k: None if v is None else cupy.asarray(v) for k, v in dict(x=x, w=w, b=b, r=r, **named).items()}
+    before = {k: v.copy() for k, v in dev.items() if v is not None}
+    got = _run(cunorm, kind, dev["x"], dev["w"], dev["b"], dev["r"], {k: dev[k] for k in named},
+               return_stats=True)
+    fn = reference.rms_norm if kind == "rms" else reference.layer_norm
+    extra = {} if kind == "rms" else {"bias": b}
+    want = fn(x, w, **extra, residual=r, **named, return_stats=True, exact=True)
+    got, want = list(got), list(want)
+    scale = output_scale(want[0])
+    assert_close(cupy.asnumpy(got[0]), want[0], dtype, atol=RTOL[np.dtype(dtype)] * scale, what="y")
+    if r is not None:  # h: one rounding of r + g * x (the reference's: of its float64 value)
+        assert_close(cupy.asnumpy(got[1]), want[1].astype(np.float64), dtype, what="h")
+    for g, s in zip(got[-2 if kind == "ln" else -1:], want[-2 if kind == "ln" else -1:]):
+        assert_close(cupy.asnumpy(g), s, dtypes.float32 if dtype != dtypes.float64 else dtype, rtol=1e-4,
+                     atol=1e-5, what="statistics")
+    for k, v in before.items():  # inputs never written
+        assert cupy.array_equal(v, dev[k]), k
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+def test_each_rows_result_is_the_same_whatever_the_batch(rng, kind):
+    """Batch invariance: a row's y is bitwise the same alone and among
+    4096 rows."""
+    x = cupy.asarray(random(rng, (4096, 3072), dtypes.bfloat16))
+    shift, scale = (cupy.asarray(random(rng, (4096, 3072), np.float32)) for _ in range(2))
+    w = cupy.asarray(random(rng, (3072,), np.float32))
+    fn = cunorm.rms_norm if kind == "rms" else cunorm.layer_norm
+    whole = fn(x, w, shift=shift, scale=scale)
+    for i in (0, 1234, 4095):
+        alone = fn(x[i:i + 1], w, shift=shift[i:i + 1], scale=scale[i:i + 1])
+        assert cupy.array_equal(alone.view(cupy.uint16), whole[i:i + 1].view(cupy.uint16))
+
+
+def test_rows_past_the_register_tier_raise_a_value_error():
+    x = cupy.ones((2, 65536), cupy.float32)
+    with pytest.raises(ValueError, match="rows_cached"):
+        cunorm.layer_norm(x, shift=cupy.zeros((2, 65536), cupy.float32))
+
+
+# --- torch ---------------------------------------------------------------------------------------------------------
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    import cunorm.torch  # noqa: F401  (registers the operators)
+
+    return torch
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+@pytest.mark.parametrize("case", ["dit affine, gated residual", "per-head, modulated", "per token"])
+def test_torch_runs_fused_and_differentiates_the_composition(rng, case, kind):
+    torch = _torch()
+    x, w, b, r, named = _arrays(rng, case, np.float32)
+    if kind == "rms":
+        b = None
+    t = {k: None if v is None else torch.tensor(v, device="cuda") for k, v in dict(x=x, w=w, b=b, r=r,
+                                                                                   **named).items()}
+    fused = _run(cunorm, kind, t["x"], t["w"], t["b"], t["r"], {k: t[k] for k in named})
+    fused = fused[0] if isinstance(fused, tuple) else fused
+    want = _run(cunorm, kind, cupy.asarray(x), None if w is None else cupy.asarray(w),
+                None if b is None else cupy.asarray(b), None if r is None else cupy.asarray(r),
+                {k: cupy.asarray(v) for k, v in named.items()})
+    want = want[0] if isinstance(want, tuple) else want
+    assert torch.equal(fused, torch.as_tensor(want, device="cuda"))  # (the same kernel)
+    leaves = {k: v.clone().requires_grad_() for k, v in t.items() if v is not None}
+    out = _run(cunorm, kind, leaves["x"], leaves.get("w"), leaves.get("b"), leaves.get("r"),
+               {k: leaves[k] for k in named})
+    y = out[0] if isinstance(out, tuple) else out
+    dy = torch.randn_like(y)
+    loss = (y * dy).sum() + (out[1].sum() if isinstance(out, tuple) else 0)
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    doubles = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+    ref = _run(cunorm, kind, doubles["x"], doubles.get("w"), doubles.get("b"), doubles.get("r"),
+               {k: doubles[k] for k in named})
+    ref_y = ref[0] if isinstance(ref, tuple) else ref
+    ref_loss = (ref_y * dy.double()).sum() + (ref[1].sum() if isinstance(ref, tuple) else 0)
+    ref_grads = torch.autograd.grad(ref_loss, list(doubles.values()))
+    for name, g, rg in zip(leaves, grads, ref_grads):
+        torch.testing.assert_close(g.double(), rg, rtol=2e-4, atol=2e-4 * float(rg.abs().max()), msg=name)
+
+
+def test_torch_compile_traces_the_composition(rng):
+    torch = _torch()
+    x, w, b, r, named = _arrays(rng, "dit affine, gated residual", np.float32)
+    t = [torch.tensor(a, device="cuda") for a in (x, w, b, r, named["shift"], named["scale"],
+                                                   named["residual_gate"])]
+
+    def block(x, w, b, r, shift, scale, gate):
+        return cunorm.layer_norm(x, w, b, residual=r, shift=shift, scale=scale, residual_gate=gate)
+
+    y, h = torch.compile(block, fullgraph=True)(*t)
+    want_y, want_h = block(*t)  # (fused; the compiled composition rounds r + g * x twice, y a few times)
+    torch.testing.assert_close(h, want_h, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+
+
+# --- JAX -----------------------------------------------------------------------------------------------------------
+
+
+def test_jax_eager_jit_and_grad(rng):
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    import cunorm.jax as cj
+
+    jnp = jax.numpy
+    x, w, b, r, named = _arrays(rng, "dit affine, gated residual", np.float32)
+    args = [jnp.asarray(a) for a in (x, w, b, r, named["shift"], named["scale"], named["residual_gate"])]
+
+    def block(x, w, b, r, shift, scale, gate):
+        return cj.layer_norm(x, w, b, residual=r, shift=shift, scale=scale, residual_gate=gate)
+
+    eager = block(*args)
+    jitted = jax.jit(block)(*args)
+    want = reference.layer_norm(x, w, b, residual=r, **named, exact=True)
+    for got in (eager, jitted):
+        assert_close(np.asarray(got[0]), want[0], np.float32, atol=2e-5 * output_scale(want[0]), what="y")
+        assert_close(np.asarray(got[1]), want[1], np.float32, what="h")
+
+    def loss(*a):
+        y, h = block(*a)
+        return jnp.sum(y * y) + jnp.sum(h)
+
+    def loss_xla(*a):  # (the same formula in jax.numpy, float32)
+        xf, wf, bf, rf, sf, cf, gf = a
+        h = rf + gf * xf
+        m = h.mean(-1, keepdims=True)
+        v = ((h - m) ** 2).mean(-1, keepdims=True)
+        y = ((h - m) * jax.lax.rsqrt(v + 1e-5) * wf + bf) * (1 + cf) + sf
+        return jnp.sum(y * y) + jnp.sum(h)
+
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*args)
+    ref = jax.jit(jax.grad(loss_xla, argnums=tuple(range(7))))(*args)
+    for g, rg in zip(grads, ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(rg), rtol=2e-3,
+                                   atol=2e-3 * float(np.abs(np.asarray(rg)).max()))
