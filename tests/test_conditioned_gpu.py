@@ -87,6 +87,40 @@ def test_each_rows_result_is_the_same_whatever_the_batch(rng, kind):
         assert cupy.array_equal(alone.view(cupy.uint16), whole[i:i + 1].view(cupy.uint16))
 
 
+@pytest.mark.parametrize("case", ["dit affine, gated residual", "per-head, modulated", "per-head weights",
+                                  "kept axes apart"])
+def test_a_cached_call_replays_what_the_first_computed(rng, case):
+    """The launch cache: a second call with the same signature runs the
+    stored launcher (an entry exists once the first call copied nothing),
+    with the same results, on new data too; a shift of another broadcast
+    pattern is another signature."""
+    from cunorm._engine import launch_cache
+
+    x, w, b, r, named = _arrays(rng, case, dtypes.bfloat16, dtypes.bfloat16)
+    dev = lambda a: None if a is None else cupy.asarray(a)  # noqa: E731
+    args = (dev(x), dev(w), dev(b), dev(r), {k: dev(v) for k, v in named.items()})
+    first = _run(cunorm, "ln", *args[:4], args[4])
+    operands = tuple(args[4].get(n) for n in ("shift", "scale", "residual_gate"))
+    key = launch_cache.rows_key("ln", *args[:4], -1, 1e-5, False, 0, None,
+                                conditioned=operands if any(o is not None for o in operands) else None)
+    # (an entry where the rows the kernel read were the given arrays: not broadcast out)
+    assert (launch_cache.ROWS.get(key) is not None) == (case != "kept axes apart")
+    second = _run(cunorm, "ln", *args[:4], args[4])
+    first, second = (o if isinstance(o, tuple) else (o,) for o in (first, second))
+    for a, c in zip(first, second):
+        assert cupy.array_equal(a.view(cupy.uint16), c.view(cupy.uint16))
+    x2, *_ = _arrays(rng, case, dtypes.bfloat16, dtypes.bfloat16)
+    got = _run(cunorm, "ln", dev(x2), *args[1:4], args[4])
+    want = reference.layer_norm(x2, w, b, residual=r, **named, exact=True)
+    got, want = (o if isinstance(o, tuple) else (o,) for o in (got, want))
+    assert_close(cupy.asnumpy(got[0]), want[0], dtypes.bfloat16, atol=8e-3 * output_scale(want[0]), what="y")
+    if "shift" in named:
+        per_token = {**args[4], "shift": cupy.asarray(np.broadcast_to(named["shift"], x.shape).copy())}
+        other = _run(cunorm, "ln", *args[:4], per_token)
+        other = other if isinstance(other, tuple) else (other,)
+        assert cupy.array_equal(other[0].view(cupy.uint16), first[0].view(cupy.uint16))
+
+
 def test_rows_past_the_register_tier_raise_a_value_error():
     x = cupy.ones((2, 65536), cupy.float32)
     with pytest.raises(ValueError, match="rows_cached"):

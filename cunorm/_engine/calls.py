@@ -37,18 +37,28 @@ def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, referenc
     (quantize.py), which the general path validates; ``conditioned``:
     {"shift", "scale", "residual_gate": array or None} (conditioning.py),
     which the general path takes (no launch cache entry)."""
+    # (identity tests alone: the plain path takes them on every call)
+    quantizing = quantize is not None and (quantize[0] is not None or quantize[1] is not None
+                                           or quantize[2] is not None or quantize[3] is not None
+                                           or quantize[4] is not None or quantize[5] is not False)
     if conditioned is not None and any(a is not None for a in conditioned.values()):
-        if route is not None and _interop.torch_route(x, weight, bias, residual, *conditioned.values(), out=out):
+        operands = tuple(conditioned.values())
+        key = None
+        if out is None and not quantizing:
+            key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, None,
+                                        conditioned=operands)
+            results = launch_cache.replay(launch_cache.ROWS, key, x, weight, bias, residual, *operands)
+            if results is not None:
+                return results
+        if route is not None and _interop.torch_route(x, weight, bias, residual, *operands, out=out):
             return route()
         q = quantize or (None, None, None, None, None, False)
         call = row_norms.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual,
                               return_stats=return_stats, epilogue=epilogue, quant=q[0], quant_scale=q[1],
                               quant_scale_ub=q[2], quant_group=q[3], quant_scale_layout=q[4],
                               return_unquantized=q[5], conditioned=conditioned)  # (quantize= with them: refused)
-        return row_norms.run(call, reference_fn)
-    # (identity tests alone: the plain path takes them on every call)
-    if quantize is not None and (quantize[0] is not None or quantize[1] is not None or quantize[2] is not None
-                                 or quantize[3] is not None or quantize[4] is not None or quantize[5] is not False):
+        return row_norms.run(call, reference_fn, key=key)
+    if quantizing:
         key = None
         if out is None:  # (no key under dynamo or where autograd records: the route below takes those)
             key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, None,

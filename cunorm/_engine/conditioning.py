@@ -25,6 +25,7 @@ from . import plans
 
 #: the arrays, by keyword, and their FLAGS bits
 OPERANDS = {"shift": plans.FLAG_SHIFT, "scale": plans.FLAG_SCALE, "residual_gate": plans.FLAG_RESIDUAL_GATE}
+OPERAND_NAMES = tuple(OPERANDS)
 
 
 @dataclass

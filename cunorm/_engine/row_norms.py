@@ -318,6 +318,10 @@ def _rows_entry(call: Call, program) -> launch_cache.Entry:
     if quant is not None:  # (the launcher takes both arrays; the kernel reads the one given)
         inputs += ("scale", "bound")
         slots["quant_scale"] = {quantize.STATIC: "scale", quantize.ROW_BOUNDED: "bound"}.get(quant.scaling)
+    if call.cond.arrays:  # (called as launcher(x, w, b, r, shift, scale, residual_gate))
+        inputs += conditioning.OPERAND_NAMES
+        slots.update((slot, present(name, getattr(call.cond, name)))
+                     for slot, name in zip(CONDITIONED_SLOTS, conditioning.OPERAND_NAMES))
     return launch_cache.entry(call.adapter, x.data.device_id, program, inputs, outputs, slots, tuple(outputs),
                               arrays={"x": x})
 
@@ -352,14 +356,17 @@ def _run_gpu(call: Call):
         named = dict(zip(ops.statistics_of(call.norm), stats))
         center, scale = named.get("mean"), named.get("rstd")
         extra = dict(quant_scale=call.quant_scale, y_scale=y_scale, y_plain=y_plain)
-        if cond.flags:
-            extra.update(conditioning.kernel_rows(cond, tuple(x.shape), call.first, pdtype))
+        operands = conditioning.kernel_rows(cond, tuple(x.shape), call.first, pdtype) if cond.flags else {}
+        extra.update(operands)
         _, _, program = _launch_rows(call.norm, x, y, w=w, b=b, r=r, h=h, center=center, scale=scale,
                                      first=call.first, last=call.last, eps=call.eps,
                                      epilogue=call.epilogue | cond.flags, out_dtype=call.out_dtype, quant=quant,
                                      quant_arrays=extra, conditioning=cond.rows)
         copied = w is not call.weight or b is not call.bias or x is not call.x or r is not call.residual
-        if copied or call.out is not None or cond.flags:  # (per-row operands: the general path each call)
+        # (the per-row operands' rows are the given arrays' memory unless cast or broadcast out)
+        copied = copied or any(operands[slot].data.ptr != given.data.ptr for slot, given in zip(
+            CONDITIONED_SLOTS, (cond.shift, cond.scale, cond.residual_gate)) if given is not None)
+        if copied or call.out is not None:
             program = None
     out = call.adapter.from_cupy
     results = [call.out_given if call.out is not None else out(y)]
