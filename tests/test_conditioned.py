@@ -128,3 +128,10 @@ def test_rows_past_the_register_tier_are_refused_clearly():
     plan = plans.make_plan("ln", dtypes.float32, dtypes.float32, flags, False, (4, 1 << 16), (1 << 16, 1), 1, 1, 0,
                            0, 0, 0, 0, 0, None, None, (1, 4, 1), (0, 0))
     assert dispatch_rows.choose(plan, H100) is None
+
+
+def test_out_may_not_overlap_a_shift(xp):
+    x, out = arr(xp, (2, 3, 8)), xp.zeros((2, 3, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match="out overlaps shift"):
+        cunorm.rms_norm(x, shift=out[:, :1, :], out=out)
+    assert not out.any()  # (nothing written)

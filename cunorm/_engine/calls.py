@@ -36,7 +36,7 @@ def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, referenc
     bound, group, scale layout, unquantized y asked) of quantize=
     (quantize.py), which the general path validates; ``conditioned``:
     {"shift", "scale", "residual_gate": array or None} (conditioning.py),
-    which the general path takes (no launch cache entry)."""
+    keyed in the launch cache with the other arrays."""
     # (identity tests alone: the plain path takes them on every call)
     quantizing = quantize is not None and (quantize[0] is not None or quantize[1] is not None
                                            or quantize[2] is not None or quantize[3] is not None

@@ -13,7 +13,8 @@ import numbers
 import numpy as np
 
 from . import conditioning, dispatch_rows, dtypes, launch_cache, launches, ops, plans, quantize
-from .overlap import _overlaps, _same_view, check_writable, first_overlap, refuse_jax  # noqa: F401  (their home: overlap.py)
+# (the overlap checks live in overlap.py; the other modules find them here)
+from .overlap import _overlaps, _same_view, check_writable, first_overlap, refuse_jax  # noqa: F401
 from .. import _interop
 
 
@@ -194,6 +195,7 @@ class Call:
         if not oa.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
         read = [(self.residual, "residual"), (self.weight, "weight"), (self.bias, "bias")]
+        read += [(a, name) for name, a in self.cond.arrays.items()]
         if not _same_view(oa, self.x):  # (out may be x itself: in place)
             read.insert(0, (self.x, "x"))
         name = first_overlap(oa, *read)  # (every path alike)

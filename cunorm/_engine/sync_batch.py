@@ -80,8 +80,8 @@ def apply_program(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: in
     """channel_norms.CHANNEL_SLOTS: x, w, b and the global mean and variance
     (running_mean, running_var) in, y out."""
     batch, channels, spatial = dims(shape)
-    plan, launch = channel_norms._planned("batch", dtype, pdtype, flags, last, batch, channels, spatial, 1, False, x_mod,
-                                          y_mod, True, False, device)
+    plan, launch = channel_norms._planned("batch", dtype, pdtype, flags, last, batch, channels, spatial, 1, False,
+                                          x_mod, y_mod, True, False, device)
     return channel_norms.channel_program(plan, launch, True, eps, 0.0, False, (True, True), device)
 
 
