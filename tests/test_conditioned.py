@@ -135,3 +135,58 @@ def test_out_may_not_overlap_a_shift(xp):
     with pytest.raises(ValueError, match="out overlaps shift"):
         cunorm.rms_norm(x, shift=out[:, :1, :], out=out)
     assert not out.any()  # (nothing written)
+
+
+def _composed_case(rng, heads):
+    shape = (2, 3, 4, 8) if heads else (2, 3, 32)
+    x, r = random(rng, shape, np.float32), random(rng, shape, np.float32)
+    pshape = shape[-2:] if heads else shape[-1:]
+    w, b = random(rng, pshape, np.float32), random(rng, pshape, np.float32)
+    lead = (shape[0],) + (1,) * (len(shape) - 2) + (shape[-1],)
+    shift, scale, gate = (random(rng, lead, np.float32) for _ in range(3))
+    want = reference.layer_norm(x, w, b, residual=r, shift=shift, scale=scale, residual_gate=gate,
+                                activation="silu", exact=True)
+    return (x, w, b, r, shift, scale, gate), want
+
+
+@pytest.mark.parametrize("heads", [False, True])
+def test_the_torch_composition_is_the_formula(rng, heads):
+    """Where autograd records: the plain norm (here torch's own, on the CPU)
+    and torch's ops around it (cunorm/torch/_conditioned.py)."""
+    torch = pytest.importorskip("torch")
+    from cunorm.torch import _conditioned
+
+    arrays, want = _composed_case(rng, heads)
+    x, w, b, r, shift, scale, gate = (torch.tensor(a) for a in arrays)
+    x.requires_grad_()
+
+    def plain(x, w, b, *, axis, eps, residual, return_stats, activation):
+        assert residual is None and activation is None and (w is None) == heads
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], w, b, eps)
+
+    y, h = _conditioned.conditioned("ln", plain, x, w, b, axis=-1, eps=1e-5, residual=r, return_stats=False,
+                                    epilogue=0, activation="silu", shift=shift, scale=scale, residual_gate=gate)
+    np.testing.assert_allclose(y.detach().numpy(), want[0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(h.detach().numpy(), want[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads", [False, True])
+def test_the_jax_composition_is_the_formula(rng, heads):
+    jax = pytest.importorskip("jax")
+    import cunorm.jax as cj
+
+    jnp = jax.numpy
+    arrays, want = _composed_case(rng, heads)
+
+    def plain(x, w, b, *, axis, eps, residual, return_stats, activation):
+        assert residual is None and activation is None and (w is None) == heads
+        m = x.mean(-1, keepdims=True)
+        v = ((x - m) ** 2).mean(-1, keepdims=True)
+        y = (x - m) / jnp.sqrt(v + eps)
+        return y if w is None else y * w + b
+
+    x, w, b, r, shift, scale, gate = (jnp.asarray(a) for a in arrays)
+    y, h = cj._conditioned_traced(plain, "ln", x, w, b, axis=-1, eps=1e-5, residual=r, return_stats=False,
+                                  activation="silu", shift=shift, scale=scale, residual_gate=gate)
+    np.testing.assert_allclose(np.asarray(y), want[0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(h), want[1], rtol=1e-6, atol=1e-6)

@@ -152,3 +152,21 @@ def kernel_rows(cond: Conditioning, x_shape: tuple, first: int, dtype) -> dict:
             a = a[tuple(slice(None) if i in kept else 0 for i in range(first))]  # (the kept axes, then n)
         out[slot] = cupy.ascontiguousarray(a, dtype=dtype).reshape(-1, n)
     return out
+
+
+def modulate(y, weight, bias, shift, scale, *, offset: bool, cast, activate=None):
+    """The unfused form's ops after the plain norm, in any framework's
+    arrays: ``cast(a)`` is a in the accumulation dtype; the per-head weight
+    (``offset``: read as 1 + weight) and bias where given, then ``y * (1 +
+    scale) + shift``, then ``activate`` (a function, or None). Returns the
+    value in the accumulation dtype (the caller rounds it once)."""
+    y = cast(y)
+    if weight is not None:
+        y = y * (cast(weight) + 1 if offset else cast(weight))
+    if bias is not None:
+        y = y + cast(bias)
+    if scale is not None:
+        y = y * (1 + cast(scale))
+    if shift is not None:
+        y = y + cast(shift)
+    return y if activate is None else activate(y)

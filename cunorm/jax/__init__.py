@@ -44,7 +44,7 @@ except ModuleNotFoundError as err:
 import jax.numpy as jnp
 import numpy as np
 
-from .._engine import channel_norms, dtypes, row_norms, plans
+from .._engine import channel_norms, conditioning, dtypes, row_norms, plans
 from .. import norms
 from .._engine.ops import DEFAULT_EPS, LP_EPS
 
@@ -279,17 +279,9 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
                  return_stats=return_stats, activation=None if after else activation, **options)
     outs = list(outs) if isinstance(outs, tuple) else [outs]
     if after:
-        y = outs[0].astype(acc)
-        if heads and weight is not None:
-            y = y * (weight.astype(acc) + 1 if offset else weight.astype(acc))
-        if heads and bias is not None:
-            y = y + bias.astype(acc)
-        if scale is not None:
-            y = y * (1 + scale.astype(acc))
-        if shift is not None:
-            y = y + shift.astype(acc)
-        if activation is not None:
-            y = JAX_ACTIVATIONS[activation](y)
+        y = conditioning.modulate(outs[0], weight if heads else None, bias if heads else None, shift, scale,
+                                  offset=offset, cast=lambda a: a.astype(acc),
+                                  activate=JAX_ACTIVATIONS.get(activation))
         outs[0] = y.astype(outs[0].dtype)
     if h is not None:
         outs.insert(1, h)

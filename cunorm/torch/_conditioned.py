@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .._engine import calls, plans
+from .._engine import calls, conditioning, plans
 from .._interop import torch as _adapter
 from ._autograd import TORCH_ACTIVATIONS, needs_grad
 
@@ -51,19 +51,9 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
                     activation=None if after else activation, **options)
     results = list(results) if isinstance(results, tuple) else [results]
     if after:
-        y = results[0].to(acc)
-        if heads:
-            if weight is not None:
-                w = weight.to(acc) + 1 if epilogue & plans.FLAG_WEIGHT_OFFSET else weight.to(acc)
-                y = y * w
-            if bias is not None:
-                y = y + bias.to(acc)
-        if scale is not None:
-            y = y * (1 + scale.to(acc))
-        if shift is not None:
-            y = y + shift.to(acc)
-        if activation is not None:
-            y = TORCH_ACTIVATIONS[activation](y)
+        y = conditioning.modulate(results[0], weight if heads else None, bias if heads else None, shift, scale,
+                                  offset=bool(epilogue & plans.FLAG_WEIGHT_OFFSET), cast=lambda a: a.to(acc),
+                                  activate=TORCH_ACTIVATIONS.get(activation))
         results[0] = y.to(results[0].dtype)
     if h is not None:
         results.insert(1, h)
