@@ -68,14 +68,20 @@ def param_rows(name: str, shape: tuple, x_shape: tuple, norm_shape: tuple, last:
                      f"that of more of x's trailing axes: {x_shape[-len(norm_shape) - 1:]})")
 
 
+def _kept(x_shape: tuple, first: int, shape: tuple) -> list[int]:
+    """The axes before ``first`` along which an array of ``shape``,
+    broadcast against x, varies (its extent is x's, over 1)."""
+    own = ((1,) * (len(x_shape) - len(shape)) + tuple(shape))[:first]
+    return [i for i, (a, n) in enumerate(zip(own, x_shape[:first])) if a == n and n != 1]
+
+
 def broadcast_rows(x_shape: tuple, first: int, shape: tuple) -> tuple[int, int] | None:
     """(mod_div, mod_count) with which row r of x (its axes before
     ``first``, the normalized ones after) reads row r // mod_div %
     mod_count of an array of ``shape`` broadcast against x; None where the
     axes it keeps are not adjacent."""
     lead = x_shape[:first]
-    own = ((1,) * (len(x_shape) - len(shape)) + tuple(shape))[:first]
-    kept = [i for i, (a, n) in enumerate(zip(own, lead)) if a == n and n != 1]
+    kept = _kept(x_shape, first, shape)
     if not kept:
         return 1, 1
     if kept != list(range(kept[0], kept[-1] + 1)):
@@ -145,9 +151,7 @@ def kernel_rows(cond: Conditioning, x_shape: tuple, first: int, dtype) -> dict:
         if cond.expand:
             a = cupy.broadcast_to(a, x_shape)
         else:
-            lead = x_shape[:first]
-            own = ((1,) * (len(x_shape) - a.ndim) + tuple(a.shape))[:first]
-            kept = [i for i, (s, m) in enumerate(zip(own, lead)) if s == m and m != 1]
+            kept = _kept(x_shape, first, tuple(a.shape))
             a = a.reshape(((1,) * (len(x_shape) - a.ndim)) + tuple(a.shape))
             a = a[tuple(slice(None) if i in kept else 0 for i in range(first))]  # (the kept axes, then n)
         out[slot] = cupy.ascontiguousarray(a, dtype=dtype).reshape(-1, n)

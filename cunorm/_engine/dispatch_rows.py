@@ -286,8 +286,8 @@ def choose(plan: Plan, device: Device, *, override: dict | None = None) -> Launc
     if plan.out_dtype is not None and (plan.residual or not plan.contiguous_rows):
         return None
     if plan.flags & plans.CONDITIONED_FLAGS:
-        # per-row operands: rows_cached alone takes them (row_norms composes
-        # the call from the plain norm and elementwise passes otherwise)
+        # per-row operands: rows_cached alone takes them (row_norms refuses
+        # the rows it cannot hold)
         if not plan.contiguous_rows or plan.quant is not None or plan.out_dtype is not None:
             return None
         launch = _choose_rows(plan, device, override)

@@ -210,7 +210,7 @@ struct AffineStore {
 
     template <int VEC>
     __device__ __forceinline__ static Params<VEC> params(const P* w, const P* b, long long e) {
-        static_assert((FLAGS & (kParamRows | kShift | kScale)) == 0, "per-row operands: params(row(...), e)");
+        static_assert(!kPerRow, "per-row operands: params(row(...), e)");
         Params<VEC> p;
         if constexpr (kHasWeight) p.w = load_vec<P, VEC>(w + e);
         if constexpr (kHasBias) p.b = load_vec<P, VEC>(b + e);
