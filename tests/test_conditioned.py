@@ -190,3 +190,12 @@ def test_the_jax_composition_is_the_formula(rng, heads):
                                   activation="silu", shift=shift, scale=scale, residual_gate=gate)
     np.testing.assert_allclose(np.asarray(y), want[0], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(h), want[1], rtol=1e-6, atol=1e-6)
+
+
+def test_which_calls_ask_for_per_row_operands():
+    w, heads = np.ones(8), np.ones((4, 8))
+    assert not conditioning.requested(w, w, -1, None, None, None)
+    assert conditioning.requested(heads, None, -1, None, None, None)
+    assert conditioning.requested(None, heads, -1)
+    assert not conditioning.requested(heads, heads, (2, 3))  # (both axes normalized: not per head)
+    assert conditioning.requested(w, None, -1, None, np.ones(8), None)

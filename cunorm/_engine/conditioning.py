@@ -54,6 +54,18 @@ class Conditioning:
         return (self.param_rows, self.mod_div, self.mod_count) if self.flags else ()
 
 
+def per_head(p, axis) -> bool:
+    """Whether a weight or bias ``p`` spans more axes than the normalized
+    ones (``axis``: an int or adjacent ints)."""
+    return p is not None and p.ndim > (len(axis) if isinstance(axis, (tuple, list)) else 1)
+
+
+def requested(weight, bias, axis, *operands) -> bool:
+    """Whether a call asks for per-row operands: per-head parameters, or
+    any of ``operands`` (its shift, scale and residual_gate)."""
+    return any(a is not None for a in operands) or per_head(weight, axis) or per_head(bias, axis)
+
+
 def param_rows(name: str, shape: tuple, x_shape: tuple, norm_shape: tuple, last: int) -> int:
     """The parameter rows of a weight or bias of ``shape``: 1 over the
     normalized axes alone; the product of its leading axes where it spans

@@ -154,11 +154,6 @@ def set_lowering_target(arch=None, *, sm_count=None, l2_bytes=None):
     return _custom_call.set_lowering_target(arch, sm_count=sm_count, l2_bytes=l2_bytes)
 
 
-def _per_head(weight, axis) -> bool:
-    """Whether ``weight`` spans more axes than the normalized ones."""
-    return weight is not None and weight.ndim > (len(axis) if isinstance(axis, (tuple, list)) else 1)
-
-
 def _no_out(fn, kwargs):
     if "out" in kwargs:
         raise TypeError(f"cunorm.jax.{fn} has no out=: JAX arrays are immutable (use the result)")
@@ -296,7 +291,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     if _traced(x, weight, residual, quant_scale, quant_scale_ub, shift, scale, residual_gate):
         _no_unknown_kwargs("rms_norm", kwargs)
         epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
-        if shift is not None or scale is not None or residual_gate is not None or _per_head(weight, axis):
+        if conditioning.requested(weight, None, axis, shift, scale, residual_gate):
             if quantize is not None:
                 raise ValueError("quantize= takes no per-head weights, shift=, scale= or residual_gate=")
             return _conditioned_traced(
@@ -321,8 +316,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     if _traced(x, weight, bias, residual, quant_scale, quant_scale_ub, shift, scale, residual_gate):
         _no_unknown_kwargs("layer_norm", kwargs)
         epilogue = plans.activation_flags(activation)
-        if shift is not None or scale is not None or residual_gate is not None or _per_head(weight, axis) or \
-                _per_head(bias, axis):
+        if conditioning.requested(weight, bias, axis, shift, scale, residual_gate):
             if quantize is not None:
                 raise ValueError("quantize= takes no per-head weights, shift=, scale= or residual_gate=")
             return _conditioned_traced(layer_norm, "ln", x, weight, bias, axis=axis, eps=eps, residual=residual,

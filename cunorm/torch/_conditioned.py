@@ -17,12 +17,6 @@ from .._interop import torch as _adapter
 from ._autograd import TORCH_ACTIVATIONS, needs_grad
 
 
-def per_head(weight, axis) -> bool:
-    """Whether ``weight`` spans more axes than the normalized ones."""
-    normalized = len(axis) if isinstance(axis, (tuple, list)) else 1
-    return weight is not None and weight.dim() > normalized
-
-
 def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, return_stats, epilogue, activation,
                 shift, scale, residual_gate, **options):
     """The row norm ``norm`` ("rms" or "ln") with per-row operands.
@@ -41,7 +35,7 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
             raise ValueError("residual_gate scales x in h = residual + residual_gate * x: pass residual= too")
         h = (residual.to(acc) + residual_gate.to(acc) * x.to(acc)).to(x.dtype)
         x, residual = h, None
-    heads = per_head(weight, axis) or per_head(bias, axis)
+    heads = conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis)
     modulated = shift is not None or scale is not None
     after = heads or modulated
     args = (None, None) if heads else (weight, bias)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._engine import channel_norms, plans, row_norms
+from .._engine import channel_norms, conditioning, plans, row_norms
 from .._engine.ops import DEFAULT_EPS, LP_EPS
 from .._interop import torch as _adapter
 from . import _operators  # noqa: F401  (registers torch.ops.cunorm.*)
-from ._conditioned import conditioned as _conditioned, per_head as _per_head
+from ._conditioned import conditioned as _conditioned
 from ._quantized import quantized as _quantized
 from ._autograd import TORCH_ACTIVATIONS as _TORCH_ACTIVATIONS
 from ._autograd import channel_norm_apply as _channel_norm_apply
@@ -73,7 +73,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     elementwise ops (cunorm/torch/_conditioned.py)."""
     stats = row_norms.check_flag(return_stats, "return_stats")
     epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
-    if shift is not None or scale is not None or residual_gate is not None or _per_head(weight, axis):
+    if conditioning.requested(weight, None, axis, shift, scale, residual_gate):
         if quantize is not None:
             raise ValueError(_NOT_QUANTIZED)
         return _conditioned("rms", lambda x, w, b, **kw: rms_norm(x, w, **kw), x, weight, None, axis=axis,
@@ -106,8 +106,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     :func:`rms_norm`."""
     stats = row_norms.check_flag(return_stats, "return_stats")
     epilogue = plans.activation_flags(activation)
-    if shift is not None or scale is not None or residual_gate is not None or _per_head(weight, axis) or \
-            _per_head(bias, axis):
+    if conditioning.requested(weight, bias, axis, shift, scale, residual_gate):
         if quantize is not None:
             raise ValueError(_NOT_QUANTIZED)
         return _conditioned("ln", layer_norm, x, weight, bias, axis=axis, eps=eps, residual=residual,
