@@ -1,12 +1,14 @@
 """How fast are the conditioned norms' forwards? DiT's adaLN-Zero step,
 ``h = residual + gate * x; y = LayerNorm(h) * (1 + scale) + shift`` (no
-affine; shift, scale and gate per sample, (B, 1, H)), and the modulated
-RMSNorm with a weight, bf16, against torch eager and torch.compile of the
-same formula, at DiT-XL's hidden 1152, Flux's 3072, 4096 and 8192, from 1 to
-32768 tokens (batch 8 from 4096 tokens on). GPU time (busy fill), one call
-with L2 flushed (cold), floor% of copy bandwidth measured in the same run,
-counting x and the residual read, h and y written, and the per-sample
-arrays once.
+affine; shift, scale and gate per sample, (B, 1, H)), the modulated
+RMSNorm with a weight, and the gated RMSNorm with a weight
+(``norm(x) * w * silu(z)``; ``norm(x * silu(z)) * w`` over 8 groups of the
+row, Mamba-2's; over heads of 128, Qwen3-Next's), bf16, against torch eager
+and torch.compile of the same formula, at DiT-XL's hidden 1152, Flux's
+3072, 4096 and 8192, from 1 to 32768 tokens (batch 8 from 4096 tokens on).
+GPU time (busy fill), one call with L2 flushed (cold), floor% of copy
+bandwidth measured in the same run, counting x, the residual and z read, h
+and y written, and the per-sample arrays once.
 
     PYTHONPATH=. python bench/conditioned.py OUT.json
 """
@@ -46,9 +48,23 @@ def rms_mod_torch(x, w, shift, scale):
     return (y * (1 + scale.float()) + shift.float()).to(x.dtype)
 
 
+def _rms(h, groups=1):
+    g = h.unflatten(-1, (groups, -1))
+    return (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + EPS)).flatten(-2)
+
+
+def gated_torch(x, z, w):
+    return (_rms(x.float()) * w.float() * torch.nn.functional.silu(z.float())).to(x.dtype)
+
+
+def gated_groups_torch(x, z, w):
+    return (_rms(x.float() * torch.nn.functional.silu(z.float()), 8) * w.float()).to(x.dtype)
+
+
 def main(out):
     copy = copy_bandwidth()
-    compiled = {"adaln": torch.compile(adaln_torch), "rms_mod": torch.compile(rms_mod_torch)}
+    compiled = {"adaln": torch.compile(adaln_torch), "rms_mod": torch.compile(rms_mod_torch),
+                "gated": torch.compile(gated_torch), "gated_groups": torch.compile(gated_groups_torch)}
     rows = []
     for hidden in (1152, 3072, 4096, 8192):
         for tokens in (1, 4096, 32768):
@@ -59,6 +75,8 @@ def main(out):
             shift, scale, gate = (torch.randn(batch, 1, hidden, device="cuda", generator=g,
                                               dtype=torch.bfloat16) * 0.5 for _ in range(3))
             w = torch.randn(hidden, device="cuda", generator=g, dtype=torch.bfloat16)
+            z = torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16)
+            heads, zh, wh = x.unflatten(-1, (-1, 128)), z.unflatten(-1, (-1, 128)), w[:128]
             per_sample = 3 * batch * hidden * 2
             cases = {
                 "adaln": (lambda: cunorm.layer_norm(x, residual=r, shift=shift, scale=scale, residual_gate=gate,
@@ -68,6 +86,15 @@ def main(out):
                 "rms_mod": (lambda: cunorm.rms_norm(x, w, shift=shift, scale=scale, eps=EPS),
                             lambda: rms_mod_torch(x, w, shift, scale),
                             lambda: compiled["rms_mod"](x, w, shift, scale), 2 * x.numel() * 2 + per_sample),
+                "gated": (lambda: cunorm.rms_norm(x, w, gate=z, eps=EPS), lambda: gated_torch(x, z, w),
+                          lambda: compiled["gated"](x, z, w), 3 * x.numel() * 2 + hidden * 2),
+                "gated_groups": (lambda: cunorm.rms_norm(x, w, gate=z, norm_before_gate=False,
+                                                         group_size=hidden // 8, eps=EPS),
+                                 lambda: gated_groups_torch(x, z, w), lambda: compiled["gated_groups"](x, z, w),
+                                 3 * x.numel() * 2 + hidden * 2),
+                "gated_heads": (lambda: cunorm.rms_norm(heads, wh, gate=zh, eps=EPS),
+                                lambda: gated_torch(heads, zh, wh), lambda: compiled["gated"](heads, zh, wh),
+                                3 * x.numel() * 2 + 256),
             }
             for name, (ours, eager, comp, nbytes) in cases.items():
                 want = eager()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from ._engine import calls, plans, row_norms
+from ._engine import calls, conditioning, plans, row_norms
 from . import reference
 from ._engine.ops import DEFAULT_EPS, LP_EPS  # the defaults, in the table of ops
 
@@ -38,7 +38,7 @@ def _torch():
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
              rounding="output", activation=None, out=None, quantize=None, quant_scale=None, quant_scale_ub=None,
              quant_group=None, quant_scale_layout=None, return_unquantized=False, shift=None, scale=None,
-             residual_gate=None):
+             residual_gate=None, gate=None, norm_before_gate=True, group_size=None):
     """Root-mean-square normalization.
 
     ``y = h * rsqrt(mean(h**2 over axis) + eps) [* weight]`` where h is x, or
@@ -90,6 +90,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
         residual.
     {quantize}
     {conditioned}
+    {gated}
 
     Returns
     -------
@@ -115,8 +116,15 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     all NaN; so does a group whose float32 sum of squares overflows
     (``|x|`` beyond about 1e19). Other groups are unaffected.
     """
-    epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
-    conditioned = {"shift": shift, "scale": scale, "residual_gate": residual_gate}
+    if group_size is not None:
+        return conditioning.in_groups(
+            rms_norm, group_size, x, weight, gate=gate, residual=residual, axis=axis, out=out, eps=eps,
+            return_stats=return_stats, weight_offset=weight_offset, rounding=rounding, activation=activation,
+            quantize=quantize, quant_scale=quant_scale, quant_scale_ub=quant_scale_ub, quant_group=quant_group,
+            quant_scale_layout=quant_scale_layout, return_unquantized=return_unquantized, shift=shift, scale=scale,
+            residual_gate=residual_gate, norm_before_gate=norm_before_gate)
+    epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None, gate, norm_before_gate)
+    conditioned = {"shift": shift, "scale": scale, "residual_gate": residual_gate, "gate": gate}
     return calls.rows("rms", x, weight, None, residual, axis, eps, return_stats, out, reference.rms_norm, epilogue,
                       None, lambda: _torch().rms_norm(x, weight, axis=axis, eps=eps, residual=residual,
                                                       return_stats=return_stats, weight_offset=weight_offset,
@@ -124,7 +132,8 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
                                                       quant_scale=quant_scale, quant_scale_ub=quant_scale_ub,
                                                       quant_group=quant_group,
                                                       quant_scale_layout=quant_scale_layout,
-                                                      return_unquantized=return_unquantized, **conditioned),
+                                                      return_unquantized=return_unquantized,
+                                                      norm_before_gate=norm_before_gate, **conditioned),
                       quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout,
                                 return_unquantized), conditioned=conditioned)
 
@@ -522,8 +531,33 @@ _CONDITIONED = """shift, scale : array, optional
         (gradients through those), whose y may differ from the fused one by
         a rounding or two."""
 
+# gate=, norm_before_gate=, group_size= (rms_norm's)
+_GATED = """gate : array, optional
+        The gated RMSNorm's z, of x's shape and dtype: ``y = norm(x) *
+        weight * silu(z)`` (``norm_before_gate=True``, Qwen3-Next's and
+        Mamba's default), or ``y = norm(x * silu(z)) * weight``
+        (``norm_before_gate=False``, Mamba-2's and transformers'
+        MambaRMSNormGated); formed in float32 (float64 for float64 x), the
+        input x * silu(z) never rounded, y rounded once. Under
+        ``rounding="normalized"`` the normalized value is rounded to x's
+        dtype before the weight multiplies and, with a weight of x's
+        16-bit dtype and the gate after the norm, the weighted value too
+        before the gate: Qwen3NextRMSNormGated's roundings. Over the
+        trailing axes, with no residual, shift, scale or residual_gate.
+        Fused in one pass (rows_cached, z read beside x), for rows of up
+        to 16384 16-bit elements (8192 float32); longer rows raise a
+        ValueError.
+    norm_before_gate : bool, default True
+        Whether the gate multiplies after the norm (True) or its input (False).
+    group_size : int, optional
+        Normalize each run of ``group_size`` elements of x's last axis on
+        its own (Mamba's ``group_size``: a group per head), with
+        ``axis=-1`` and a weight over the whole last axis; rstd then has a
+        value per group, of shape ``x.shape[:-1] + (n // group_size,)``."""
+
 for _f in (rms_norm, layer_norm):
     _f.__doc__ = _f.__doc__.replace("{quantize}", _QUANTIZE).replace("{conditioned}", _CONDITIONED)
+rms_norm.__doc__ = rms_norm.__doc__.replace("{gated}", _GATED)
 for _f, _x in ((rms_norm, _ROW_X), (layer_norm, _ROW_X), (normalize, _ROW_X), (mean_abs_normalize, _ROW_X),
                (frobenius_normalize, _ROW_X), (group_norm, _CHANNEL_X), (instance_norm, _CHANNEL_X),
                (batch_norm, _CHANNEL_X)):

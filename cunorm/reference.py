@@ -30,16 +30,21 @@ def apply_activation(y, name):
 
 
 def rms_norm(x, weight=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False, weight_offset=0,
-             rounding="output", activation=None, shift=None, scale=None, residual_gate=None, exact=False):
+             rounding="output", activation=None, shift=None, scale=None, residual_gate=None, gate=None,
+             norm_before_gate=True, exact=False):
     """``act(modulate(h * rsqrt(mean(h**2 over axis) + eps) [* (weight_offset + weight)]))``
     with h = x (+ residual, or residual + residual_gate * x) and
     ``modulate(v) = v * (1 + scale) + shift``; ``rounding="normalized"``
     rounds the normalized h to x's dtype before the weight multiplies.
     weight may span more of x's trailing axes (per-head weights); shift,
-    scale and residual_gate broadcast against x. Returns y, then h if
-    residual is given, then rstd if return_stats."""
+    scale and residual_gate broadcast against x. With ``gate`` z: the
+    result times silu(z) (``norm_before_gate``; under rounding="normalized"
+    with a weight of x's 16-bit dtype, the weighted value is rounded to it
+    first), or h = x * silu(z) normalized (``norm_before_gate=False``).
+    Returns y, then h if residual is given, then rstd if return_stats."""
     return _normalize("rms", x, weight, None, axis, eps, residual, return_stats, exact,
-                      (weight_offset, rounding, activation), (shift, scale, residual_gate))
+                      (weight_offset, rounding, activation), (shift, scale, residual_gate),
+                      (gate, norm_before_gate))
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False,
@@ -51,7 +56,13 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=1e-5, residual=None, r
                       (shift, scale, residual_gate))
 
 
-def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact, epilogue, conditioned=(None,) * 3):
+def _silu(z):
+    with np.errstate(over="ignore"):
+        return z / (1.0 + np.exp(-z))
+
+
+def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact, epilogue, conditioned=(None,) * 3,
+               gated=(None, True)):
     from ._engine.dtypes import accumulation
     from ._engine.plans import normalize_axes
 
@@ -66,6 +77,10 @@ def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact, 
     else:
         h = x
     hf = h.astype(np.float64)
+    z, norm_before_gate = gated
+    z = None if z is None else _silu(np.asarray(z).astype(np.float64))
+    if z is not None and not norm_before_gate:
+        hf = hf * z
     n = int(np.prod([x.shape[a] for a in axes]))
     with np.errstate(over="ignore", invalid="ignore"):
         if kind == "rms":
@@ -88,6 +103,11 @@ def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact, 
         if weight is not None:
             w = np.asarray(weight).astype(np.float64) + weight_offset
             y = y * w.reshape(w.shape + tail)
+        if z is not None and norm_before_gate:
+            if rounding == "normalized" and weight is not None and np.asarray(weight).dtype == x.dtype \
+                    and x.dtype.itemsize == 2:
+                y = y.astype(x.dtype).astype(np.float64)  # (weight * h.to(dtype) in that dtype)
+            y = y * z
         if bias is not None:
             b = np.asarray(bias).astype(np.float64)
             y = y + b.reshape(b.shape + tail)

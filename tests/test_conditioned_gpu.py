@@ -100,7 +100,7 @@ def test_a_cached_call_replays_what_the_first_computed(rng, case):
     dev = lambda a: None if a is None else cupy.asarray(a)  # noqa: E731
     args = (dev(x), dev(w), dev(b), dev(r), {k: dev(v) for k, v in named.items()})
     first = _run(cunorm, "ln", *args[:4], args[4])
-    operands = tuple(args[4].get(n) for n in ("shift", "scale", "residual_gate"))
+    operands = tuple(args[4].get(n) for n in ("shift", "scale", "residual_gate", "gate"))
     key = launch_cache.rows_key("ln", *args[:4], -1, 1e-5, False, 0, None,
                                 conditioned=operands if any(o is not None for o in operands) else None)
     # (an entry where the rows the kernel read were the given arrays: not broadcast out)

@@ -14,7 +14,7 @@ caller that keeps the launcher a call ran (the torch layers' memo) passes
 """
 from __future__ import annotations
 
-from . import channel_norms, dtypes, gradients, launch_cache, ops, plans, row_norms
+from . import channel_norms, conditioning, dtypes, gradients, launch_cache, ops, plans, row_norms
 from .. import _interop, reference
 
 
@@ -35,14 +35,14 @@ def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, referenc
     torch layers under autocast); ``quantize``: (format, static scale,
     bound, group, scale layout, unquantized y asked) of quantize=
     (quantize.py), which the general path validates; ``conditioned``:
-    {"shift", "scale", "residual_gate": array or None} (conditioning.py),
+    {name: array or None} of conditioning.OPERAND_NAMES (those absent: None),
     keyed in the launch cache with the other arrays."""
     # (identity tests alone: the plain path takes them on every call)
     quantizing = quantize is not None and (quantize[0] is not None or quantize[1] is not None
                                            or quantize[2] is not None or quantize[3] is not None
                                            or quantize[4] is not None or quantize[5] is not False)
     if conditioned is not None and any(a is not None for a in conditioned.values()):
-        operands = tuple(conditioned.values())
+        operands = tuple(conditioned.get(name) for name in conditioning.OPERAND_NAMES)  # (the entry's order)
         key = None
         if out is None and not quantizing:
             key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, None,

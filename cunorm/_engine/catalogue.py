@@ -154,6 +154,45 @@ def quantized_kernels() -> list[Kernel]:
     return list(out.values())
 
 
+def conditioned_kernels() -> list[Kernel]:
+    """rows_cached with per-row operands (per-head weights, a modulation, a
+    gated residual) and the gated RMSNorm's gate, as the dispatch picks
+    them for RMSNorm and LayerNorm over every dtype, the row lengths it
+    takes (powers of two, 16 elements to the register budget) and each
+    flag set, under each architecture's tuning. They compile on first use: precompile
+    leaves them out; the compile check covers them."""
+    from . import plans
+    from .dispatch_rows import Device, choose
+
+    gate_flags = [plans.FLAG_GATE, plans.FLAG_GATE | plans.FLAG_GATE_INPUT,
+                  plans.FLAG_GATE | plans.FLAG_ROUND_NORMALIZED,
+                  plans.FLAG_GATE | plans.FLAG_GATE_INPUT | plans.FLAG_ROUND_NORMALIZED]
+    row_flags = [plans.FLAG_PARAM_ROWS | plans.FLAG_SHIFT | plans.FLAG_SCALE, plans.FLAG_SHIFT | plans.FLAG_SCALE,
+                 plans.FLAG_SHIFT | plans.FLAG_SCALE | plans.FLAG_RESIDUAL_GATE, plans.FLAG_PARAM_ROWS]
+    out = {}
+    for arch in tuning.BY_ARCH:
+        device = Device(sm_count=132, compute_capability=arch, max_shared_per_block=227 * 1024,
+                        l2_bytes=50 * 1024 * 1024)
+        for norm in ("rms", "ln"):
+            for dtype in (dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64):
+                for extra in row_flags + (gate_flags if norm == "rms" else []):
+                    residual = bool(extra & plans.FLAG_RESIDUAL_GATE)
+                    for params in ([plans.FLAG_WEIGHT] if norm == "rms" else [plans.PARAM_FLAGS]) + [0]:
+                        flags = extra | params
+                        if not flags & (plans.OPERAND_FLAGS | plans.FLAG_GATE):
+                            continue
+                        pdtype = dtype if flags & plans.OPERAND_FLAGS else None
+                        for log in range(4, 16):
+                            n = 1 << log
+                            plan = plans.make_plan(norm, dtype, pdtype, flags, residual, (4096, n), (n, 1), 1, 1, 0,
+                                                   0, 0, 0, 0, 0, None, None, (1, 1, 1), (0, 0, 0), 0)
+                            launch = choose(plan, device)
+                            if launch is not None:
+                                kernel = launch.steps[0].kernel
+                                out[kernel.expression] = kernel
+    return list(out.values())
+
+
 def _tunings() -> list[tuning.Tuning]:
     """The distinct Tunings of the architectures cunorm plans for: the
     catalogue holds what the dispatch picks under each."""

@@ -15,17 +15,25 @@ in the parameters' dtype, row r of x reading
 
 An array whose kept leading axes are not adjacent ((B, 1, S2, H) against
 x of (B, S1, S2, H)) is broadcast out to one row a row of x first.
+
+The gated RMSNorm's gate z (``gate=``) is of x's shape and dtype: row r
+of x reads row r of z, C-contiguous (AffineStore's kGate).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import plans
 
 #: the arrays, by keyword, and their FLAGS bits
-OPERANDS = {"shift": plans.FLAG_SHIFT, "scale": plans.FLAG_SCALE, "residual_gate": plans.FLAG_RESIDUAL_GATE}
+OPERANDS = {"shift": plans.FLAG_SHIFT, "scale": plans.FLAG_SCALE, "residual_gate": plans.FLAG_RESIDUAL_GATE,
+            "gate": plans.FLAG_GATE}
 OPERAND_NAMES = tuple(OPERANDS)
+#: the refusal of quantize= with any of them
+NOT_QUANTIZED = "quantize= takes no per-head weights, shift=, scale=, residual_gate= or gate="
 
 
 @dataclass
@@ -36,6 +44,7 @@ class Conditioning:
     shift: object = None
     scale: object = None
     residual_gate: object = None
+    gate: object = None
     param_rows: int = 1
     mod_div: int = 1
     mod_count: int = 1
@@ -46,6 +55,11 @@ class Conditioning:
     @property
     def arrays(self) -> dict:
         return {name: getattr(self, name) for name in OPERANDS if getattr(self, name) is not None}
+
+    @property
+    def arrays_in_order(self) -> tuple:
+        """Every operand in OPERANDS' order, None where absent."""
+        return tuple(getattr(self, name) for name in OPERANDS)
 
     @property
     def rows(self) -> tuple:
@@ -118,8 +132,16 @@ def check(call, given: dict) -> Conditioning:
     if cond.param_rows > 1:
         cond.flags |= plans.FLAG_PARAM_ROWS
     patterns = set()
+    if given.get("gate") is not None:
+        z = given["gate"]
+        check_gate(call.norm, x_shape, call.x.dtype, tuple(z.shape), z.dtype, call.last, call.residual is not None,
+                   call.epilogue, [name for name in OPERAND_NAMES if name != "gate" and given.get(name) is not None])
     for name, a in given.items():
         if a is None:
+            continue
+        if name == "gate":
+            cond.gate = a
+            cond.flags |= plans.FLAG_GATE
             continue
         if name == "residual_gate" and call.residual is None:
             raise ValueError("residual_gate scales x in h = residual + residual_gate * x: pass residual= too")
@@ -143,19 +165,45 @@ def check(call, given: dict) -> Conditioning:
     return cond
 
 
+def check_gate(norm: str, x_shape: tuple, x_dtype, z_shape: tuple, z_dtype, last: int, residual: bool,
+               epilogue: int, others: list) -> None:
+    """The gate z of rms_norm: x's shape and dtype, over the trailing axes
+    (``last``: the last normalized axis), with no residual, activation or
+    other per-row operand (``others``: their names). Plain values, so the
+    torch front end checks a traced call alike."""
+    if norm != "rms":
+        raise ValueError(f"gate= is rms_norm's (the gated RMSNorm), not the {norm} norm's")
+    if tuple(z_shape) != tuple(x_shape):
+        raise ValueError(f"gate must have x's shape {tuple(x_shape)}, got {tuple(z_shape)}")
+    if z_dtype != x_dtype:
+        raise TypeError(f"gate must have x's dtype {x_dtype}, got {z_dtype}")
+    if last != len(x_shape) - 1:
+        raise ValueError(f"gate= gates rows: normalize over the trailing axes, got axes ending at {last} of a "
+                         f"{len(x_shape)}-d x")
+    if epilogue & plans.ACTIVATION_BITS:
+        raise ValueError("gate= takes no activation: the gate's silu(z) multiplies the normalized value")
+    if residual or others:
+        raise ValueError(f"gate= takes no {', '.join(list(others) + ['residual'] * residual)}: "
+                         "the gated RMSNorm is x (times silu(gate)) normalized, times the weight")
+
+
 def dtypes_of(cond: Conditioning) -> list:
-    """The dtypes of the arrays (the parameters' storage dtype counts them)."""
-    return [a.dtype for a in cond.arrays.values()]
+    """The dtypes of the arrays stored as the parameters (the parameters'
+    storage dtype counts them; the gate z keeps x's)."""
+    return [a.dtype for name, a in cond.arrays.items() if name != "gate"]
 
 
 def kernel_rows(cond: Conditioning, x_shape: tuple, first: int, dtype) -> dict:
     """The arrays as rows_cached reads them ({slot: CuPy array}): rows of
     n elements, C-contiguous, in ``dtype`` (the parameters' storage
-    dtype), broadcast out to x's rows where they keep no one pattern."""
+    dtype), broadcast out to x's rows where they keep no one pattern; the
+    gate z C-contiguous in x's dtype."""
     import cupy
 
     n = math.prod(x_shape[first:])
     out = {}
+    if cond.gate is not None:
+        out["gate"] = cupy.ascontiguousarray(cond.gate)
     for name, slot in (("shift", "shift"), ("scale", "mod_scale"), ("residual_gate", "res_gate")):
         a = getattr(cond, name)
         if a is None:
@@ -186,3 +234,87 @@ def modulate(y, weight, bias, shift, scale, *, offset: bool, cast, activate=None
     if shift is not None:
         y = y + cast(shift)
     return y if activate is None else activate(y)
+
+
+def split_groups(group_size, x, weight, gate, residual, out, axis):
+    """rms_norm's ``group_size``: x's last axis of n elements seen as (n /
+    group_size, group_size), the weight as (n / group_size, group_size)
+    (a weight per group: per-head weights), the gate, residual and out
+    alike, normalized over the new last axis. Any array kind with
+    ``reshape`` (NumPy, CuPy, torch, JAX). Returns the reshaped (x, weight,
+    gate, residual, out); raises TypeError or ValueError for a bad
+    group_size, axis, weight or out."""
+    if isinstance(group_size, (bool, np.bool_)) or not isinstance(group_size, (int, np.integer)):
+        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    g = int(group_size)
+    shape = tuple(x.shape)
+    if not shape:
+        raise ValueError("group_size splits x's last axis: x has none")
+    n = shape[-1]
+    if g <= 0 or n % g:
+        raise ValueError(f"group_size must be a positive divisor of x's last extent {n}, got {g}")
+    if not (type(axis) is int and axis in (-1, len(shape) - 1)):
+        raise ValueError(f"group_size splits x's last axis into groups: pass axis=-1, got axis={axis!r}")
+    if weight is not None and tuple(weight.shape) != (n,):
+        raise ValueError(f"with group_size, weight must have the shape of x's last axis {(n,)}, got "
+                         f"{tuple(weight.shape)}")
+    if out is not None:
+        from .. import _interop
+
+        adapter = _interop.adapter_for(out, "out")
+        view = out if adapter is _interop.NUMPY else adapter.to_cupy(out, "out")
+        if not view.flags.c_contiguous:  # (a reshape would copy it and lose the result)
+            raise ValueError("out must be C-contiguous")
+    split = shape[:-1] + (n // g, g)
+    rows = lambda a: None if a is None else a.reshape(split)  # noqa: E731
+    return (rows(x), None if weight is None else weight.reshape((n // g, g)), rows(gate), rows(residual),
+            rows(out))
+
+
+def join_groups(results, shape: tuple, arrays: int, out=None):
+    """The results of a call split by split_groups with the first
+    ``arrays`` of them (y, and h with a residual) back in x's ``shape``
+    (y is ``out`` where given); the statistics keep a value per group."""
+    if not isinstance(results, tuple):
+        return out if out is not None else results.reshape(shape)
+    joined = [a.reshape(shape) for a in results[:arrays]]
+    if out is not None:
+        joined[0] = out
+    return tuple(joined) + tuple(results[arrays:])
+
+
+def in_groups(rms_norm, group_size, x, weight, *, gate, residual, axis, out=None, **options):
+    """``rms_norm`` (any front end's) of x in runs of ``group_size``:
+    the call split by split_groups, the results joined by join_groups;
+    ``options``: the call's others, passed on."""
+    shape = tuple(x.shape)
+    xg, wg, zg, rg, og = split_groups(group_size, x, weight, gate, residual, out, axis)
+    if out is not None:
+        options["out"] = og
+    results = rms_norm(xg, wg, axis=-1, residual=rg, gate=zg, **options)
+    return join_groups(results, shape, 1 + (residual is not None), out)
+
+
+def gated(plain, x, weight, gate, *, norm_before_gate: bool, normalized: bool, offset: bool, round_weighted: bool,
+          cast, narrow, silu, return_stats: bool, **options):
+    """The gated RMSNorm as the plain norm and elementwise ops, in any
+    framework's arrays: ``plain(h, None, return_stats=..., **options)``
+    normalizes h in the accumulation dtype (``cast(a)``: a in it;
+    ``narrow(a)``: a in x's dtype; ``silu``: the framework's). The
+    roundings are the fused kernel's (AffineStore's kGate, kGateInput):
+    ``normalized`` rounds the normalized value to x's dtype before the
+    weight (1 + weight with ``offset``), ``round_weighted`` the weighted
+    value before the gate multiplies. Returns y (and rstd)."""
+    z = silu(cast(gate))
+    h = cast(x) if norm_before_gate else cast(x) * z
+    results = plain(h, None, return_stats=return_stats, **options)
+    y, stats = (results[0], results[1:]) if isinstance(results, tuple) else (results, ())
+    if normalized:
+        y = cast(narrow(y))
+    if weight is not None:
+        y = y * (cast(weight) + 1 if offset else cast(weight))
+        if norm_before_gate and normalized and round_weighted:
+            y = cast(narrow(y))
+    if norm_before_gate:
+        y = y * z
+    return (narrow(y),) + tuple(stats) if stats else narrow(y)

@@ -158,7 +158,7 @@ _CHANNEL_DIMS = "batch spatial:i64 channels channels_per_group"
 
 # rows.cu
 ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD", "BLOCK_PER_ROW"),
-                         _args("x r w b quant_scale shift mod_scale res_gate:in y h center_out scale_out y_scale "
+                         _args("x r w b quant_scale shift mod_scale res_gate gate:in y h center_out scale_out y_scale "
                                "y_plain:out rows:i64 n:i32 x_row_stride:i64 eps:acc threads_per_row:i32 "
                                "scale_row_stride scale_group_stride param_rows mod_div mod_count:i64"))
 ROWS_UNCACHED = KernelDecl("rows", "rows_uncached", _NORM_ROWS,

@@ -317,10 +317,10 @@ def rows_cache_fits(plan: Plan, threads: int) -> bool:
     if vpt > MAX_VECS_PER_THREAD:
         return False
     heavy = is_heavy(plan.norm, plan.dtype)
-    cost = cached_cost(vpt, plan.vec * plan.dtype.itemsize, plan.residual, heavy)
+    held = plan.residual or bool(plan.flags & plans.FLAG_GATE)  # (the gate z is held beside x, as r is)
+    cost = cached_cost(vpt, plan.vec * plan.dtype.itemsize, held, heavy)
     # (per-row operands keep 128 registers, as heavy statistics: RowsCachedBounds)
-    limit = block_cache_limit(cost, cached_loads(vpt, plan.residual),
-                              heavy or bool(plan.flags & plans.CONDITIONED_FLAGS))
+    limit = block_cache_limit(cost, cached_loads(vpt, held), heavy or bool(plan.flags & plans.CONDITIONED_FLAGS))
     return group_fits(cost) if threads <= 32 else threads <= limit
 
 

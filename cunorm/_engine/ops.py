@@ -80,9 +80,9 @@ class Op:
     per_sample: its statistic groups lie within one sample (False:
         BatchNorm's, which span the batch and every position).
     conditioned: the per-row operands it takes (conditioning.py): adaLN's
-        ``shift`` and ``scale``, the gated residual's ``residual_gate``
-        (and per-head parameters, which every op with parameters over
-        rows takes through their shape).
+        ``shift`` and ``scale``, the gated residual's ``residual_gate``,
+        the gated RMSNorm's ``gate`` (and per-head parameters, which every
+        op with parameters over rows takes through their shape).
     """
 
     name: str
@@ -119,7 +119,8 @@ OPS = {op.name: op for op in (
     Op("rms_norm", "rows", "rms", ("weight",), True, False, ("rstd",), ("weight_offset", "rounding", "activation"),
        DEFAULT_EPS, reference.rms_norm, reference.rms_norm_backward,
        Operator("rms_norm", ("x", "weight", "residual", "axes", "eps", "return_stats", "epilogue")),
-       Operator("rms_norm_backward", _ROWS_BACKWARD + ("rstd", "weight", "dh", "axes")), conditioned=_CONDITIONED),
+       Operator("rms_norm_backward", _ROWS_BACKWARD + ("rstd", "weight", "dh", "axes")),
+       conditioned=_CONDITIONED + ("gate",)),
     Op("layer_norm", "rows", "ln", ("weight", "bias"), True, False, ("mean", "rstd"), ("activation",),
        DEFAULT_EPS, reference.layer_norm, reference.layer_norm_backward,
        Operator("layer_norm", ("x", "weight", "bias", "residual", "axes", "eps", "return_stats", "epilogue")),

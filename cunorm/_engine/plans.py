@@ -92,7 +92,12 @@ FLAG_PARAM_ROWS = 128  # kParamRows: the parameters repeat every param_rows rows
 FLAG_SHIFT = 256  # kShift
 FLAG_SCALE = 512  # kScale
 FLAG_RESIDUAL_GATE = 1024
-CONDITIONED_FLAGS = FLAG_PARAM_ROWS | FLAG_SHIFT | FLAG_SCALE | FLAG_RESIDUAL_GATE
+# The gated RMSNorm's gate z (x's shape and dtype, read beside x):
+# FLAG_GATE multiplies y by silu(z) (kGate); with FLAG_GATE_INPUT the
+# norm's input is x * silu(z) instead (kGateInput: norm_before_gate=False)
+FLAG_GATE = 2048
+FLAG_GATE_INPUT = 4096
+CONDITIONED_FLAGS = FLAG_PARAM_ROWS | FLAG_SHIFT | FLAG_SCALE | FLAG_RESIDUAL_GATE | FLAG_GATE
 #: what the store's FLAGS word holds of a plan's flags
 STORE_FLAGS = ~FLAG_RESIDUAL_GATE
 #: the flags that take a stored operand of the parameters' dtype
@@ -121,11 +126,17 @@ def activation_name(flags: int) -> str | None:
     return None if code == 0 else next(n for n, c in ACTIVATIONS.items() if c == code)
 
 
-def rms_epilogue(weight_offset, rounding, activation, has_weight: bool) -> int:
-    """All of rms_norm's epilogue bits, validated (the defaults at once: every call passes here)."""
+def rms_epilogue(weight_offset, rounding, activation, has_weight: bool, gate=None, norm_before_gate=True) -> int:
+    """All of rms_norm's epilogue bits, validated (the defaults at once:
+    every call passes here); ``gate``: the gate z or None, whose
+    ``norm_before_gate`` False sets FLAG_GATE_INPUT (FLAG_GATE itself comes
+    with the array: conditioning.check)."""
+    if norm_before_gate is not True and not isinstance(norm_before_gate, (bool, np.bool_)):
+        raise TypeError(f"norm_before_gate must be True or False, got {type(norm_before_gate).__name__}")
+    gated = FLAG_GATE_INPUT if gate is not None and not norm_before_gate else 0
     if activation is None and rounding == "output" and type(weight_offset) is int and weight_offset == 0:
-        return 0
-    return rms_epilogue_flags(weight_offset, rounding, has_weight) | activation_flags(activation)
+        return gated
+    return rms_epilogue_flags(weight_offset, rounding, has_weight) | activation_flags(activation) | gated
 
 
 def rms_epilogue_flags(weight_offset, rounding, has_weight: bool) -> int:
@@ -267,7 +278,7 @@ def vector_width(itemsize: int, extent: int, strides, pointers) -> int:
 
 
 def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, last, x_ptr, y_ptr, r_ptr, h_ptr,
-              w_ptr, b_ptr, out_dtype=None, quant=None, conditioning=(), operand_ptrs=()):
+              w_ptr, b_ptr, out_dtype=None, quant=None, conditioning=(), operand_ptrs=(), gate_ptr=0):
     """Plan for a call, or None when x must be made contiguous first.
 
     Pointers may be given modulo 32 (only their alignment matters); absent
@@ -276,7 +287,8 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
     the key of a one-byte quantized y's request (quantize.Quantize.key);
     ``conditioning``: Plan.conditioning, with ``operand_ptrs`` the
     addresses of the shift, scale and residual gate (rows of the
-    parameters' dtype).
+    parameters' dtype); ``gate_ptr``: the gate z's (C-contiguous, x's
+    dtype; FLAG_GATE). The engine's key holds them in this order.
     """
     view = canonical_view(shape, strides, first, last)
     if view is None:
@@ -292,12 +304,14 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
         other_strides = [s_outer] if outer > 1 else []
         if flags & OPERAND_FLAGS:
             pointers += [(p, param_dtype.itemsize) for p in (w_ptr, b_ptr) + tuple(operand_ptrs)]
+        if flags & FLAG_GATE:
+            pointers.append((gate_ptr, itemsize))
     else:
         extent = inner
         other_strides = [s for s, n in ((s_outer, outer), (s_reduced, reduced)) if n > 1]
     vec = vector_width(itemsize, extent, other_strides, pointers)
     peel_vec = vec
-    if inner == 1 and not flags & OPERAND_FLAGS and not residual and out_dtype is None:
+    if inner == 1 and not flags & (OPERAND_FLAGS | FLAG_GATE) and not residual and out_dtype is None:
         # every row of x must start as far off alignment as y's (C-contiguous,
         # a row each `reduced` elements): their strides and addresses differ
         # by whole vectors

@@ -124,7 +124,7 @@ class Call:
             given[name] = a
         self.cond = conditioning.check(self, given)
         if self.cond.flags and (quant is not None or out_dtype is not None):
-            raise ValueError("quantize= takes no per-head weights, shift=, scale= or residual_gate=")
+            raise ValueError(conditioning.NOT_QUANTIZED)
         self.eps = check_eps(eps, xa.dtype)
         self.out_given = out
         self.out = None if out is None else self._out(out)
@@ -275,6 +275,8 @@ def reference_arguments(call: Call) -> dict:
         kwargs["rounding"] = "normalized" if call.epilogue & plans.FLAG_ROUND_NORMALIZED else "output"
     if op.conditioned:
         kwargs.update(call.cond.arrays)
+        if call.cond.gate is not None:
+            kwargs["norm_before_gate"] = not call.epilogue & plans.FLAG_GATE_INPUT
     return kwargs
 
 
@@ -367,7 +369,7 @@ def _run_gpu(call: Call):
         copied = w is not call.weight or b is not call.bias or x is not call.x or r is not call.residual
         # (the per-row operands' rows are the given arrays' memory unless cast or broadcast out)
         copied = copied or any(operands[slot].data.ptr != given.data.ptr for slot, given in zip(
-            CONDITIONED_SLOTS, (cond.shift, cond.scale, cond.residual_gate)) if given is not None)
+            CONDITIONED_SLOTS, cond.arrays_in_order) if given is not None)
         if copied or call.out is not None:
             program = None
     out = call.adapter.from_cupy
@@ -457,6 +459,7 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
     flags = (plans.FLAG_WEIGHT if w is not None else 0) | (plans.FLAG_BIAS if b is not None else 0)
     flags |= epilogue
     operands = [(quant_arrays or {}).get(slot) for slot in CONDITIONED_SLOTS]
+    gate = operands.pop()  # (the gate z is x's dtype; the others are stored as the parameters)
     stored = [a for a in [w, b] + operands if a is not None]
     pdtype = stored[0].dtype if stored and flags & plans.OPERAND_FLAGS else None
 
@@ -466,7 +469,7 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
         strides = tuple([s // itemsize for s in plans.canonical_strides(x.shape, x.strides, itemsize)])
         key = (norm, x.dtype, pdtype, flags, r is not None, x.shape, strides, first, last, x.data.ptr % 32,
                y.data.ptr % 32, _mod32(r), _mod32(h), _mod32(w), _mod32(b), mixed,
-               None if quant is None else quant.key, conditioning, tuple(_mod32(a) for a in operands),
+               None if quant is None else quant.key, conditioning, tuple(_mod32(a) for a in operands), _mod32(gate),
                x.data.device_id)
         return (_planned(*key) if override is None else _plan_and_choose(key, override)) + (mixed,)
 
@@ -486,8 +489,8 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
         x, r, h = h, None, None
         plan, launch, mixed = plan_for(x, r, h, out_dtype)
     if (plan is None or launch is None) and flags & plans.CONDITIONED_FLAGS:
-        raise ValueError(f"per-head weights, shift=, scale= and residual_gate= run where a row fits in one block's "
-                         f"registers (rows_cached); a row of {plan.reduced if plan else '?'} "
+        raise ValueError(f"per-head weights, shift=, scale=, residual_gate= and gate= run where a row fits in one "
+                         f"block's registers (rows_cached); a row of {plan.reduced if plan else '?'} "
                          f"{np.dtype(x.dtype).name} elements does not")
     if plan is None or launch is None:
         raise RuntimeError(f"cunorm: no {norm} launch for x of shape {x.shape} and strides {x.strides}")
@@ -513,8 +516,8 @@ def _residual_add_program(dtype, n_vec: int, vec: int, device: int) -> launches.
     return pb.build()
 
 
-#: the per-row operands' slots (conditioning.kernel_rows)
-CONDITIONED_SLOTS = ("shift", "mod_scale", "res_gate")
+#: the per-row operands' slots (conditioning.kernel_rows), in conditioning.OPERANDS' order
+CONDITIONED_SLOTS = ("shift", "mod_scale", "res_gate", "gate")
 #: a row norm's slots, in the order Program.run takes their pointers
 ROW_SLOTS = ("x", "r", "y", "h", "w", "b", "center", "scale", "quant_scale", "y_scale", "y_plain") + CONDITIONED_SLOTS
 
@@ -552,7 +555,7 @@ def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool, 
     if launch.tier == "cached":
         param_rows, mod_div, mod_count = plan.conditioning or (1, 1, 1)
         operands = {slot: pb[slot] if plan.flags & bit else None for slot, bit in zip(
-            CONDITIONED_SLOTS, (plans.FLAG_SHIFT, plans.FLAG_SCALE, plans.FLAG_RESIDUAL_GATE))}
+            CONDITIONED_SLOTS, conditioning.OPERANDS.values())}
         pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, **rows, **operands, eps=eps,
                   threads_per_row=launch.threads_per_row, param_rows=param_rows, mod_div=mod_div,
                   mod_count=mod_count)

@@ -249,18 +249,29 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
 
 
 def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, return_stats, activation, shift,
-                        scale, residual_gate, **options):
+                        scale, residual_gate, gate=None, norm_before_gate=True, **options):
     """A traced call with per-head weights, shift=, scale= or
     residual_gate=: the plain norm (``plain``, the traced call without
     them), then jax.numpy ops, each formed in the accumulation dtype and
     rounded once to x's dtype, as cunorm.torch does where autograd records
     (cunorm/torch/_conditioned.py); the arguments are checked as the eager
     call checks them."""
+    epilogue = 0
+    if gate is not None:
+        epilogue = plans.rms_epilogue(options.get("weight_offset", 0), options.get("rounding", "output"), activation,
+                                      weight is not None, gate, norm_before_gate)
     call = row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
-                          residual=_stand_in(residual), return_stats=return_stats,
+                          residual=_stand_in(residual), return_stats=return_stats, epilogue=epilogue,
                           conditioned={"shift": _stand_in(shift), "scale": _stand_in(scale),
-                                       "residual_gate": _stand_in(residual_gate)})
+                                       "residual_gate": _stand_in(residual_gate), "gate": _stand_in(gate)})
     acc = dtypes.accumulation(np.dtype(x.dtype))
+    if gate is not None:
+        return conditioning.gated(
+            lambda h, w, **kw: plain(h, w, None, **kw), x, weight, gate, norm_before_gate=bool(norm_before_gate),
+            normalized=bool(epilogue & plans.FLAG_ROUND_NORMALIZED), offset=bool(epilogue & plans.FLAG_WEIGHT_OFFSET),
+            round_weighted=weight is not None and weight.dtype == x.dtype and np.dtype(x.dtype).itemsize == 2,
+            cast=lambda a: a.astype(acc), narrow=lambda a: a.astype(x.dtype), silu=lambda v: v / (1 + jnp.exp(-v)),
+            return_stats=return_stats, axis=axis, eps=eps)
     h = None
     if residual_gate is not None:
         h = (residual.astype(acc) + residual_gate.astype(acc) * x.astype(acc)).astype(x.dtype)
@@ -286,18 +297,29 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
              rounding="output", activation=None, quantize=None, quant_scale=None, quant_scale_ub=None,
              quant_group=None, quant_scale_layout=None, return_unquantized=False, shift=None, scale=None,
-             residual_gate=None, **kwargs):
+             residual_gate=None, gate=None, norm_before_gate=True, group_size=None, **kwargs):
     _no_out("rms_norm", kwargs)
-    if _traced(x, weight, residual, quant_scale, quant_scale_ub, shift, scale, residual_gate):
+    if group_size is not None and _traced(x, weight, residual, quant_scale, quant_scale_ub, shift, scale,
+                                          residual_gate, gate):
         _no_unknown_kwargs("rms_norm", kwargs)
-        epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
-        if conditioning.requested(weight, None, axis, shift, scale, residual_gate):
+        return conditioning.in_groups(
+            rms_norm, group_size, x, weight, gate=gate, residual=residual, axis=axis, eps=eps,
+            return_stats=return_stats, weight_offset=weight_offset, rounding=rounding, activation=activation,
+            quantize=quantize, quant_scale=quant_scale, quant_scale_ub=quant_scale_ub, quant_group=quant_group,
+            quant_scale_layout=quant_scale_layout, return_unquantized=return_unquantized, shift=shift, scale=scale,
+            residual_gate=residual_gate, norm_before_gate=norm_before_gate)
+    if _traced(x, weight, residual, quant_scale, quant_scale_ub, shift, scale, residual_gate, gate):
+        _no_unknown_kwargs("rms_norm", kwargs)
+        epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None, gate,
+                                      norm_before_gate)
+        if conditioning.requested(weight, None, axis, shift, scale, residual_gate, gate):
             if quantize is not None:
-                raise ValueError("quantize= takes no per-head weights, shift=, scale= or residual_gate=")
+                raise ValueError(conditioning.NOT_QUANTIZED)
             return _conditioned_traced(
                 lambda x, w, b, **kw: rms_norm(x, w, **kw), "rms", x, weight, None, axis=axis, eps=eps,
                 residual=residual, return_stats=return_stats, activation=activation, shift=shift, scale=scale,
-                residual_gate=residual_gate, weight_offset=weight_offset, rounding=rounding)
+                residual_gate=residual_gate, gate=gate, norm_before_gate=norm_before_gate,
+                weight_offset=weight_offset, rounding=rounding)
         quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout, return_unquantized)
         return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats, epilogue, quant)
     _check_kind("rms_norm", x)
@@ -305,7 +327,8 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
                           weight_offset=weight_offset, rounding=rounding, activation=activation, quantize=quantize,
                           quant_scale=quant_scale, quant_scale_ub=quant_scale_ub, quant_group=quant_group,
                           quant_scale_layout=quant_scale_layout, return_unquantized=return_unquantized,
-                          shift=shift, scale=scale, residual_gate=residual_gate, **kwargs)
+                          shift=shift, scale=scale, residual_gate=residual_gate, gate=gate,
+                          norm_before_gate=norm_before_gate, group_size=group_size, **kwargs)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,
@@ -318,7 +341,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
         epilogue = plans.activation_flags(activation)
         if conditioning.requested(weight, bias, axis, shift, scale, residual_gate):
             if quantize is not None:
-                raise ValueError("quantize= takes no per-head weights, shift=, scale= or residual_gate=")
+                raise ValueError(conditioning.NOT_QUANTIZED)
             return _conditioned_traced(layer_norm, "ln", x, weight, bias, axis=axis, eps=eps, residual=residual,
                                        return_stats=return_stats, activation=activation, shift=shift, scale=scale,
                                        residual_gate=residual_gate)

@@ -69,6 +69,7 @@ namespace cunorm {
 // Per-row operands (per-head weights, a modulation, a gated residual: a
 // division or two a row and one more pointer each) keep 128 registers too:
 // at 64, the per-head weights' 16-bit rows of 4 vectors a thread spilled.
+// The gated norm's z is held beside x and costs as a residual does.
 template <class T, class A, int STAT_WORDS, int VEC, int VECS_PER_THREAD, bool RESIDUAL, bool QUANTIZED,
           bool PER_ROW>
 struct RowsCachedBounds {
@@ -124,17 +125,18 @@ template <template <class> class NormT, class T, class STORE, class LOAD, int VE
           bool BLOCK_PER_ROW>
 __global__ void __launch_bounds__(
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
-                                     VECS_PER_THREAD, LOAD::kResidual, STORE::kQuantized,
+                                     VECS_PER_THREAD, LOAD::kResidual || STORE::kGated, STORE::kQuantized,
                                      STORE::kPerRow || LOAD::kScaled>::kBlockMaxThreads
                   : kGroupBlockThreads,
     BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
-                                     VECS_PER_THREAD, LOAD::kResidual, STORE::kQuantized,
+                                     VECS_PER_THREAD, LOAD::kResidual || STORE::kGated, STORE::kQuantized,
                                      STORE::kPerRow || LOAD::kScaled>::kBlockMinBlocks
                   : 2)
 rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STORE::Param* __restrict__ w,
             const typename STORE::Param* __restrict__ b, const float* __restrict__ quant_scale,
             const typename STORE::Param* __restrict__ shift, const typename STORE::Param* __restrict__ mod_scale,
-            const typename LOAD::Gate* __restrict__ res_gate, typename STORE::Out* __restrict__ y,
+            const typename LOAD::Gate* __restrict__ res_gate, const typename STORE::Gate* __restrict__ gate,
+            typename STORE::Out* __restrict__ y,
             T* __restrict__ h, typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out,
             float* __restrict__ y_scale, T* __restrict__ y_plain, long long rows, int n, long long x_row_stride,
             typename AccOf<T>::type eps, int threads_per_row, long long scale_row_stride,
@@ -142,6 +144,8 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
+    static_assert(!STORE::kGated || (!STORE::kQuantized && !LOAD::kResidual && !Norm::kShifted),
+                  "the gate z: an unshifted norm (RMSNorm), no residual, y unquantized");
     __shared__ Stats scratch[33];
 
     const int n_vec = n / VEC;
@@ -164,9 +168,13 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
 
         // Issue every load of the row before using any of them.
         using GateVec = typename Select<LOAD::kScaled, Vec<typename LOAD::Gate, VEC>, none_t>::type;
+        using ZVec = typename Select<STORE::kGated, Vec<typename STORE::Gate, VEC>, none_t>::type;
         Vec<T, VEC> cache[VECS_PER_THREAD];
         Vec<T, VEC> residual[LOAD::kResidual ? VECS_PER_THREAD : 1];
         GateVec gates[LOAD::kScaled ? VECS_PER_THREAD : 1];
+        ZVec zs[STORE::kGated ? VECS_PER_THREAD : 1];  // the gated norm's z, held beside x
+        using FormedVec = typename Select<STORE::kGatedInput, Vec<A, VEC>, none_t>::type;
+        FormedVec formed[STORE::kGatedInput ? VECS_PER_THREAD : 1];  // x * silu(z), the norm's input
         const typename LOAD::Gate* gr = nullptr;
         if constexpr (LOAD::kScaled) gr = LOAD::gate_row(res_gate, row, n, mod_div, mod_count);
 #pragma unroll
@@ -176,6 +184,9 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                 cache[k] = load_vec<T, VEC>(xr + static_cast<long long>(v) * VEC);
                 if constexpr (LOAD::kResidual) residual[k] = load_vec<T, VEC>(r + row * x_row_stride + v * VEC);
                 if constexpr (LOAD::kScaled) gates[k] = load_vec<typename LOAD::Gate, VEC>(gr + v * VEC);
+                if constexpr (STORE::kGated) {
+                    zs[k] = load_vec<typename STORE::Gate, VEC>(gate + row * n + static_cast<long long>(v) * VEC);
+                }
             }
         }
         const A pivot = row_pivot<Norm, A, T, LOAD>(xr, r + row * x_row_stride, active, gr);
@@ -192,7 +203,12 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                     }
                     store_vec<T, VEC>(h + row * n + static_cast<long long>(v) * VEC, cache[k]);
                 }
-                s = fold<Norm, A, T, VEC>(s, cache[k], pivot);
+                if constexpr (STORE::kGatedInput) {
+                    formed[k] = STORE::template gated_input<A>(cache[k], zs[k]);
+                    s = fold<Norm, A, A, VEC>(s, formed[k], pivot);
+                } else {
+                    s = fold<Norm, A, T, VEC>(s, cache[k], pivot);
+                }
             }
         }
         if constexpr (BLOCK_PER_ROW) {
@@ -292,9 +308,14 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                 const int v = lane + k * row_threads;
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
-                    const auto p = STORE::template params<VEC>(ro, e);
-                    store_vec(yr + e, STORE::template apply<T>(cache[k], p, f, pivot, quant));
-                    store_plain<STORE>(y_plain, row * n + e, cache[k], p, f, pivot);
+                    auto p = STORE::template params<VEC>(ro, e);
+                    if constexpr (STORE::kGatedInput) {
+                        store_vec(yr + e, STORE::template apply_formed<T>(formed[k], p, f, pivot));
+                    } else {
+                        if constexpr (STORE::kGated) p.gate = zs[k];
+                        store_vec(yr + e, STORE::template apply<T>(cache[k], p, f, pivot, quant));
+                        store_plain<STORE>(y_plain, row * n + e, cache[k], p, f, pivot);
+                    }
                 }
             }
         }

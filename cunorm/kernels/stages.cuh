@@ -51,7 +51,12 @@
 // adaLN: y = act((affine) * (1 + scale) + shift), shift and scale rows of
 // a per-sample or per-token array stored as P). A tier that takes them
 // forms the row's operands once (row(): the parameters' and the
-// modulation's rows) and reads a vector's with params(row, e).
+// modulation's rows) and reads a vector's with params(row, e). kGate and
+// kGateInput (the gated RMSNorm, rows_cached only): a gate z of x's shape,
+// stored as Y (Gate), read beside x; kGate alone multiplies the affine
+// value by silu(z), z handed in with the vector's parameters
+// (Params::gate); kGateInput makes x * silu(z) the norm's input
+// (gated_input: the tier folds it, holds it and stores apply_formed's).
 // Members: Param and Out (the storage types of w, b and of y); kWritesY;
 // kBare (nothing is read or computed beyond the scaling: a tier may spend
 // those registers on holding more of the row); kParamBytes (parameter bytes
@@ -86,12 +91,21 @@ namespace cunorm {
 //                      affine and before the activation, both per element
 //                      of the row's modulation row (row / mod_div %
 //                      mod_count of a (mod_count, n) array)
+//   kGate              v * silu(z) after the affine (Qwen3-Next's and
+//                      Mamba's norm_before_gate=True); with
+//                      kRoundNormalized and a weight stored as Y, the
+//                      product w * v is rounded to Y first, as
+//                      `weight * h.to(dtype)` is before the gate multiplies
+//   kGateInput         with kGate: the norm's input is x * silu(z) in the
+//                      accumulation type, never rounded (norm_before_gate=False)
 constexpr int kWeightOffset = 4;
 constexpr int kRoundNormalized = 8;
 constexpr int kActivationShift = 4;
 constexpr int kParamRows = 128;
 constexpr int kShift = 256;
 constexpr int kScale = 512;
+constexpr int kGate = 2048;
+constexpr int kGateInput = 4096;
 
 // A if C, else B.
 template <bool C, class A, class B>
@@ -147,6 +161,22 @@ struct ModulatedParamVec : ParamVec<P, WEIGHT, BIAS, VEC> {
     Vec<P, VEC> scale;
 };
 
+// The parameters and the gate z of one vector.
+template <class P, bool WEIGHT, bool BIAS, class G, int VEC>
+struct GatedParamVec : ParamVec<P, WEIGHT, BIAS, VEC> {
+    Vec<G, VEC> gate;
+};
+
+// Whether two types are one (NVRTC has no <type_traits>).
+template <class A, class B>
+struct SameType {
+    static constexpr bool value = false;
+};
+template <class A>
+struct SameType<A, A> {
+    static constexpr bool value = true;
+};
+
 // The row of a per-sample or per-token array that row r reads: r / div % count.
 __device__ __forceinline__ long long broadcast_row(long long row, long long div, long long count) {
     return (row / div) % count;
@@ -161,7 +191,13 @@ struct AffineStore {
     static constexpr bool kHasShift = (FLAGS & kShift) != 0;
     static constexpr bool kHasScale = (FLAGS & kScale) != 0;
     static constexpr bool kModulated = kHasShift || kHasScale;
-    static constexpr bool kPerRow = (FLAGS & (kParamRows | kShift | kScale)) != 0;  // (rows_cached only)
+    static constexpr bool kGated = (FLAGS & kGate) != 0;
+    static constexpr bool kGatedInput = (FLAGS & kGateInput) != 0;
+    static_assert(!kGatedInput || kGated, "kGateInput comes with kGate");
+    static_assert(!kGated || !kModulated, "a gate or a modulation, not both");
+    static constexpr bool kGateAfter = kGated && !kGatedInput;  // silu(z) multiplies y: z in the Params
+    using Gate = typename Select<kGated, Y, none_t>::type;
+    static constexpr bool kPerRow = (FLAGS & (kParamRows | kShift | kScale | kGate)) != 0;  // (rows_cached only)
     static constexpr bool kWritesY = true;
     static constexpr bool kBare = FLAGS == 0;
     static constexpr int kParamBytes =
@@ -169,11 +205,13 @@ struct AffineStore {
         static_cast<int>(sizeof(P));
 
     template <int VEC>
-    using Params = typename Select<kModulated, ModulatedParamVec<P, kHasWeight, kHasBias, VEC>,
-                                   ParamVec<P, kHasWeight, kHasBias, VEC>>::type;
+    using Params = typename Select<
+        kGateAfter, GatedParamVec<P, kHasWeight, kHasBias, Gate, VEC>,
+        typename Select<kModulated, ModulatedParamVec<P, kHasWeight, kHasBias, VEC>,
+                        ParamVec<P, kHasWeight, kHasBias, VEC>>::type>::type;
     template <class A>
     struct Scalars {
-        A w, b, shift, scale;
+        A w, b, shift, scale, gate;
     };
 
     // One row's operands: its parameters' row and its modulation's row.
@@ -231,7 +269,7 @@ struct AffineStore {
     }
     template <class A>
     __device__ __forceinline__ static Scalars<A> channel(const P* w, const P* b, long long c) {
-        Scalars<A> s{A(1), A(0), A(0), A(0)};
+        Scalars<A> s{A(1), A(0), A(0), A(0), A(0)};
         if constexpr (kHasWeight) s.w = static_cast<A>(widen(w[c]));
         if constexpr (kHasBias) s.b = static_cast<A>(widen(b[c]));
         return s;
@@ -239,12 +277,25 @@ struct AffineStore {
     // The parameters of element j of a vector.
     template <class A, class PV>
     __device__ __forceinline__ static Scalars<A> scalars_at(const PV& p, int j) {
-        Scalars<A> s{A(1), A(0), A(0), A(0)};
+        Scalars<A> s{A(1), A(0), A(0), A(0), A(0)};
         if constexpr (kHasWeight) s.w = static_cast<A>(widen(p.w.v[j]));
         if constexpr (kHasBias) s.b = static_cast<A>(widen(p.b.v[j]));
         if constexpr (kHasShift) s.shift = static_cast<A>(widen(p.shift.v[j]));
         if constexpr (kHasScale) s.scale = static_cast<A>(widen(p.scale.v[j]));
+        if constexpr (kGateAfter) s.gate = static_cast<A>(widen(p.gate.v[j]));
         return s;
+    }
+    // The norm's input vector with kGateInput: x * silu(z) in A, never
+    // rounded; the tier folds it and holds it for apply_formed (silu once
+    // an element: twice made the gated norm compute-bound).
+    template <class A, class T, int VEC>
+    __device__ __forceinline__ static Vec<A, VEC> gated_input(const Vec<T, VEC>& x, const Vec<Gate, VEC>& z) {
+        Vec<A, VEC> v;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            v.v[j] = static_cast<A>(widen(x.v[j])) * activate<kSilu>(static_cast<A>(widen(z.v[j])));
+        }
+        return v;
     }
     // Every element of the vector takes channel c's parameters.
     template <int VEC>
@@ -271,6 +322,12 @@ struct AffineStore {
             v = v * s.w;
         } else if constexpr (kHasBias) {
             v = v + s.b;
+        }
+        if constexpr (kGateAfter) {
+            if constexpr ((FLAGS & kRoundNormalized) != 0 && kHasWeight && SameType<P, Y>::value && sizeof(Y) == 2) {
+                v = rounded_to<Y>(v);
+            }
+            v = v * activate<kSilu>(s.gate);
         }
         if constexpr (kHasShift && kHasScale) {
             v = fma(v, A(1) + s.scale, s.shift);
@@ -306,6 +363,15 @@ struct AffineStore {
             const A shifted = static_cast<A>(widen(in.v[j])) - pivot;
             element<T>(shifted, f, scalars_at<A>(p, j), out.v[j]);
         }
+        return out;
+    }
+    // apply() of inputs formed in the accumulation type (gated_input's).
+    template <class T, int VEC, class A>
+    __device__ __forceinline__ static Vec<Y, VEC> apply_formed(const Vec<A, VEC>& in, const Params<VEC>& p,
+                                                               const Affine<A>& f, A pivot) {
+        Vec<Y, VEC> out;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) element<T>(in.v[j] - pivot, f, scalars_at<A>(p, j), out.v[j]);
         return out;
     }
 };
@@ -465,6 +531,9 @@ struct QuantStore : AffineStore<P, FLAGS, Q> {
 struct NoStore {
     using Param = none_t;
     using Out = none_t;
+    using Gate = none_t;
+    static constexpr bool kGated = false;
+    static constexpr bool kGatedInput = false;
     struct Row {};
     __device__ __forceinline__ static Row row(const none_t*, const none_t*, const none_t*, const none_t*, long long,
                                               int, long long, long long, long long) {

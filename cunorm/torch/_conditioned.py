@@ -1,12 +1,13 @@
-"""Per-head weights, ``shift=``, ``scale=`` and ``residual_gate=`` on
-torch tensors (cunorm/_engine/conditioning.py).
+"""Per-head weights, ``shift=``, ``scale=``, ``residual_gate=`` and
+``gate=`` on torch tensors (cunorm/_engine/conditioning.py).
 
 Outside autograd and dynamo the engine runs them fused (one rows_cached
 pass). Where autograd records or dynamo traces, the call is the plain norm
 (cunorm's differentiable operator) followed by torch's elementwise ops,
 each formed in float32 and rounded once to x's dtype, so autograd and
 inductor see ordinary ops: the gated residual before the norm; the
-per-head weight and bias, the modulation and the activation after it.
+per-head weight and bias, the modulation and the activation after it; the
+gated RMSNorm's gate before or after (conditioning.gated).
 """
 from __future__ import annotations
 
@@ -18,17 +19,32 @@ from ._autograd import TORCH_ACTIVATIONS, needs_grad
 
 
 def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, return_stats, epilogue, activation,
-                shift, scale, residual_gate, **options):
+                shift, scale, residual_gate, gate=None, **options):
     """The row norm ``norm`` ("rms" or "ln") with per-row operands.
     ``plain(x, weight, bias, *, axis, eps, residual, return_stats,
     activation, **options)`` is cunorm.torch's function of the norm
     without them; ``epilogue``: its validated FLAGS bits; ``options``:
     rms_norm's weight_offset and rounding."""
-    arrays = (x, weight, bias, residual, shift, scale, residual_gate)
+    arrays = (x, weight, bias, residual, shift, scale, residual_gate, gate)
     if not (needs_grad(*arrays) or torch.compiler.is_compiling()):
         return calls.rows(norm, x, weight, bias, residual, axis, eps, return_stats, None, None, epilogue,
-                          conditioned={"shift": shift, "scale": scale, "residual_gate": residual_gate})
+                          conditioned={"shift": shift, "scale": scale, "residual_gate": residual_gate, "gate": gate})
     acc = _adapter.ACCUMULATION[x.dtype]
+    if gate is not None:
+        if not isinstance(gate, torch.Tensor):
+            raise TypeError(f"gate must be a torch tensor as x is, got {type(gate).__name__}")
+        _, last = plans.normalize_axes(axis, x.dim())
+        others = [n for n, a in (("shift", shift), ("scale", scale), ("residual_gate", residual_gate)) if a is not None]
+        conditioning.check_gate(norm, tuple(x.shape), x.dtype, tuple(gate.shape), gate.dtype, last,
+                                residual is not None, epilogue, others)
+        return conditioning.gated(
+            lambda h, w, **kw: plain(h, w, None, **kw), x, weight, gate,
+            norm_before_gate=not epilogue & plans.FLAG_GATE_INPUT,
+            normalized=bool(epilogue & plans.FLAG_ROUND_NORMALIZED),
+            offset=bool(epilogue & plans.FLAG_WEIGHT_OFFSET),
+            round_weighted=weight is not None and weight.dtype == x.dtype and x.element_size() == 2,
+            cast=lambda a: a.to(acc), narrow=lambda a: a.to(x.dtype), silu=torch.nn.functional.silu,
+            return_stats=return_stats, axis=axis, eps=eps)
     h = None
     if residual_gate is not None:
         if residual is None:

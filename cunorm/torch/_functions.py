@@ -20,7 +20,7 @@ from ._autograd import needs_grad as _needs_grad  # (the forward operators then 
 from ._autograd import row_norm_apply as _row_norm_apply
 
 _ALL_AXES: list[int] = []  # an op's ``axes`` for axis=None (every axis)
-_NOT_QUANTIZED = "quantize= takes no per-head weights, shift=, scale= or residual_gate="
+_NOT_QUANTIZED = conditioning.NOT_QUANTIZED
 
 
 # -- functions ------------------------------------------------------------------------------------------------------
@@ -66,20 +66,27 @@ def _offset_weight(x: Tensor, weight: Tensor) -> Tensor:
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
              rounding="output", activation=None, quantize=None, quant_scale=None, quant_scale_ub=None,
              quant_group=None, quant_scale_layout=None, return_unquantized=False, shift=None, scale=None,
-             residual_gate=None):
+             residual_gate=None, gate=None, norm_before_gate=True, group_size=None):
     """:func:`cunorm.rms_norm` as the registered op ``torch.ops.cunorm.rms_norm`` (differentiable); with
     ``quantize=``, ``torch.ops.cunorm.row_norm_quantized`` (inference only); with per-head weights,
-    ``shift=``, ``scale=`` or ``residual_gate=``: fused, or where autograd records the norm and torch's
-    elementwise ops (cunorm/torch/_conditioned.py)."""
+    ``shift=``, ``scale=``, ``residual_gate=`` or ``gate=``: fused, or where autograd records the norm and
+    torch's elementwise ops (cunorm/torch/_conditioned.py)."""
+    if group_size is not None:
+        return conditioning.in_groups(
+            rms_norm, group_size, x, weight, gate=gate, residual=residual, axis=axis, eps=eps,
+            return_stats=return_stats, weight_offset=weight_offset, rounding=rounding, activation=activation,
+            quantize=quantize, quant_scale=quant_scale, quant_scale_ub=quant_scale_ub, quant_group=quant_group,
+            quant_scale_layout=quant_scale_layout, return_unquantized=return_unquantized, shift=shift, scale=scale,
+            residual_gate=residual_gate, norm_before_gate=norm_before_gate)
     stats = row_norms.check_flag(return_stats, "return_stats")
-    epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None)
-    if conditioning.requested(weight, None, axis, shift, scale, residual_gate):
+    epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None, gate, norm_before_gate)
+    if conditioning.requested(weight, None, axis, shift, scale, residual_gate, gate):
         if quantize is not None:
             raise ValueError(_NOT_QUANTIZED)
         return _conditioned("rms", lambda x, w, b, **kw: rms_norm(x, w, **kw), x, weight, None, axis=axis,
                             eps=eps, residual=residual, return_stats=stats, epilogue=epilogue,
                             activation=activation, shift=shift, scale=scale, residual_gate=residual_gate,
-                            weight_offset=weight_offset, rounding=rounding)
+                            gate=gate, weight_offset=weight_offset, rounding=rounding)
     if (quantize is not None or quant_scale is not None or quant_scale_ub is not None or quant_group is not None
             or quant_scale_layout is not None or return_unquantized is not False):
         return _quantized("rms", x, weight, None, residual, _axes(axis), eps, stats, epilogue, quantize, quant_scale,

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from . import _functions
 from ._layers import (TORCH_LAYERS, batch_forward, group_forward, layer_cunorm, layer_forward, memoized,
                       not_updating_running, original_forward, rms_cunorm, rms_forward, runs_original, trailing_axes,
                       with_memo)
@@ -148,6 +149,33 @@ def _hf_gemma_rms(self, x: Tensor) -> Tensor:  # times (1 + weight) in float32, 
     return rms_forward(self, x, -1, self.eps, weight_offset=1)
 
 
+def _gated_as_cunorm(self, x: Tensor, gate) -> bool:
+    """Whether cunorm computes a gated RMSNorm's call: a gate of x's shape
+    and dtype, a result in x's dtype (the weight's promotion with x is
+    x's dtype), outside dynamo's tracing (inductor fuses the original)."""
+    return (gate is not None and not torch.compiler.is_compiling() and gate.dtype == x.dtype
+            and gate.shape == x.shape and torch.promote_types(self.weight.dtype, x.dtype) == x.dtype)
+
+
+def _hf_qwen3_next_gated(self, x: Tensor, gate=None) -> Tensor:
+    """Qwen3-Next: x normalized in float32, rounded to x's dtype, times the
+    weight (rounded again), times silu(gate) in float32, rounded once more."""
+    if not _gated_as_cunorm(self, x, gate):
+        return self._cunorm_original.forward(self, x, gate)
+    return _functions.rms_norm(x, self.weight, eps=self.variance_epsilon, rounding="normalized", gate=gate)
+
+
+def _hf_mamba2_gated(self, x: Tensor, gate=None) -> Tensor:
+    """Mamba-2: x * silu(gate) in float32 normalized, rounded to x's dtype,
+    times the weight."""
+    if gate is None:
+        return _hf_llama_rms(self, x)
+    if not _gated_as_cunorm(self, x, gate):
+        return self._cunorm_original.forward(self, x, gate)
+    return _functions.rms_norm(x, self.weight, eps=self.variance_epsilon, rounding="normalized", gate=gate,
+                               norm_before_gate=False)
+
+
 # --- the registry ---------------------------------------------------------------------------------------------------
 
 
@@ -203,6 +231,11 @@ for _family, _name in (("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"),
 for _family, _name in (("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm")):
     _hf(_family, _name, _hf_gemma_rms)
 _hf("olmo2", "Olmo2RMSNorm", _hf_olmo2_rms)
+# (the gated norms take (x, gate): no memo, which keys x alone)
+RULES[("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextRMSNormGated")] = Rule(
+    _hf_qwen3_next_gated, fused_original=False, memo=False)
+RULES[("transformers.models.mamba2.modeling_mamba2", "MambaRMSNormGated")] = Rule(
+    _hf_mamba2_gated, fused_original=False, memo=False)
 _hf("t5", "T5LayerNorm", _hf_t5_rms)
 _hf("mt5", "MT5LayerNorm", _hf_t5_rms)
 del _family, _name
@@ -316,7 +349,9 @@ def replace_norms(model: torch.nn.Module, *, report: bool = False):
     transformers' RMSNorms of Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE,
     Qwen3 (its per-head q/k norms too), Qwen3-MoE, Phi-3, DeepSeek-V2/V3
     (their rounding: ``rounding="normalized"``), Gemma 1/2/3 (``1 +
-    weight``), OLMo2, and T5's and mT5's T5LayerNorm. The modules stay the
+    weight``), OLMo2, and T5's and mT5's T5LayerNorm; the gated RMSNorms
+    of Qwen3-Next (Qwen3NextRMSNormGated) and Mamba-2 (MambaRMSNormGated),
+    through ``gate=``. The modules stay the
     same objects (an optimizer built before keeps working); only their class
     becomes a cunorm subclass of it. Subclasses of these whose forward may
     differ, and norms of other formulas, are left alone.

@@ -70,6 +70,24 @@ def test_quantized_rows_compile_without_spills():
     _check("sm_80", kernels)
 
 
+def test_conditioned_and_gated_rows_compile_without_spills():
+    """rows_cached with per-row operands and the gate z, every
+    instantiation the dispatch picks, for sm_90; the heaviest of each
+    store, data type and block shape for sm_80."""
+    kernels = catalogue.conditioned_kernels()
+    stores = {k.template_args[2].args[1] for k in kernels}
+    assert len(kernels) >= 100 and all(k.name == "rows_cached" for k in kernels)
+    assert {s & 0x3f80 for s in stores} >= {0x80, 0x300, 0x380, 0x800, 0x1800}
+    _check("sm_90", kernels)
+    heaviest = {}
+    for k in kernels:
+        policy, t, store, load, vec, vpt, block = k.template_args
+        group = (policy, t, store.args[1], load.name, block)
+        if group not in heaviest or (vpt, vec) > heaviest[group][0]:
+            heaviest[group] = ((vpt, vec), k)
+    _check("sm_80", [k for _, k in heaviest.values()])
+
+
 @pytest.mark.parametrize("arch", [80, 90])
 def test_representative_set_compiles_without_spills(arch):
     _check(f"sm_{arch}", catalogue.representative_kernels([k for k in _all() if k.min_arch <= arch]))

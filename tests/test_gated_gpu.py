@@ -1,0 +1,231 @@
+"""The gated RMSNorm on the GPU: the fused kernel (rows_cached, z read
+beside x) against the float64 reference, outputs poisoned first, inputs
+never written, batch invariance, the launch cache; torch (fused outside
+autograd, the composition's gradients under it, torch.compile), JAX (eager,
+jit, grad) and replace_norms on transformers' gated norms."""
+import copy
+
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm import reference
+from cunorm._engine import dtypes, plans
+from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy")
+
+# name: (x shape, weight?, group_size)
+CASES = {
+    "mamba-2 row": ((3, 17, 1152), True, None),
+    "qwen3-next heads": ((2, 9, 8, 128), True, None),
+    "groups of a row": ((4, 5, 2048), True, 256),
+    "no weight, odd row": ((6, 1000), False, None),
+    "decode": ((1, 1, 4096), True, None),
+    "longest 16-bit row": ((3, 16384), True, None),
+}
+
+
+def _arrays(rng, case, dtype, wdtype):
+    shape, weighted, group = CASES[case]
+    x = random(rng, shape, dtype, 2.0, 0.3)
+    z = random(rng, shape, dtype, 2.0)
+    w = random(rng, shape[-1:], wdtype, 0.5, 1.0) if weighted else None
+    return x, z, w, group
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("before", [True, False], ids=["norm-then-gate", "gate-then-norm"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_fused_kernel_matches_the_reference(rng, poisoned, case, before, dtype):
+    row = CASES[case][0][-1] if CASES[case][2] is None else CASES[case][2]
+    if row > {2: 16384, 4: 8192, 8: 2048}[dtype.itemsize]:
+        pytest.skip("past the register budget (test_rows_past_the_register_tier_raise_a_value_error)")
+    wdtype = np.float64 if dtype == dtypes.float64 else np.float32
+    x, z, w, group = _arrays(rng, case, dtype, wdtype)
+    dev = {k: None if v is None else cupy.asarray(v) for k, v in dict(x=x, z=z, w=w).items()}
+    before_call = {k: v.copy() for k, v in dev.items() if v is not None}
+    out = cupy.full(x.shape, np.nan, x.dtype)
+    y, rstd = cunorm.rms_norm(dev["x"], dev["w"], gate=dev["z"], norm_before_gate=before, group_size=group,
+                              return_stats=True, out=out)
+    assert y is out
+    xg, wg, zg = x, w, z
+    if group is not None:
+        split = x.shape[:-1] + (x.shape[-1] // group, group)
+        xg, zg, wg = x.reshape(split), z.reshape(split), None if w is None else w.reshape(-1, group)
+    want, want_rstd = reference.rms_norm(xg, wg, gate=zg, norm_before_gate=before, return_stats=True, exact=True)
+    want = want.reshape(x.shape)
+    assert_close(cupy.asnumpy(y), want, dtype, atol=RTOL[np.dtype(dtype)] * output_scale(want), what="y")
+    assert_close(cupy.asnumpy(rstd), want_rstd, dtypes.float32 if dtype != dtypes.float64 else dtype, rtol=1e-4,
+                 what="rstd")
+    for k, v in before_call.items():  # inputs never written
+        assert cupy.array_equal(v, dev[k]), k
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_16bit_weights_round_where_the_reference_rounds(rng, before):
+    """rounding="normalized", weight of x's dtype: the reference's roundings
+    (Qwen3-Next's with the gate after the norm, Mamba-2's before), within
+    an ulp or two where float32 and float64 rstd round apart."""
+    bf16 = dtypes.bfloat16
+    x, z, w = random(rng, (64, 2048), bf16, 2.0), random(rng, (64, 2048), bf16, 2.0), random(rng, (2048,), bf16)
+    got = cunorm.rms_norm(cupy.asarray(x), cupy.asarray(w), eps=1e-6, rounding="normalized", gate=cupy.asarray(z),
+                          norm_before_gate=before)
+    want = reference.rms_norm(x, w, eps=1e-6, rounding="normalized", gate=z, norm_before_gate=before)
+    ulps = np.abs(cupy.asnumpy(got).view(np.int16).astype(np.int64) - want.view(np.int16).astype(np.int64))
+    assert ulps.max() <= 3 and (ulps > 0).mean() <= 0.01, (ulps.max(), (ulps > 0).mean())
+
+
+def test_each_rows_result_is_the_same_whatever_the_batch(rng):
+    x, z = (cupy.asarray(random(rng, (4096, 4096), dtypes.bfloat16)) for _ in range(2))
+    w = cupy.asarray(random(rng, (4096,), dtypes.bfloat16))
+    for before in (True, False):
+        whole = cunorm.rms_norm(x, w, gate=z, norm_before_gate=before)
+        for i in (0, 1234, 4095):
+            alone = cunorm.rms_norm(x[i:i + 1], w, gate=z[i:i + 1], norm_before_gate=before)
+            assert cupy.array_equal(alone.view(cupy.uint16), whole[i:i + 1].view(cupy.uint16))
+
+
+def test_a_cached_call_replays_what_the_first_computed(rng):
+    from cunorm._engine import launch_cache
+
+    x, z, w, _ = (cupy.asarray(a) if a is not None else None
+                  for a in _arrays(rng, "mamba-2 row", dtypes.bfloat16, dtypes.bfloat16))
+    first = cunorm.rms_norm(x, w, gate=z, norm_before_gate=False)
+    key = launch_cache.rows_key("rms", x, w, None, None, -1, 1e-5, False, plans.FLAG_GATE_INPUT,
+                                None, conditioned=(None, None, None, z))
+    assert launch_cache.ROWS.get(key) is not None
+    second = cunorm.rms_norm(x, w, gate=z, norm_before_gate=False)
+    assert cupy.array_equal(first.view(cupy.uint16), second.view(cupy.uint16))
+    z2 = cupy.asarray(random(rng, z.shape, dtypes.bfloat16))
+    got = cunorm.rms_norm(x, w, gate=z2, norm_before_gate=False)  # (new data through the replayed launcher)
+    want = reference.rms_norm(cupy.asnumpy(x), cupy.asnumpy(w), gate=cupy.asnumpy(z2), norm_before_gate=False,
+                              exact=True)
+    assert_close(cupy.asnumpy(got), want, dtypes.bfloat16, atol=8e-3 * output_scale(want), what="y")
+    other = cunorm.rms_norm(x, w, gate=z)  # (norm_before_gate is in the signature)
+    assert not cupy.array_equal(other.view(cupy.uint16), first.view(cupy.uint16))
+
+
+def test_rows_past_the_register_tier_raise_a_value_error():
+    x = cupy.ones((2, 32768), cupy.float32)
+    with pytest.raises(ValueError, match="rows_cached"):
+        cunorm.rms_norm(x, gate=x)
+
+
+# --- torch ---------------------------------------------------------------------------------------------------------
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    import cunorm.torch  # noqa: F401  (registers the operators)
+
+    return torch
+
+
+@pytest.mark.parametrize("before", [True, False])
+@pytest.mark.parametrize("case", ["mamba-2 row", "groups of a row"])
+def test_torch_runs_fused_and_differentiates_the_composition(rng, case, before):
+    torch = _torch()
+    x, z, w, group = _arrays(rng, case, np.float32, np.float32)
+    t = {k: torch.tensor(v, device="cuda") for k, v in dict(x=x, z=z, w=w).items()}
+    fused = cunorm.rms_norm(t["x"], t["w"], gate=t["z"], norm_before_gate=before, group_size=group)
+    want = cunorm.rms_norm(cupy.asarray(x), cupy.asarray(w), gate=cupy.asarray(z), norm_before_gate=before,
+                           group_size=group)
+    assert torch.equal(fused, torch.as_tensor(want, device="cuda"))  # (the same kernel)
+    leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
+    y, rstd = cunorm.rms_norm(leaves["x"], leaves["w"], gate=leaves["z"], norm_before_gate=before,
+                              group_size=group, return_stats=True)
+    torch.testing.assert_close(y, fused, rtol=2e-6, atol=2e-6 * float(fused.abs().max()))
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad((y * dy).sum(), list(leaves.values()))
+    doubles = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+    ref = cunorm.rms_norm(doubles["x"], doubles["w"], gate=doubles["z"], norm_before_gate=before, group_size=group)
+    ref_grads = torch.autograd.grad((ref * dy.double()).sum(), list(doubles.values()))
+    for name, g, rg in zip(leaves, grads, ref_grads):
+        torch.testing.assert_close(g.double(), rg, rtol=2e-4, atol=2e-4 * float(rg.abs().max()), msg=name)
+
+
+def test_torch_compile_traces_the_composition(rng):
+    torch = _torch()
+    x, z, w, _ = _arrays(rng, "qwen3-next heads", np.float32, np.float32)
+    t = [torch.tensor(a, device="cuda") for a in (x, z, w)]
+
+    def block(x, z, w):
+        return cunorm.rms_norm(x, w, gate=z, norm_before_gate=False, group_size=32)
+
+    got = torch.compile(block, fullgraph=True)(*t)
+    torch.testing.assert_close(got, block(*t), rtol=1e-5, atol=1e-5)
+
+
+# --- JAX -----------------------------------------------------------------------------------------------------------
+
+
+def test_jax_eager_jit_and_grad(rng):
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    import cunorm.jax as cj
+
+    jnp = jax.numpy
+    x, z, w, group = _arrays(rng, "groups of a row", np.float32, np.float32)
+    args = [jnp.asarray(a) for a in (x, z, w)]
+
+    def block(x, z, w):
+        return cj.rms_norm(x, w, gate=z, group_size=group)
+
+    split = x.shape[:-1] + (x.shape[-1] // group, group)
+    want = reference.rms_norm(x.reshape(split), w.reshape(-1, group), gate=z.reshape(split), exact=True)
+    for got in (block(*args), jax.jit(block)(*args)):
+        assert_close(np.asarray(got), want.reshape(x.shape), np.float32, atol=2e-5 * output_scale(want), what="y")
+
+    def loss_xla(x, z, w):
+        h = x.reshape(split)
+        y = (h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-5)).reshape(x.shape)
+        return jnp.sum((y * w * jax.nn.silu(z)) ** 2)
+
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(block(*a) ** 2), argnums=(0, 1, 2)))(*args)
+    ref = jax.jit(jax.grad(loss_xla, argnums=(0, 1, 2)))(*args)
+    for g, rg in zip(grads, ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(rg), rtol=2e-3,
+                                   atol=2e-3 * float(np.abs(np.asarray(rg)).max()))
+
+
+# --- replace_norms -------------------------------------------------------------------------------------------------
+
+GATED = [("qwen3_next", "Qwen3NextRMSNormGated"), ("mamba2", "MambaRMSNormGated")]
+
+
+@pytest.mark.parametrize("family,name", GATED, ids=[n for _, n in GATED])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_transformers_gated_norms(rng, family, name, dtype):
+    torch = _torch()
+    import importlib
+
+    from test_zoo_gpu import assert_within_one_ulp
+
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        pytest.skip(f"transformers has no {family}")
+    dtype = getattr(torch, dtype)
+    layer = getattr(module, name)(128, eps=1e-6).cuda().to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor(random(rng, (128,), np.float32, 0.3, 1.0)))
+    original = copy.deepcopy(layer)
+    import cunorm.torch as cunorm_torch
+
+    assert cunorm_torch.replace_norms(layer, report=True).replaced == {"": f"{type(original).__module__}.{name}"}
+    x = torch.tensor(random(rng, (64, 128), np.float32, 3.0), device="cuda").to(dtype)
+    z = torch.tensor(random(rng, (64, 128), np.float32, 2.0), device="cuda").to(dtype)
+    with torch.no_grad():
+        assert_within_one_ulp(layer(x, z), original(x, z), f"{name} {dtype}", ulps_allowed=3)
+        if family == "mamba2":  # (no gate: Llama's RMSNorm)
+            assert_within_one_ulp(layer(x), original(x), f"{name} {dtype} no gate", ulps_allowed=2)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    g = [torch.autograd.grad(m(xi, z).float().square().sum(), (xi, m.weight)) for m, xi in ((layer, xs[0]),
+                                                                                            (original, xs[1]))]
+    for a, t in zip(*g):
+        torch.testing.assert_close(a.float(), t.float(), rtol=3e-2, atol=3e-2 * float(t.float().abs().max()))
