@@ -3,7 +3,8 @@
 affine; shift, scale and gate per sample, (B, 1, H)), the modulated
 RMSNorm with a weight, and the gated RMSNorm with a weight
 (``norm(x) * w * silu(z)``; ``norm(x * silu(z)) * w`` over 8 groups of the
-row, Mamba-2's; over heads of 128, Qwen3-Next's), bf16, against torch eager
+row, Mamba-2's; over heads of 128, Qwen3-Next's), and the RMSNorm of a
+float32 residual stream (``h = x + r`` with r and h float32, y bf16), bf16, against torch eager
 and torch.compile of the same formula, at DiT-XL's hidden 1152, Flux's
 3072, 4096 and 8192, from 1 to 32768 tokens (batch 8 from 4096 tokens on).
 GPU time (busy fill), one call with L2 flushed (cold), floor% of copy
@@ -61,10 +62,16 @@ def gated_groups_torch(x, z, w):
     return (_rms(x.float() * torch.nn.functional.silu(z.float()), 8) * w.float()).to(x.dtype)
 
 
+def rms_res32_torch(x, r, w):
+    h = x.float() + r
+    return (_rms(h) * w.float()).to(x.dtype), h
+
+
 def main(out):
     copy = copy_bandwidth()
     compiled = {"adaln": torch.compile(adaln_torch), "rms_mod": torch.compile(rms_mod_torch),
-                "gated": torch.compile(gated_torch), "gated_groups": torch.compile(gated_groups_torch)}
+                "gated": torch.compile(gated_torch), "gated_groups": torch.compile(gated_groups_torch),
+                "rms_res32": torch.compile(rms_res32_torch)}
     rows = []
     for hidden in (1152, 3072, 4096, 8192):
         for tokens in (1, 4096, 32768):
@@ -77,6 +84,7 @@ def main(out):
             w = torch.randn(hidden, device="cuda", generator=g, dtype=torch.bfloat16)
             z = torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16)
             heads, zh, wh = x.unflatten(-1, (-1, 128)), z.unflatten(-1, (-1, 128)), w[:128]
+            r32 = r.float() * 8
             per_sample = 3 * batch * hidden * 2
             cases = {
                 "adaln": (lambda: cunorm.layer_norm(x, residual=r, shift=shift, scale=scale, residual_gate=gate,
@@ -92,6 +100,8 @@ def main(out):
                                                          group_size=hidden // 8, eps=EPS),
                                  lambda: gated_groups_torch(x, z, w), lambda: compiled["gated_groups"](x, z, w),
                                  3 * x.numel() * 2 + hidden * 2),
+                "rms_res32": (lambda: cunorm.rms_norm(x, w, residual=r32, eps=EPS), lambda: rms_res32_torch(x, r32, w),
+                              lambda: compiled["rms_res32"](x, r32, w), 12 * x.numel() + hidden * 2),
                 "gated_heads": (lambda: cunorm.rms_norm(heads, wh, gate=zh, eps=EPS),
                                 lambda: gated_torch(heads, zh, wh), lambda: compiled["gated"](heads, zh, wh),
                                 3 * x.numel() * 2 + 256),

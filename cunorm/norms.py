@@ -64,7 +64,11 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
         (torch.nn.RMSNorm's default is the dtype's machine epsilon instead.)
     residual : array, optional
         Of x's shape and dtype. ``h = x + residual`` is formed (rounded to x's
-        dtype), normalized and returned, in one pass over memory.
+        dtype), normalized and returned, in one pass over memory. A float32
+        residual under 16-bit x is the float32 residual stream: h is formed
+        and returned in float32 (never rounded to x's dtype), y is x's dtype;
+        over the trailing axes, fused (rows of up to 16384 16-bit elements
+        for rms_norm, 8192 for layer_norm; longer raise a ValueError).
     return_stats : bool, default False
         Also return the per-group ``rstd = rsqrt(mean(h**2) + eps)``, of
         shape x.shape without the normalized axes, float32 (float64 for
@@ -165,7 +169,11 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
         Added to the variance inside the square root; finite and >= 0.
     residual : array, optional
         Of x's shape and dtype. ``h = x + residual`` is formed (rounded to x's
-        dtype), normalized and returned, in one pass over memory.
+        dtype), normalized and returned, in one pass over memory. A float32
+        residual under 16-bit x is the float32 residual stream: h is formed
+        and returned in float32 (never rounded to x's dtype), y is x's dtype;
+        over the trailing axes, fused (rows of up to 16384 16-bit elements
+        for rms_norm, 8192 for layer_norm; longer raise a ValueError).
     return_stats : bool, default False
         Also return the per-group ``mean`` and ``rstd = rsqrt(var + eps)``, of
         shape x.shape without the normalized axes, float32 (float64 for

@@ -71,9 +71,9 @@ def _normalize(kind, x, weight, bias, axis, eps, residual, return_stats, exact, 
     axes = tuple(range(first, last + 1))
     shift, mod_scale, gate = (None if a is None else np.asarray(a).astype(np.float64) for a in conditioned)
     if residual is not None:
-        # h is rounded to x's dtype, and the norm sees exactly that h.
+        # h is rounded to the residual's dtype (x's, or float32 under 16-bit x), and the norm sees that h.
         xg = x.astype(np.float64) if gate is None else gate * x.astype(np.float64)
-        h = (xg + np.asarray(residual).astype(np.float64)).astype(x.dtype)
+        h = (xg + np.asarray(residual).astype(np.float64)).astype(np.asarray(residual).dtype)
     else:
         h = x
     hf = h.astype(np.float64)

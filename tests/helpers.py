@@ -89,3 +89,16 @@ OP_CALLS = {
 def op_shapes(name):
     """(x shape, parameter shape) of an OP_CALLS entry."""
     return ((3, 760), (760,)) if OP_CALLS[name][2] else ((3, 8, 5, 7), (8,))
+
+
+def torch_on_gpu():
+    """torch, with cunorm's operators registered; the test skips where torch
+    is missing or sees no GPU."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    import cunorm.torch  # noqa: F401  (registers the operators)
+
+    return torch

@@ -9,7 +9,7 @@ import pytest
 import cunorm
 from cunorm import reference
 from cunorm._engine import dtypes
-from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
+from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random, torch_on_gpu
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -130,19 +130,10 @@ def test_rows_past_the_register_tier_raise_a_value_error():
 # --- torch ---------------------------------------------------------------------------------------------------------
 
 
-def _torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no GPU")
-    import cunorm.torch  # noqa: F401  (registers the operators)
-
-    return torch
-
-
 @pytest.mark.parametrize("kind", ["rms", "ln"])
 @pytest.mark.parametrize("case", ["dit affine, gated residual", "per-head, modulated", "per token"])
 def test_torch_runs_fused_and_differentiates_the_composition(rng, case, kind):
-    torch = _torch()
+    torch = torch_on_gpu()
     x, w, b, r, named = _arrays(rng, case, np.float32)
     if kind == "rms":
         b = None
@@ -173,7 +164,7 @@ def test_torch_runs_fused_and_differentiates_the_composition(rng, case, kind):
 
 
 def test_torch_compile_traces_the_composition(rng):
-    torch = _torch()
+    torch = torch_on_gpu()
     x, w, b, r, named = _arrays(rng, "dit affine, gated residual", np.float32)
     t = [torch.tensor(a, device="cuda") for a in (x, w, b, r, named["shift"], named["scale"],
                                                    named["residual_gate"])]

@@ -11,7 +11,7 @@ import pytest
 import cunorm
 from cunorm import reference
 from cunorm._engine import dtypes, plans
-from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random
+from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random, torch_on_gpu
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -116,19 +116,10 @@ def test_rows_past_the_register_tier_raise_a_value_error():
 # --- torch ---------------------------------------------------------------------------------------------------------
 
 
-def _torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no GPU")
-    import cunorm.torch  # noqa: F401  (registers the operators)
-
-    return torch
-
-
 @pytest.mark.parametrize("before", [True, False])
 @pytest.mark.parametrize("case", ["mamba-2 row", "groups of a row"])
 def test_torch_runs_fused_and_differentiates_the_composition(rng, case, before):
-    torch = _torch()
+    torch = torch_on_gpu()
     x, z, w, group = _arrays(rng, case, np.float32, np.float32)
     t = {k: torch.tensor(v, device="cuda") for k, v in dict(x=x, z=z, w=w).items()}
     fused = cunorm.rms_norm(t["x"], t["w"], gate=t["z"], norm_before_gate=before, group_size=group)
@@ -149,7 +140,7 @@ def test_torch_runs_fused_and_differentiates_the_composition(rng, case, before):
 
 
 def test_torch_compile_traces_the_composition(rng):
-    torch = _torch()
+    torch = torch_on_gpu()
     x, z, w, _ = _arrays(rng, "qwen3-next heads", np.float32, np.float32)
     t = [torch.tensor(a, device="cuda") for a in (x, z, w)]
 
@@ -201,7 +192,7 @@ GATED = [("qwen3_next", "Qwen3NextRMSNormGated"), ("mamba2", "MambaRMSNormGated"
 @pytest.mark.parametrize("family,name", GATED, ids=[n for _, n in GATED])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_transformers_gated_norms(rng, family, name, dtype):
-    torch = _torch()
+    torch = torch_on_gpu()
     import importlib
 
     from test_zoo_gpu import assert_within_one_ulp

@@ -156,7 +156,8 @@ def quantized_kernels() -> list[Kernel]:
 
 def conditioned_kernels() -> list[Kernel]:
     """rows_cached with per-row operands (per-head weights, a modulation, a
-    gated residual) and the gated RMSNorm's gate, as the dispatch picks
+    gated residual), the gated RMSNorm's gate and the float32 residual
+    stream, as the dispatch picks
     them for RMSNorm and LayerNorm over every dtype, the row lengths it
     takes (powers of two, 16 elements to the register budget) and each
     flag set, under each architecture's tuning. They compile on first use: precompile
@@ -175,11 +176,12 @@ def conditioned_kernels() -> list[Kernel]:
                         l2_bytes=50 * 1024 * 1024)
         for norm in ("rms", "ln"):
             for dtype in (dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64):
-                for extra in row_flags + (gate_flags if norm == "rms" else []):
-                    residual = bool(extra & plans.FLAG_RESIDUAL_GATE)
+                wide = [plans.FLAG_WIDE_RESIDUAL] if dtype.itemsize == 2 else []
+                for extra in row_flags + wide + (gate_flags if norm == "rms" else []):
+                    residual = bool(extra & (plans.FLAG_RESIDUAL_GATE | plans.FLAG_WIDE_RESIDUAL))
                     for params in ([plans.FLAG_WEIGHT] if norm == "rms" else [plans.PARAM_FLAGS]) + [0]:
                         flags = extra | params
-                        if not flags & (plans.OPERAND_FLAGS | plans.FLAG_GATE):
+                        if not flags & (plans.OPERAND_FLAGS | plans.FLAG_GATE | plans.FLAG_WIDE_RESIDUAL):
                             continue
                         pdtype = dtype if flags & plans.OPERAND_FLAGS else None
                         for log in range(4, 16):

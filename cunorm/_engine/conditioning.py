@@ -33,7 +33,8 @@ OPERANDS = {"shift": plans.FLAG_SHIFT, "scale": plans.FLAG_SCALE, "residual_gate
             "gate": plans.FLAG_GATE}
 OPERAND_NAMES = tuple(OPERANDS)
 #: the refusal of quantize= with any of them
-NOT_QUANTIZED = "quantize= takes no per-head weights, shift=, scale=, residual_gate= or gate="
+NOT_QUANTIZED = ("quantize= takes no per-head weights, shift=, scale=, residual_gate=, gate= or float32 residual "
+                 "under 16-bit x")
 
 
 @dataclass
@@ -76,8 +77,33 @@ def per_head(p, axis) -> bool:
 
 def requested(weight, bias, axis, *operands) -> bool:
     """Whether a call asks for per-row operands: per-head parameters, or
-    any of ``operands`` (its shift, scale and residual_gate)."""
+    any of ``operands`` (its shift, scale, residual_gate and gate)."""
     return any(a is not None for a in operands) or per_head(weight, axis) or per_head(bias, axis)
+
+
+def check_wide(x_dtype, r_dtype, x_itemsize: int, r_float32: bool, last: int, ndim: int, residual_gate: bool) -> bool:
+    """Whether a residual of ``r_dtype`` is the float32 residual stream
+    under 16-bit x (True) or of x's dtype (False); raises TypeError for any
+    other dtype, ValueError where the stream cannot run (not over the
+    trailing axes, or with residual_gate). Plain values, so the torch front
+    end checks a traced call alike."""
+    if r_dtype == x_dtype:
+        return False
+    if not (x_itemsize == 2 and r_float32):
+        raise TypeError(f"residual must have x's dtype {x_dtype} (or float32 under 16-bit x: the float32 residual "
+                        f"stream), got {r_dtype}")
+    if last != ndim - 1:
+        raise ValueError(f"a float32 residual under {x_dtype} x runs over rows: normalize over the trailing axes, "
+                         f"got axes ending at {last} of a {ndim}-d x")
+    if residual_gate:
+        raise ValueError(f"residual_gate= takes a residual of x's dtype, got a float32 residual under {x_dtype} x")
+    return True
+
+
+def wide(x, residual) -> bool:
+    """Whether a call's residual is of another dtype than x (the float32
+    residual stream under 16-bit x; the engine checks which)."""
+    return residual is not None and residual.dtype != x.dtype
 
 
 def param_rows(name: str, shape: tuple, x_shape: tuple, norm_shape: tuple, last: int) -> int:

@@ -117,9 +117,12 @@ def quant_store(params: str, flags: int, quantized: str, scaling: int, group: in
 NO_STORE = Stage("NoStore")
 
 
-def row_load(data: str, residual: bool, gate: str | None = None) -> Stage:
+def row_load(data: str, residual: bool, gate: str | None = None, wide: str | None = None) -> Stage:
     """x, or h = x + r formed and written out (``residual``), or h = r + g *
-    x with g stored as ``gate`` (a storage type name)."""
+    x with g stored as ``gate`` (a storage type name), or h = x + r with r
+    and h stored as ``wide`` (the float32 residual stream)."""
+    if wide is not None:
+        return Stage("WideResidualLoad", (data, wide))
     if gate is not None:
         return Stage("ScaledResidualLoad", (data, gate))
     return Stage("ResidualLoad" if residual else "XLoad", (data,))

@@ -221,7 +221,7 @@ def _ceil_div(a: int, b: int) -> int:
 def cached_cost(vecs_per_thread: int, vec_bytes: int, residual: bool, heavy: bool) -> int:
     """The register cost of a rows_cached thread's cache: the cached bytes,
     x4 with a residual, x2 for a heavy statistic (LayerNorm) or float64.
-    Mirrors RowsCachedBounds in rows.cu."""
+    Mirrors RowsCachedBounds in row_bounds.cuh."""
     return vecs_per_thread * vec_bytes * (4 if residual else 1) * (2 if heavy else 1)
 
 
@@ -231,7 +231,7 @@ def cached_loads(vecs_per_thread: int, residual: bool) -> int:
 
 def block_cache_limit(cost: int, loads: int, heavy: bool = False) -> int:
     """Largest rows_cached block (BLOCK_PER_ROW) for a thread cache of this
-    cost, 0 if none; mirrors RowsCachedBounds in rows.cu (heavy statistics
+    cost, 0 if none; mirrors RowsCachedBounds in row_bounds.cuh (heavy statistics
     keep 128 registers: no 1024-thread blocks)."""
     if cost <= CACHE_COST_BLOCK_1024 and loads <= 8 and not heavy:
         return 1024
@@ -339,6 +339,8 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     heavy = is_heavy(plan.norm, plan.dtype)
     if threads is None:
         target = tune.target_vecs_per_thread_heavy if heavy else tune.target_vecs_per_thread
+        if plan.flags & (plans.FLAG_GATE_INPUT | plans.FLAG_WIDE_RESIDUAL) and n_vec >= tune.formed_min_vecs:
+            target = tune.target_vecs_per_thread_formed
         threads = min(next_pow2(_ceil_div(n_vec, target)), tune.preferred_max_row_threads)
         if heavy and n_vec >= 64 * tune.target_vecs_per_thread:
             threads = max(threads, 64)
@@ -385,7 +387,8 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
 
     t, p = kernel_types(plan)
     policy = norm_info(plan.norm).policy
-    load = K.row_load(t, plan.residual, p if plan.flags & plans.FLAG_RESIDUAL_GATE else None)
+    load = K.row_load(t, plan.residual, p if plan.flags & plans.FLAG_RESIDUAL_GATE else None,
+                      "float" if plan.flags & plans.FLAG_WIDE_RESIDUAL else None)
     store_flags = plan.flags & plans.STORE_FLAGS
     common = (policy, t, K.affine_store(p, store_flags, t), load, plan.vec)
     if tier == "cached":

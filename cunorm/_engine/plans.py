@@ -30,7 +30,8 @@ class Plan:
         them apply (FLAG_WEIGHT | FLAG_BIAS), with the epilogue's options
         (the store stage's FLAGS word); param_dtype is None without
         parameters.
-    residual: h = x + r is formed, returned and normalized.
+    residual: h = x + r is formed, returned and normalized (r and h of x's
+        dtype, or of float32 under 16-bit x with FLAG_WIDE_RESIDUAL).
     vec: elements per vector access along the contiguous axis (reduced if
         inner == 1, else inner), the widest that every pointer, stride and
         extent allows, at most 16 bytes.
@@ -97,9 +98,14 @@ FLAG_RESIDUAL_GATE = 1024
 # norm's input is x * silu(z) instead (kGateInput: norm_before_gate=False)
 FLAG_GATE = 2048
 FLAG_GATE_INPUT = 4096
-CONDITIONED_FLAGS = FLAG_PARAM_ROWS | FLAG_SHIFT | FLAG_SCALE | FLAG_RESIDUAL_GATE | FLAG_GATE
+# The float32 residual stream: r and h in float32 under 16-bit x
+# (WideResidualLoad); like FLAG_RESIDUAL_GATE it picks the load stage and
+# is not a bit of the store's FLAGS word
+FLAG_WIDE_RESIDUAL = 8192
+CONDITIONED_FLAGS = (FLAG_PARAM_ROWS | FLAG_SHIFT | FLAG_SCALE | FLAG_RESIDUAL_GATE | FLAG_GATE
+                     | FLAG_WIDE_RESIDUAL)
 #: what the store's FLAGS word holds of a plan's flags
-STORE_FLAGS = ~FLAG_RESIDUAL_GATE
+STORE_FLAGS = ~(FLAG_RESIDUAL_GATE | FLAG_WIDE_RESIDUAL)
 #: the flags that take a stored operand of the parameters' dtype
 OPERAND_FLAGS = PARAM_FLAGS | FLAG_SHIFT | FLAG_SCALE | FLAG_RESIDUAL_GATE
 #: the activations of the epilogue (``activation=``), their codes (Activation)
@@ -298,7 +304,8 @@ def make_plan(norm, dtype, param_dtype, flags, residual, shape, strides, first, 
     if out_dtype is not None and out_dtype == dtype:
         out_dtype = None
     out_itemsize = 1 if quant is not None else itemsize if out_dtype is None else out_dtype.itemsize
-    pointers = [(x_ptr, itemsize), (y_ptr, out_itemsize), (r_ptr, itemsize), (h_ptr, itemsize)]
+    r_itemsize = dtypes.accumulation(dtype).itemsize if flags & FLAG_WIDE_RESIDUAL else itemsize
+    pointers = [(x_ptr, itemsize), (y_ptr, out_itemsize), (r_ptr, r_itemsize), (h_ptr, r_itemsize)]
     if inner == 1:
         extent = reduced
         other_strides = [s_outer] if outer > 1 else []

@@ -123,6 +123,10 @@ class Call:
                 check_dtype(a.dtype, name)
             given[name] = a
         self.cond = conditioning.check(self, given)
+        if self.residual is not None and conditioning.check_wide(
+                xa.dtype, self.residual.dtype, xa.itemsize, self.residual.dtype == dtypes.float32, self.last,
+                xa.ndim, self.cond.residual_gate is not None):
+            self.cond.flags |= plans.FLAG_WIDE_RESIDUAL  # (the float32 residual stream)
         if self.cond.flags and (quant is not None or out_dtype is not None):
             raise ValueError(conditioning.NOT_QUANTIZED)
         self.eps = check_eps(eps, xa.dtype)
@@ -180,8 +184,7 @@ class Call:
         ra = self._same_kind(r, "residual")
         if tuple(ra.shape) != tuple(self.x.shape):
             raise ValueError(f"residual must have x's shape {tuple(self.x.shape)}, got {tuple(ra.shape)}")
-        if ra.dtype != self.x.dtype:
-            raise TypeError(f"residual must have x's dtype {self.x.dtype}, got {ra.dtype}")
+        check_dtype(ra.dtype, "residual")  # (x's, or float32 under 16-bit x: conditioning.check_wide)
         return ra
 
     def _out(self, out):
@@ -286,7 +289,9 @@ def empty_results(call, arrays: int, stats: int):
     statistics where asked for, NaN (the mean of nothing, as NumPy's) where
     they have entries; nothing is computed or updated."""
     y = np.empty(call.x.shape, call.out_dtype or call.x.dtype) if call.out is None else call.out_given
-    results = [y] + [np.empty(call.x.shape, call.x.dtype)] * (arrays - 1)
+    results = [y]
+    if arrays > 1:  # h, in the residual's dtype
+        results.append(np.empty(call.x.shape, call.residual.dtype))
     if call.return_stats:
         results += [np.full(call.stats_shape, np.nan, dtypes.accumulation(call.x.dtype)) for _ in range(stats)]
     return results[0] if len(results) == 1 else tuple(results)
@@ -309,7 +314,7 @@ def _rows_entry(call: Call, program) -> launch_cache.Entry:
     else:
         outputs = quantize.cached_outputs(call)
     if call.residual is not None:
-        outputs["h"] = (x.shape, x.dtype, None)
+        outputs["h"] = (x.shape, call.residual.dtype, None)
     if call.return_stats:
         for name in ops.statistics_of(call.norm):
             outputs[name] = (call.stats_shape, acc, None)
@@ -343,7 +348,7 @@ def _run_gpu(call: Call):
     else:
         y_scale = y_plain = None
         y = call.out if call.out is not None else cupy.empty(x.shape, dtype=call.out_dtype or x.dtype)
-    h = None if call.residual is None else cupy.empty(x.shape, dtype=x.dtype)
+    h = None if call.residual is None else cupy.empty(x.shape, dtype=call.residual.dtype)
     stats = []
     if call.return_stats:
         acc = dtypes.accumulation(x.dtype)
@@ -474,7 +479,9 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
         return (_planned(*key) if override is None else _plan_and_choose(key, override)) + (mixed,)
 
     given = (x, r)
-    if r is not None and not plans.same_layout(x.shape, r.strides, x.strides):
+    # (in elements: a float32 residual under 16-bit x has strides of twice the bytes)
+    if r is not None and not plans.same_layout(x.shape, [s // r.itemsize for s in r.strides],
+                                               [s // x.itemsize for s in x.strides]):
         x, r = cupy.ascontiguousarray(x), cupy.ascontiguousarray(r)
     plan, launch, mixed = plan_for(x, r, h, out_dtype)
     if mixed is not None and (plan is None or launch is None):  # rows_cached does not take it: cast x first
@@ -489,9 +496,9 @@ def _launch_rows(norm, x, y, *, w=None, b=None, r=None, h=None, center=None, sca
         x, r, h = h, None, None
         plan, launch, mixed = plan_for(x, r, h, out_dtype)
     if (plan is None or launch is None) and flags & plans.CONDITIONED_FLAGS:
-        raise ValueError(f"per-head weights, shift=, scale=, residual_gate= and gate= run where a row fits in one "
-                         f"block's registers (rows_cached); a row of {plan.reduced if plan else '?'} "
-                         f"{np.dtype(x.dtype).name} elements does not")
+        raise ValueError(f"per-head weights, shift=, scale=, residual_gate=, gate= and a float32 residual under "
+                         f"16-bit x run where a row fits in one block's registers (rows_cached); a row of "
+                         f"{plan.reduced if plan else '?'} {np.dtype(x.dtype).name} elements does not")
     if plan is None or launch is None:
         raise RuntimeError(f"cunorm: no {norm} launch for x of shape {x.shape} and strides {x.strides}")
     program = rows_program(plan, launch, float(eps), center is not None, scale is not None, x.data.device_id)

@@ -28,6 +28,14 @@ class Tuning:
     #: ... and for heavy statistics (LayerNorm, float64), whose speed
     #: follows the bytes each SM has in flight
     target_vecs_per_thread_heavy: int = 8
+    #: ... and for rows held in float32 under 16-bit x (the gate before the
+    #: norm: x * silu(z); the float32 residual stream: x + r), twice x's
+    #: registers, on rows of at least formed_min_vecs vectors: with the gate
+    #: at 4, 91-112 registers a thread kept one block an SM; at 2, rows of
+    #: 512 and 1024 bf16 ran 1.04x and 1.3x faster, rows of 144 and 384
+    #: 1.06x and 1.12x slower (docs/notes/conditioned.md)
+    target_vecs_per_thread_formed: int = 2
+    formed_min_vecs: int = 64
     #: rows_cached's block before a thread takes more vectors
     preferred_max_row_threads: int = 512
     #: the split tier takes rows of at least this many bytes ...

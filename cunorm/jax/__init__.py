@@ -265,6 +265,11 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
                           conditioned={"shift": _stand_in(shift), "scale": _stand_in(scale),
                                        "residual_gate": _stand_in(residual_gate), "gate": _stand_in(gate)})
     acc = dtypes.accumulation(np.dtype(x.dtype))
+    y_dtype = x.dtype
+    h = None
+    if call.cond.flags & plans.FLAG_WIDE_RESIDUAL:  # (the float32 residual stream: the norm over h in float32)
+        h = x.astype(residual.dtype) + residual
+        x, residual = h, None
     if gate is not None:
         return conditioning.gated(
             lambda h, w, **kw: plain(h, w, None, **kw), x, weight, gate, norm_before_gate=bool(norm_before_gate),
@@ -272,7 +277,6 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
             round_weighted=weight is not None and weight.dtype == x.dtype and np.dtype(x.dtype).itemsize == 2,
             cast=lambda a: a.astype(acc), narrow=lambda a: a.astype(x.dtype), silu=lambda v: v / (1 + jnp.exp(-v)),
             return_stats=return_stats, axis=axis, eps=eps)
-    h = None
     if residual_gate is not None:
         h = (residual.astype(acc) + residual_gate.astype(acc) * x.astype(acc)).astype(x.dtype)
         x, residual = h, None
@@ -289,6 +293,7 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
                                   offset=offset, cast=lambda a: a.astype(acc),
                                   activate=JAX_ACTIVATIONS.get(activation))
         outs[0] = y.astype(outs[0].dtype)
+    outs[0] = outs[0].astype(y_dtype)
     if h is not None:
         outs.insert(1, h)
     return outs[0] if len(outs) == 1 else tuple(outs)
@@ -312,7 +317,8 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
         _no_unknown_kwargs("rms_norm", kwargs)
         epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None, gate,
                                       norm_before_gate)
-        if conditioning.requested(weight, None, axis, shift, scale, residual_gate, gate):
+        if conditioning.requested(weight, None, axis, shift, scale, residual_gate, gate) or \
+                conditioning.wide(x, residual):
             if quantize is not None:
                 raise ValueError(conditioning.NOT_QUANTIZED)
             return _conditioned_traced(
@@ -339,7 +345,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     if _traced(x, weight, bias, residual, quant_scale, quant_scale_ub, shift, scale, residual_gate):
         _no_unknown_kwargs("layer_norm", kwargs)
         epilogue = plans.activation_flags(activation)
-        if conditioning.requested(weight, bias, axis, shift, scale, residual_gate):
+        if conditioning.requested(weight, bias, axis, shift, scale, residual_gate) or conditioning.wide(x, residual):
             if quantize is not None:
                 raise ValueError(conditioning.NOT_QUANTIZED)
             return _conditioned_traced(layer_norm, "ln", x, weight, bias, axis=axis, eps=eps, residual=residual,

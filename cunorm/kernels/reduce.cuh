@@ -21,14 +21,16 @@ __device__ __forceinline__ typename Norm::Stats fold(const typename Norm::Stats&
 // residual); 0 otherwise. Every thread of the row loads the same element
 // (one broadcast access).
 template <class Norm, class A, class T, class LOAD>
-__device__ __forceinline__ A row_pivot(const T* x_row, const T* r_row, bool active,
+__device__ __forceinline__ A row_pivot(const T* x_row, const typename LOAD::Residual* r_row, bool active,
                                        const typename LOAD::Gate* g_row = nullptr) {
     if constexpr (!Norm::kShifted) {
         return A(0);
     } else {
         if (!active) return A(0);
         Vec<T, 1> v = load_vec<T, 1>(x_row);
-        if constexpr (LOAD::kScaled) {
+        if constexpr (LOAD::kWide) {
+            return LOAD::template combine_wide<1>(v, load_vec<typename LOAD::Residual, 1>(r_row)).v[0];
+        } else if constexpr (LOAD::kScaled) {
             v = LOAD::template combine<1>(v, load_vec<T, 1>(r_row), load_vec<typename LOAD::Gate, 1>(g_row));
         } else if constexpr (LOAD::kResidual) {
             v = LOAD::template combine<1>(v, load_vec<T, 1>(r_row));

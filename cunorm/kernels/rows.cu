@@ -44,50 +44,12 @@
 //                  every chunk of the row sees the bitwise same statistic)
 //                  and scales its chunk.
 #include "reduce.cuh"
+#include "row_bounds.cuh"
 
 namespace cunorm {
 
-// Registers spent on the cached row decide the block's shape. The cost counts
-// the cached bytes, four times over with a residual (x and r are both live,
-// each with its own addresses, while h is formed) and twice for LayerNorm's
-// three-word statistic or float64:
-//   cost <= 64,  <= 8 loads a thread:  up to 1024 threads (64 registers),
-//                                      light statistics only: LayerNorm
-//                                      capped at 64 registers ran bf16
-//                                      32768x4096 at 56-81%, at 128: 91%
-//   cost <= 256, <= 16 loads:          up to 512 threads, 128 registers;
-//                                      light 16-bit rows at cost <= 128 ask
-//                                      for two blocks an SM (64 registers):
-//                                      one block of 512 ran bf16 4096x32768
-//                                      at 81% of copy bandwidth, two at 92%
-// A quantizing store (a conversion an element; with a row's or a group's
-// scale, every value formed twice) keeps 128 registers: at 64, its 16-bit
-// rows of 8 vectors a thread spilled.
-// Set by ptxas's spill reports over every instantiation for sm_80 and sm_90
-// (at 64 registers, 8 float4 vectors a thread spilled on sm_80);
-// cunorm/_engine/dispatch_rows.py (cached_cost, block_cache_limit) mirrors it.
-// Per-row operands (per-head weights, a modulation, a gated residual: a
-// division or two a row and one more pointer each) keep 128 registers too:
-// at 64, the per-head weights' 16-bit rows of 4 vectors a thread spilled.
-// The gated norm's z is held beside x and costs as a residual does.
-template <class T, class A, int STAT_WORDS, int VEC, int VECS_PER_THREAD, bool RESIDUAL, bool QUANTIZED,
-          bool PER_ROW>
-struct RowsCachedBounds {
-    static constexpr int kCost = VECS_PER_THREAD * VEC * static_cast<int>(sizeof(T)) * (RESIDUAL ? 4 : 1) *
-                                 ((STAT_WORDS > 1 || sizeof(A) == 8) ? 2 : 1);
-    static constexpr int kLoads = VECS_PER_THREAD * (RESIDUAL ? 2 : 1);
-    static constexpr bool kHeavy = STAT_WORDS > 1 || sizeof(A) == 8;
-    static constexpr int kBlockMaxThreads = (!kHeavy && !PER_ROW && kCost <= 64 && kLoads <= 8) ? 1024 : 512;
-    static constexpr int kBlockMinBlocks =
-        (!kHeavy && !QUANTIZED && !PER_ROW && sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ? 2 : 1;
-};
-
 // Loads in flight per thread in the streaming sweeps (uncached, split).
 constexpr int kSweepUnroll = 4;
-
-// Blocks of the group-per-row variant (BLOCK_PER_ROW=false) have this many
-// threads and ask for two resident blocks: a budget of 128 registers a thread.
-constexpr int kGroupBlockThreads = 256;
 
 // A vector of the input and the affine parameters of its positions, loaded
 // together so a batch of them is in flight at once in the write sweeps.
@@ -124,20 +86,16 @@ __device__ __forceinline__ void store_plain(T* y_plain, long long at, const Vec<
 template <template <class> class NormT, class T, class STORE, class LOAD, int VEC, int VECS_PER_THREAD,
           bool BLOCK_PER_ROW>
 __global__ void __launch_bounds__(
-    BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
-                                     VECS_PER_THREAD, LOAD::kResidual || STORE::kGated, STORE::kQuantized,
-                                     STORE::kPerRow || LOAD::kScaled>::kBlockMaxThreads
+    BLOCK_PER_ROW ? CachedBoundsOf<NormT, T, STORE, LOAD, VEC, VECS_PER_THREAD>::kBlockMaxThreads
                   : kGroupBlockThreads,
-    BLOCK_PER_ROW ? RowsCachedBounds<T, typename AccOf<T>::type, NormT<typename AccOf<T>::type>::kStatWords, VEC,
-                                     VECS_PER_THREAD, LOAD::kResidual || STORE::kGated, STORE::kQuantized,
-                                     STORE::kPerRow || LOAD::kScaled>::kBlockMinBlocks
-                  : 2)
-rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STORE::Param* __restrict__ w,
+    BLOCK_PER_ROW ? CachedBoundsOf<NormT, T, STORE, LOAD, VEC, VECS_PER_THREAD>::kBlockMinBlocks : 2)
+rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__ r,
+            const typename STORE::Param* __restrict__ w,
             const typename STORE::Param* __restrict__ b, const float* __restrict__ quant_scale,
             const typename STORE::Param* __restrict__ shift, const typename STORE::Param* __restrict__ mod_scale,
             const typename LOAD::Gate* __restrict__ res_gate, const typename STORE::Gate* __restrict__ gate,
-            typename STORE::Out* __restrict__ y,
-            T* __restrict__ h, typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out,
+            typename STORE::Out* __restrict__ y, typename LOAD::Residual* __restrict__ h,
+            typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out,
             float* __restrict__ y_scale, T* __restrict__ y_plain, long long rows, int n, long long x_row_stride,
             typename AccOf<T>::type eps, int threads_per_row, long long scale_row_stride,
             long long scale_group_stride, long long param_rows, long long mod_div, long long mod_count) {
@@ -146,6 +104,10 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
     using Stats = typename Norm::Stats;
     static_assert(!STORE::kGated || (!STORE::kQuantized && !LOAD::kResidual && !Norm::kShifted),
                   "the gate z: an unshifted norm (RMSNorm), no residual, y unquantized");
+    static_assert(!LOAD::kWide || (!STORE::kQuantized && !STORE::kGated), "the wide residual: y unquantized");
+    // The row held in the accumulation type (the norm's input formed there:
+    // x * silu(z), or x + r of the float32 residual stream), else as x.
+    constexpr bool kFormed = STORE::kGatedInput || LOAD::kWide;
     __shared__ Stats scratch[33];
 
     const int n_vec = n / VEC;
@@ -170,11 +132,11 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
         using GateVec = typename Select<LOAD::kScaled, Vec<typename LOAD::Gate, VEC>, none_t>::type;
         using ZVec = typename Select<STORE::kGated, Vec<typename STORE::Gate, VEC>, none_t>::type;
         Vec<T, VEC> cache[VECS_PER_THREAD];
-        Vec<T, VEC> residual[LOAD::kResidual ? VECS_PER_THREAD : 1];
+        Vec<typename LOAD::Residual, VEC> residual[LOAD::kResidual ? VECS_PER_THREAD : 1];
         GateVec gates[LOAD::kScaled ? VECS_PER_THREAD : 1];
         ZVec zs[STORE::kGated ? VECS_PER_THREAD : 1];  // the gated norm's z, held beside x
-        using FormedVec = typename Select<STORE::kGatedInput, Vec<A, VEC>, none_t>::type;
-        FormedVec formed[STORE::kGatedInput ? VECS_PER_THREAD : 1];  // x * silu(z), the norm's input
+        using FormedVec = typename Select<kFormed, Vec<A, VEC>, none_t>::type;
+        FormedVec formed[kFormed ? VECS_PER_THREAD : 1];  // the norm's input formed in A
         const typename LOAD::Gate* gr = nullptr;
         if constexpr (LOAD::kScaled) gr = LOAD::gate_row(res_gate, row, n, mod_div, mod_count);
 #pragma unroll
@@ -182,7 +144,9 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
             const int v = lane + k * row_threads;
             if (active && v < n_vec) {
                 cache[k] = load_vec<T, VEC>(xr + static_cast<long long>(v) * VEC);
-                if constexpr (LOAD::kResidual) residual[k] = load_vec<T, VEC>(r + row * x_row_stride + v * VEC);
+                if constexpr (LOAD::kResidual) {
+                    residual[k] = load_vec<typename LOAD::Residual, VEC>(r + row * x_row_stride + v * VEC);
+                }
                 if constexpr (LOAD::kScaled) gates[k] = load_vec<typename LOAD::Gate, VEC>(gr + v * VEC);
                 if constexpr (STORE::kGated) {
                     zs[k] = load_vec<typename STORE::Gate, VEC>(gate + row * n + static_cast<long long>(v) * VEC);
@@ -195,7 +159,10 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
         for (int k = 0; k < VECS_PER_THREAD; ++k) {
             const int v = lane + k * row_threads;
             if (active && v < n_vec) {
-                if constexpr (LOAD::kResidual) {
+                if constexpr (LOAD::kWide) {
+                    formed[k] = LOAD::template combine_wide<VEC>(cache[k], residual[k]);
+                    store_vec<A, VEC>(h + row * n + static_cast<long long>(v) * VEC, formed[k]);
+                } else if constexpr (LOAD::kResidual) {
                     if constexpr (LOAD::kScaled) {
                         cache[k] = LOAD::template combine<VEC>(cache[k], residual[k], gates[k]);
                     } else {
@@ -203,8 +170,8 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                     }
                     store_vec<T, VEC>(h + row * n + static_cast<long long>(v) * VEC, cache[k]);
                 }
-                if constexpr (STORE::kGatedInput) {
-                    formed[k] = STORE::template gated_input<A>(cache[k], zs[k]);
+                if constexpr (STORE::kGatedInput) formed[k] = STORE::template gated_input<A>(cache[k], zs[k]);
+                if constexpr (kFormed) {
                     s = fold<Norm, A, A, VEC>(s, formed[k], pivot);
                 } else {
                     s = fold<Norm, A, T, VEC>(s, cache[k], pivot);
@@ -309,7 +276,7 @@ rows_cached(const T* __restrict__ x, const T* __restrict__ r, const typename STO
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
                     auto p = STORE::template params<VEC>(ro, e);
-                    if constexpr (STORE::kGatedInput) {
+                    if constexpr (kFormed) {
                         store_vec(yr + e, STORE::template apply_formed<T>(formed[k], p, f, pivot));
                     } else {
                         if constexpr (STORE::kGated) p.gate = zs[k];

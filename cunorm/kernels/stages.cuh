@@ -18,8 +18,13 @@
 //                     residual: g a row of a per-sample or per-token
 //                     array), formed in the accumulation type and rounded
 //                     once to T, written out (rows_cached only)
+//   WideResidualLoad<T, R>
+//                     h = x + r with r and h stored as R (float32 for
+//                     16-bit x: the float32 residual stream), formed in
+//                     R and held as the row (kWide; rows_cached only)
 // Members: kResidual (r is read and h written: the tier keeps r's loads in
-// flight, spends registers on them, and re-reads h rather than x); kScaled
+// flight, spends registers on them, and re-reads h rather than x); kWide
+// and Residual (r's and h's storage type: T but for the wide stream); kScaled
 // and Gate (a gate g is read, of type Gate, the row's from gate_row());
 // load<VEC>(x_row, r_row, h_row, e); combine<VEC>(x, r), the add alone, for
 // tiers that issue every load of a row before using any.
@@ -564,7 +569,9 @@ template <class T>
 struct XLoad {
     static constexpr bool kResidual = false;
     static constexpr bool kScaled = false;
+    static constexpr bool kWide = false;
     using Gate = none_t;
+    using Residual = T;
     template <int VEC>
     __device__ __forceinline__ static Vec<T, VEC> load(const T* x_row, const T*, T*, long long e) {
         return load_vec<T, VEC>(x_row + e);
@@ -579,7 +586,9 @@ template <class T>
 struct ResidualLoad {
     static constexpr bool kResidual = true;
     static constexpr bool kScaled = false;
+    static constexpr bool kWide = false;
     using Gate = none_t;
+    using Residual = T;
     template <int VEC>
     __device__ __forceinline__ static Vec<T, VEC> load(const T* x_row, const T* r_row, T* h_row, long long e) {
         const Vec<T, VEC> v = add_residual<T, VEC>(load_vec<T, VEC>(x_row + e), load_vec<T, VEC>(r_row + e));
@@ -598,7 +607,9 @@ template <class T, class G>
 struct ScaledResidualLoad {
     static constexpr bool kResidual = true;
     static constexpr bool kScaled = true;
+    static constexpr bool kWide = false;
     using Gate = G;
+    using Residual = T;
     using A = typename AccOf<T>::type;
     __device__ __forceinline__ static const G* gate_row(const G* g, long long row, int n, long long div,
                                                         long long count) {
@@ -613,6 +624,27 @@ struct ScaledResidualLoad {
             narrow(fma(static_cast<A>(widen(g.v[j])), static_cast<A>(widen(x.v[j])), static_cast<A>(widen(r.v[j]))),
                    h.v[j]);
         }
+        return h;
+    }
+};
+
+// h = x + r with r and h stored as R, the accumulation type of 16-bit x
+// (the float32 residual stream): formed in R, never rounded to T, written
+// out as R and held as the row's values (rows_cached only: it folds them
+// and stores y from them with apply_formed).
+template <class T, class R>
+struct WideResidualLoad {
+    static constexpr bool kResidual = true;
+    static constexpr bool kScaled = false;
+    static constexpr bool kWide = true;
+    using Gate = none_t;
+    using Residual = R;
+    static_assert(SameType<R, typename AccOf<T>::type>::value, "r and h in x's accumulation type");
+    template <int VEC>
+    __device__ __forceinline__ static Vec<R, VEC> combine_wide(const Vec<T, VEC>& x, const Vec<R, VEC>& r) {
+        Vec<R, VEC> h;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) h.v[j] = static_cast<R>(widen(x.v[j])) + r.v[j];
         return h;
     }
 };

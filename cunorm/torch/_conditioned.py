@@ -46,6 +46,13 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
             cast=lambda a: a.to(acc), narrow=lambda a: a.to(x.dtype), silu=torch.nn.functional.silu,
             return_stats=return_stats, axis=axis, eps=eps)
     h = None
+    y_dtype = x.dtype
+    if conditioning.wide(x, residual):  # (the float32 residual stream: the norm over h in float32)
+        _, last = plans.normalize_axes(axis, x.dim())
+        conditioning.check_wide(x.dtype, residual.dtype, x.element_size(), residual.dtype == torch.float32, last,
+                                x.dim(), residual_gate is not None)
+        h = x.to(residual.dtype) + residual
+        x, residual = h, None
     if residual_gate is not None:
         if residual is None:
             raise ValueError("residual_gate scales x in h = residual + residual_gate * x: pass residual= too")
@@ -65,6 +72,7 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
                                   offset=bool(epilogue & plans.FLAG_WEIGHT_OFFSET), cast=lambda a: a.to(acc),
                                   activate=TORCH_ACTIVATIONS.get(activation))
         results[0] = y.to(results[0].dtype)
+    results[0] = results[0].to(y_dtype)
     if h is not None:
         results.insert(1, h)
     return results[0] if len(results) == 1 else tuple(results)

@@ -80,7 +80,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
             residual_gate=residual_gate, norm_before_gate=norm_before_gate)
     stats = row_norms.check_flag(return_stats, "return_stats")
     epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None, gate, norm_before_gate)
-    if conditioning.requested(weight, None, axis, shift, scale, residual_gate, gate):
+    if conditioning.requested(weight, None, axis, shift, scale, residual_gate, gate) or conditioning.wide(x, residual):
         if quantize is not None:
             raise ValueError(_NOT_QUANTIZED)
         return _conditioned("rms", lambda x, w, b, **kw: rms_norm(x, w, **kw), x, weight, None, axis=axis,
@@ -113,7 +113,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     :func:`rms_norm`."""
     stats = row_norms.check_flag(return_stats, "return_stats")
     epilogue = plans.activation_flags(activation)
-    if conditioning.requested(weight, bias, axis, shift, scale, residual_gate):
+    if conditioning.requested(weight, bias, axis, shift, scale, residual_gate) or conditioning.wide(x, residual):
         if quantize is not None:
             raise ValueError(_NOT_QUANTIZED)
         return _conditioned("ln", layer_norm, x, weight, bias, axis=axis, eps=eps, residual=residual,
