@@ -23,6 +23,9 @@ CASES = [
     ("rms gemma", "rms_norm", (3, 200), {"weight_offset": 1}),
     ("ln", "layer_norm", (6, 257), {}),
     ("ln residual silu", "layer_norm", (4, 2, 64), {"residual": True, "activation": "silu"}),
+    ("ln float32 residual", "layer_norm", (5, 160), {"residual": "float32"}),
+    ("rms gated", "rms_norm", (4, 3, 96), {"gate": True}),
+    ("rms gated first, groups", "rms_norm", (3, 128), {"gate": True, "norm_before_gate": False, "group_size": 32}),
     ("l3", "normalize", (5, 77), {"p": 3.0}),
     ("l2 axes", "normalize", (4, 6, 10), {"axis": (1, 2)}),
     ("mean abs", "mean_abs_normalize", (9, 33), {}),
@@ -51,9 +54,11 @@ def _inputs(rng, op, shape, options, dtype):
     arrays = {"x": x}
     for name in op.params:
         arrays[name] = random(rng, (size,), np.float32, 0.5, 1.0 if name == "weight" else 0.0)
-    if options.get("residual"):
-        arrays["residual"] = random(rng, shape, dtype)
-    scalars = {k: v for k, v in options.items() if k not in ("residual", "channels_last", "p", "num_groups")}
+    if options.get("residual"):  # (x's dtype, or the float32 residual stream)
+        arrays["residual"] = random(rng, shape, np.float32 if options["residual"] == "float32" else dtype)
+    if options.get("gate"):
+        arrays["gate"] = random(rng, shape, dtype, scale=2.0)
+    scalars = {k: v for k, v in options.items() if k not in ("residual", "gate", "channels_last", "p", "num_groups")}
     if op.running:
         scalars["training"] = True
     return arrays, scalars
@@ -68,8 +73,9 @@ def _call(module, op, arrays, scalars, options):
         positional.append(options["p"])
     positional += [arrays[name] for name in op.params]
     keywords = dict(scalars)
-    if "residual" in arrays:
-        keywords["residual"] = arrays["residual"]
+    for name in ("residual", "gate"):
+        if name in arrays:
+            keywords[name] = arrays[name]
     return fn(*positional, **keywords)
 
 
@@ -79,7 +85,8 @@ def _first(results):
 
 def _reference(op, arrays, scalars, options):
     wide = {k: None if v is None else v.astype(np.float64) for k, v in arrays.items()}
-    return _first(_call(_Reference(op), op, wide, scalars, options))
+    # (group_size is the public function's view of x: its NumPy path on float64 is the reference)
+    return _first(_call(cunorm if "group_size" in scalars else _Reference(op), op, wide, scalars, options))
 
 
 class _Reference:
@@ -97,6 +104,8 @@ def _backward_reference(op, arrays, scalars, options, dy):
     forward = _call(cunorm, op, wide, {**scalars, "return_stats": True}, options) if op.statistics else None
     if any(k in scalars for k in ("weight_offset", "activation")):
         return None  # (their gradients are the framework's ops: checked against torch's in test_torch_gpu.py)
+    if "gate" in wide:
+        return None  # (the framework's ops around cunorm's norm: checked in test_gated_gpu.py)
     backward = getattr(cunorm, f"{op.name}_backward")
     axis = options.get("axis", -1 if op.family == "rows" else None)
     if op.family == "rows" and not op.statistics:

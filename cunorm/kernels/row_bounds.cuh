@@ -34,6 +34,10 @@ namespace cunorm {
 // 1.5x the time at 32768x8192 bf16 (docs/notes/conditioned.md). Not where
 // heavy statistics and a residual meet four parameter arrays or a float32
 // residual (PER_ROW_LEAN false): those spilled at 64 on sm_90.
+// LayerNorm of 16-bit rows without a residual asks for two blocks too
+// (64 registers, none spilled for sm_80 or sm_90): bf16 4096x32768 ran at
+// 60% of copy bandwidth with one block of 512 an SM, at 82% with two
+// (docs/notes/rows.md).
 template <class T, class A, int STAT_WORDS, int VEC, int VECS_PER_THREAD, bool RESIDUAL, bool QUANTIZED,
           bool PER_ROW, bool PER_ROW_LEAN>
 struct RowsCachedBounds {
@@ -44,7 +48,8 @@ struct RowsCachedBounds {
     static constexpr int kBlockMaxThreads = (!kHeavy && !PER_ROW && kCost <= 64 && kLoads <= 8) ? 1024 : 512;
     static constexpr int kBlockMinBlocks =
         ((!kHeavy && !QUANTIZED && !PER_ROW && sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ||
-         (PER_ROW && PER_ROW_LEAN && !QUANTIZED && VECS_PER_THREAD <= 2))
+         (PER_ROW && PER_ROW_LEAN && !QUANTIZED && VECS_PER_THREAD <= 2) ||
+         (STAT_WORDS > 1 && sizeof(T) == 2 && !RESIDUAL && !PER_ROW && !QUANTIZED))
             ? 2
             : 1;
 };
