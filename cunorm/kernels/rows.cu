@@ -9,7 +9,9 @@
 //   STORE      the store stage (stages.cuh): the parameters w and b, the
 //              epilogue, y's storage type (STORE::Out)
 //   LOAD       the load stage: x, or h = x + r formed, written out and
-//              normalized (the pre-norm transformer block's fused add)
+//              normalized (the pre-norm transformer block's fused add);
+//              rows_cached also takes h = r + g * x and the float32
+//              residual stream (stages.cuh)
 //   VEC        elements a thread moves per access (16 bytes when the
 //              pointers, strides and n allow it)
 // Per-group statistics (Affine center and scale, accumulation type) are
@@ -25,6 +27,10 @@
 //                  16-bit T (LayerNorm under autocast reads bf16 and
 //                  returns float32, with no cast pass before it); the other
 //                  tiers write y in T, but for rows_uncached's quantized y.
+//                  It alone takes the per-row operands and the gated
+//                  RMSNorm's z (read beside x); where the norm's input is
+//                  formed in the accumulation type (x * silu(z), or x + r
+//                  of the float32 stream) the row is held in it (kFormed).
 //                  BLOCK_PER_ROW=false: a group of threads_per_row lanes (a
 //                  power of two <= 32) per row, several rows per block,
 //                  butterfly shuffles only (short rows). BLOCK_PER_ROW=true:
