@@ -120,7 +120,10 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     all NaN; so does a group whose float32 sum of squares overflows
     (``|x|`` beyond about 1e19). Other groups are unaffected.
     """
-    if group_size is not None:
+    if group_size is not None and (out is not None or quantize is not None or quant_scale is not None
+                                   or quant_scale_ub is not None or quant_group is not None
+                                   or quant_scale_layout is not None or return_unquantized is not False):
+        # (the plain grouped call goes to the engine whole, which keys it as given)
         return conditioning.in_groups(
             rms_norm, group_size, x, weight, gate=gate, residual=residual, axis=axis, out=out, eps=eps,
             return_stats=return_stats, weight_offset=weight_offset, rounding=rounding, activation=activation,
@@ -137,9 +140,10 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
                                                       quant_group=quant_group,
                                                       quant_scale_layout=quant_scale_layout,
                                                       return_unquantized=return_unquantized,
-                                                      norm_before_gate=norm_before_gate, **conditioned),
+                                                      norm_before_gate=norm_before_gate, group_size=group_size,
+                                                      **conditioned),
                       quantize=(quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout,
-                                return_unquantized), conditioned=conditioned)
+                                return_unquantized), conditioned=conditioned, group=group_size)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False,

@@ -107,6 +107,34 @@ def test_a_cached_call_replays_what_the_first_computed(rng):
     assert not cupy.array_equal(other.view(cupy.uint16), first.view(cupy.uint16))
 
 
+def test_a_grouped_call_is_keyed_as_given(rng):
+    """group_size: the engine runs the groups' views of the caller's arrays
+    and keys the call as given, so a repeated call replays its launcher
+    with no reshape, y and h in x's shape, rstd a value a group."""
+    from cunorm._engine import launch_cache
+
+    x, z, w, group = (cupy.asarray(a) if isinstance(a, np.ndarray) else a
+                      for a in _arrays(rng, "groups of a row", dtypes.bfloat16, dtypes.bfloat16))
+    first = cunorm.rms_norm(x, w, gate=z, norm_before_gate=False, group_size=group, return_stats=True)
+    key = launch_cache.rows_key("rms", x, w, None, None, -1, 1e-5, True, plans.FLAG_GATE_INPUT, None,
+                                conditioned=(None, None, None, z), group=group)
+    assert launch_cache.ROWS.get(key) is not None
+    y, rstd = cunorm.rms_norm(x, w, gate=z, norm_before_gate=False, group_size=group, return_stats=True)
+    assert y.shape == x.shape and rstd.shape == x.shape[:-1] + (x.shape[-1] // group,)
+    assert cupy.array_equal(y.view(cupy.uint16), first[0].view(cupy.uint16)) and cupy.array_equal(rstd, first[1])
+    split = x.shape[:-1] + (x.shape[-1] // group, group)
+    viewed = cunorm.rms_norm(x.reshape(split), w.reshape(-1, group), gate=z.reshape(split), norm_before_gate=False)
+    assert cupy.array_equal(y.view(cupy.uint16), viewed.reshape(x.shape).view(cupy.uint16))
+    torch = torch_on_gpu()
+    import cunorm.torch as cunorm_torch
+
+    t = [torch.from_dlpack(a) for a in (x, w, z)]
+    for fn in (cunorm.rms_norm, cunorm_torch.rms_norm):
+        got = fn(t[0], t[1], gate=t[2], norm_before_gate=False, group_size=group)
+        assert isinstance(got, torch.Tensor) and got.shape == t[0].shape
+        assert torch.equal(got.view(torch.int16), torch.from_dlpack(y).view(torch.int16))
+
+
 def test_rows_past_the_register_tier_raise_a_value_error():
     x = cupy.ones((2, 32768), cupy.float32)
     with pytest.raises(ValueError, match="rows_cached"):

@@ -28,7 +28,7 @@ def _noted(trace, cache, key, inputs, results):
 
 
 def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, reference_fn, epilogue=0, out_dtype=None,
-         route=None, trace=None, quantize=None, conditioned=None):
+         route=None, trace=None, quantize=None, conditioned=None, group=None):
     """A row norm (``norm``: its policy name). ``reference_fn``: the float64
     forward of a NumPy call; ``epilogue``: the validated FLAGS bits of the
     epilogue's options; ``out_dtype``: y's dtype where it is not x's (the
@@ -36,22 +36,33 @@ def rows(norm, x, weight, bias, residual, axis, eps, return_stats, out, referenc
     bound, group, scale layout, unquantized y asked) of quantize=
     (quantize.py), which the general path validates; ``conditioned``:
     {name: array or None} of conditioning.OPERAND_NAMES (those absent: None),
-    keyed in the launch cache with the other arrays."""
+    keyed in the launch cache with the other arrays; ``group``: rms_norm's
+    group_size (without out= or quantize=), the call run over the
+    arrays' grouped views (conditioning.split_groups) and keyed as given."""
     # (identity tests alone: the plain path takes them on every call)
     quantizing = quantize is not None and (quantize[0] is not None or quantize[1] is not None
                                            or quantize[2] is not None or quantize[3] is not None
                                            or quantize[4] is not None or quantize[5] is not False)
-    if conditioned is not None and any(a is not None for a in conditioned.values()):
+    if group is not None or (conditioned is not None and any(a is not None for a in conditioned.values())):
+        conditioned = conditioned or {}
         operands = tuple(conditioned.get(name) for name in conditioning.OPERAND_NAMES)  # (the entry's order)
         key = None
         if out is None and not quantizing:
             key = launch_cache.rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, None,
-                                        conditioned=operands)
+                                        conditioned=operands, group=group)
             results = launch_cache.replay(launch_cache.ROWS, key, x, weight, bias, residual, *operands)
             if results is not None:
                 return results
         if route is not None and _interop.torch_route(x, weight, bias, residual, *operands, out=out):
             return route()
+        if group is not None:
+            shape = tuple(x.shape)
+            x, weight, gate, residual, _ = conditioning.split_groups(group, x, weight, conditioned.get("gate"),
+                                                                     residual, None, axis)
+            call = row_norms.Call(norm, x, -1, eps, None, weight=weight, residual=residual, return_stats=return_stats,
+                                  epilogue=epilogue, conditioned={**conditioned, "gate": gate})
+            results = row_norms.run(call, reference_fn, key=key, y_shape=shape)
+            return conditioning.join_groups(results, shape, 1 + (residual is not None))
         q = quantize or (None, None, None, None, None, False)
         call = row_norms.Call(norm, x, axis, eps, out, weight=weight, bias=bias, residual=residual,
                               return_stats=return_stats, epilogue=epilogue, quant=q[0], quant_scale=q[1],

@@ -72,19 +72,23 @@ def key(ad, x, *arrays, scalars=()):
 
 
 def rows_key(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue=0, out_dtype=None,
-             quantize=None, conditioned=None):
+             quantize=None, conditioned=None, group=None):
     """The signature of a row norm's call (None: not keyed); ``epilogue``:
     its FLAGS bits (validated); ``out_dtype``: y's dtype where it is not x's;
     ``quantize``: quantize='s (format, static scale, bound, group, scale
     layout, unquantized y asked), the one array given among the scale and the bound keyed with
-    the others; ``conditioned``: the shift, scale and residual gate
-    (conditioning.py), keyed with the others."""
+    the others; ``conditioned``: the per-row operands (conditioning.py),
+    keyed with the others; ``group``: rms_norm's group_size (an int), the
+    arrays keyed as given (the entry's launcher runs over their memory,
+    which the groups only view)."""
     ad = adapter(x)
     if ad is None or type(eps) is not float or type(return_stats) is not bool or not _int_axes(axis):
         return None
     if conditioned is not None:
+        if not (group is None or type(group) is int):
+            return None
         return key(ad, x, weight, bias, residual, *conditioned,
-                   scalars=(norm, axis, eps, return_stats, epilogue, out_dtype, "conditioned"))
+                   scalars=(norm, axis, eps, return_stats, epilogue, out_dtype, "conditioned", group))
     if quantize is None:
         return key(ad, x, weight, bias, residual, scalars=(norm, axis, eps, return_stats, epilogue, out_dtype))
     fmt, scale, bound, group, layout, plain = quantize

@@ -230,10 +230,12 @@ def stats_shape(shape: tuple, first: int, last: int) -> tuple:
     return shape[:first] + shape[last + 1 :]
 
 
-def run(call: Call, reference, key=None):
+def run(call: Call, reference, key=None, y_shape=None):
     """Compute the call's norm; return y (then h, then the statistics) as the
     caller's array type. ``key``: the call's signature in the launch cache
-    (cunorm/_engine/launch_cache.py), which gets an entry when the call ran without copies."""
+    (cunorm/_engine/launch_cache.py), which gets an entry when the call ran without copies;
+    ``y_shape``: the shape the entry returns y and h in where it is not x's
+    (a call over grouped views: the caller's arrays are x's memory)."""
     if call.quant is not None and not call.on_gpu:
         return quantize.reference_results(call, reference, reference_arguments(call))
     if not call.on_gpu:
@@ -251,7 +253,7 @@ def run(call: Call, reference, key=None):
     with call.adapter.scope(call.x.data.device_id):
         results, program = _run_gpu(call)
     if key is not None and program is not None:
-        launch_cache.ROWS.put(key, _rows_entry(call, program))
+        launch_cache.ROWS.put(key, _rows_entry(call, program, y_shape))
     return results
 
 
@@ -302,19 +304,21 @@ def _with_y(results, change):
     return (change(results[0]),) + tuple(results[1:]) if isinstance(results, tuple) else change(results)
 
 
-def _rows_entry(call: Call, program) -> launch_cache.Entry:
+def _rows_entry(call: Call, program, y_shape=None) -> launch_cache.Entry:
     """The launch cache's entry of a row norm's call that ran ``program``
     over its arrays as given; called as entry(x, weight, bias, residual),
-    and with quantize= entry(x, weight, bias, residual, scale, bound)."""
+    and with quantize= entry(x, weight, bias, residual, scale, bound).
+    ``y_shape``: y's and h's shape where not x's (run)."""
     x = call.x
     acc = dtypes.accumulation(x.dtype)
     quant = call.quant
+    shape = x.shape if y_shape is None else y_shape
     if quant is None:
-        outputs = {"y": (x.shape, x.dtype if call.out_dtype is None else call.out_dtype, None)}
+        outputs = {"y": (shape, x.dtype if call.out_dtype is None else call.out_dtype, None)}
     else:
         outputs = quantize.cached_outputs(call)
     if call.residual is not None:
-        outputs["h"] = (x.shape, call.residual.dtype, None)
+        outputs["h"] = (shape, call.residual.dtype, None)
     if call.return_stats:
         for name in ops.statistics_of(call.norm):
             outputs[name] = (call.stats_shape, acc, None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._engine import channel_norms, conditioning, plans, row_norms
+from .._engine import calls, channel_norms, conditioning, plans, row_norms
 from .._engine.ops import DEFAULT_EPS, LP_EPS
 from .._interop import torch as _adapter
 from . import _operators  # noqa: F401  (registers torch.ops.cunorm.*)
@@ -71,6 +71,15 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
     ``quantize=``, ``torch.ops.cunorm.row_norm_quantized`` (inference only); with per-head weights,
     ``shift=``, ``scale=``, ``residual_gate=`` or ``gate=``: fused, or where autograd records the norm and
     torch's elementwise ops (cunorm/torch/_conditioned.py)."""
+    quantizing = (quantize is not None or quant_scale is not None or quant_scale_ub is not None
+                  or quant_group is not None or quant_scale_layout is not None or return_unquantized is not False)
+    if group_size is not None and not (quantizing or _needs_grad(x, weight, residual, shift, scale, residual_gate,
+                                                                 gate) or torch.compiler.is_compiling()):
+        # fused over the groups' views, keyed in the launch cache as given (cunorm/_engine/calls.py)
+        epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None, gate, norm_before_gate)
+        stats = row_norms.check_flag(return_stats, "return_stats")
+        return calls.rows("rms", x, weight, None, residual, axis, eps, stats, None, None, epilogue, group=group_size,
+                          conditioned={"shift": shift, "scale": scale, "residual_gate": residual_gate, "gate": gate})
     if group_size is not None:
         return conditioning.in_groups(
             rms_norm, group_size, x, weight, gate=gate, residual=residual, axis=axis, eps=eps,
@@ -87,8 +96,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
                             eps=eps, residual=residual, return_stats=stats, epilogue=epilogue,
                             activation=activation, shift=shift, scale=scale, residual_gate=residual_gate,
                             gate=gate, weight_offset=weight_offset, rounding=rounding)
-    if (quantize is not None or quant_scale is not None or quant_scale_ub is not None or quant_group is not None
-            or quant_scale_layout is not None or return_unquantized is not False):
+    if quantizing:
         return _quantized("rms", x, weight, None, residual, _axes(axis), eps, stats, epilogue, quantize, quant_scale,
                           quant_scale_ub, quant_group, quant_scale_layout, return_unquantized,
                           _needs_grad(x, weight, residual))
