@@ -498,8 +498,18 @@ __device__ __forceinline__ Stats load_stats_cg(const Stats* p) {
 // the apply tile's x loaded as a last use (ld.global.cs). 16-byte vectors.
 // sync (zeroed before the launch): [0] the ticket counter, [1 + i] the
 // arrivals of group i, [1 + groups_total + i] its ready flag.
+// Three blocks an SM (80 registers): with an activation's epilogue the
+// kernel took 88 and two blocks, and GroupNorm(32) + SiLU bf16
+// (8,512,128,128) ran at 233 us against 135 us without it; at three, 189 us
+// (docs/notes/channel-norms.md). y in float32 from 16-bit x with an
+// activation spilled at 80: two.
+template <class T, class STORE>
+__host__ __device__ constexpr int stream_min_blocks() {
+    return (sizeof(typename STORE::Out) > sizeof(T) && STORE::kActivated) ? 2 : 3;
+}
+
 template <template <class> class NormT, class T, class STORE, int VEC>
-__global__ void __launch_bounds__(256, 2)
+__global__ void __launch_bounds__(256, stream_min_blocks<T, STORE>())
 channel_stream(const T* __restrict__ x, const typename STORE::Param* __restrict__ w,
                const typename STORE::Param* __restrict__ b, typename STORE::Out* __restrict__ y,
                typename AccOf<T>::type* partial, typename AccOf<T>::type* affine, typename AccOf<T>::type* mean_out,

@@ -205,6 +205,7 @@ struct AffineStore {
     static constexpr bool kPerRow = (FLAGS & (kParamRows | kShift | kScale | kGate)) != 0;  // (rows_cached only)
     static constexpr bool kWritesY = true;
     static constexpr bool kBare = FLAGS == 0;
+    static constexpr bool kActivated = ((FLAGS >> kActivationShift) & 7) != 0;
     static constexpr int kParamBytes =
         ((kHasWeight ? 1 : 0) + (kHasBias ? 1 : 0) + (kHasShift ? 1 : 0) + (kHasScale ? 1 : 0)) *
         static_cast<int>(sizeof(P));
@@ -552,6 +553,7 @@ struct NoStore {
     static constexpr bool kWritesY = false;
     static constexpr bool kPerRow = false;
     static constexpr bool kBare = true;
+    static constexpr bool kActivated = false;
     static constexpr int kParamBytes = 0;
 };
 
