@@ -321,16 +321,56 @@ def in_groups(rms_norm, group_size, x, weight, *, gate, residual, axis, out=None
     return join_groups(results, shape, 1 + (residual is not None), out)
 
 
+def composed(plain, x, weight, bias, *, to, acc, activate, axis, eps, residual, residual_gate, shift, scale,
+             return_stats, activation, **options):
+    """The unfused form of a call with per-row operands (no gate), in any
+    framework's arrays: the float32 residual stream's or the gated
+    residual's h formed first, ``plain(x, weight, bias, *, axis, eps,
+    residual, return_stats, activation, **options)`` (the framework's
+    differentiable norm without per-row operands) over it, then modulate's
+    ops (per-head parameters, shift and scale, ``activate``: the
+    activation as a function) in ``acc``, y rounded once to x's dtype.
+    ``to(a, dtype)``: a in dtype. Returns y (then h, then the statistics)."""
+    y_dtype = x.dtype
+    h = None
+    if wide(x, residual):  # (h = x + r in the residual's float32, the norm over it)
+        h = to(x, residual.dtype) + residual
+        x, residual = h, None
+    if residual_gate is not None:
+        if residual is None:
+            raise ValueError("residual_gate scales x in h = residual + residual_gate * x: pass residual= too")
+        h = to(to(residual, acc) + to(residual_gate, acc) * to(x, acc), x.dtype)
+        x, residual = h, None
+    heads = per_head(weight, axis) or per_head(bias, axis)
+    after = heads or shift is not None or scale is not None
+    offset = heads and bool(options.get("weight_offset", 0))
+    if heads and "weight_offset" in options:
+        options = {**options, "weight_offset": 0}  # (1 + w multiplies below)
+    results = plain(x, None if heads else weight, None if heads else bias, axis=axis, eps=eps, residual=residual,
+                    return_stats=return_stats, activation=None if after else activation, **options)
+    results = list(results) if isinstance(results, tuple) else [results]
+    if after:
+        y = modulate(results[0], weight if heads else None, bias if heads else None, shift, scale, offset=offset,
+                     cast=lambda a: to(a, acc), activate=activate)
+        results[0] = to(y, results[0].dtype)
+    results[0] = to(results[0], y_dtype)
+    if h is not None:
+        results.insert(1, h)
+    return results[0] if len(results) == 1 else tuple(results)
+
+
 def gated(plain, x, weight, gate, *, norm_before_gate: bool, normalized: bool, offset: bool, round_weighted: bool,
-          cast, narrow, silu, return_stats: bool, **options):
+          to, acc, silu, return_stats: bool, **options):
     """The gated RMSNorm as the plain norm and elementwise ops, in any
     framework's arrays: ``plain(h, None, return_stats=..., **options)``
-    normalizes h in the accumulation dtype (``cast(a)``: a in it;
-    ``narrow(a)``: a in x's dtype; ``silu``: the framework's). The
-    roundings are the fused kernel's (AffineStore's kGate, kGateInput):
-    ``normalized`` rounds the normalized value to x's dtype before the
-    weight (1 + weight with ``offset``), ``round_weighted`` the weighted
-    value before the gate multiplies. Returns y (and rstd)."""
+    normalizes h in ``acc``, the accumulation dtype (``to(a, dtype)``: a in
+    dtype; ``silu``: the framework's). The roundings are the fused
+    kernel's (AffineStore's kGate, kGateInput): ``normalized`` rounds the
+    normalized value to x's dtype before the weight (1 + weight with
+    ``offset``), ``round_weighted`` the weighted value before the gate
+    multiplies. Returns y (and rstd)."""
+    cast = lambda a: to(a, acc)  # noqa: E731
+    narrow = lambda a: to(a, x.dtype)  # noqa: E731
     z = silu(cast(gate))
     h = cast(x) if norm_before_gate else cast(x) * z
     results = plain(h, None, return_stats=return_stats, **options)

@@ -33,7 +33,7 @@ class Tuning:
     #: registers, on rows of at least formed_min_vecs vectors: with the gate
     #: at 4, 91-112 registers a thread kept one block an SM; at 2, rows of
     #: 512 and 1024 bf16 ran 1.04x and 1.3x faster, rows of 144 and 384
-    #: 1.06x and 1.12x slower (docs/notes/conditioned.md)
+    #: 1.06-1.12x slower (docs/notes/conditioned.md)
     target_vecs_per_thread_formed: int = 2
     formed_min_vecs: int = 64
     #: rows_cached's block before a thread takes more vectors

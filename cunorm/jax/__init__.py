@@ -250,53 +250,34 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
 
 def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, return_stats, activation, shift,
                         scale, residual_gate, gate=None, norm_before_gate=True, **options):
-    """A traced call with per-head weights, shift=, scale= or
-    residual_gate=: the plain norm (``plain``, the traced call without
-    them), then jax.numpy ops, each formed in the accumulation dtype and
-    rounded once to x's dtype, as cunorm.torch does where autograd records
-    (cunorm/torch/_conditioned.py); the arguments are checked as the eager
-    call checks them."""
+    """A traced call with per-head weights, shift=, scale=,
+    residual_gate=, gate= or a float32 residual: the plain norm
+    (``plain``, the traced call without them) and jax.numpy ops around it
+    (conditioning.gated, conditioning.composed), as cunorm.torch does where
+    autograd records (cunorm/torch/_conditioned.py); the arguments are
+    checked as the eager call checks them."""
     epilogue = 0
     if gate is not None:
         epilogue = plans.rms_epilogue(options.get("weight_offset", 0), options.get("rounding", "output"), activation,
                                       weight is not None, gate, norm_before_gate)
-    call = row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
-                          residual=_stand_in(residual), return_stats=return_stats, epilogue=epilogue,
-                          conditioned={"shift": _stand_in(shift), "scale": _stand_in(scale),
-                                       "residual_gate": _stand_in(residual_gate), "gate": _stand_in(gate)})
+    row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
+                   residual=_stand_in(residual), return_stats=return_stats, epilogue=epilogue,
+                   conditioned={"shift": _stand_in(shift), "scale": _stand_in(scale),
+                                "residual_gate": _stand_in(residual_gate), "gate": _stand_in(gate)})
     acc = dtypes.accumulation(np.dtype(x.dtype))
-    y_dtype = x.dtype
-    h = None
-    if call.cond.flags & plans.FLAG_WIDE_RESIDUAL:  # (the float32 residual stream: the norm over h in float32)
-        h = x.astype(residual.dtype) + residual
-        x, residual = h, None
     if gate is not None:
         return conditioning.gated(
             lambda h, w, **kw: plain(h, w, None, **kw), x, weight, gate, norm_before_gate=bool(norm_before_gate),
             normalized=bool(epilogue & plans.FLAG_ROUND_NORMALIZED), offset=bool(epilogue & plans.FLAG_WEIGHT_OFFSET),
             round_weighted=weight is not None and weight.dtype == x.dtype and np.dtype(x.dtype).itemsize == 2,
-            cast=lambda a: a.astype(acc), narrow=lambda a: a.astype(x.dtype), silu=lambda v: v / (1 + jnp.exp(-v)),
-            return_stats=return_stats, axis=axis, eps=eps)
-    if residual_gate is not None:
-        h = (residual.astype(acc) + residual_gate.astype(acc) * x.astype(acc)).astype(x.dtype)
-        x, residual = h, None
-    heads = call.cond.param_rows > 1
-    after = heads or shift is not None or scale is not None
-    offset = heads and bool(options.get("weight_offset", 0))
-    if heads and "weight_offset" in options:
-        options = {**options, "weight_offset": 0}  # (1 + w multiplies below)
-    outs = plain(x, None if heads else weight, None if heads else bias, axis=axis, eps=eps, residual=residual,
-                 return_stats=return_stats, activation=None if after else activation, **options)
-    outs = list(outs) if isinstance(outs, tuple) else [outs]
-    if after:
-        y = conditioning.modulate(outs[0], weight if heads else None, bias if heads else None, shift, scale,
-                                  offset=offset, cast=lambda a: a.astype(acc),
-                                  activate=JAX_ACTIVATIONS.get(activation))
-        outs[0] = y.astype(outs[0].dtype)
-    outs[0] = outs[0].astype(y_dtype)
-    if h is not None:
-        outs.insert(1, h)
-    return outs[0] if len(outs) == 1 else tuple(outs)
+            to=_astype, acc=acc, silu=lambda v: v / (1 + jnp.exp(-v)), return_stats=return_stats, axis=axis, eps=eps)
+    return conditioning.composed(plain, x, weight, bias, to=_astype, acc=acc, activate=JAX_ACTIVATIONS.get(activation),
+                                 axis=axis, eps=eps, residual=residual, residual_gate=residual_gate, shift=shift,
+                                 scale=scale, return_stats=return_stats, activation=activation, **options)
+
+
+def _astype(a, dtype):
+    return a.astype(dtype)
 
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,

@@ -43,36 +43,15 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
             normalized=bool(epilogue & plans.FLAG_ROUND_NORMALIZED),
             offset=bool(epilogue & plans.FLAG_WEIGHT_OFFSET),
             round_weighted=weight is not None and weight.dtype == x.dtype and x.element_size() == 2,
-            cast=lambda a: a.to(acc), narrow=lambda a: a.to(x.dtype), silu=torch.nn.functional.silu,
-            return_stats=return_stats, axis=axis, eps=eps)
-    h = None
-    y_dtype = x.dtype
-    if conditioning.wide(x, residual):  # (the float32 residual stream: the norm over h in float32)
+            to=_to, acc=acc, silu=torch.nn.functional.silu, return_stats=return_stats, axis=axis, eps=eps)
+    if conditioning.wide(x, residual):
         _, last = plans.normalize_axes(axis, x.dim())
         conditioning.check_wide(x.dtype, residual.dtype, x.element_size(), residual.dtype == torch.float32, last,
                                 x.dim(), residual_gate is not None)
-        h = x.to(residual.dtype) + residual
-        x, residual = h, None
-    if residual_gate is not None:
-        if residual is None:
-            raise ValueError("residual_gate scales x in h = residual + residual_gate * x: pass residual= too")
-        h = (residual.to(acc) + residual_gate.to(acc) * x.to(acc)).to(x.dtype)
-        x, residual = h, None
-    heads = conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis)
-    modulated = shift is not None or scale is not None
-    after = heads or modulated
-    args = (None, None) if heads else (weight, bias)
-    if heads and "weight_offset" in options:
-        options = {**options, "weight_offset": 0}  # (1 + w multiplies below)
-    results = plain(x, *args, axis=axis, eps=eps, residual=residual, return_stats=return_stats,
-                    activation=None if after else activation, **options)
-    results = list(results) if isinstance(results, tuple) else [results]
-    if after:
-        y = conditioning.modulate(results[0], weight if heads else None, bias if heads else None, shift, scale,
-                                  offset=bool(epilogue & plans.FLAG_WEIGHT_OFFSET), cast=lambda a: a.to(acc),
-                                  activate=TORCH_ACTIVATIONS.get(activation))
-        results[0] = y.to(results[0].dtype)
-    results[0] = results[0].to(y_dtype)
-    if h is not None:
-        results.insert(1, h)
-    return results[0] if len(results) == 1 else tuple(results)
+    return conditioning.composed(plain, x, weight, bias, to=_to, acc=acc, activate=TORCH_ACTIVATIONS.get(activation),
+                                 axis=axis, eps=eps, residual=residual, residual_gate=residual_gate, shift=shift,
+                                 scale=scale, return_stats=return_stats, activation=activation, **options)
+
+
+def _to(t, dtype):
+    return t.to(dtype)
