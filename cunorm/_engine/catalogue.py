@@ -9,9 +9,9 @@ from . import dtypes, quantize, tuning
 from . import declarations as K
 from .dispatch_rows import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
                             cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
-from .dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_NORMS, _vpt_choices, column_sum_width, grad_cached_bounds,
-                            grad_cached_cluster_shapes, grad_onchip_items, grad_onchip_max_elements, grad_onchip_shapes,
-                            grad_policy)
+from .dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_NORMS, GRAD_STRIDED_MAX_CPT, _vpt_choices,
+                            column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes, grad_onchip_items,
+                            grad_onchip_max_elements, grad_onchip_shapes, grad_policy, strided_grad_cache_bytes)
 from .dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
                                 ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from .declarations import Kernel
@@ -19,6 +19,11 @@ from .declarations import Kernel
 def _vector_widths(dtype) -> list[int]:
     """Elements a vector access may move: up to 16 bytes."""
     return [v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16]
+
+
+def _strided_grad_cpts(vec: int, itemsize: int) -> list[int]:
+    """strided_grad_cached's reduced indices a thread at this vector width."""
+    return [c for c in (1, 2, 4, GRAD_STRIDED_MAX_CPT) if 2 * c * vec * itemsize <= strided_grad_cache_bytes(itemsize)]
 
 
 #: the general-p Lp norm CI compiles (any other p compiles on first use)
@@ -237,6 +242,8 @@ def backward_kernels() -> list[Kernel]:
                     out.append(K.ROWS_GRAD_SUMS(grad, t, p, flags, vec))
                     for strided in (False, True):
                         out.append(K.ROWS_GRAD_APPLY(grad, t, p, flags, vec, strided))
+                    for cpt in _strided_grad_cpts(vec, dtype.itemsize):
+                        out.append(K.STRIDED_GRAD_CACHED(grad, t, p, flags, vec, cpt))
         out.append(K.CHANNEL_GRAD_COMBINE(a))
         out.append(K.CHANNEL_SYNC_COMBINE(a))
         onchip_most = max(grad_onchip_max_elements(dtype.itemsize, tune) for tune in tunes)

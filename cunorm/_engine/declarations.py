@@ -227,6 +227,10 @@ ROWS_GRAD_FINALIZE_WIDE = KernelDecl("backward", "rows_grad_finalize_wide", ("Gr
 ROWS_GRAD_APPLY = KernelDecl("backward", "rows_grad_apply", ("Grad", "T", "P", "FLAGS", "VEC", "STRIDED"),
                              _args("dy x dh w coeffs:in dx partial dw db:out outer reduced inner chunks "
                                    "chunk_len:i64"))
+# strided_grads.cu
+STRIDED_GRAD_CACHED = KernelDecl("strided_grads", "strided_grad_cached", ("Grad", "T", "P", "FLAGS", "VEC", "CPT"),
+                                 _args("dy x dh w center scale:in dx partial:out outer:i64 reduced:i32 inner:i64 "
+                                       "eps:acc block_x:i32"))
 # channel_grads.cu
 CHANNEL_GRAD_SUMS = KernelDecl("channel_grads", "channel_grad_sums", ("T", "VEC", "LAST"),
                                _args(f"dy x mean:in partial:out {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64 "

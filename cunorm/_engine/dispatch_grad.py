@@ -15,8 +15,9 @@ GRAD_CACHED_CLUSTER_THREADS hold run rows_grad_cluster (the same body on
 thread-block clusters, a cluster a row, their partials added by
 column_sum), where there are rows enough to fill the SMs. Longer contiguous rows (and the whole
 array) run rows_grad_chunks + rows_grad_finalize_wide + rows_grad_apply, a
-strided axis rows_grad_sums + rows_grad_finalize + rows_grad_apply, each
-pass chunked to about tuning.grad_blocks_per_sm blocks an SM (the contiguous
+strided axis strided_grad_cached where a thread can hold its share of
+each group's x and dy (one pass: x and dy read once), else rows_grad_sums +
+rows_grad_finalize + rows_grad_apply, each pass chunked to about tuning.grad_blocks_per_sm blocks an SM (the contiguous
 rows' passes to tuning.grad_chunk_blocks_per_sm and tuning.grad_apply_blocks_per_sm).
 """
 from __future__ import annotations
@@ -152,7 +153,7 @@ class GradLaunch:
     strided (sums, finalize, apply); their parameter partials are then
     added by column_sum, except for streamed rows of one part."""
 
-    tier: str  # "cached", "streamed" or "strided"; the channel norms' "channels" or "channel_onchip"
+    tier: str  # "cached", "streamed", "strided_cached" or "strided"; the channel norms' "channels" or "channel_onchip"
     steps: tuple[Step, ...]
     chunks: int = 0  # pass-1 chunks a group
     chunk_len: int = 0  # vectors (streamed) or reduced indices (strided) a chunk
@@ -213,6 +214,9 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
         )
         return GradLaunch("streamed", steps, chunks=chunks, chunk_len=chunk_len, apply_chunks=apply_chunks,
                           apply_chunk_len=apply_chunk_len, parts=apply_chunks, stat_words=stat_words)
+    cached = _strided_cached(grad, t, p, flags, dtype, outer, reduced, inner, vec, sm, stat_words)
+    if cached is not None:
+        return cached
     inner_vec = inner // vec
     tiles = _ceil_div(inner_vec, GRAD_BLOCK_THREADS)
     want = max(1, _ceil_div(tune.grad_blocks_per_sm * sm, outer * tiles))
@@ -232,6 +236,65 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
     )
     return GradLaunch("strided", steps, chunks=chunks, chunk_len=chunk_len, apply_chunks=apply_chunks,
                       apply_chunk_len=apply_chunk_len, parts=apply_chunks * tiles, stat_words=stat_words)
+
+
+#: strided_grad_cached: at most this many bytes of x and dy a thread holds
+#: (64 registers), so that two 256-thread blocks fit an SM (its launch
+#: bounds: 128 registers a thread); the vector is narrowed to fit first.
+#: Half of it for float64, whose accumulators take two registers each
+#: (LayerNorm's float64 kernel with weight and bias spilled at 128 bytes on
+#: sm_80). Problem 36's backward (fp32, 64 channels): docs/notes/backward.md.
+GRAD_STRIDED_CACHE_BYTES = 128
+GRAD_STRIDED_THREADS = 256
+GRAD_STRIDED_BLOCKS_PER_SM = 2  # mirrors strided_grad_cached's launch bounds
+GRAD_STRIDED_MAX_CPT = 8
+
+
+def strided_grad_cache_bytes(itemsize: int) -> int:
+    """The bytes of x and dy a strided_grad_cached thread may hold."""
+    return GRAD_STRIDED_CACHE_BYTES // 2 if itemsize == 8 else GRAD_STRIDED_CACHE_BYTES
+
+
+def strided_grad_shape(reduced: int, inner: int, vec: int, itemsize: int) -> tuple[int, int, int, int] | None:
+    """(vec, bx, by, reduced indices a thread) of strided_grad_cached: of
+    the shapes whose held x and dy fit strided_grad_cache_bytes, the one
+    whose warps read the longest contiguous runs (bx * vec elements of a
+    reduced index, at least a 32-byte sector unless they span inner, where
+    consecutive indices are adjacent), then the fewest threads along the
+    reduced axis (by partials a position to combine through shared memory):
+    problem 36's backward (fp32, H100) ran at 94.5% of copy with (vec 2,
+    32 x 8) against 90.7% with (vec 4, 16 x 16). None where none fits."""
+    best, best_key = None, None
+    v = vec
+    while v >= 1:
+        bx = min(32, next_pow2(inner // v))
+        while bx >= 1:
+            by = min(GRAD_STRIDED_THREADS // bx, next_pow2(reduced))
+            cpt = next_pow2(_ceil_div(reduced, by))
+            run = min(bx * v, inner)
+            if cpt <= GRAD_STRIDED_MAX_CPT and 2 * cpt * v * itemsize <= strided_grad_cache_bytes(itemsize) and \
+                    (run == inner or run * itemsize >= 32) and (best_key is None or (run, -by) > best_key):
+                best, best_key = (v, bx, by, cpt), (run, -by)
+            bx //= 2
+        v //= 2
+    return best
+
+
+def _strided_cached(grad, t, p, flags, dtype, outer, reduced, inner, vec, sm, stat_words) -> GradLaunch | None:
+    shape = strided_grad_shape(reduced, inner, vec, dtype.itemsize)
+    if shape is None or reduced >= 2**31:
+        return None
+    v, bx, by, cpt = shape
+    acc_bytes = 8 if dtype.itemsize == 8 else 4
+    tiles = _ceil_div(inner // v, bx)
+    # at most the resident blocks: each keeps its dweight/dbias sums across
+    # its positions and writes one partial row
+    resident = GRAD_STRIDED_BLOCKS_PER_SM * sm
+    gy = min(outer, resident, MAX_GRID_Y)
+    gx = min(tiles, max(1, resident // gy))
+    shared = max(by * v * bx * stat_words + v * bx * GRAD_COEFF_WORDS, 2 * cpt * by * bx) * acc_bytes
+    step = Step(K.STRIDED_GRAD_CACHED(grad, t, p, flags, v, cpt), (gx, gy), (bx, by), shared)
+    return GradLaunch("strided_cached", (step,), parts=gx * gy, stat_words=stat_words)
 
 
 def column_sum_step(a: str, p: str, parts: int, n: int, outputs: int) -> Step:

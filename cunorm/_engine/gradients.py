@@ -240,6 +240,14 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
         if wants and not grid_sums:
             _column_sum(pb, dtype, pdtype, has, partial, parts, reduced)
         return pb
+    if launch.tier == "strided_cached":
+        (step,) = launch.steps
+        partial = pb.workspace(2 * launch.parts * reduced * acc_bytes if wants else acc_bytes)
+        pb.launch(step, dy=dy, x=x, dh=dh, w=w, center=center, scale=scale, dx=dx, partial=partial, outer=outer,
+                  reduced=reduced, inner=inner, eps=eps)
+        if wants:
+            _column_sum(pb, dtype, pdtype, has, partial, launch.parts, reduced)
+        return pb
     groups = outer * inner
     parts = launch.parts
     ws = pb.workspace(groups * launch.chunks * launch.stat_words * acc_bytes)

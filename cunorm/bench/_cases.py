@@ -239,7 +239,13 @@ BACKWARD_CASES = [
     ("backward layer_norm bf16 (8,64,128,128) axes 1-3 +w+b", "ln", (8, 64, 128, 128), "bfloat16", (1, 2, 3), None),
     ("backward problem 40 layer_norm (16,64,256,256) fp32 +w+b", "ln", (16, 64, 256, 256), "float32", (1, 2, 3), 60),
     ("backward problem 35 group_norm(8) (112,64,512,512) fp32 +w+b", "group", (112, 64, 512, 512), "float32", 8, 60),
-    ("backward problem 36 rms_norm axis 1 (112,64,512,512) fp32 +w", "rms", (112, 64, 512, 512), "float32", 1, None),
+    ("backward problem 36 rms_norm axis 1 (112,64,512,512) fp32 +w", "rms", (112, 64, 512, 512), "float32", 1, 85),
+    # the strided axis in both dtypes and norms, and a ConvNeXt-like channel LayerNorm (256 channels of 56 x 56)
+    ("backward rms_norm axis 1 (56,64,512,512) bf16 +w", "rms", (56, 64, 512, 512), "bfloat16", 1, 85),
+    ("backward layer_norm axis 1 (56,64,512,512) fp32 +w+b", "ln", (56, 64, 512, 512), "float32", 1, 85),
+    ("backward layer_norm axis 1 (56,64,512,512) bf16 +w+b", "ln", (56, 64, 512, 512), "bfloat16", 1, 85),
+    ("backward layer_norm axis 1 (32,256,56,56) fp32 +w+b", "ln", (32, 256, 56, 56), "float32", 1, None),
+    ("backward layer_norm axis 1 (32,256,56,56) bf16 +w+b", "ln", (32, 256, 56, 56), "bfloat16", 1, None),
     # real activations: BatchNorm in training on ResNet-50's
     ("backward batch_norm (64,256,56,56) fp32 +w+b", "batch", (64, 256, 56, 56), "float32", None, None),
     ("backward batch_norm (64,256,56,56) bf16 +w+b", "batch", (64, 256, 56, 56), "bfloat16", None, None),

@@ -247,6 +247,29 @@ def test_strided_axis_backward(op, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape, tier", [((300, 16, 64), "strided_cached"), ((5, 256, 48), "strided_cached"),
+                                         ((2, 3000, 7), "strided")],
+                         ids=["one pass, more outer indices than blocks", "one pass, 256 indices", "three passes"])
+def test_strided_backward_tiers(shape, tier, dtype, rng):
+    """Both strided tiers, with the gradient of h (dh) added and without."""
+    x = random(rng, shape, dtype)
+    assert _strided_tier(x) == tier
+    w, b = random(rng, (shape[1],), dtype), random(rng, (shape[1],), dtype)
+    check_rows("ln", x, axis=1, weight=w, bias=b, rng=rng)
+    check_rows("rms", x, axis=1, weight=w, residual=True, rng=rng)
+    check_rows("ln", x, axis=1, rng=rng)
+
+
+def _strided_tier(x) -> str:
+    from cunorm._engine.plans import vector_width
+
+    outer, reduced, inner = x.shape[0], x.shape[1], int(np.prod(x.shape[2:]))
+    vec = vector_width(x.itemsize, inner, [], [(0, x.itemsize)])
+    return dispatch_grad.choose_rows_grad("ln", x.dtype, x.dtype, 3, outer, reduced, inner, vec,
+                                          launches.device_info(0)).tier
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf, "mean_abs"])
 @pytest.mark.parametrize("shape,axis", [((37, 760), -1), ((3, 65535), -1), ((3, 24, 5, 7), 1), ((3, 5, 7), None)],
                          ids=["cached", "streamed", "strided", "whole"])

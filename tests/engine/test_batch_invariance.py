@@ -172,3 +172,22 @@ def test_strided_axis_bits_do_not_depend_on_the_batch(rng, dtype):
         part = [cupy.asnumpy(a) for a in cunorm.layer_norm(x[:n], w, axis=1, return_stats=True)]
         for p, f in zip(part, whole):
             assert np.array_equal(p.view(np.uint8), f[:n].view(np.uint8)), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_strided_axis_backward_bits_do_not_depend_on_the_batch(rng, dtype):
+    """The backward over a strided axis: each sample's dx is the same
+    whatever the batch."""
+    import cupy
+
+    import cunorm
+
+    x = cupy.asarray(rng.standard_normal((96, 64, 9, 17)).astype(dtype))
+    dy = cupy.asarray(rng.standard_normal(x.shape).astype(dtype))
+    w = cupy.asarray(rng.standard_normal(64).astype(np.float32))
+    _, mean, rstd = cunorm.layer_norm(x, w, w, axis=1, return_stats=True)
+    whole = cupy.asnumpy(cunorm.layer_norm_backward(dy, x, mean, rstd, w, w, axis=1)[0])
+    for n in (1, 2, 5, 33):
+        part = cupy.asnumpy(cunorm.layer_norm_backward(dy[:n], x[:n], mean[:n], rstd[:n], w, w, axis=1)[0])
+        assert np.array_equal(part.view(np.uint8), whole[:n].view(np.uint8)), n

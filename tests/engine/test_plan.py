@@ -660,6 +660,35 @@ def test_every_backward_choice_is_compiled():
     assert clustered > 50
 
 
+def test_strided_backward_tiers():
+    """A strided axis whose groups a thread can hold runs the one-pass
+    strided_grad_cached, its vector narrowed to fit, its shape the same at
+    every outer extent (dx's bits follow the group alone), its grid at most
+    the resident blocks; longer reduced extents run the three passes."""
+    f32, bf16 = np.dtype(np.float32), np.dtype(dtypes.bfloat16)
+    compiled = {k.expression for k in catalogue.all_kernels()}
+    # problem 36's backward: 64 channels of 512 x 512 planes
+    launch = dispatch_grad.choose_rows_grad("rms", f32, f32, 1, 56, 64, 262144, 4, H200)
+    assert launch.tier == "strided_cached"
+    (step,) = launch.steps
+    assert step.block == (32, 8) and step.kernel.expression.endswith(", 1, 2, 8>")
+    assert launch.parts == step.grid[0] * step.grid[1] <= 2 * H200.sm_count
+    step = dispatch_grad.choose_rows_grad("ln", bf16, f32, 3, 56, 64, 262144, 8, H200).steps[0]
+    assert step.block == (32, 8) and step.kernel.expression.endswith(", 3, 4, 8>")
+    for dtype, vec in ((f32, 4), (bf16, 8), (np.dtype(np.float64), 2)):
+        for reduced, inner in ((3, 760), (24, 40), (64, 4096), (200, 48), (256, 64)):
+            shapes = set()
+            for outer in (1, 2, 7, 300, 5000):
+                launch = dispatch_grad.choose_rows_grad("ln", dtype, dtype, 3, outer, reduced, inner, vec, H200)
+                assert launch.tier == "strided_cached", (dtype, reduced, inner)
+                (step,) = launch.steps
+                assert step.kernel.expression in compiled
+                assert step.grid[1] <= outer and step.grid[0] * step.grid[1] <= 2 * H200.sm_count
+                shapes.add((step.kernel.expression, step.block, step.shared_bytes))
+            assert len(shapes) == 1, shapes
+        assert dispatch_grad.choose_rows_grad("rms", dtype, dtype, 1, 8, 3000, vec, vec, H200).tier == "strided"
+
+
 def test_canonical_strides_free_the_size_1_axes():
     """A size-1 axis's stride is free: canonical_strides gives it the C
     value, so a C-contiguous view compares equal to a fresh array of its
