@@ -11,6 +11,17 @@ A skeleton step is timed the same way: an autograd Function with the
 same two collectives (the statistics gathered forward, the sums
 backward) and one copy of x forward and of dy backward, the least any
 SyncBatchNorm built on torch.distributed and autograd costs per step.
+Each step is also timed with the host ahead ("GPU time"): a sleep kernel
+first holds the stream while the host queues the whole step, so the
+events time the GPU's work alone, as inside a network whose other layers
+keep the GPU busy.
+
+Whole models: a DistributedDataParallel training step (forward, cross
+entropy, backward, SGD step) of timm's resnet50, batch 32 a rank at 224
+x 224, channels-last, fp32 and bf16 autocast, with its BatchNorm layers
+as torch's BatchNorm (no synchronization), torch's SyncBatchNorm and
+cunorm's, alternating: the median of five rounds' medians of 10 steps,
+the slower rank's.
 
     torchrun --nproc-per-node 2 bench/sync_batchnorm.py OUT.json
 """
@@ -49,13 +60,20 @@ class Skeleton(torch.nn.Module):
         return _SkeletonFunction.apply(x)
 
 
-def step_times(layer, x, dy, autocast):
+#: cycles of the sleep kernel that keeps the GPU busy while the host
+#: queues a step (about 10 ms at an H100's clock, above any step's host time)
+HOST_AHEAD_CYCLES = 20_000_000
+
+
+def step_times(layer, x, dy, autocast, host_ahead=False):
     times = []
     for i in range(WARMUP + STEPS):
         xi = x.detach().requires_grad_()
         dist.barrier()
         torch.cuda.synchronize()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if host_ahead:
+            torch.cuda._sleep(HOST_AHEAD_CYCLES)
         start.record()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             y = layer(xi)
@@ -67,6 +85,69 @@ def step_times(layer, x, dy, autocast):
     t = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t), y.detach(), xi.grad
+
+
+MODEL_STEPS, MODEL_WARMUP, MODEL_ROUNDS = 10, 3, 5
+
+
+def model_rows(rank):
+    """resnet50 DDP training steps with each kind of BatchNorm layer: the
+    kinds alternate, MODEL_ROUNDS rounds of MODEL_STEPS steps each, so a
+    drift of the host's speed reaches every kind alike; a kind's time is
+    the median of its rounds' medians."""
+    import copy
+
+    import timm
+    from torch.nn.parallel import DistributedDataParallel
+
+    rows = []
+    torch.manual_seed(0)
+    base = timm.create_model("resnet50").cuda().to(memory_format=torch.channels_last)
+    gen = torch.Generator(device="cuda").manual_seed(200 + rank)
+    x = torch.randn((32, 3, 224, 224), device="cuda", generator=gen).contiguous(memory_format=torch.channels_last)
+    target = torch.randint(0, 1000, (32,), device="cuda", generator=gen)
+    convert = {"torch BatchNorm (no sync)": lambda m: m,
+               "torch SyncBatchNorm": torch.nn.SyncBatchNorm.convert_sync_batchnorm,
+               "cunorm SyncBatchNorm": ct.convert_sync_batchnorm}
+    for dtype_name, autocast in (("fp32", False), ("bf16 autocast", True)):
+        row = {"model": "timm resnet50", "batch": 32, "dtype": dtype_name}
+        runs = {}
+        for name, conv in convert.items():
+            model = DistributedDataParallel(conv(copy.deepcopy(base)), device_ids=[rank])
+            runs[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), [])
+
+        def steps(model, opt, count):
+            times = []
+            for _ in range(count):
+                dist.barrier()
+                torch.cuda.synchronize()
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = torch.nn.functional.cross_entropy(model(x), target)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                stop.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(stop))
+            return times
+
+        for model, opt, _ in runs.values():
+            steps(model, opt, MODEL_WARMUP)
+        for _ in range(MODEL_ROUNDS):
+            for model, opt, medians in runs.values():
+                medians.append(statistics.median(steps(model, opt, MODEL_STEPS)))
+        for name, (_, _, medians) in runs.items():
+            t = torch.tensor([statistics.median(medians)], device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            row[f"{name} ms"] = float(t)
+        row["torch SyncBatchNorm / cunorm"] = row["torch SyncBatchNorm ms"] / row["cunorm SyncBatchNorm ms"]
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+        rows.append(row)
+        del runs
+    return rows
 
 
 def relative(a, b):
@@ -101,8 +182,11 @@ def main(out_path):
                 for name, layer in layers.items():
                     row[f"{name}_ms"], y, dx = step_times(layer, x, dy, autocast)
                     results[name] = (y, dx, layer.weight.grad, layer.running_mean, layer.running_var)
+                for name, layer in layers.items():
+                    row[f"{name}_gpu_ms"] = step_times(layer, x, dy, autocast, host_ahead=True)[0]
                 row["skeleton_ms"] = step_times(Skeleton(), x, dy, autocast)[0]
                 row["speedup"] = row["torch_ms"] / row["cunorm_ms"]
+                row["gpu_speedup"] = row["torch_gpu_ms"] / row["cunorm_gpu_ms"]
                 row["torch_over_skeleton"] = row["torch_ms"] / row["skeleton_ms"]
                 for i, what in enumerate(("y", "dx", "dw", "running_mean", "running_var")):
                     row[f"err_{what}"] = relative(results["cunorm"][i], results["torch"][i])
@@ -111,9 +195,10 @@ def main(out_path):
                 rows.append(row)
                 del layers, results, x, dy
                 torch.cuda.empty_cache()
+    models = model_rows(rank)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "models": models}, f, indent=1)
     dist.destroy_process_group()
 
 
