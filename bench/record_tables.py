@@ -37,14 +37,16 @@ def tables(record: dict) -> str:
                    f"{_f(r.get('torch_ms'))} / {_f(r.get('torch_single_ms'))} | "
                    f"{_f(r.get('compile_ms'))} / {_f(r.get('compile_single_ms'))} | "
                    f"{_f(r.get('max_rel_err'), '.1e')} |")
-    out += ["", "| backward case | tier | GPU ms | floor% | target | torch eager GPU ms (floor%) | "
-                "torch.compile GPU ms (floor%) | max rel err |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += ["", "| backward case | tier | GPU ms | floor% | target | one call ms | torch eager GPU ms (floor%) / "
+                "one call | torch.compile GPU ms (floor%) / one call | max rel err |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in backward:
         out.append(f"| {r['case'].removeprefix('backward ')} | {r['tier']} | {_f(r['ms'])} | "
-                   f"{_f(r['floor_pct'], '.1f')} | {_f(r.get('target_floor_pct'), 'd')} | "
-                   f"{_f(r.get('torch_ms'))} ({_f(r.get('torch_floor_pct'), '.1f')}) | "
-                   f"{_f(r.get('compile_ms'))} ({_f(r.get('compile_floor_pct'), '.1f')}) | "
+                   f"{_f(r['floor_pct'], '.1f')} | {_f(r.get('target_floor_pct'), 'd')} | {_f(r.get('single_ms'))} | "
+                   f"{_f(r.get('torch_ms'))} ({_f(r.get('torch_floor_pct'), '.1f')}) / "
+                   f"{_f(r.get('torch_single_ms'))} | "
+                   f"{_f(r.get('compile_ms'))} ({_f(r.get('compile_floor_pct'), '.1f')}) / "
+                   f"{_f(r.get('compile_single_ms'))} | "
                    f"{_f(r.get('max_rel_err'), '.1e')} |")
     host = record.get("host_overhead_us", {})
     out += ["", "| host time per call | cunorm us | torch us |", "|---|---|---|"]

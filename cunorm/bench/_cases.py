@@ -301,6 +301,7 @@ def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_comp
     ms, lo, hi = time_gpu(run)
     row.update(ms=ms, ms_min=lo, ms_max=hi, gbps=nbytes / (ms * 1e-3) / 1e9)
     row["floor_pct"] = 100 * row["gbps"] / copy_bw
+    single_columns(row, nbytes, copy_bw, run)  # (cunorm's backward function on CuPy arrays)
     row["tier"] = "channels" if op in ("group", "batch") else _backward_tier(op, x, axis)
     # dx against float64 on the first two rows / samples (each one's dx
     # depends on its own statistics and the parameters only; BatchNorm's on
@@ -347,10 +348,14 @@ def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_comp
                 continue
             try:
                 y = fn(xt, wt, bt)
-                t_ms, _, _ = time_gpu(lambda: torch.autograd.grad(y, inputs, dyt, retain_graph=True), reps=10,
-                                      warmup=2)
+
+                def grads():
+                    return torch.autograd.grad(y, inputs, dyt, retain_graph=True)
+
+                t_ms, _, _ = time_gpu(grads, reps=10, warmup=2)
                 row[f"{key}_ms"] = t_ms
                 row[f"{key}_floor_pct"] = 100 * nbytes / (t_ms * 1e-3) / 1e9 / copy_bw
+                single_columns(row, nbytes, copy_bw, None, **{"eager" if key == "torch" else "compiled": grads})
                 del y
             except Exception as err:  # report, keep going
                 row[f"{key}_error"] = repr(err)[:200]
