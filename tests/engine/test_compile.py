@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from cunorm._engine import catalogue, dispatch_rows, dtypes, declarations, loader
+from cunorm._engine import catalogue, dispatch_grad, dispatch_rows, dtypes, declarations, loader
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,3 +123,19 @@ def test_compile_error_is_reported():
     bad = [dispatch_rows.Kernel("rows", "cunorm::rows_cached<cunorm::RmsNorm, int, int, 3, 1, true>")]
     with pytest.raises(RuntimeError, match="NVRTC failed"):
         loader.compile_offline("sm_90", bad)
+
+
+def test_strided_backward_at_its_cache_budget_compiles_without_spills_for_sm_80():
+    """strided_grad_cached holding the most x and dy its budget allows (the
+    sm_90 check is the full compile's); sm_80's ptxas spilled float64's
+    LayerNorm at twice the budget."""
+    kernels = []
+    for k in catalogue.backward_kernels():
+        if k.name != "strided_grad_cached":
+            continue
+        grad, t, p, flags, vec, cpt = k.template_args
+        itemsize = {"double": 8, "float": 4}.get(t, 2)
+        if 2 * cpt * vec * itemsize == dispatch_grad.strided_grad_cache_bytes(itemsize):
+            kernels.append(k)
+    assert len(kernels) >= 100
+    _check("sm_80", kernels)
