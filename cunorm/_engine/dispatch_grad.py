@@ -17,8 +17,9 @@ column_sum), where there are rows enough to fill the SMs. Longer contiguous rows
 array) run rows_grad_chunks + rows_grad_finalize_wide + rows_grad_apply, a
 strided axis strided_grad_cached where a thread can hold its share of
 each group's x and dy (one pass: x and dy read once), else rows_grad_sums +
-rows_grad_finalize + rows_grad_apply, each pass chunked to about tuning.grad_blocks_per_sm blocks an SM (the contiguous
-rows' passes to tuning.grad_chunk_blocks_per_sm and tuning.grad_apply_blocks_per_sm).
+rows_grad_finalize + rows_grad_apply, each pass chunked to about
+tuning.grad_blocks_per_sm blocks an SM (the contiguous rows' passes to
+tuning.grad_chunk_blocks_per_sm and tuning.grad_apply_blocks_per_sm).
 """
 from __future__ import annotations
 
@@ -149,9 +150,10 @@ def grad_cached_shared_bytes(flags: int, vec: int, threads: int, vpt: int, acc_i
 class GradLaunch:
     """The backward strategy of a plan: cached (one launch, the grid capped
     at the resident blocks when launched, which adds its own parameter
-    partials), streamed (contiguous rows: chunks, finalize, apply) or
-    strided (sums, finalize, apply); their parameter partials are then
-    added by column_sum, except for streamed rows of one part."""
+    partials), streamed (contiguous rows: chunks, finalize, apply),
+    strided_cached (a strided axis in one launch, the grid the resident
+    blocks) or strided (sums, finalize, apply); their parameter partials
+    are then added by column_sum, except for streamed rows of one part."""
 
     tier: str  # "cached", "streamed", "strided_cached" or "strided"; the channel norms' "channels" or "channel_onchip"
     steps: tuple[Step, ...]
@@ -214,7 +216,8 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
         )
         return GradLaunch("streamed", steps, chunks=chunks, chunk_len=chunk_len, apply_chunks=apply_chunks,
                           apply_chunk_len=apply_chunk_len, parts=apply_chunks, stat_words=stat_words)
-    cached = _strided_cached(grad, t, p, flags, dtype, outer, reduced, inner, vec, sm, stat_words)
+    cached = _strided_cached(grad, t, p, flags, dtype, accumulation(dtype).itemsize, outer, reduced, inner, vec, sm,
+                             stat_words)
     if cached is not None:
         return cached
     inner_vec = inner // vec
@@ -261,9 +264,9 @@ def strided_grad_shape(reduced: int, inner: int, vec: int, itemsize: int) -> tup
     whose warps read the longest contiguous runs (bx * vec elements of a
     reduced index, at least a 32-byte sector unless they span inner, where
     consecutive indices are adjacent), then the fewest threads along the
-    reduced axis (by partials a position to combine through shared memory):
-    problem 36's backward (fp32, H100) ran at 94.5% of copy with (vec 2,
-    32 x 8) against 90.7% with (vec 4, 16 x 16). None where none fits."""
+    reduced axis (by partials a position to combine through shared memory;
+    problem 36's shapes measured in docs/notes/backward.md). None where
+    none fits."""
     best, best_key = None, None
     v = vec
     while v >= 1:
@@ -280,12 +283,12 @@ def strided_grad_shape(reduced: int, inner: int, vec: int, itemsize: int) -> tup
     return best
 
 
-def _strided_cached(grad, t, p, flags, dtype, outer, reduced, inner, vec, sm, stat_words) -> GradLaunch | None:
+def _strided_cached(grad, t, p, flags, dtype, acc_bytes, outer, reduced, inner, vec, sm,
+                    stat_words) -> GradLaunch | None:
     shape = strided_grad_shape(reduced, inner, vec, dtype.itemsize)
-    if shape is None or reduced >= 2**31:
+    if shape is None:
         return None
     v, bx, by, cpt = shape
-    acc_bytes = 8 if dtype.itemsize == 8 else 4
     tiles = _ceil_div(inner // v, bx)
     # at most the resident blocks: each keeps its dweight/dbias sums across
     # its positions and writes one partial row

@@ -72,8 +72,9 @@ strided_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* 
                 if (active) s0[j] = scale[group];
             }
         }
-        // the weights are read again each position (L1 hits) rather than
-        // held: held, they spilled LayerNorm's 16-bit kernels at 128 registers
+        // the weights are read again each position (L1 hits), not held
+        // across positions: CPT more registers would spill LayerNorm's
+        // 16-bit kernels at the launch bounds' 128
         Vec<T, VEC> xs[CPT], dys[CPT];
         A wk[CPT];
 #pragma unroll
@@ -102,8 +103,9 @@ strided_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* 
 
         // The by partials of each position, combined in y order by one
         // thread (the one whose ty is j modulo by), whose coefficients the
-        // others then read: redundant chains, one a thread, took longer than
-        // the position's memory traffic where by is large. Layout [y][j][x]
+        // others then read: a chain of by shared loads a position, not one
+        // a thread, which for large by would outlast the position's memory
+        // traffic. Layout [y][j][x]
         // keeps a warp's accesses on distinct banks. (A position's partials
         // are written after the previous position's last barrier, which
         // follows every read of them; its coefficients after the barrier
