@@ -25,7 +25,8 @@ from ._engine import calls
 from ._engine.ops import DEFAULT_EPS, LP_EPS
 from ._engine.row_norms import lp_norm_name
 
-__all__ = ["rms_norm_backward", "layer_norm_backward", "normalize_backward", "mean_abs_normalize_backward",
+__all__ = ["rms_norm_backward", "layer_norm_backward", "rms_norm_modulated_backward",
+           "layer_norm_modulated_backward", "normalize_backward", "mean_abs_normalize_backward",
            "frobenius_normalize_backward", "group_norm_backward", "instance_norm_backward", "batch_norm_backward"]
 
 _DY_X = """dy : array
@@ -103,6 +104,73 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, d
     {errors}
     """
     return calls.rows_grad("ln", dy, x, mean, rstd, weight, bias, dh, axis, 0.0)
+
+
+_MODULATED = """The forward: ``h = residual + residual_gate * x`` (or ``x +
+    residual``, or x), ``y = (norm(h) * weight [+ bias]) * (1 + scale) +
+    shift``. The backward, with ``g = dy * (1 + scale)``: the norm's
+    gradient of g reaches h (plus dh), the residual takes it and x takes it
+    times residual_gate; ``dshift``, ``dscale = sum(dy * (xhat * weight +
+    bias))`` and ``dresidual_gate = sum(dh_total * x)`` are summed over
+    the axes each array broadcasts along, ``dweight`` and ``dbias`` over
+    every row. Per-modulation-row sums are added in a fixed order that
+    depends on the rows each modulation row covers and the GPU, not on the
+    batch; no atomics.
+
+    Parameters
+    ----------
+    dy : array
+        The gradient of y: x's shape and dtype.
+    h : array
+        The normalized input: the h the forward returned with a residual,
+        else x.
+    {stats}
+    shift, scale, residual_gate : array, optional
+        The forward's modulation arrays (at least one).
+    x : array, optional
+        With residual_gate: the x it scaled.
+    axis : int or tuple of int, default -1
+        The forward's axes (trailing).
+    dh : array, optional
+        The gradient that reached the returned h.
+
+    Returns
+    -------
+    ModulatedGrads
+        A named tuple (x, residual, weight, bias, shift, scale,
+        residual_gate) of gradients in the inputs' shapes and dtypes, None
+        where the forward had no such input; ``residual`` is None without
+        a residual gate (the residual's gradient is then x's).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As the forward's, for the arrays and their shapes; ValueError for
+        a call the fused kernels do not take on the GPU: modulation arrays
+        of different broadcast patterns, per token (runs of under 16 rows
+        of one modulation row), per-head weights, rows of over 8192
+        elements (4096 for float64). cunorm.torch's autograd composes
+        those from torch's ops."""
+
+
+def rms_norm_modulated_backward(dy, h, rstd, weight=None, *, shift=None, scale=None, residual_gate=None, x=None,
+                                axis=-1, dh=None):
+    """The gradients of :func:`cunorm.rms_norm` with ``shift=``, ``scale=``
+    or ``residual_gate=``, fused (cunorm/kernels/modulated_grads.cu).
+
+    {body}
+    """
+    return calls.rows_grad_modulated("rms", dy, h, None, rstd, weight, None, dh, shift, scale, residual_gate, x, axis)
+
+
+def layer_norm_modulated_backward(dy, h, mean, rstd, weight=None, bias=None, *, shift=None, scale=None,
+                                  residual_gate=None, x=None, axis=-1, dh=None):
+    """The gradients of :func:`cunorm.layer_norm` with ``shift=``,
+    ``scale=`` or ``residual_gate=``, fused (cunorm/kernels/modulated_grads.cu).
+
+    {body}
+    """
+    return calls.rows_grad_modulated("ln", dy, h, mean, rstd, weight, bias, dh, shift, scale, residual_gate, x, axis)
 
 
 def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=LP_EPS):
@@ -205,4 +273,12 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, training=T
 for _f in (rms_norm_backward, layer_norm_backward, normalize_backward, group_norm_backward, instance_norm_backward,
            batch_norm_backward):
     _f.__doc__ = _f.__doc__.replace("{errors}", _ERRORS).replace("{dy_x}", _DY_X)
-del _f
+for _f, _stats in ((rms_norm_modulated_backward, """rstd : array
+        The forward's ``rstd`` (``return_stats=True``).
+    weight : array, optional
+        The forward's weight."""), (layer_norm_modulated_backward, """mean, rstd : array
+        The forward's statistics (``return_stats=True``).
+    weight, bias : array, optional
+        The forward's parameters.""")):
+    _f.__doc__ = _f.__doc__.replace("{body}", _MODULATED.replace("{stats}", _stats))
+del _f, _stats

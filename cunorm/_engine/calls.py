@@ -14,7 +14,7 @@ caller that keeps the launcher a call ran (the torch layers' memo) passes
 """
 from __future__ import annotations
 
-from . import channel_norms, conditioning, dtypes, gradients, launch_cache, ops, plans, row_norms
+from . import channel_norms, conditioning, dtypes, gradients, launch_cache, modulated_grad, ops, plans, row_norms
 from .. import _interop, reference
 
 
@@ -134,6 +134,22 @@ def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_fn
         return results
     g = gradients.RowGradCall(norm, dy, x, axis=axis, eps=eps, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh)
     return gradients.run_rows(g, reference_fn, key=key)
+
+
+def rows_grad_modulated(norm, dy, h, mean, rstd, weight, bias, dh, shift, scale, residual_gate, x, axis):
+    """A modulated row norm's backward (modulated_grad.py): ModulatedGrads."""
+    key = None
+    ad = launch_cache.adapter(dy)
+    if ad is not None and launch_cache._int_axes(axis) and type(norm) is str:
+        key = launch_cache.key(ad, dy, h, x, dh, weight, bias, shift, scale, residual_gate, mean, rstd,
+                               scalars=(norm, axis, "modulated"))
+        results = launch_cache.replay(launch_cache.ROWS_GRAD, key, dy, h, x, dh, weight, bias, shift, scale,
+                                      residual_gate, mean, rstd)
+        if results is not None:
+            return modulated_grad.ModulatedGrads(*results)
+    g = modulated_grad.ModulatedGradCall(norm, dy, h, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh,
+                                         shift=shift, scale=scale, residual_gate=residual_gate, x=x, axis=axis)
+    return modulated_grad.run(g, key)
 
 
 def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps,

@@ -11,7 +11,8 @@ from .dispatch_rows import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES,
                             cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
 from .dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_NORMS, GRAD_STRIDED_MAX_CPT, _vpt_choices,
                             column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes, grad_onchip_items,
-                            grad_onchip_max_elements, grad_onchip_shapes, grad_policy, strided_grad_cache_bytes)
+                            grad_onchip_max_elements, grad_onchip_shapes, grad_policy, strided_grad_cache_bytes,
+                            MOD_GATE, MOD_SCALE, max_vectors)
 from .dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
                                 ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from .declarations import Kernel
@@ -75,7 +76,7 @@ def all_kernels(norms=None) -> list[Kernel]:
         for vec in _vector_widths(dtype):
             out.append(K.RESIDUAL_ADD(dtypes.KERNEL_TYPE[dtype], vec))
     # (each once: the dtypes that share an accumulation type share its kernels)
-    return list(dict.fromkeys(out + channel_kernels() + backward_kernels()))
+    return list(dict.fromkeys(out + channel_kernels() + backward_kernels() + modulated_grad_kernels()))
 
 
 def channel_kernels() -> list[Kernel]:
@@ -198,6 +199,27 @@ def conditioned_kernels() -> list[Kernel]:
                                 kernel = launch.steps[0].kernel
                                 out[kernel.expression] = kernel
     return list(out.values())
+
+
+def modulated_grad_kernels() -> list[Kernel]:
+    """The fused modulated backward's kernels (modulated_grad.py) for
+    RMSNorm and LayerNorm over every dtype and vector width, each vectors
+    a thread the plan takes, parameters in the data's and the accumulation
+    dtype, with every parameter, and with scale alone or scale and the
+    gate; modulated_grad_sums for each."""
+    out = []
+    for dtype in dtypes.SUPPORTED:
+        acc = dtypes.accumulation(dtype)
+        a, t = dtypes.KERNEL_TYPE[acc], dtypes.KERNEL_TYPE[dtype]
+        for p in sorted({t, a}):
+            for norm, flags in (("rms", 1), ("ln", 3)):
+                grad = grad_policy(norm, a)
+                for modf in (MOD_SCALE, MOD_SCALE | MOD_GATE):
+                    out.append(K.MODULATED_GRAD_SUMS(a, p, flags, modf, 7 if modf & MOD_GATE else 3))
+                    for vec in _vector_widths(dtype):
+                        for vpt in (1, 2, 4)[:{1: 1, 2: 2, 4: 3}[max_vectors(dtype.itemsize)]]:
+                            out.append(K.ROWS_GRAD_MODULATED(grad, t, p, flags, modf, vec, vpt, persistent=True))
+    return list(dict.fromkeys(out))
 
 
 def _tunings() -> list[tuning.Tuning]:

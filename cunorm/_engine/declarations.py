@@ -231,6 +231,14 @@ ROWS_GRAD_APPLY = KernelDecl("backward", "rows_grad_apply", ("Grad", "T", "P", "
 STRIDED_GRAD_CACHED = KernelDecl("strided_grads", "strided_grad_cached", ("Grad", "T", "P", "FLAGS", "VEC", "CPT"),
                                  _args("dy x dh w center scale:in dx partial:out outer:i64 reduced:i32 inner:i64 "
                                        "eps:acc block_x:i32"))
+# modulated_grads.cu
+ROWS_GRAD_MODULATED = KernelDecl("modulated_grads", "rows_grad_modulated",
+                                 ("Grad", "T", "P", "FLAGS", "MODF", "VEC", "VPT"),
+                                 _args("dy h x dh w mod_scale res_gate center rstd:in dx dres partial:out rows:i64 "
+                                       "n:i32 mod_div mod_count:i64 units_per_run unit_rows:i32 eps:acc"))
+MODULATED_GRAD_SUMS = KernelDecl("modulated_grads", "modulated_grad_sums", ("A", "P", "FLAGS", "MODF", "OUTS"),
+                                 _args("partial w b mod_scale:in dshift dscale dgate weighted:out units:i64 n "
+                                       "units_per_run:i32 runs mod_count:i64 block_x:i32"))
 # channel_grads.cu
 CHANNEL_GRAD_SUMS = KernelDecl("channel_grads", "channel_grad_sums", ("T", "VEC", "LAST"),
                                _args(f"dy x mean:in partial:out {_CHANNEL_DIMS} stat_batch:i32 chunks chunk_len:i64 "

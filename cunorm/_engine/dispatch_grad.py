@@ -419,3 +419,67 @@ def choose_channel_grad(plan: ChannelPlan, training: bool, device: Device, overr
 
 
 GRAD_NORMS = ("rms", "ln", "l1", "l2", "linf", "mean_abs")
+
+
+# --- the fused modulated backward (modulated_grad.py, modulated_grads.cu) -----------------
+
+#: the kernel's block bound (rows_grad_modulated's launch bounds)
+MODULATED_MAX_THREADS = 512
+#: a unit's rows at least: each unit writes 2-3 float32 partial words a
+#: column against its rows' 5-7 reads and writes a column, so 16 rows keep
+#: the partials within about 15% of the traffic (L2 holds most of them)
+UNIT_MIN_ROWS = 16
+#: the units a run is cut into at most: two a resident block (2 x SMs),
+#: so that one run (one sample) fills the GPU
+UNITS_PER_SM = 2
+#: rows_grad_modulated's MODF and modulated_grad_sums' OUTS bits (the .cu's)
+MOD_SCALE, MOD_GATE = 1, 2
+OUT_SHIFT, OUT_SCALE, OUT_GATE = 1, 2, 4
+
+
+@dataclass(frozen=True)
+class ModulatedPlan:
+    """The launch parameters of one call: rows of n elements in runs of
+    mod_div rows, run r reading modulation row r % mod_count; each run cut
+    into units_per_run units of unit_rows rows."""
+
+    vec: int
+    vpt: int
+    threads: int
+    units_per_run: int
+    unit_rows: int
+    mod_div: int
+    mod_count: int
+
+
+def max_vectors(itemsize: int) -> int:
+    """Vectors a thread holds at most: 16 elements of 16- or 32-bit data, 8
+    of float64 (the compile check: more spilled on sm_90 with the gate)."""
+    return {2: 2, 4: 4, 8: 4}[itemsize]
+
+
+def modulated_plan(rows: int, n: int, vec: int, itemsize: int, mod_div: int, mod_count: int, sm_count: int):
+    """The ModulatedPlan of rows x n elements (``vec``: the widest vector
+    every pointer allows) whose modulation row is r // mod_div % mod_count,
+    or None where the fused kernels do not take it. The thread count is
+    the fewest vectors a thread that fit MODULATED_MAX_THREADS; the unit cutting
+    depends on mod_div and the GPU alone (batch invariance)."""
+    if mod_count == 1:
+        mod_div = rows  # one modulation row for all: one run
+    if rows == 0 or mod_div < UNIT_MIN_ROWS or n % vec or mod_count > MAX_GRID_Y:
+        return None
+    vectors = n // vec
+    for vpt in (1, 2, 4):
+        if vpt > max_vectors(itemsize):
+            break
+        threads = _ceil_div(_ceil_div(vectors, vpt), 32) * 32
+        if threads <= MODULATED_MAX_THREADS:
+            break
+    else:
+        return None
+    if threads > MODULATED_MAX_THREADS:
+        return None
+    units_per_run = max(1, min(mod_div // UNIT_MIN_ROWS, UNITS_PER_SM * sm_count))
+    unit_rows = _ceil_div(mod_div, units_per_run)
+    units_per_run = _ceil_div(mod_div, unit_rows)
+    return ModulatedPlan(vec, vpt, threads, units_per_run, unit_rows, mod_div, mod_count)

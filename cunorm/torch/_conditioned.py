@@ -2,20 +2,70 @@
 ``gate=`` on torch tensors (cunorm/_engine/conditioning.py).
 
 Outside autograd and dynamo the engine runs them fused (one rows_cached
-pass). Where autograd records or dynamo traces, the call is the plain norm
-(cunorm's differentiable operator) followed by torch's elementwise ops,
-each formed in float32 and rounded once to x's dtype, so autograd and
-inductor see ordinary ops: the gated residual before the norm; the
-per-head weight and bias, the modulation and the activation after it; the
-gated RMSNorm's gate before or after (conditioning.gated).
+pass). Where autograd records, shift=, scale= and residual_gate= of one
+per-sample (or one-for-all) pattern run fused forward and backward
+(ModulatedRowNorm: cunorm/_engine/modulated_grad.py). Otherwise, and
+where dynamo traces, the call is the plain norm (cunorm's differentiable
+operator) followed by torch's elementwise ops, each formed in float32 and
+rounded once to x's dtype, so autograd and inductor see ordinary ops: the
+gated residual before the norm; the per-head weight and bias, the
+modulation and the activation after it; the gated RMSNorm's gate before
+or after (conditioning.gated).
 """
 from __future__ import annotations
 
 import torch
 
-from .._engine import calls, conditioning, plans
+from .._engine import calls, conditioning, modulated_grad, plans
 from .._interop import torch as _adapter
-from ._autograd import TORCH_ACTIVATIONS, needs_grad
+from ._autograd import TORCH_ACTIVATIONS, needs_grad, once_differentiable
+
+
+class ModulatedRowNorm(torch.autograd.Function):
+    """rms_norm / layer_norm with shift=, scale= and residual_gate=, fused
+    forward (rows_cached) and backward (modulated_grads.cu): outputs y[,
+    h], then the statistics (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, shift, scale, residual_gate, norm, axis, eps, epilogue):
+        results = calls.rows(norm, x, weight, bias, residual, axis, eps, True, None, None, epilogue,
+                             conditioned={"shift": shift, "scale": scale, "residual_gate": residual_gate})
+        statistics = results[-(2 if norm == "ln" else 1):]
+        h = results[1] if residual is not None else x
+        ctx.save_for_backward(h, x if residual_gate is not None else None, weight, bias, shift, scale, residual_gate,
+                              *statistics)
+        ctx.norm, ctx.axis, ctx.residual = norm, axis, residual is not None
+        ctx.mark_non_differentiable(*statistics)
+        ctx.set_materialize_grads(False)
+        return results
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, *grads):
+        h, x, weight, bias, shift, scale, residual_gate, *statistics = ctx.saved_tensors
+        dh = grads[0] if ctx.residual else None
+        if dy is None:  # only h was used
+            dy = torch.zeros_like(h)
+        mean, rstd = statistics if ctx.norm == "ln" else (None, statistics[0])
+        g = calls.rows_grad_modulated(ctx.norm, dy, h, mean, rstd, weight, bias, dh, shift, scale, residual_gate, x,
+                                      ctx.axis)
+        dres = None
+        if ctx.residual:
+            dres = g.residual if residual_gate is not None else g.x
+        return g.x, g.weight, g.bias, dres, g.shift, g.scale, g.residual_gate, None, None, None, None
+
+
+def _modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate) -> bool:
+    """Whether ModulatedRowNorm takes the call (modulated_grad.fusable)."""
+    if epilogue & plans.UNFUSED_IN_BACKWARD or conditioning.wide(x, residual) or not isinstance(x, torch.Tensor):
+        return False
+    arrays = [a for a in (shift, scale, residual_gate) if a is not None]
+    if not arrays or not x.is_cuda or not all(isinstance(a, torch.Tensor) for a in arrays):
+        return False
+    first, last = plans.normalize_axes(axis, x.dim())
+    heads = conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis)
+    return modulated_grad.fusable(tuple(x.shape), x.element_size(), first, last, [tuple(a.shape) for a in arrays],
+                                  heads)
 
 
 def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, return_stats, epilogue, activation,
@@ -29,6 +79,13 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
     if not (needs_grad(*arrays) or torch.compiler.is_compiling()):
         return calls.rows(norm, x, weight, bias, residual, axis, eps, return_stats, None, None, epilogue,
                           conditioned={"shift": shift, "scale": scale, "residual_gate": residual_gate, "gate": gate})
+    if gate is None and not torch.compiler.is_compiling() and _modulated_fusable(
+            norm, x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate):
+        results = ModulatedRowNorm.apply(x, weight, bias, residual, shift, scale, residual_gate, norm, axis, eps,
+                                         epilogue)
+        if not return_stats:
+            results = results[:2] if residual is not None else results[0]
+        return results
     acc = _adapter.ACCUMULATION[x.dtype]
     if gate is not None:
         if not isinstance(gate, torch.Tensor):

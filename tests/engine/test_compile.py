@@ -139,3 +139,12 @@ def test_strided_backward_at_its_cache_budget_compiles_without_spills_for_sm_80(
             kernels.append(k)
     assert len(kernels) >= 100
     _check("sm_80", kernels)
+
+
+def test_modulated_backward_compiles_without_spills():
+    """The fused modulated backward's kernels (catalogue.modulated_grad_kernels)
+    for sm_90 and sm_80."""
+    kernels = catalogue.modulated_grad_kernels()
+    assert len(kernels) >= 100 and {k.name for k in kernels} == {"rows_grad_modulated", "modulated_grad_sums"}
+    _check("sm_90", kernels)
+    _check("sm_80", kernels)

@@ -708,3 +708,22 @@ def test_canonical_strides_free_the_size_1_axes():
         assert canonical_strides(shape, weird.strides, 4) == c.strides
         assert same_layout(shape, weird.strides, c.strides)
     assert not same_layout((2, 3), (12, 4), (24, 8))
+
+
+def test_modulated_backward_plan():
+    """The fused modulated backward's plan: units of at least UNIT_MIN_ROWS
+    rows that cover each run, cut by the run length and the GPU alone (the
+    same for any number of runs: batch invariance); None for runs of
+    under UNIT_MIN_ROWS rows (per token) and rows past 512 threads' vectors."""
+    plan = dispatch_grad.modulated_plan
+    for run_rows in (16, 17, 512, 4096, 32768):
+        cuts = {plan(run_rows * batch, 3072, 8, 2, run_rows, batch, 132) for batch in (1, 2, 8)}
+        assert len({(p.units_per_run, p.unit_rows) for p in cuts}) == 1
+        p = cuts.pop()
+        assert p.units_per_run * p.unit_rows >= run_rows > (p.units_per_run - 1) * p.unit_rows
+        assert p.unit_rows >= dispatch_grad.UNIT_MIN_ROWS and p.units_per_run <= 2 * 132
+    one = plan(300, 1024, 8, 2, 1, 1, 132)  # one modulation row for all: one run
+    assert one.mod_div == 300
+    assert plan(4096, 1024, 8, 2, 1, 4096, 132) is None  # per token
+    assert plan(64, 8192, 8, 2, 64, 1, 132).vpt == 2 and plan(64, 16384, 8, 2, 64, 1, 132) is None
+    assert plan(64, 8192, 2, 8, 64, 1, 132) is None and plan(64, 4096, 2, 8, 64, 1, 132).threads == 512
