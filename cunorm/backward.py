@@ -136,9 +136,9 @@ _MODULATED = """The forward: ``h = residual + residual_gate * x`` (or ``x +
 
     Returns
     -------
-    ModulatedGrads
-        A named tuple (x, residual, weight, bias, shift, scale,
-        residual_gate) of gradients in the inputs' shapes and dtypes, None
+    grads : tuple
+        A named tuple (``ModulatedGrads``: x, residual, weight, bias,
+        shift, scale, residual_gate) of gradients in the inputs' shapes and dtypes, None
         where the forward had no such input; ``residual`` is None without
         a residual gate (the residual's gradient is then x's).
 
@@ -149,7 +149,8 @@ _MODULATED = """The forward: ``h = residual + residual_gate * x`` (or ``x +
         a call the fused kernels do not take on the GPU: modulation arrays
         of different broadcast patterns, per token (runs of under 16 rows
         of one modulation row), per-head weights, rows of over 8192
-        elements (4096 for float64). cunorm.torch's autograd composes
+        elements (4096 for float64; with residual_gate 4096 float32,
+        2048 float64). cunorm.torch's autograd composes
         those from torch's ops."""
 
 

@@ -217,7 +217,8 @@ def modulated_grad_kernels() -> list[Kernel]:
                 for modf in (MOD_SCALE, MOD_SCALE | MOD_GATE):
                     out.append(K.MODULATED_GRAD_SUMS(a, p, flags, modf, 7 if modf & MOD_GATE else 3))
                     for vec in _vector_widths(dtype):
-                        for vpt in (1, 2, 4)[:{1: 1, 2: 2, 4: 3}[max_vectors(dtype.itemsize)]]:
+                        most = max_vectors(dtype.itemsize, bool(modf & MOD_GATE))
+                        for vpt in [v for v in (1, 2, 4) if v <= most]:
                             out.append(K.ROWS_GRAD_MODULATED(grad, t, p, flags, modf, vec, vpt, persistent=True))
     return list(dict.fromkeys(out))
 

@@ -452,16 +452,18 @@ class ModulatedPlan:
     mod_count: int
 
 
-def max_vectors(itemsize: int) -> int:
+def max_vectors(itemsize: int, gate: bool) -> int:
     """Vectors a thread holds at most: 16 elements of 16- or 32-bit data, 8
-    of float64 (the compile check: more spilled on sm_90 with the gate)."""
-    return {2: 2, 4: 4, 8: 4}[itemsize]
+    of float64; with the gate (x and dh held too) 16 of 16-bit data, 8 of
+    float32, 4 of float64 (the compile check: more spilled on sm_90)."""
+    return {2: 2, 4: 4, 8: 4}[itemsize] if not gate else 2
 
 
-def modulated_plan(rows: int, n: int, vec: int, itemsize: int, mod_div: int, mod_count: int, sm_count: int):
+def modulated_plan(rows: int, n: int, vec: int, itemsize: int, mod_div: int, mod_count: int, sm_count: int,
+                   gate: bool = False):
     """The ModulatedPlan of rows x n elements (``vec``: the widest vector
-    every pointer allows) whose modulation row is r // mod_div % mod_count,
-    or None where the fused kernels do not take it. The thread count is
+    every pointer allows) whose modulation row is r // mod_div % mod_count
+    (``gate``: with residual_gate), or None where the fused kernels do not take it. The thread count is
     the fewest vectors a thread that fit MODULATED_MAX_THREADS; the unit cutting
     depends on mod_div and the GPU alone (batch invariance)."""
     if mod_count == 1:
@@ -470,7 +472,7 @@ def modulated_plan(rows: int, n: int, vec: int, itemsize: int, mod_div: int, mod
         return None
     vectors = n // vec
     for vpt in (1, 2, 4):
-        if vpt > max_vectors(itemsize):
+        if vpt > max_vectors(itemsize, gate):
             break
         threads = _ceil_div(_ceil_div(vectors, vpt), 32) * 32
         if threads <= MODULATED_MAX_THREADS:

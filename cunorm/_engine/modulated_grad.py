@@ -44,10 +44,12 @@ class ModulatedGrads(NamedTuple):
     residual_gate: object
 
 
-def fusable(x_shape: tuple, itemsize: int, first: int, last: int, shapes: list, per_head: bool) -> bool:
+def fusable(x_shape: tuple, itemsize: int, first: int, last: int, shapes: list, per_head: bool,
+            gate: bool) -> bool:
     """Whether the fused kernels take a call over x of ``x_shape``
     normalized over axes first..last, with modulation arrays of ``shapes``
-    (plain values: a front end asks before its forward runs)."""
+    (plain values: a front end asks before its forward runs); ``gate``:
+    with residual_gate."""
     if last != len(x_shape) - 1 or per_head or not shapes:
         return False
     patterns = {conditioning.broadcast_rows(tuple(x_shape), first, tuple(s)) for s in shapes}
@@ -55,7 +57,7 @@ def fusable(x_shape: tuple, itemsize: int, first: int, last: int, shapes: list, 
         return False
     mod_div, mod_count = patterns.pop()
     n, rows = math.prod(x_shape[first:]), math.prod(x_shape[:first])
-    return plan(rows, n, plans.vector_width(itemsize, n, [], []), itemsize, mod_div, mod_count, 1) is not None
+    return plan(rows, n, plans.vector_width(itemsize, n, [], []), itemsize, mod_div, mod_count, 1, gate) is not None
 
 
 def steps(p: ModulatedPlan, norm: str, dtype, pdtype, flags: int, modf: int, outs: int, rows: int, n: int) -> tuple:
@@ -67,8 +69,8 @@ def steps(p: ModulatedPlan, norm: str, dtype, pdtype, flags: int, modf: int, out
     grad = dispatch_grad.grad_policy(norm, a)
     units = rows // p.mod_div * p.units_per_run
     gate = bool(modf & MOD_GATE)
-    # the factors (and gates) a column, then the 2-3 sums a thread's element
-    shared = ((n // p.vec) * p.vec * (2 if gate else 1) + (3 if gate else 2) * p.vpt * p.threads * p.vec) * acc.itemsize
+    # the factors (and gates) a column, then with the gate its sums a thread's element
+    shared = ((n // p.vec) * p.vec * (2 if gate else 1) + (p.vpt * p.threads * p.vec if gate else 0)) * acc.itemsize
     main = Step(K.ROWS_GRAD_MODULATED(grad, t, pt, flags, modf, p.vec, p.vpt, persistent=True), (units,),
                 (p.threads,), shared)
     runs = rows // p.mod_div
@@ -221,8 +223,9 @@ def _gpu(g: ModulatedGradCall) -> ModulatedGrads:
     vec = plans.vector_width(h.itemsize, n, [], [])
     if plans.vector_width(h.itemsize, n, [], [(a.data.ptr, h.itemsize) for a in (h, dy, dh, x) if a is not None]) < vec:
         h, dy, dh, x = (None if a is None else a.copy() for a in (h, dy, dh, x))  # (fresh: aligned for vec)
+    gate = cond.residual_gate is not None
     p = None if cond.expand else plan(rows, n, vec, h.itemsize, cond.mod_div, cond.mod_count,
-                                      _sm_count(h.data.device_id))
+                                      _sm_count(h.data.device_id), gate)
     if p is None:
         raise ValueError(unfused_reason(cond, rows, n, h.itemsize))
     dx = cupy.empty(h.shape, h.dtype)
@@ -307,5 +310,5 @@ def unfused_reason(cond, rows: int, n: int, itemsize: int) -> str:
     if cond.mod_count > 1 and cond.mod_div < UNIT_MIN_ROWS:
         return (f"the fused modulated backward takes modulation rows shared by runs of at least {UNIT_MIN_ROWS} "
                 f"rows (per sample), got runs of {cond.mod_div} (per token: its gradients are elementwise)")
-    most = MAX_THREADS * max_vectors(itemsize) * (16 // itemsize)
+    most = MAX_THREADS * max_vectors(itemsize, cond.residual_gate is not None) * (16 // itemsize)
     return f"the fused modulated backward takes rows of up to {most} elements of this dtype, got {n}"

@@ -22,8 +22,8 @@
 // takes units blockIdx.x, + gridDim.x, ... (a persistent grid). Thread
 // layout as rows_grad_cached's: blockDim.x threads own vectors tid, tid +
 // blockDim.x, ... (VPT of them) of every row, at most 512 threads. A thread
-// keeps its columns' P, Q (and G) sums in registers across the unit's rows,
-// in row order, and writes them as the unit's partial rows: partial[(s *
+// keeps its columns' P and Q sums in registers (G in its own words of
+// shared memory) across the unit's rows, in row order, and writes them as the unit's partial rows: partial[(s *
 // units + u) * n + column], s = 0 for P, 1 for Q, 2 for G. The cutting
 // depends on mod_div and the GPU alone, never on the batch: every per-row
 // and per-modulation-row gradient is bitwise the same for any number of
@@ -44,10 +44,10 @@ namespace cunorm {
 constexpr int kModScale = 1;  // scale=: g carries (1 + scale[m])
 constexpr int kModGate = 2;   // residual_gate=: reads x, writes dres and the G sums
 
-// Two blocks an SM (64 registers) where a thread holds one vector, but for
-// 16-bit data with the gate (ptxas spilled 20-24 bytes at 64 on sm_90).
+// Two blocks an SM (64 registers) where a thread holds one vector without
+// the gate (with it, ptxas spilled at 64 on sm_90).
 template <class Grad, class T, class P, int FLAGS, int MODF, int VEC, int VPT>
-__global__ void __launch_bounds__(512, VPT == 1 && !((MODF & kModGate) && sizeof(T) == 2) ? 2 : 1)
+__global__ void __launch_bounds__(512, VPT == 1 && !(MODF & kModGate) ? 2 : 1)
 rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* __restrict__ x,
                     const T* __restrict__ dh, const P* __restrict__ w, const P* __restrict__ mod_scale,
                     const P* __restrict__ res_gate, const typename AccOf<T>::type* __restrict__ center,
@@ -58,19 +58,19 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
     using Stats = typename Grad::Stats;
     using Acc = Vec<A, VEC>;
     constexpr bool kGate = (MODF & kModGate) != 0;
-    constexpr int kSums = kGate ? 3 : 2;
     __shared__ Stats scratch[33];
     // Dynamic shared memory: the unit's factors (1 + scale[m]) * w and
-    // gate[m] a column, then the sums, sum s of vector k of thread t at
-    // (s * VPT + k) * blockDim.x + t. A thread reads and writes only its own
-    // columns' words, so none needs a barrier. (Held in registers, the sums
-    // took rows of 384 threads to 111 registers, one block an SM, and each
-    // row's load latency went unhidden: 40% of copy at 32768x3072.)
+    // gate[m] a column, then with the gate the G sums (sum k of thread t at
+    // k * blockDim.x + t); a thread reads only its own words, so none needs
+    // a barrier. The P and Q sums stay in registers: in shared memory their
+    // reads and writes each row had been six times the global loads'
+    // traffic through L1 (L1 78% busy, DRAM 34%, RMSNorm 32768x3072); the G
+    // sums in registers spilled (16-bit rows of two vectors a thread).
     extern __shared__ __align__(16) unsigned char modulated_shared[];
     const int n_vec = n / VEC;
     Acc* const factors = reinterpret_cast<Acc*>(modulated_shared);
     Acc* const gates = factors + n_vec;
-    Acc* const sums = factors + (kGate ? 2 : 1) * n_vec;
+    Acc* const gate_sums = gates + n_vec;
     const long long units = rows / mod_div * units_per_run;
 #pragma unroll 1
     for (long long u = blockIdx.x; u < units; u += gridDim.x) {
@@ -79,17 +79,17 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
         const long long first = run * mod_div + (u - run * units_per_run) * unit_rows;
         const long long run_end = (run + 1) * mod_div;
         const long long end = first + unit_rows < run_end ? first + unit_rows : run_end;
+        Acc sum_p[VPT], sum_q[VPT];
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             const int v = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) sum_p[k].v[i] = sum_q[k].v[i] = A(0);
             if (v < n_vec) {
                 const long long col = static_cast<long long>(v) * VEC;
-                Acc f, t, zero;
+                Acc f, t;
 #pragma unroll
-                for (int i = 0; i < VEC; ++i) {
-                    f.v[i] = t.v[i] = A(1);
-                    zero.v[i] = A(0);
-                }
+                for (int i = 0; i < VEC; ++i) f.v[i] = t.v[i] = A(1);
                 if constexpr (FLAGS & kWeight) {
                     const Vec<P, VEC> wv = load_vec<P, VEC>(w + col);
 #pragma unroll
@@ -106,9 +106,11 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
 #pragma unroll
                     for (int i = 0; i < VEC; ++i) t.v[i] = static_cast<A>(widen(gv.v[i]));
                     gates[v] = t;
-                }
+                    Acc zero;
 #pragma unroll
-                for (int q = 0; q < kSums; ++q) sums[(q * VPT + k) * blockDim.x + threadIdx.x] = zero;
+                    for (int i = 0; i < VEC; ++i) zero.v[i] = A(0);
+                    gate_sums[k * blockDim.x + threadIdx.x] = zero;
+                }
             }
         }
 #pragma unroll 1
@@ -127,7 +129,7 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
                 }
             }
             // the next row into L2 while this one is reduced and written
-            // (four rows ahead: 5-20% slower, H200)
+            // (none: 10-15% slower; four rows ahead: 5-20% slower, H200)
             if (row + 1 < end) {
                 const int bytes = n * static_cast<int>(sizeof(T));
                 for (int offset = threadIdx.x * 128; offset < bytes; offset += blockDim.x * 128) {
@@ -161,19 +163,19 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
                     const long long e = base + static_cast<long long>(v) * VEC;
                     Vec<T, VEC> out, out_res;
                     const Acc f = factors[v];
-                    Acc t;
-                    if constexpr (kGate) t = gates[v];
-                    Acc* const own = sums + k * blockDim.x + threadIdx.x;
-                    Acc sp = own[0], sq = own[VPT * blockDim.x], sg;
-                    if constexpr (kGate) sg = own[2 * VPT * blockDim.x];
+                    Acc t, sg;
+                    if constexpr (kGate) {
+                        t = gates[v];
+                        sg = gate_sums[k * blockDim.x + threadIdx.x];
+                    }
 #pragma unroll
                     for (int i = 0; i < VEC; ++i) {
                         const A hi = static_cast<A>(widen(hv[k].v[i]));
                         const A dyi = static_cast<A>(widen(gv[k].v[i]));
                         A d = grad_of<Grad>(hi, dyi * f.v[i], c);
                         if (dh != nullptr) d += static_cast<A>(widen(dhv[k].v[i]));
-                        sp.v[i] = fma(dyi, (hi - c.center) * c.scale, sp.v[i]);
-                        sq.v[i] += dyi;
+                        sum_p[k].v[i] = fma(dyi, (hi - c.center) * c.scale, sum_p[k].v[i]);
+                        sum_q[k].v[i] += dyi;
                         if constexpr (kGate) {
                             sg.v[i] = fma(d, static_cast<A>(widen(xv[k].v[i])), sg.v[i]);
                             narrow(d, out_res.v[i]);
@@ -182,11 +184,11 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
                             narrow(d, out.v[i]);
                         }
                     }
-                    own[0] = sp;
-                    own[VPT * blockDim.x] = sq;
-                    if constexpr (kGate) own[2 * VPT * blockDim.x] = sg;
                     store_vec<T, VEC>(dx + e, out);
-                    if constexpr (kGate) store_vec<T, VEC>(dres + e, out_res);
+                    if constexpr (kGate) {
+                        store_vec<T, VEC>(dres + e, out_res);
+                        gate_sums[k * blockDim.x + threadIdx.x] = sg;
+                    }
                 }
             }
         }
@@ -196,10 +198,10 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
             if (v < n_vec) {
                 const long long col = static_cast<long long>(v) * VEC;
 #pragma unroll
-                for (int q = 0; q < kSums; ++q) {
-                    const Acc sum = sums[(q * VPT + k) * blockDim.x + threadIdx.x];
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) partial[(q * units + u) * n + col + i] = sum.v[i];
+                for (int i = 0; i < VEC; ++i) {
+                    partial[u * n + col + i] = sum_p[k].v[i];
+                    partial[(units + u) * n + col + i] = sum_q[k].v[i];
+                    if constexpr (kGate) partial[(2 * units + u) * n + col + i] = gate_sums[k * blockDim.x + threadIdx.x].v[i];
                 }
             }
         }

@@ -65,7 +65,7 @@ def _modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, s
     first, last = plans.normalize_axes(axis, x.dim())
     heads = conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis)
     return modulated_grad.fusable(tuple(x.shape), x.element_size(), first, last, [tuple(a.shape) for a in arrays],
-                                  heads)
+                                  heads, residual_gate is not None)
 
 
 def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, return_stats, epilogue, activation,
