@@ -23,11 +23,11 @@
 // layout as rows_grad_cached's: blockDim.x threads own vectors tid, tid +
 // blockDim.x, ... (VPT of them) of every row, at most 512 threads. A thread
 // keeps its columns' P and Q sums in registers (G in its own words of
-// shared memory) across the unit's rows, in row order, and writes them as the unit's partial rows: partial[(s *
-// units + u) * n + column], s = 0 for P, 1 for Q, 2 for G. The cutting
-// depends on mod_div and the GPU alone, never on the batch: every per-row
-// and per-modulation-row gradient is bitwise the same for any number of
-// runs. No atomics.
+// shared memory) across the unit's rows, in row order, and writes them as
+// the unit's partial rows: partial[(s * units + u) * n + column], s = 0
+// for P, 1 for Q, 2 for G. The cutting depends on mod_div and the GPU
+// alone, never on the batch: every per-row and per-modulation-row gradient
+// is bitwise the same for any number of runs. No atomics.
 //
 // modulated_grad_sums: a block of bx x by threads (BlockLayout) a tile of
 // bx columns of one modulation row (blockIdx.y); thread (tx, ty) adds the
@@ -197,12 +197,12 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
             const int v = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
             if (v < n_vec) {
                 const long long col = static_cast<long long>(v) * VEC;
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) {
-                    partial[u * n + col + i] = sum_p[k].v[i];
-                    partial[(units + u) * n + col + i] = sum_q[k].v[i];
-                    if constexpr (kGate) partial[(2 * units + u) * n + col + i] = gate_sums[k * blockDim.x + threadIdx.x].v[i];
-                }
+                // (whole vectors: scalar stores a lane apart wrote each
+                // 32-byte sector a word at a time)
+                store_vec<A, VEC>(partial + u * n + col, sum_p[k]);
+                store_vec<A, VEC>(partial + (units + u) * n + col, sum_q[k]);
+                if constexpr (kGate) store_vec<A, VEC>(partial + (2 * units + u) * n + col,
+                                                       gate_sums[k * blockDim.x + threadIdx.x]);
             }
         }
     }
