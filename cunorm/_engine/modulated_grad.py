@@ -26,14 +26,18 @@ import numpy as np
 
 from . import conditioning, dispatch_grad, dtypes, launch_cache, launches, plans, row_norms
 from . import declarations as K
-from .dispatch_grad import (MODULATED_MAX_THREADS as MAX_THREADS, MOD_GATE, MOD_SCALE, OUT_GATE, OUT_SCALE, OUT_SHIFT, UNIT_MIN_ROWS,  # noqa: F401
-                            ModulatedPlan, max_vectors, modulated_plan as plan)
+from .dispatch_grad import MODULATED_MAX_THREADS as MAX_THREADS
+from .dispatch_grad import (MOD_GATE, MOD_SCALE, OUT_GATE, OUT_SCALE, OUT_SHIFT, UNIT_MIN_ROWS, ModulatedPlan,
+                            max_vectors)
+from .dispatch_grad import modulated_plan as plan
 from .dispatch_rows import Step, _ceil_div, next_pow2
+
 
 class ModulatedGrads(NamedTuple):
     """The gradients of a modulated row norm's inputs (None where the
-    forward had no such input). ``residual`` is x's gradient without a
-    residual gate (the same array) and dh * 1 with one."""
+    forward had no such input). ``residual``: with a residual gate, the
+    gradient that reached h (the residual's); without one None, the
+    residual's gradient being x's."""
 
     x: object
     residual: object
