@@ -138,15 +138,12 @@ def rows_grad(norm, dy, x, mean, rstd, weight, bias, dh, axis, eps, reference_fn
 
 def rows_grad_modulated(norm, dy, h, mean, rstd, weight, bias, dh, shift, scale, residual_gate, x, axis):
     """A modulated row norm's backward (modulated_grad.py): ModulatedGrads."""
-    key = None
-    ad = launch_cache.adapter(dy)
-    if ad is not None and launch_cache._int_axes(axis) and type(norm) is str:
-        key = launch_cache.key(ad, dy, h, x, dh, weight, bias, shift, scale, residual_gate, mean, rstd,
-                               scalars=(norm, axis, "modulated"))
-        results = launch_cache.replay(launch_cache.ROWS_GRAD, key, dy, h, x, dh, weight, bias, shift, scale,
-                                      residual_gate, mean, rstd)
-        if results is not None:
-            return modulated_grad.ModulatedGrads(*results)
+    key = launch_cache.modulated_grad_key(norm, dy, h, x, dh, weight, bias, shift, scale, residual_gate, mean, rstd,
+                                          axis)
+    results = launch_cache.replay(launch_cache.ROWS_GRAD, key, dy, h, x, dh, weight, bias, shift, scale,
+                                  residual_gate, mean, rstd)
+    if results is not None:
+        return modulated_grad.ModulatedGrads(*results)
     g = modulated_grad.ModulatedGradCall(norm, dy, h, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh,
                                          shift=shift, scale=scale, residual_gate=residual_gate, x=x, axis=axis)
     return modulated_grad.run(g, key)

@@ -426,8 +426,8 @@ GRAD_NORMS = ("rms", "ln", "l1", "l2", "linf", "mean_abs")
 #: the kernel's block bound (rows_grad_modulated's launch bounds)
 MODULATED_MAX_THREADS = 512
 #: a unit's rows at least: each unit writes 2-3 float32 partial words a
-#: column against its rows' 5-7 reads and writes a column, so 16 rows keep
-#: the partials within about 15% of the traffic (L2 holds most of them)
+#: column against its rows' 3-6 reads and writes a column, so 16 rows keep
+#: the partials within about 15% of the traffic
 UNIT_MIN_ROWS = 16
 #: the units a run is cut into at most: two a resident block (2 x SMs),
 #: so that one run (one sample) fills the GPU
@@ -463,23 +463,19 @@ def modulated_plan(rows: int, n: int, vec: int, itemsize: int, mod_div: int, mod
                    gate: bool = False):
     """The ModulatedPlan of rows x n elements (``vec``: the widest vector
     every pointer allows) whose modulation row is r // mod_div % mod_count
-    (``gate``: with residual_gate), or None where the fused kernels do not take it. The thread count is
-    the fewest vectors a thread that fit MODULATED_MAX_THREADS; the unit cutting
-    depends on mod_div and the GPU alone (batch invariance)."""
+    (``gate``: with residual_gate), or None where the fused kernels do not
+    take it. The thread count is the fewest vectors a thread that fit
+    MODULATED_MAX_THREADS; the unit cutting depends on mod_div and the GPU
+    alone (batch invariance)."""
     if mod_count == 1:
         mod_div = rows  # one modulation row for all: one run
     if rows == 0 or mod_div < UNIT_MIN_ROWS or n % vec or mod_count > MAX_GRID_Y:
         return None
-    vectors = n // vec
-    for vpt in (1, 2, 4):
-        if vpt > max_vectors(itemsize, gate):
-            break
-        threads = _ceil_div(_ceil_div(vectors, vpt), 32) * 32
+    for vpt in [v for v in (1, 2, 4) if v <= max_vectors(itemsize, gate)]:
+        threads = _ceil_div(_ceil_div(n // vec, vpt), 32) * 32
         if threads <= MODULATED_MAX_THREADS:
             break
     else:
-        return None
-    if threads > MODULATED_MAX_THREADS:
         return None
     units_per_run = max(1, min(mod_div // UNIT_MIN_ROWS, UNITS_PER_SM * sm_count))
     unit_rows = _ceil_div(mod_div, units_per_run)

@@ -111,6 +111,15 @@ def channel_key(norm, x, num_groups, weight, bias, running_mean, running_var, tr
                scalars=(norm, num_groups, training, momentum, eps, channel_axis, return_stats, epilogue, out_dtype))
 
 
+def modulated_grad_key(norm, dy, h, x, dh, weight, bias, shift, scale, residual_gate, mean, rstd, axis):
+    """The signature of a modulated row norm's backward (None: not keyed)."""
+    ad = adapter(dy)
+    if ad is None or not _int_axes(axis):
+        return None
+    return key(ad, dy, h, x, dh, weight, bias, shift, scale, residual_gate, mean, rstd,
+               scalars=(norm, axis, "modulated"))
+
+
 def grad_key(norm, dy, x, mean, rstd, weight, bias, dh, layout, eps):
     """The signature of a backward call (``layout``: a row norm's axes, or a
     channel norm's (num_groups, channel_axis, training); None: not keyed)."""

@@ -74,7 +74,7 @@ def steps(p: ModulatedPlan, norm: str, dtype, pdtype, flags: int, modf: int, out
     units = rows // p.mod_div * p.units_per_run
     gate = bool(modf & MOD_GATE)
     # the factors (and gates) a column, then with the gate its sums a thread's element
-    shared = ((n // p.vec) * p.vec * (2 if gate else 1) + (p.vpt * p.threads * p.vec if gate else 0)) * acc.itemsize
+    shared = (n * (2 if gate else 1) + (p.vpt * p.threads * p.vec if gate else 0)) * acc.itemsize
     main = Step(K.ROWS_GRAD_MODULATED(grad, t, pt, flags, modf, p.vec, p.vpt, persistent=True), (units,),
                 (p.threads,), shared)
     runs = rows // p.mod_div
@@ -180,7 +180,7 @@ def reference(g: ModulatedGradCall) -> ModulatedGrads:
         lead = a.ndim - like.ndim
         a = a.sum(axis=tuple(range(lead))) if lead else a
         a = a.sum(axis=tuple(i for i, s in enumerate(like.shape) if s == 1 and a.shape[i] != 1), keepdims=True)
-        return a.astype(like.dtype if hasattr(like, "dtype") else dt)
+        return a.astype(like.dtype)
 
     dx = d_h if gate is None else d_h * gate
     return ModulatedGrads(
@@ -233,7 +233,7 @@ def _gpu(g: ModulatedGradCall) -> ModulatedGrads:
     if p is None:
         raise ValueError(unfused_reason(cond, rows, n, h.itemsize))
     dx = cupy.empty(h.shape, h.dtype)
-    dres = cupy.empty(h.shape, h.dtype) if cond.residual_gate is not None else None
+    dres = cupy.empty(h.shape, h.dtype) if gate else None
     aligned = lambda a: a if a is None or a.data.ptr % 16 == 0 else a.copy()  # noqa: E731  (16-byte loads)
     w, b = (aligned(row_norms._as_param(a, pdtype)) for a in (call.weight, call.bias))
     dw, db = (None if a is None else cupy.empty(call.norm_shape, pdtype) for a in (call.weight, call.bias))
@@ -241,7 +241,7 @@ def _gpu(g: ModulatedGradCall) -> ModulatedGrads:
     # (each array's gradient in its own shape: its (mod_count, n) rows, C-contiguous)
     mod_outs = {name: None if getattr(cond, name) is None else cupy.empty(getattr(cond, name).shape, pdtype)
                 for name in ("shift", "scale", "residual_gate")}
-    modf = (MOD_SCALE if cond.scale is not None else 0) | (MOD_GATE if cond.residual_gate is not None else 0)
+    modf = (MOD_SCALE if cond.scale is not None else 0) | (MOD_GATE if gate else 0)
     outs = sum(bit for bit, name in ((OUT_SHIFT, "shift"), (OUT_SCALE, "scale"), (OUT_GATE, "residual_gate"))
                if mod_outs[name] is not None)
     arrays = {"dy": dy, "h": h, "x": x, "dh": dh, "w": w, "b": b, "mod_scale": operands.get("mod_scale"),

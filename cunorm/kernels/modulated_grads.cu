@@ -45,7 +45,7 @@ constexpr int kModScale = 1;  // scale=: g carries (1 + scale[m])
 constexpr int kModGate = 2;   // residual_gate=: reads x, writes dres and the G sums
 
 // Two blocks an SM (64 registers) where a thread holds one vector without
-// the gate (with it, ptxas spilled at 64 on sm_90).
+// the gate; with it, 64 registers spill on sm_90.
 template <class Grad, class T, class P, int FLAGS, int MODF, int VEC, int VPT>
 __global__ void __launch_bounds__(512, VPT == 1 && !(MODF & kModGate) ? 2 : 1)
 rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* __restrict__ x,
@@ -62,10 +62,11 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
     // Dynamic shared memory: the unit's factors (1 + scale[m]) * w and
     // gate[m] a column, then with the gate the G sums (sum k of thread t at
     // k * blockDim.x + t); a thread reads only its own words, so none needs
-    // a barrier. The P and Q sums stay in registers: in shared memory their
-    // reads and writes each row had been six times the global loads'
-    // traffic through L1 (L1 78% busy, DRAM 34%, RMSNorm 32768x3072); the G
-    // sums in registers spilled (16-bit rows of two vectors a thread).
+    // a barrier. The P and Q sums are held in registers: in shared memory
+    // their reads and writes each row move six times the global loads'
+    // bytes through L1, which then bounds the kernel. The G sums are not:
+    // in registers they spill for 16-bit rows of two vectors a thread
+    // (docs/notes/conditioned.md).
     extern __shared__ __align__(16) unsigned char modulated_shared[];
     const int n_vec = n / VEC;
     Acc* const factors = reinterpret_cast<Acc*>(modulated_shared);
@@ -129,7 +130,7 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
                 }
             }
             // the next row into L2 while this one is reduced and written
-            // (none: 10-15% slower; four rows ahead: 5-20% slower, H200)
+            // (the distance measured fastest: docs/notes/conditioned.md)
             if (row + 1 < end) {
                 const int bytes = n * static_cast<int>(sizeof(T));
                 for (int offset = threadIdx.x * 128; offset < bytes; offset += blockDim.x * 128) {
@@ -197,8 +198,8 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
             const int v = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
             if (v < n_vec) {
                 const long long col = static_cast<long long>(v) * VEC;
-                // (whole vectors: scalar stores a lane apart wrote each
-                // 32-byte sector a word at a time)
+                // (whole vectors: a word a lane, the lanes 32 bytes apart,
+                // writes each 32-byte sector a word at a time)
                 store_vec<A, VEC>(partial + u * n + col, sum_p[k]);
                 store_vec<A, VEC>(partial + (units + u) * n + col, sum_q[k]);
                 if constexpr (kGate) store_vec<A, VEC>(partial + (2 * units + u) * n + col,
