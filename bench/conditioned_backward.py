@@ -4,8 +4,9 @@ affine; shift, scale and gate per sample, (B, 1, H); h returned, its
 gradient dh flowing on), and the modulated RMSNorm with a weight (shift
 and scale per sample), bf16, hidden 1152-8192, 4096 and 32768 tokens in
 batches of 8: the backward alone (``torch.autograd.grad`` of the recorded
-forward, with dy and dh given) of cunorm.torch's fused route against torch
-eager and torch.compile of the same formula. GPU time (busy fill), one
+forward, with dy and dh given) of cunorm.torch's fused route, eager and
+under torch.compile (the registered operators), against torch eager and
+torch.compile of the same formula. GPU time (busy fill), one
 call with L2 flushed (cold), floor% of copy bandwidth measured in the
 same run, counting dy, h, x and dh read, dx and the residual's gradient
 written (adaLN-Zero; the modulated RMSNorm: dy and x read, dx written),
@@ -49,7 +50,8 @@ def _backward(forward, inputs, grads):
 
 def main(out):
     copy = copy_bandwidth()
-    compiled = {"adaln": torch.compile(adaln_torch), "rms_mod": torch.compile(rms_mod_torch)}
+    compiled = {"adaln": torch.compile(adaln_torch), "rms_mod": torch.compile(rms_mod_torch),
+                "adaln_cunorm": torch.compile(adaln_cunorm), "rms_mod_cunorm": torch.compile(rms_mod_cunorm)}
     rows = []
     for hidden in (1152, 3072, 4096, 8192):
         for tokens in (4096, 32768):
@@ -62,27 +64,32 @@ def main(out):
             w = torch.randn(hidden, device="cuda", generator=g, dtype=torch.bfloat16)
             per_sample = batch * hidden * 2  # (one array of them)
             cases = {
-                "adaln": ((adaln_cunorm, adaln_torch, compiled["adaln"]), (x, r, shift, scale, gate), (dy, dh),
-                          6 * x.numel() * 2 + 5 * per_sample),
-                "rms_mod": ((rms_mod_cunorm, rms_mod_torch, compiled["rms_mod"]), (x, w, shift, scale), (dy,),
-                            3 * x.numel() * 2 + 4 * per_sample),
+                "adaln": ((adaln_cunorm, compiled["adaln_cunorm"], adaln_torch, compiled["adaln"]),
+                          (x, r, shift, scale, gate), (dy, dh), 6 * x.numel() * 2 + 5 * per_sample),
+                "rms_mod": ((rms_mod_cunorm, compiled["rms_mod_cunorm"], rms_mod_torch, compiled["rms_mod"]),
+                            (x, w, shift, scale), (dy,), 3 * x.numel() * 2 + 4 * per_sample),
             }
             for name, (fns, inputs, grads, nbytes) in cases.items():
-                runs = {label: _backward(fn, inputs, grads) for label, fn in zip(("cunorm", "eager", "compile"), fns)}
+                labels = ("cunorm", "cunorm_compile", "eager", "compile")
+                runs = {label: _backward(fn, inputs, grads) for label, fn in zip(labels, fns)}
                 got, want = runs["cunorm"][0](), runs["eager"][0]()
                 assert "ModulatedRowNorm" in type(runs["cunorm"][1][0].grad_fn).__name__
                 err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
                           for a, b in zip(got, want))
-                row = {"case": name, "shape": list(shape), "hidden": hidden, "tokens": tokens, "max_rel_err": err}
+                # (the compiled graph calls the same kernels: its gradients are the eager route's)
+                same = all(torch.equal(a, b) for a, b in zip(runs["cunorm_compile"][0](), got))
+                row = {"case": name, "shape": list(shape), "hidden": hidden, "tokens": tokens, "max_rel_err": err,
+                       "compiled_equal": same}
                 for label, (fn, _, _) in runs.items():
                     row[f"{label}_gpu_ms"] = time_gpu(fn)[0]
                     row[f"{label}_cold_ms"] = cold(fn)
                 row["floor_pct"] = 100 * nbytes / (row["cunorm_gpu_ms"] * 1e-3) / 1e9 / copy
                 rows.append(row)
                 print(f"{name:8s} {str(shape):18s} gpu {row['cunorm_gpu_ms']*1e3:8.1f} us ({row['floor_pct']:5.1f}%) "
-                      f"eager {row['eager_gpu_ms']*1e3:8.1f} compile {row['compile_gpu_ms']*1e3:8.1f} | cold "
-                      f"{row['cunorm_cold_ms']*1e3:8.1f} eager {row['eager_cold_ms']*1e3:8.1f} compile "
-                      f"{row['compile_cold_ms']*1e3:8.1f} | err {err:.1e}", flush=True)
+                      f"compiled {row['cunorm_compile_gpu_ms']*1e3:8.1f} eager {row['eager_gpu_ms']*1e3:8.1f} "
+                      f"compile {row['compile_gpu_ms']*1e3:8.1f} | cold {row['cunorm_cold_ms']*1e3:8.1f} compiled "
+                      f"{row['cunorm_compile_cold_ms']*1e3:8.1f} eager {row['eager_cold_ms']*1e3:8.1f} compile "
+                      f"{row['compile_cold_ms']*1e3:8.1f} | err {err:.1e} same {same}", flush=True)
                 del runs
     with open(out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_gbps": copy, "rows": rows}, f, indent=1)

@@ -102,3 +102,16 @@ def torch_on_gpu():
     import cunorm.torch  # noqa: F401  (registers the operators)
 
     return torch
+
+
+def recording_backend(traced: list):
+    """A torch.compile backend that appends each traced graph's call
+    targets (``str(node.target)``) to ``traced``, then compiles it with
+    inductor."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        traced.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return compile_fx(gm, example_inputs)
+
+    return backend

@@ -186,8 +186,8 @@ def test_the_jax_composition_is_the_formula(rng, heads):
         return y if w is None else y * w + b
 
     x, w, b, r, shift, scale, gate = (jnp.asarray(a) for a in arrays)
-    y, h = cj._conditioned_traced(plain, "ln", x, w, b, axis=-1, eps=1e-5, residual=r, return_stats=False,
-                                  activation="silu", shift=shift, scale=scale, residual_gate=gate)
+    y, h = cj._conditioned_composed(plain, x, w, b, r, shift, scale, gate, None, axis=-1, eps=1e-5,
+                                    return_stats=False, activation="silu")
     np.testing.assert_allclose(np.asarray(y), want[0], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(h), want[1], rtol=1e-6, atol=1e-6)
 
@@ -199,3 +199,44 @@ def test_which_calls_ask_for_per_row_operands():
     assert conditioning.requested(None, heads, -1)
     assert not conditioning.requested(heads, heads, (2, 3))  # (both axes normalized: not per head)
     assert conditioning.requested(w, None, -1, None, np.ones(8), None)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_dynamo_traces_the_fused_operators(dynamic):
+    """torch.compile (aot_eager, meta tensors: the operators' fakes) takes
+    the conditioned operator forward and, where autograd records, its
+    autograd formula: adaLN-Zero's gradients reach x, the residual and the
+    modulation tensor in their shapes, over two token counts (symbolic with
+    ``dynamic``); the gated RMSNorm over groups in inference; a bad shift
+    is refused while tracing (fullgraph: dynamo's error holds ours)."""
+    torch = pytest.importorskip("torch")
+    import cunorm.torch as ct
+    from torch._dynamo.backends.debugging import aot_eager
+
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return aot_eager(gm, example_inputs)
+
+    def adaln(x, r, mod):
+        shift, scale, gate = (m.unsqueeze(1) for m in mod.chunk(6, -1)[:3])
+        return ct.layer_norm(x, residual=r, shift=shift, scale=scale, residual_gate=gate, eps=1e-6)
+
+    meta = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    compiled = torch.compile(adaln, backend=backend, fullgraph=True, dynamic=dynamic)
+    for tokens in (32, 48):
+        x, r, mod = (a.requires_grad_() for a in (meta(2, tokens, 256), meta(2, tokens, 256), meta(2, 6 * 256)))
+        y, h = compiled(x, r, mod)
+        grads = torch.autograd.grad(y.sum() + h.sum(), [x, r, mod])
+        assert [g.shape for g in grads] == [x.shape, r.shape, mod.shape]
+    assert "cunorm.layer_norm_conditioned" in traced
+    with torch.no_grad():
+        gated = torch.compile(lambda x, z, w: ct.rms_norm(x, w, gate=z, group_size=64), backend=backend,
+                              fullgraph=True, dynamic=dynamic)
+        assert gated(meta(2, 32, 256), meta(2, 32, 256), meta(256)).shape == (2, 32, 256)
+    assert "cunorm.rms_norm_conditioned" in traced
+    bad = torch.compile(lambda x, s: ct.rms_norm(x, shift=s), backend=backend, fullgraph=True, dynamic=dynamic)
+    with pytest.raises(RuntimeError, match="must broadcast against x"):  # (dynamo's error, holding ours)
+        with torch.no_grad():
+            bad(meta(2, 32, 256), meta(2, 3, 256))

@@ -204,9 +204,9 @@ def test_the_jax_composition_is_the_reference(rng, before):
         assert w is None and b is None
         return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps)
 
-    y = cj._conditioned_traced(plain, "rms", jnp.asarray(x), jnp.asarray(w), None, axis=-1, eps=1e-5,
-                               residual=None, return_stats=False, activation=None, shift=None, scale=None,
-                               residual_gate=None, gate=jnp.asarray(z), norm_before_gate=before)
+    y = cj._conditioned_composed(plain, jnp.asarray(x), jnp.asarray(w), None, None, None, None, None,
+                                 jnp.asarray(z), axis=-1, eps=1e-5, return_stats=False, activation=None,
+                                 norm_before_gate=before)
     np.testing.assert_allclose(np.asarray(y), _formula(x, w, z, before), rtol=2e-6, atol=2e-6)
 
 

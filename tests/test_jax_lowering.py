@@ -16,7 +16,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 jax_export = pytest.importorskip("jax.export")
 
-from cunorm._engine import dispatch_rows, declarations, launches, loader  # noqa: E402
+from cunorm._engine import dispatch_rows, declarations, launches, loader, plans  # noqa: E402
 from cunorm.jax import _custom_call as cc  # noqa: E402
 
 H100 = dispatch_rows.Device(sm_count=132, compute_capability=90, max_shared_per_block=227 * 1024,
@@ -524,3 +524,73 @@ def test_channel_layouts_split_only_per_sample_statistics(norm, channels_last, w
     grad = jj._channels_grad_layout(jj.ChannelGradSpec(spec))
     assert grad.rule()[0] == f"d0 d1 d2 d3, d0 d1 d2 d3, {stats}, {stats}, {c} -> d0 d1 d2 d3, {c}, {c}"
     assert grad.summed == {1, 2}
+
+
+CONDITIONED_CASES = {
+    # name: (f(cj, x, r, w, m), x shape, dtype, weight shape, backward kernel the gradient runs)
+    "adaLN-Zero": (lambda cj, x, r, w, m: cj.layer_norm(x, residual=r, shift=m[:, None, :64], scale=m[:, None, 64:128],
+                                                        residual_gate=m[:, None, 128:192])[0],
+                   (4, 64, 64), BF16, (64,), "rows_grad_modulated"),
+    "modulated rms": (lambda cj, x, r, w, m: cj.rms_norm(x, w, shift=m[:, None, :64], scale=m[:, None, 64:128]),
+                      (4, 64, 64), BF16, (64,), "rows_grad_modulated"),
+    "per-token shift": (lambda cj, x, r, w, m: cj.rms_norm(x, w, shift=r), (4, 64, 64), jnp.float32, (64,),
+                        "rows_grad_cached"),
+    "per-head weights": (lambda cj, x, r, w, m: cj.rms_norm(x.reshape(4, 64, 4, 16), w.reshape(4, 16)),
+                         (4, 64, 64), BF16, (64,), "rows_grad_cached"),
+    "gated": (lambda cj, x, r, w, m: cj.rms_norm(x, w, gate=r, norm_before_gate=False), (4, 64, 64), BF16, (64,),
+              "rows_grad_cached"),
+    "float32 stream": (lambda cj, x, r, w, m: cj.rms_norm(x, w, residual=r.astype(jnp.float32))[0], (4, 64, 64),
+                       BF16, (64,), "rows_grad_cached"),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in CONDITIONED_CASES.items()])
+def test_conditioned_forms_fuse_forward_and_backward(lowering, case):
+    """Inside jit, a conditioned call is one rows_cached launch with its
+    per-row operands' FLAGS; under jax.grad shift=, scale= and
+    residual_gate= of one per-sample pattern run the fused modulated
+    backward (rows_grad_modulated, its sums, column_sum), the other forms
+    the composed formula's (the plain backward kernels)."""
+    jj, lower = lowering
+    import cunorm.jax as cj
+
+    f, shape, dtype, wshape, backward = case
+    f = functools.partial(f, cj)
+    specs = ((shape, dtype), (shape, dtype), (wshape, jnp.float32), ((shape[0], 192), dtype))
+    exported, forward = lower(f, *specs)
+    names = [re.match(r"cunorm::(\w+)<", c["kernel"]).group(1) for c in forward]
+    assert names == ["rows_cached"], names
+    # (the operands' bits in the store's FLAGS; the float32 stream is its load stage)
+    assert _template_flags(forward[0]) & plans.CONDITIONED_FLAGS or "WideResidualLoad" in forward[0]["kernel"]
+    _, both = lower(gradients(f, (0, 1, 2, 3)), *specs)
+    names = [re.match(r"cunorm::(\w+)<", c["kernel"]).group(1) for c in both]
+    assert backward in names and (backward == "rows_grad_modulated") == ("modulated_grad_sums" in names), names
+
+
+def test_conditioned_layouts_shard_the_operands_with_their_rows():
+    """A per-sample shift of (B, 1, H) against x of (B, T, H) shares x's
+    batch label and keeps its own along T; a shard's spec reads its own
+    rows (RowSpec.localized); the modulated backward sums dshift across
+    the shards of T, dweight across those of B and T."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from cunorm.jax import _jit as jj, _modulated, _sharding
+
+    spec = jj.RowSpec("ln", (8, 6, 64), np.dtype(np.float32), 2, 2, 1e-5, residual=True, weight=True,
+                      pdtype=np.dtype(np.float32), stats=True,
+                      operands=(("shift", (8, 1, 64)), ("mod_scale", (8, 1, 64)), ("res_gate", (8, 1, 64))))
+    assert spec.conditioning == (1, 6, 8)
+    text, _ = jj._rows_layout(spec).rule()
+    assert text == ("d0 d1 d2, d0 d1 d2, d2, d0 o1 d2, d0 o1 d2, d0 o1 d2 -> d0 d1 d2, d0 d1 d2, d0 d1, d0 d1")
+    local = spec.localized((4, 3, 64))
+    assert local.operands[0] == ("shift", (4, 1, 64)) and local.conditioning == (1, 3, 4)
+    grad = _modulated._layout(_modulated.ModulatedGradSpec(spec, dh=True))
+    assert list(_modulated.ModulatedGradSpec(spec, dh=True).outputs()) == ["dx", "dres", "dw", "dshift", "dscale",
+                                                                           "dgate"]
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("a", "b"))
+    _, _, outs, sums = _sharding._shardings(grad, mesh, NamedSharding(mesh, P("a", "b")))
+    assert sums == {2: ("a", "b"), 3: ("b",), 4: ("b",), 5: ("b",)}
+    assert [tuple(s.spec) for s in outs] == [("a", "b", None)] * 2 + [(None,)] + [("a", None, None)] * 3
+    heads = jj.RowSpec("rms", (2, 5, 4, 16), np.dtype(np.float32), 3, 3, 1e-5, weight=True,
+                       pdtype=np.dtype(np.float32), param_ndim=2)
+    assert heads.param_rows == 4 and heads.conditioning == (4, 1, 1) and heads.param_shape == (4, 16)
+    assert heads.localized((2, 5, 2, 16)).param_rows == 2

@@ -13,7 +13,7 @@ import pytest
 import cunorm
 from cunorm import backward
 from cunorm._engine import dtypes, modulated_grad
-from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random, torch_on_gpu
+from helpers import DTYPE_IDS, DTYPES, RTOL, assert_close, output_scale, random, recording_backend, torch_on_gpu
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -181,11 +181,17 @@ def test_calls_the_fused_kernels_do_not_take_raise_value_errors(rng):
 # --- torch ---------------------------------------------------------------------------------------------------------
 
 
+_AUTOGRAD_CASES = [(case, route) for case in ("adaLN-Zero", "affine, all three", "one for all, scale only",
+                                             "shift only, plain residual") for route in ("eager", "compile")
+                   if route == "eager" or case in ("adaLN-Zero", "affine, all three")]
+
+
 @pytest.mark.parametrize("kind", ["rms", "ln"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", ["adaLN-Zero", "affine, all three", "one for all, scale only",
-                                  "shift only, plain residual"])
-def test_torch_autograd_runs_the_fused_backward(rng, case, kind, dtype):
+@pytest.mark.parametrize("case, route", _AUTOGRAD_CASES, ids=[f"{c}-{r}" for c, r in _AUTOGRAD_CASES])
+def test_torch_autograd_runs_the_fused_backward(rng, case, route, kind, dtype):
+    """Eager autograd takes ModulatedRowNorm; torch.compile the registered
+    operator and its autograd formula (the modulated backward operator)."""
     torch = torch_on_gpu()
     tdtype = getattr(torch, dtype)
     x, w, b, r, named = _arrays(rng, case, np.float32, np.float32)
@@ -201,14 +207,24 @@ def test_torch_autograd_runs_the_fused_backward(rng, case, kind, dtype):
         return cunorm.torch.layer_norm(a["x"], a.get("w"), a.get("b"), residual=a.get("r"),
                                        **{k: a[k] for k in named})
 
-    import cunorm.torch  # noqa: F401
-
-    out = call(leaves)
+    traced = []
+    out = (call if route == "eager" else torch.compile(call, backend=recording_backend(traced), fullgraph=True))(leaves)
     y = out[0] if isinstance(out, tuple) else out
-    assert "ModulatedRowNorm" in type(y.grad_fn).__name__
+    if route == "eager":
+        assert "ModulatedRowNorm" in type(y.grad_fn).__name__
+    else:
+        assert any("norm_conditioned" in target for target in traced), traced
     dy = torch.randn_like(y)
     loss = (y.float() * dy.float()).sum() + (out[1].float().sum() if isinstance(out, tuple) else 0)
     grads = torch.autograd.grad(loss, list(leaves.values()))
+    if route == "compile":  # the same kernels as the eager route's
+        eager = call(leaves)
+        eager_y = eager[0] if isinstance(eager, tuple) else eager
+        assert torch.equal(y, eager_y)
+        eager_loss = (eager_y.float() * dy.float()).sum() + (eager[1].float().sum() if isinstance(eager, tuple)
+                                                             else 0)
+        for name, g, e in zip(leaves, grads, torch.autograd.grad(eager_loss, list(leaves.values()))):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6 * float(e.abs().max()), msg=name)
     doubles = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
     h = doubles["r"] + doubles["residual_gate"] * doubles["x"] if "residual_gate" in doubles else (
         doubles["x"] + doubles["r"] if "r" in doubles else doubles["x"])
@@ -226,3 +242,59 @@ def test_torch_autograd_runs_the_fused_backward(rng, case, kind, dtype):
     tol = 2e-4 if dtype == "float32" else 3e-2
     for name, g, rg in zip(leaves, grads, ref_grads):
         torch.testing.assert_close(g.double(), rg, rtol=tol, atol=tol * float(rg.pow(2).mean().sqrt()), msg=name)
+
+
+# --- JAX -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+@pytest.mark.parametrize("case", ["adaLN-Zero", "affine, all three", "one for all, scale only"])
+def test_jax_jit_runs_the_fused_forward_and_backward(rng, case, kind):
+    """Inside jax.jit the call is the eager call's kernel (bitwise its y and
+    h) and jax.grad runs the fused backward (its primitive in the traced
+    program): every gradient against the float64 reference of the same h
+    and statistics."""
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    import cunorm.jax as cj
+
+    jnp = jax.numpy
+    x, w, b, r, named = _arrays(rng, case, np.float32, np.float32)
+    if kind == "rms":
+        b = None
+    leaves = {k: jnp.asarray(v) for k, v in dict(x=x, w=w, b=b, r=r, **named).items() if v is not None}
+
+    def forward(a):
+        kw = {k: a[k] for k in named}
+        if kind == "rms":
+            return cj.rms_norm(a["x"], a.get("w"), residual=a.get("r"), **kw)
+        return cj.layer_norm(a["x"], a.get("w"), a.get("b"), residual=a.get("r"), **kw)
+
+    jitted, eager = jax.jit(forward)(leaves), forward(leaves)
+    for got, want in zip(jitted if r is not None else [jitted], eager if r is not None else [eager]):
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+    dy = random(rng, x.shape, np.float32)
+    dh = random(rng, x.shape, np.float32) if r is not None else None
+
+    def loss(a):
+        out = forward(a)
+        y, h = (out[0], out[1]) if r is not None else (out, None)
+        return jnp.sum(y * dy) + (jnp.sum(h * dh) if h is not None else 0.0)
+
+    assert "cunorm_rows_grad_modulated" in str(jax.make_jaxpr(jax.grad(loss))(leaves))
+    got = jax.jit(jax.grad(loss))(leaves)
+    out = _forward(kind, cupy.asarray(x), None if w is None else cupy.asarray(w),
+                   None if b is None else cupy.asarray(b), None if r is None else cupy.asarray(r),
+                   {k: cupy.asarray(v) for k, v in named.items()})
+    h = cupy.asnumpy(out[1]) if r is not None else x
+    stats = [cupy.asnumpy(s) for s in (out[2:] if r is not None else out[1:])]
+    want = _backward(kind, dy, h, stats, w, b, named, x, dh)
+    gate = "residual_gate" in named
+    expected = {"x": want.x, "w": want.weight, "b": want.bias, "r": want.residual if gate else want.x,
+                "shift": want.shift, "scale": want.scale, "residual_gate": want.residual_gate}
+    for name, g in got.items():
+        ref = expected[name]
+        rtol = RTOL[np.dtype(np.float32)] * (1 if name in ("x", "r") else 4)
+        assert_close(np.asarray(g), ref, np.float32, rtol=max(rtol, 1e-4 if name not in ("x", "r") else rtol),
+                     atol=max(rtol, 1e-4) * output_scale(ref), what=name)

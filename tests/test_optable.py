@@ -30,6 +30,17 @@ SCHEMAS = {
     "normalize_backward": "(Tensor dy, Tensor x, str norm, SymInt[] axes, float eps) -> Tensor",
     "channel_norm_backward": "(Tensor dy, Tensor x, Tensor mean, Tensor rstd, str norm, SymInt num_groups, "
                              "Tensor? weight, Tensor? bias, bool training, float eps, SymInt channel_axis) -> Tensor[]",
+    "rms_norm_conditioned": "(Tensor x, Tensor? weight, Tensor? residual, Tensor? shift, Tensor? scale, "
+                            "Tensor? residual_gate, Tensor? gate, SymInt[] axes, float eps, bool return_stats, "
+                            "SymInt epilogue) -> Tensor[]",
+    "layer_norm_conditioned": "(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, Tensor? shift, "
+                              "Tensor? scale, Tensor? residual_gate, SymInt[] axes, float eps, bool return_stats, "
+                              "SymInt epilogue) -> Tensor[]",
+    "rms_norm_modulated_backward": "(Tensor dy, Tensor x, Tensor rstd, Tensor? weight, Tensor? dh, Tensor? shift, "
+                                   "Tensor? scale, Tensor? residual_gate, Tensor? gated_x, SymInt[] axes) -> Tensor[]",
+    "layer_norm_modulated_backward": "(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, "
+                                     "Tensor? dh, Tensor? shift, Tensor? scale, Tensor? residual_gate, "
+                                     "Tensor? gated_x, SymInt[] axes) -> Tensor[]",
 }
 
 
@@ -135,6 +146,41 @@ def test_the_fakes_shape_what_the_reference_returns(channels_last, stats):
             assert y.is_contiguous(memory_format=torch.channels_last), name
         else:
             assert y.is_contiguous(), name
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+def test_the_conditioned_operators_autograd_formula_on_meta_tensors(kind):
+    """The conditioned forward operator's fake and autograd formula, and the
+    modulated backward operator's fake, on meta tensors: the outputs and
+    every gradient in shape and dtype (adaLN-Zero: shift, scale and gate
+    chunks of one modulation tensor, h = r + gate * x); the forms the fused
+    backward does not take raise when differentiated."""
+    torch = _torch_ops()
+    t = torch.ops.cunorm
+    batch, tokens, n = 2, 32, 256
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, device="meta", dtype=dtype,  # noqa: E731
+                                                            requires_grad=True)
+    x, r, w, b, mod = meta(batch, tokens, n), meta(batch, tokens, n), meta(n), meta(n), meta(batch, 6 * n)
+    shift, scale, gate = (m.unsqueeze(1) for m in mod.chunk(6, -1)[:3])
+    if kind == "rms":
+        out = t.rms_norm_conditioned(x, w, r, shift, scale, gate, None, [-1], 1e-6, True, 0)
+        leaves = [x, r, w, mod]
+    else:
+        out = t.layer_norm_conditioned(x, w, b, r, shift, scale, gate, [-1], 1e-6, True, 0)
+        leaves = [x, r, w, b, mod]
+    assert [(tuple(o.shape), o.dtype) for o in out[:2]] == [((batch, tokens, n), torch.bfloat16)] * 2
+    assert [(tuple(o.shape), o.dtype) for o in out[2:]] == [((batch, tokens), torch.float32)] * (
+        1 if kind == "rms" else 2)
+    grads = torch.autograd.grad(out[0].sum() + out[1].sum(), leaves)
+    assert [(g.shape, g.dtype) for g in grads] == [(a.shape, a.dtype) for a in leaves]
+    with pytest.raises(RuntimeError, match="gate="):
+        z = meta(batch, tokens, n)
+        y = t.rms_norm_conditioned(x, w, None, None, None, None, z, [-1], 1e-6, True, 0)[0]
+        torch.autograd.grad(y.sum(), [x])
+    with pytest.raises(RuntimeError, match="per-head weights"):
+        heads = meta(tokens, n)
+        y = t.rms_norm_conditioned(x, heads, None, shift, None, None, None, [-1], 1e-6, True, 0)[0]
+        torch.autograd.grad(y.sum(), [x])
 
 
 def test_the_jax_functions_follow_the_table():

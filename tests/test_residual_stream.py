@@ -115,9 +115,8 @@ def test_the_jax_composition_is_the_reference(rng):
         assert residual is None and h.dtype == jnp.float32
         return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps)
 
-    y, h = cj._conditioned_traced(plain, "rms", jnp.asarray(x), None, None, axis=-1, eps=1e-5,
-                                  residual=jnp.asarray(r), return_stats=False, activation=None, shift=None,
-                                  scale=None, residual_gate=None)
+    y, h = cj._conditioned_composed(plain, jnp.asarray(x), None, None, jnp.asarray(r), None, None, None, None,
+                                    axis=-1, eps=1e-5, return_stats=False, activation=None)
     want_y, want_h = reference.rms_norm(x, residual=r, exact=True)
     assert y.dtype == jnp.bfloat16 and h.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(h), want_h)

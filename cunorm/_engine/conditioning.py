@@ -146,49 +146,61 @@ def check(call, given: dict) -> Conditioning:
     each of x's kind and a float dtype already), validated against x;
     ``call``: a row_norms.Call with its weight, bias and residual
     checked."""
-    x_shape = tuple(call.x.shape)
-    cond = Conditioning()
-    params = [p for p in (call.weight, call.bias) if p is not None]
-    if len(params) == 2 and tuple(params[0].shape) != tuple(params[1].shape):
-        raise ValueError(f"weight and bias must have one shape, got {tuple(params[0].shape)} and "
-                         f"{tuple(params[1].shape)}")
-    if params:
-        cond.param_rows = param_rows("weight" if call.weight is not None else "bias", tuple(params[0].shape),
-                                     x_shape, call.norm_shape, call.last)
-    if cond.param_rows > 1:
-        cond.flags |= plans.FLAG_PARAM_ROWS
-    patterns = set()
-    if given.get("gate") is not None:
-        z = given["gate"]
-        check_gate(call.norm, x_shape, call.x.dtype, tuple(z.shape), z.dtype, call.last, call.residual is not None,
-                   call.epilogue, [name for name in OPERAND_NAMES if name != "gate" and given.get(name) is not None])
+    shape_of = lambda a: None if a is None else tuple(a.shape)  # noqa: E731
+    rows, pattern = check_shapes(call.norm, tuple(call.x.shape), call.x.dtype, call.first, call.last,
+                                 shape_of(call.weight), shape_of(call.bias), call.residual is not None, call.epilogue,
+                                 {name: None if a is None else (tuple(a.shape), a.dtype) for name, a in given.items()})
+    cond = Conditioning(param_rows=rows, flags=plans.FLAG_PARAM_ROWS if rows > 1 else 0)
     for name, a in given.items():
-        if a is None:
-            continue
-        if name == "gate":
-            cond.gate = a
-            cond.flags |= plans.FLAG_GATE
-            continue
-        if name == "residual_gate" and call.residual is None:
-            raise ValueError("residual_gate scales x in h = residual + residual_gate * x: pass residual= too")
-        if call.last != len(x_shape) - 1:
-            raise ValueError(f"{name}= conditions rows: normalize over the trailing axes, got axes "
-                             f"{call.first}..{call.last} of a {len(x_shape)}-d x")
-        shape = tuple(a.shape)
-        aligned = (1,) * (len(x_shape) - len(shape)) + shape
-        if len(shape) > len(x_shape) or len(shape) < len(call.norm_shape) or \
-                aligned[call.first:] != call.norm_shape or \
-                any(s not in (1, n) for s, n in zip(aligned[:call.first], x_shape[:call.first])):
-            raise ValueError(f"{name} must broadcast against x {x_shape} and span the normalized axes "
-                             f"{call.norm_shape} (per sample, per token, or one for all), got {shape}")
-        setattr(cond, name, a)
-        cond.flags |= OPERANDS[name]
-        patterns.add(broadcast_rows(x_shape, call.first, shape))
-    if len(patterns) == 1 and None not in patterns:
-        cond.mod_div, cond.mod_count = patterns.pop()
-    elif patterns:
-        cond.mod_div, cond.mod_count, cond.expand = 1, math.prod(x_shape[:call.first]), True
+        if a is not None:
+            setattr(cond, name, a)
+            cond.flags |= OPERANDS[name]
+    if pattern == "expand":
+        cond.mod_div, cond.mod_count, cond.expand = 1, math.prod(call.x.shape[:call.first]), True
+    elif pattern is not None:
+        cond.mod_div, cond.mod_count = pattern
     return cond
+
+
+def check_shapes(norm: str, x_shape: tuple, x_dtype, first: int, last: int, weight_shape, bias_shape,
+                 residual: bool, epilogue: int, given: dict) -> tuple:
+    """check's validation on plain values, so the torch front end checks a
+    traced call alike: ``given`` {keyword: (shape, dtype) or None}; the
+    parameters' shapes None where absent. Returns (the parameter rows, the
+    rows the arrays read): (mod_div, mod_count) of their one broadcast
+    pattern, None without them, "expand" where their patterns differ. No
+    shape is hashed (a traced shape's sizes may be symbolic)."""
+    params = [p for p in (weight_shape, bias_shape) if p is not None]
+    norm_shape = tuple(x_shape[first:last + 1])
+    if len(params) == 2 and params[0] != params[1]:
+        raise ValueError(f"weight and bias must have one shape, got {params[0]} and {params[1]}")
+    rows = param_rows("weight" if weight_shape is not None else "bias", params[0], x_shape, norm_shape,
+                      last) if params else 1
+    patterns = []
+    if given.get("gate") is not None:
+        z_shape, z_dtype = given["gate"]
+        check_gate(norm, x_shape, x_dtype, z_shape, z_dtype, last, residual, epilogue,
+                   [name for name in OPERAND_NAMES if name != "gate" and given.get(name) is not None])
+    for name, found in given.items():
+        if found is None or name == "gate":
+            continue
+        if name == "residual_gate" and not residual:
+            raise ValueError("residual_gate scales x in h = residual + residual_gate * x: pass residual= too")
+        if last != len(x_shape) - 1:
+            raise ValueError(f"{name}= conditions rows: normalize over the trailing axes, got axes "
+                             f"{first}..{last} of a {len(x_shape)}-d x")
+        shape = found[0]
+        aligned = (1,) * (len(x_shape) - len(shape)) + shape
+        if len(shape) > len(x_shape) or len(shape) < len(norm_shape) or aligned[first:] != norm_shape or \
+                any(s != 1 and s != n for s, n in zip(aligned[:first], x_shape[:first])):
+            raise ValueError(f"{name} must broadcast against x {x_shape} and span the normalized axes "
+                             f"{norm_shape} (per sample, per token, or one for all), got {shape}")
+        patterns.append(broadcast_rows(x_shape, first, shape))
+    if not patterns:
+        return rows, None
+    if None in patterns or any(p != patterns[0] for p in patterns[1:]):
+        return rows, "expand"
+    return rows, patterns[0]
 
 
 def check_gate(norm: str, x_shape: tuple, x_dtype, z_shape: tuple, z_dtype, last: int, residual: bool,

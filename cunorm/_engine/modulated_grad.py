@@ -56,10 +56,11 @@ def fusable(x_shape: tuple, itemsize: int, first: int, last: int, shapes: list, 
     with residual_gate."""
     if last != len(x_shape) - 1 or per_head or not shapes:
         return False
-    patterns = {conditioning.broadcast_rows(tuple(x_shape), first, tuple(s)) for s in shapes}
-    if len(patterns) != 1 or None in patterns:
+    # (a list, not a set: a traced call's sizes may be symbolic, which do not hash)
+    patterns = [conditioning.broadcast_rows(tuple(x_shape), first, tuple(s)) for s in shapes]
+    if None in patterns or any(p != patterns[0] for p in patterns[1:]):
         return False
-    mod_div, mod_count = patterns.pop()
+    mod_div, mod_count = patterns[0]
     n, rows = math.prod(x_shape[first:]), math.prod(x_shape[:first])
     return plan(rows, n, plans.vector_width(itemsize, n, [], []), itemsize, mod_div, mod_count, 1, gate) is not None
 
@@ -96,7 +97,13 @@ SLOTS = ("dy", "h", "x", "dh", "w", "b", "mod_scale", "res_gate", "center", "rst
 @functools.lru_cache(maxsize=256)
 def program(p: ModulatedPlan, norm, dtype, pdtype, flags, modf, outs, rows, n, eps, present, device):
     """The Program of one call; ``present``: the slots the call fills."""
-    pb = launches.ProgramBuilder(SLOTS, device)
+    return build(launches.ProgramBuilder(SLOTS, device), p, norm, dtype, pdtype, flags, modf, outs, rows, n, eps,
+                 present).build()
+
+
+def build(pb, p: ModulatedPlan, norm, dtype, pdtype, flags, modf, outs, rows, n, eps, present):
+    """program's launches into ``pb`` (a ProgramBuilder over SLOTS, or the
+    jit path's LaunchRecorder); returns pb."""
     has = set(present)
     slot = lambda name: pb[name] if name in has else None  # noqa: E731
     main, sums, *column = steps(p, norm, dtype, pdtype, flags, modf, outs, rows, n)
@@ -104,7 +111,7 @@ def program(p: ModulatedPlan, norm, dtype, pdtype, flags, modf, outs, rows, n, e
     units = rows // p.mod_div * p.units_per_run
     partial = pb.workspace((3 if modf & MOD_GATE else 2) * units * n * acc)
     weighted = pb.workspace(2 * p.mod_count * n * acc if flags else acc)
-    info = launches.device_info(device)
+    info = launches.device_info(pb.device)
     for step in (main, sums, *column):
         launches.check_limits(step, info)
     pb.launch(main, dy=pb["dy"], h=pb["h"], x=slot("x"), dh=slot("dh"), w=slot("w"), mod_scale=slot("mod_scale"),
@@ -116,7 +123,7 @@ def program(p: ModulatedPlan, norm, dtype, pdtype, flags, modf, outs, rows, n, e
               units_per_run=p.units_per_run, runs=rows // p.mod_div, mod_count=p.mod_count)
     if column:
         pb.launch(column[0], partial=weighted, out_w=slot("dw"), out_b=slot("db"), parts=p.mod_count, n=n)
-    return pb.build()
+    return pb
 
 
 class ModulatedGradCall:

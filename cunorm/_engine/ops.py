@@ -36,6 +36,11 @@ ARGUMENTS = {
     "dh": "optional array",            # the gradient that reached the returned h
     "running_mean": "optional array",  # BatchNorm's running estimates
     "running_var": "optional array",
+    "shift": "optional array",          # adaLN's modulation, y = affine * (1 + scale) + shift
+    "scale": "optional array",
+    "residual_gate": "optional array",  # h = residual + residual_gate * x
+    "gate": "optional array",           # the gated RMSNorm's z
+    "gated_x": "optional array",        # the x residual_gate scaled (a modulated backward's)
     # scalars
     "axes": "ints",                    # the normalized axes (empty: every axis)
     "eps": "float",
@@ -83,6 +88,10 @@ class Op:
         ``shift`` and ``scale``, the gated residual's ``residual_gate``,
         the gated RMSNorm's ``gate`` (and per-head parameters, which every
         op with parameters over rows takes through their shape).
+    conditioned_operators: the forward operator that takes them and the
+        backward operator of its modulated forms (modulated_grad.py); the
+        forward's autograd formula refuses the forms that backward does
+        not take (the front ends compose those where autograd records).
     """
 
     name: str
@@ -100,6 +109,13 @@ class Op:
     backward: Operator
     per_sample: bool = True
     conditioned: tuple[str, ...] = ()
+    conditioned_operators: tuple[Operator, Operator] | None = None
+
+    @property
+    def pairs(self) -> tuple[tuple[Operator, Operator], ...]:
+        """Its (forward, backward) operators: the plain pair, then the
+        conditioned pair where it has one."""
+        return ((self.forward, self.backward),) + ((self.conditioned_operators,) if self.conditioned_operators else ())
 
     @property
     def groups(self) -> bool:
@@ -109,6 +125,8 @@ class Op:
 
 _ROWS_BACKWARD = ("dy", "x")
 _CONDITIONED = ("shift", "scale", "residual_gate")
+_MODULATED_BACKWARD = ("dh",) + _CONDITIONED + ("gated_x", "axes")
+_CONDITIONED_FORWARD = ("axes", "eps", "return_stats", "epilogue")
 _CHANNELS = ("eps", "channel_axis", "return_stats", "epilogue")
 _NORMALIZE = Operator("normalize", ("x", "norm", "axes", "eps"), single=True)
 _NORMALIZE_BACKWARD = Operator("normalize_backward", ("dy", "x", "norm", "axes", "eps"), single=True)
@@ -120,12 +138,21 @@ OPS = {op.name: op for op in (
        DEFAULT_EPS, reference.rms_norm, reference.rms_norm_backward,
        Operator("rms_norm", ("x", "weight", "residual", "axes", "eps", "return_stats", "epilogue")),
        Operator("rms_norm_backward", _ROWS_BACKWARD + ("rstd", "weight", "dh", "axes")),
-       conditioned=_CONDITIONED + ("gate",)),
+       conditioned=_CONDITIONED + ("gate",),
+       conditioned_operators=(
+           Operator("rms_norm_conditioned", ("x", "weight", "residual") + _CONDITIONED + ("gate",)
+                    + _CONDITIONED_FORWARD),
+           Operator("rms_norm_modulated_backward", _ROWS_BACKWARD + ("rstd", "weight") + _MODULATED_BACKWARD))),
     Op("layer_norm", "rows", "ln", ("weight", "bias"), True, False, ("mean", "rstd"), ("activation",),
        DEFAULT_EPS, reference.layer_norm, reference.layer_norm_backward,
        Operator("layer_norm", ("x", "weight", "bias", "residual", "axes", "eps", "return_stats", "epilogue")),
        Operator("layer_norm_backward", _ROWS_BACKWARD + ("mean", "rstd", "weight", "bias", "dh", "axes")),
-       conditioned=_CONDITIONED),
+       conditioned=_CONDITIONED,
+       conditioned_operators=(
+           Operator("layer_norm_conditioned", ("x", "weight", "bias", "residual") + _CONDITIONED
+                    + _CONDITIONED_FORWARD),
+           Operator("layer_norm_modulated_backward", _ROWS_BACKWARD + ("mean", "rstd", "weight", "bias")
+                    + _MODULATED_BACKWARD))),
     Op("normalize", "rows", None, (), False, False, (), (), LP_EPS, reference.normalize,
        reference.normalize_backward, _NORMALIZE, _NORMALIZE_BACKWARD),
     Op("mean_abs_normalize", "rows", "mean_abs", (), False, False, (), (), LP_EPS, reference.mean_abs_normalize,
@@ -166,6 +193,7 @@ def operators() -> dict[str, Operator]:
     """Every operator of the table, forward and backward, by name (each once)."""
     found = {}
     for op in OPS.values():
-        for operator in (op.forward, op.backward):
-            found.setdefault(operator.name, operator)
+        for pair in op.pairs:
+            for operator in pair:
+                found.setdefault(operator.name, operator)
     return found

@@ -249,21 +249,40 @@ def _row_traced(fn, norm, x, weight, bias, residual, axis, eps, return_stats, ep
 
 
 def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, return_stats, activation, shift,
-                        scale, residual_gate, gate=None, norm_before_gate=True, **options):
+                        scale, residual_gate, gate=None, norm_before_gate=True, epilogue=0, **options):
     """A traced call with per-head weights, shift=, scale=,
-    residual_gate=, gate= or a float32 residual: the plain norm
-    (``plain``, the traced call without them) and jax.numpy ops around it
-    (conditioning.gated, conditioning.composed), as cunorm.torch does where
-    autograd records (cunorm/torch/_conditioned.py); the arguments are
-    checked as the eager call checks them."""
-    epilogue = 0
-    if gate is not None:
-        epilogue = plans.rms_epilogue(options.get("weight_offset", 0), options.get("rounding", "output"), activation,
-                                      weight is not None, gate, norm_before_gate)
-    row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
-                   residual=_stand_in(residual), return_stats=return_stats, epilogue=epilogue,
-                   conditioned={"shift": _stand_in(shift), "scale": _stand_in(scale),
-                                "residual_gate": _stand_in(residual_gate), "gate": _stand_in(gate)})
+    residual_gate=, gate= or a float32 residual, checked as the eager call
+    checks it: one fused forward (the row primitive with its per-row
+    operands, cunorm/jax/_modulated.py); under jax.grad, shift=, scale= and
+    residual_gate= of one per-sample pattern run the fused modulated
+    backward, the other forms the gradient of _conditioned_composed. Rows
+    rows_cached does not take run _conditioned_composed. ``plain``: the
+    traced call without the per-row operands."""
+    arrays = {"shift": shift, "scale": scale, "residual_gate": residual_gate, "gate": gate}
+    call = row_norms.Call(norm, _stand_in(x), axis, eps, None, weight=_stand_in(weight), bias=_stand_in(bias),
+                          residual=_stand_in(residual), return_stats=return_stats, epilogue=epilogue,
+                          conditioned={k: _stand_in(a) for k, a in arrays.items()})
+    kw = dict(axis=axis, eps=eps, return_stats=return_stats, activation=activation,
+              norm_before_gate=norm_before_gate, epilogue=epilogue, **options)
+    composed = lambda *a: _conditioned_composed(plain, *a, **kw)  # noqa: E731
+    args = (x, weight, bias, residual, shift, scale, residual_gate, gate)
+    jm = _modulated_module()
+    spec = jm.forward_spec(call, x, weight, bias, residual, arrays, epilogue, return_stats)
+    if spec is None:
+        return composed(*args)
+    if jm.fusable_backward(spec):
+        outs = jm.modulated_vjp(spec, jm.prepare(spec, *args))
+    else:  # (the fused forward, differentiated as the composed formula)
+        outs = _epilogue_vjp(lambda s, *a: jm.bind_forward(s, jm.prepare(s, *a)),
+                             lambda s, *a: _as_tuple(composed(*a)), spec, args)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _conditioned_composed(plain, x, weight, bias, residual, shift, scale, residual_gate, gate, *, axis, eps,
+                          return_stats, activation, norm_before_gate=True, epilogue=0, **options):
+    """The conditioned call as the plain norm (``plain``) and jax.numpy ops
+    around it (conditioning.gated, conditioning.composed), as cunorm.torch
+    runs it where autograd records (cunorm/torch/_conditioned.py)."""
     acc = dtypes.accumulation(np.dtype(x.dtype))
     if gate is not None:
         return conditioning.gated(
@@ -274,6 +293,17 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
     return conditioning.composed(plain, x, weight, bias, to=_astype, acc=acc, activate=JAX_ACTIVATIONS.get(activation),
                                  axis=axis, eps=eps, residual=residual, residual_gate=residual_gate, shift=shift,
                                  scale=scale, return_stats=return_stats, activation=activation, **options)
+
+
+def _as_tuple(results):
+    return tuple(results) if isinstance(results, tuple) else (results,)
+
+
+def _modulated_module():
+    _jit_module()
+    from . import _modulated
+
+    return _modulated
 
 
 def _astype(a, dtype):
@@ -305,7 +335,7 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
             return _conditioned_traced(
                 lambda x, w, b, **kw: rms_norm(x, w, **kw), "rms", x, weight, None, axis=axis, eps=eps,
                 residual=residual, return_stats=return_stats, activation=activation, shift=shift, scale=scale,
-                residual_gate=residual_gate, gate=gate, norm_before_gate=norm_before_gate,
+                residual_gate=residual_gate, gate=gate, norm_before_gate=norm_before_gate, epilogue=epilogue,
                 weight_offset=weight_offset, rounding=rounding)
         quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout, return_unquantized)
         return _row_traced("rms_norm", "rms", x, weight, None, residual, axis, eps, return_stats, epilogue, quant)
@@ -331,7 +361,7 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
                 raise ValueError(conditioning.NOT_QUANTIZED)
             return _conditioned_traced(layer_norm, "ln", x, weight, bias, axis=axis, eps=eps, residual=residual,
                                        return_stats=return_stats, activation=activation, shift=shift, scale=scale,
-                                       residual_gate=residual_gate)
+                                       residual_gate=residual_gate, epilogue=epilogue)
         quant = (quantize, quant_scale, quant_scale_ub, quant_group, quant_scale_layout, return_unquantized)
         return _row_traced("layer_norm", "ln", x, weight, bias, residual, axis, eps, return_stats, epilogue, quant)
     _check_kind("layer_norm", x)

@@ -31,7 +31,8 @@ try:
 except ImportError:  # (jax versions that keep it private)
     from jax._src.core import ShapedArray
 
-from .._engine import channel_norms, dispatch_grad, dtypes, gradients, launches, ops, plans, quantize, row_norms
+from .._engine import (channel_norms, conditioning, dispatch_grad, dtypes, gradients, launches, ops, plans, quantize,
+                       row_norms)
 from ._custom_call import emit, target
 from . import _sharding
 
@@ -68,10 +69,60 @@ class RowSpec:
     y: bool = True
     epilogue: int = 0
     quant: tuple | None = None
+    #: the per-row operands (cunorm/_engine/conditioning.py) as the kernel
+    #: reads them, (slot, shape) of each given in CONDITIONED_SLOTS' order:
+    #: shift, mod_scale and res_gate in the parameters' dtype, of x's ndim
+    #: (size 1 along the axes they broadcast over: their rows C-contiguous);
+    #: gate (z) of x's shape and dtype
+    operands: tuple = ()
+    #: the weight's (and bias's) ndim where they span more axes than the
+    #: normalized ones (per-head parameters: x's trailing axes), else 0
+    param_ndim: int = 0
+    #: the residual's (and h's) dtype where it is not x's (the float32 stream)
+    rdtype: np.dtype | None = None
+
+    @property
+    def param_rows(self) -> int:
+        return math.prod(self.shape[len(self.shape) - self.param_ndim:self.first]) if self.param_ndim else 1
+
+    @property
+    def cond_flags(self) -> int:
+        """The per-row operands' FLAGS bits (conditioning.OPERANDS and the
+        float32 stream's)."""
+        bits = {"shift": plans.FLAG_SHIFT, "mod_scale": plans.FLAG_SCALE, "res_gate": plans.FLAG_RESIDUAL_GATE,
+                "gate": plans.FLAG_GATE}
+        flags = sum(bits[slot] for slot, _ in self.operands)
+        flags |= plans.FLAG_PARAM_ROWS if self.param_rows > 1 else 0
+        return flags | (plans.FLAG_WIDE_RESIDUAL if self.rdtype is not None else 0)
+
+    @property
+    def conditioning(self) -> tuple:
+        """Plan.conditioning: (param_rows, mod_div, mod_count), () without
+        per-row operands."""
+        if not self.cond_flags:
+            return ()
+        modulation = [shape for slot, shape in self.operands if slot != "gate"]
+        mod_div, mod_count = (conditioning.broadcast_rows(self.shape, self.first, modulation[0]) if modulation
+                              else (1, 1))
+        return self.param_rows, mod_div, mod_count
 
     @property
     def flags(self) -> int:
-        return (plans.FLAG_WEIGHT if self.weight else 0) | (plans.FLAG_BIAS if self.bias else 0) | self.epilogue
+        return ((plans.FLAG_WEIGHT if self.weight else 0) | (plans.FLAG_BIAS if self.bias else 0) | self.epilogue
+                | self.cond_flags)
+
+    @property
+    def param_shape(self) -> tuple:
+        return self.shape[len(self.shape) - self.param_ndim:] if self.param_ndim else self.shape[self.first:
+                                                                                                 self.last + 1]
+
+    def localized(self, shape: tuple) -> "RowSpec":
+        """The spec of a shard whose x has ``shape``: each operand's axes
+        that x's extent (not a broadcast 1) take the shard's."""
+        operands = tuple((slot, tuple(shape) if slot == "gate" else tuple(
+            local if given == whole else given for given, whole, local in zip(oshape, self.shape, shape)))
+            for slot, oshape in self.operands)
+        return dataclasses.replace(self, shape=shape, operands=operands)
 
     @property
     def quantize(self):
@@ -125,7 +176,7 @@ def _rows_outputs(spec: RowSpec) -> dict:
         if quant.plain:
             out["y_plain"] = (spec.shape, spec.dtype)
     if spec.residual:
-        out["h"] = (spec.shape, spec.dtype)
+        out["h"] = (spec.shape, spec.rdtype or spec.dtype)
     for name in spec.stat_names():
         out[name] = (spec.stats_shape, acc)
     return out
@@ -135,7 +186,8 @@ def _rows_inputs(spec: RowSpec) -> tuple:
     quant = spec.quantize
     given_scale = quant is not None and quant.scaling != quantize.ROW  # (a static scale or a bound)
     return ("x",) + (("r",) if spec.residual else ()) + (("w",) if spec.weight else ()) + (
-        ("b",) if spec.bias else ()) + (("quant_scale",) if given_scale else ())
+        ("b",) if spec.bias else ()) + tuple(slot for slot, _ in spec.operands) + (
+        ("quant_scale",) if given_scale else ())
 
 
 rows_p = _primitive("cunorm_rows", _rows_outputs)
@@ -144,8 +196,9 @@ rows_p = _primitive("cunorm_rows", _rows_outputs)
 def _row_key(spec: RowSpec, device_id: int) -> tuple:
     ndim = len(spec.shape)
     strides = tuple(math.prod(spec.shape[i + 1:]) for i in range(ndim))
+    operand_ptrs = (0, 0, 0) if spec.conditioning else ()  # (XLA's buffers are aligned: offsets 0)
     return (spec.norm, np.dtype(spec.dtype), spec.pdtype, spec.flags, spec.residual, spec.shape, strides,
-            spec.first, spec.last, 0, 0, 0, 0, 0, 0, None, spec.quant, (), (), device_id)
+            spec.first, spec.last, 0, 0, 0, 0, 0, 0, None, spec.quant, spec.conditioning, operand_ptrs, 0, device_id)
 
 
 def _record_rows(spec: RowSpec, values: dict, arch: int) -> dict:
@@ -168,11 +221,25 @@ def _rows_lowering(ctx, *args, spec: RowSpec):
     return [out[name] for name in _rows_outputs(spec)]
 
 
+def operand_labels(spec: RowSpec) -> dict:
+    """The labels of a row norm's per-row operands and parameters: x's on
+    the axes they share with x (its extent), a label of their own (never
+    split) along a broadcast 1; a shard's operands then hold the rows its
+    own rows read (RowSpec.localized)."""
+    x = _sharding.labels(len(spec.shape))
+    params = x[len(x) - spec.param_ndim:] if spec.param_ndim else x[spec.first:spec.last + 1]
+    labels = {"w": params, "b": params}
+    for slot, shape in spec.operands:
+        labels[slot] = tuple(label if size == whole else f"o{i}"
+                             for i, (label, size, whole) in enumerate(zip(x, shape, spec.shape)))
+    return labels
+
+
 def _rows_layout(spec: RowSpec) -> _sharding.Layout:
     """A row norm's arrays by their dimensions: the normalized axes whole."""
     x = _sharding.labels(len(spec.shape))
     norm, stats = x[spec.first:spec.last + 1], x[:spec.first] + x[spec.last + 1:]
-    operands = {"x": x, "r": x, "w": norm, "b": norm, "quant_scale": _sharding.fresh(1)}
+    operands = {"x": x, "r": x, "quant_scale": _sharding.fresh(1), **operand_labels(spec)}
     results = []
     for name, (shape, _) in _rows_outputs(spec).items():
         if name == "y_scale":  # x's leading axes, then the groups of a row or size-1 axes
@@ -182,7 +249,7 @@ def _rows_layout(spec: RowSpec) -> _sharding.Layout:
     return _sharding.Layout(tuple(operands[n] for n in _rows_inputs(spec)), tuple(results), frozenset(norm))
 
 
-_sharding.register(rows_p, _rows_lowering, _rows_layout, lambda spec, shape: dataclasses.replace(spec, shape=shape))
+_sharding.register(rows_p, _rows_lowering, _rows_layout, lambda spec, shape: spec.localized(shape))
 
 
 def _rows_dce(used_outputs, eqn):
@@ -193,7 +260,7 @@ def _rows_dce(used_outputs, eqn):
         return [False] * len(eqn.invars), None
     spec = eqn.params["spec"]
     names = list(_rows_outputs(spec))
-    if spec.y and spec.quant is None and not used_outputs[names.index("y")]:
+    if spec.y and spec.quant is None and not spec.cond_flags and not used_outputs[names.index("y")]:
         eqn = eqn.replace(params={**eqn.params, "spec": dataclasses.replace(spec, y=False)},
                           outvars=[v for name, v in zip(names, eqn.outvars) if name != "y"])
     return [True] * len(eqn.invars), eqn
@@ -444,7 +511,7 @@ def _fold(spec, shape):
 def _rows_batch(args, dims, *, spec: RowSpec):
     names = _rows_inputs(spec)
     mapped = {n for n, d in zip(names, dims) if d is not _UNMAPPED}
-    if mapped - {"x", "r"}:
+    if mapped - {"x", "r"} or spec.cond_flags:  # (per-row operands: read by row, not folded)
         return _unrolled(rows_p, args, dims, spec=spec)
     moved = _moved(args, dims)
     size = next(a.shape[0] for a, d in zip(moved, dims) if d is not _UNMAPPED)

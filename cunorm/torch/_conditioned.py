@@ -2,23 +2,27 @@
 ``gate=`` on torch tensors (cunorm/_engine/conditioning.py).
 
 Outside autograd and dynamo the engine runs them fused (one rows_cached
-pass). Where autograd records, shift=, scale= and residual_gate= of one
-per-sample (or one-for-all) pattern run fused forward and backward
-(ModulatedRowNorm: cunorm/_engine/modulated_grad.py). Otherwise, and
-where dynamo traces, the call is the plain norm (cunorm's differentiable
-operator) followed by torch's elementwise ops, each formed in float32 and
-rounded once to x's dtype, so autograd and inductor see ordinary ops: the
-gated residual before the norm; the per-head weight and bias, the
-modulation and the activation after it; the gated RMSNorm's gate before
-or after (conditioning.gated).
+pass); where dynamo traces a call autograd does not record, the fused
+forward is one registered operator (torch.ops.cunorm.rms_norm_conditioned,
+layer_norm_conditioned). Where autograd records, shift=, scale= and
+residual_gate= of one per-sample (or one-for-all) pattern run fused
+forward and backward: ModulatedRowNorm in eager, the operator and its
+autograd formula (torch.ops.cunorm.*_modulated_backward) under dynamo
+(cunorm/_engine/modulated_grad.py). Otherwise the call is the plain norm
+(cunorm's differentiable operator) followed by torch's elementwise ops,
+each formed in float32 and rounded once to x's dtype, so autograd and
+inductor see ordinary ops: the gated residual before the norm; the
+per-head weight and bias, the modulation and the activation after it;
+the gated RMSNorm's gate before or after (conditioning.gated).
 """
 from __future__ import annotations
 
 import torch
 
-from .._engine import calls, conditioning, modulated_grad, plans
+from .._engine import calls, conditioning, ops, plans, row_norms
 from .._interop import torch as _adapter
 from ._autograd import TORCH_ACTIVATIONS, needs_grad, once_differentiable
+from ._operators import modulated_fusable, operator_axes
 
 
 class ModulatedRowNorm(torch.autograd.Function):
@@ -55,19 +59,6 @@ class ModulatedRowNorm(torch.autograd.Function):
         return g.x, g.weight, g.bias, dres, g.shift, g.scale, g.residual_gate, None, None, None, None
 
 
-def _modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate) -> bool:
-    """Whether ModulatedRowNorm takes the call (modulated_grad.fusable)."""
-    if epilogue & plans.UNFUSED_IN_BACKWARD or conditioning.wide(x, residual) or not isinstance(x, torch.Tensor):
-        return False
-    arrays = [a for a in (shift, scale, residual_gate) if a is not None]
-    if not arrays or not x.is_cuda or not all(isinstance(a, torch.Tensor) for a in arrays):
-        return False
-    first, last = plans.normalize_axes(axis, x.dim())
-    heads = conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis)
-    return modulated_grad.fusable(tuple(x.shape), x.element_size(), first, last, [tuple(a.shape) for a in arrays],
-                                  heads, residual_gate is not None)
-
-
 def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, return_stats, epilogue, activation,
                 shift, scale, residual_gate, gate=None, **options):
     """The row norm ``norm`` ("rms" or "ln") with per-row operands.
@@ -76,11 +67,16 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
     without them; ``epilogue``: its validated FLAGS bits; ``options``:
     rms_norm's weight_offset and rounding."""
     arrays = (x, weight, bias, residual, shift, scale, residual_gate, gate)
-    if not (needs_grad(*arrays) or torch.compiler.is_compiling()):
+    grad, compiling = needs_grad(*arrays), torch.compiler.is_compiling()
+    if not (grad or compiling):
         return calls.rows(norm, x, weight, bias, residual, axis, eps, return_stats, None, None, epilogue,
                           conditioned={"shift": shift, "scale": scale, "residual_gate": residual_gate, "gate": gate})
-    if gate is None and not torch.compiler.is_compiling() and _modulated_fusable(
-            norm, x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate):
+    fused_backward = gate is None and modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, scale,
+                                                        residual_gate)
+    if compiling and (fused_backward or not grad):
+        return _operator(norm, x, weight, bias, residual, shift, scale, residual_gate, gate, axis, eps, return_stats,
+                         epilogue, grad)
+    if fused_backward:
         results = ModulatedRowNorm.apply(x, weight, bias, residual, shift, scale, residual_gate, norm, axis, eps,
                                          epilogue)
         if not return_stats:
@@ -112,3 +108,34 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
 
 def _to(t, dtype):
     return t.to(dtype)
+
+
+def _operator(norm, x, weight, bias, residual, shift, scale, residual_gate, gate, axis, eps, return_stats, epilogue,
+              grad):
+    """The call as the registered operator torch.ops.cunorm.{rms,layer}_norm_conditioned
+    (what dynamo traces: one fused forward, and where autograd records the
+    fused modulated backward), its arguments checked while tracing."""
+    given = {"shift": shift, "scale": scale, "residual_gate": residual_gate, "gate": gate}
+    for name, a in given.items():
+        if a is not None and not isinstance(a, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor as x is, got {type(a).__name__}")
+    first, last = plans.normalize_axes(axis, x.dim())
+    if conditioning.wide(x, residual):
+        conditioning.check_wide(x.dtype, residual.dtype, x.element_size(), residual.dtype == torch.float32, last,
+                                x.dim(), residual_gate is not None)
+    shape_of = lambda a: None if a is None else tuple(a.shape)  # noqa: E731
+    # (shapes and dtypes only, in plain values dynamo traces: the engine checks the rest when it runs)
+    conditioning.check_shapes(norm, tuple(x.shape), x.dtype, first, last, shape_of(weight), shape_of(bias),
+                              residual is not None, epilogue,
+                              {name: None if a is None else (tuple(a.shape), a.dtype) for name, a in given.items()})
+    asked = return_stats or grad
+    axes, eps = operator_axes(axis), row_norms.check_eps(eps)
+    if norm == "rms":
+        results = torch.ops.cunorm.rms_norm_conditioned(x, weight, residual, shift, scale, residual_gate, gate, axes,
+                                                        eps, asked, epilogue)
+    else:
+        results = torch.ops.cunorm.layer_norm_conditioned(x, weight, bias, residual, shift, scale, residual_gate,
+                                                          axes, eps, asked, epilogue)
+    if asked and not return_stats:
+        results = results[:len(results) - len(ops.statistics_of(norm))]
+    return results[0] if len(results) == 1 else tuple(results)

@@ -11,6 +11,7 @@ from .._engine import calls, channel_norms, conditioning, plans, row_norms
 from .._engine.ops import DEFAULT_EPS, LP_EPS
 from .._interop import torch as _adapter
 from . import _operators  # noqa: F401  (registers torch.ops.cunorm.*)
+from ._operators import operator_axes as _axes
 from ._conditioned import conditioned as _conditioned
 from ._quantized import quantized as _quantized
 from ._autograd import TORCH_ACTIVATIONS as _TORCH_ACTIVATIONS
@@ -19,7 +20,6 @@ from ._autograd import eager_autograd as _eager_autograd
 from ._autograd import needs_grad as _needs_grad  # (the forward operators then return the statistics)
 from ._autograd import row_norm_apply as _row_norm_apply
 
-_ALL_AXES: list[int] = []  # an op's ``axes`` for axis=None (every axis)
 _NOT_QUANTIZED = conditioning.NOT_QUANTIZED
 
 
@@ -28,14 +28,6 @@ _NOT_QUANTIZED = conditioning.NOT_QUANTIZED
 # without ``out=``: registered operators return new tensors. Arguments are
 # checked by the array-level ops' checks before the operator is called (its
 # schema needs them typed).
-
-def _axes(axis) -> list[int]:
-    if axis is None:
-        return _ALL_AXES
-    if isinstance(axis, (tuple, list)):
-        return [row_norms.check_int(a, "axis") for a in axis]
-    return [row_norms.check_int(axis, "axis")]
-
 
 def _unpack(results: list[Tensor]):
     return results[0] if len(results) == 1 else tuple(results)

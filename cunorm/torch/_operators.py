@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._engine import calls, channel_norms, dispatch_rows, plans, row_norms
+from .._engine import calls, channel_norms, conditioning, dispatch_rows, plans, row_norms
 from .._engine import ops
 from .._engine.ops import ARGUMENTS, OPS, Op, Operator
 from .._interop import torch as _adapter
+from .._engine import modulated_grad
 
 #: each argument kind of the table (ARGUMENTS) as a schema type
 TORCH_TYPES = {"array": "Tensor", "optional array": "Tensor?", "ints": "SymInt[]", "float": "float", "bool": "bool",
@@ -33,6 +34,31 @@ def schema(operator: Operator) -> str:
     """The operator's schema, from the table."""
     arguments = ", ".join(f"{TORCH_TYPES[ARGUMENTS[name]]} {name}" for name in operator.arguments)
     return f"({arguments}) -> {'Tensor' if operator.single else 'Tensor[]'}"
+
+
+def operator_axes(axis) -> list[int]:
+    """An operator's ``axes`` of a public call's ``axis`` (None: every
+    axis, empty)."""
+    if axis is None:
+        return []
+    if isinstance(axis, (tuple, list)):
+        return [row_norms.check_int(a, "axis") for a in axis]
+    return [row_norms.check_int(axis, "axis")]
+
+
+def modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate) -> bool:
+    """Whether the fused modulated backward (modulated_grad.fusable) takes
+    a call on torch tensors (CUDA, or meta: the operators' fakes give their
+    shapes)."""
+    if epilogue & plans.UNFUSED_IN_BACKWARD or conditioning.wide(x, residual) or not isinstance(x, Tensor):
+        return False
+    arrays = [a for a in (shift, scale, residual_gate) if a is not None]
+    if not arrays or x.device.type not in ("cuda", "meta") or not all(isinstance(a, Tensor) for a in arrays):
+        return False
+    first, last = plans.normalize_axes(axis, x.dim())
+    heads = conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis)
+    return modulated_grad.fusable(tuple(x.shape), x.element_size(), first, last, [tuple(a.shape) for a in arrays],
+                                  heads, residual_gate is not None)
 
 
 def _as_list(results) -> list[Tensor]:
@@ -56,6 +82,12 @@ def _stats_like(x: Tensor, shape) -> Tensor:
 
 # -- implementations ------------------------------------------------------------------------------------------------
 
+def _conditioned(op: Op, a: dict) -> dict | None:
+    """The per-row operands among a forward operator's arguments (None for
+    the plain operators)."""
+    return {name: a[name] for name in op.conditioned if name in a} or None
+
+
 def _forward(op: Op, a: dict):
     """A forward operator's implementation, its arguments by name."""
     x = a["x"]
@@ -66,7 +98,7 @@ def _forward(op: Op, a: dict):
             dispatch_rows.norm_info(norm)  # (a caller's string: checked first, never pasted into a kernel name)
         results = _as_list(calls.rows(norm, x, a.get("weight"), a.get("bias"), a.get("residual"), _axis(a["axes"], op),
                                       a["eps"], a.get("return_stats", False), None, None,
-                                      epilogue=a.get("epilogue", 0)))
+                                      epilogue=a.get("epilogue", 0), conditioned=_conditioned(op, a)))
         return results[0] if op.forward.single else results
     training = a.get("training", True)
     running = [a.get("running_mean"), a.get("running_var")]
@@ -81,6 +113,11 @@ def _forward(op: Op, a: dict):
 def _backward(op: Op, a: dict):
     """A backward operator's implementation, its arguments by name:
     [dx, dweight?, dbias?] (dx alone for the Lp family)."""
+    if op.family == "rows" and "gated_x" in a:  # the modulated backward
+        g = calls.rows_grad_modulated(op.norm, a["dy"], a["x"], a.get("mean"), a["rstd"], a.get("weight"),
+                                      a.get("bias"), a["dh"], a["shift"], a["scale"], a["residual_gate"],
+                                      a["gated_x"], _axis(a["axes"], op))
+        return [g.x] + _present(g.residual, g.weight, g.bias, g.shift, g.scale, g.residual_gate)
     if op.family == "rows":
         norm = a.get("norm", op.norm)
         results = calls.rows_grad(norm, a["dy"], a["x"], a.get("mean"), a.get("rstd"), a.get("weight"), a.get("bias"),
@@ -114,8 +151,8 @@ def _forward_fake(op: Op, a: dict):
         if op.forward.single:
             return y
         outputs = [y]
-        if a.get("residual") is not None:
-            outputs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
+        if a.get("residual") is not None:  # (h in the residual's dtype: float32 for the float32 stream)
+            outputs.append(x.new_empty(x.shape, dtype=a["residual"].dtype))
         if a["return_stats"]:
             axes = a["axes"]
             shape = row_norms.stats_shape(tuple(x.shape), *row_norms.axis_span(tuple(axes) if axes else None, x.dim()))
@@ -138,6 +175,10 @@ def _backward_fake(op: Op, a: dict):
         dx = _channel_y(a["norm"], x, a["channel_axis"])
     if op.backward.single:
         return dx
+    if "gated_x" in a:  # the modulated backward: each gradient C-contiguous in its array's shape and dtype
+        dres = [torch.empty_like(dx)] if a["residual_gate"] is not None else []
+        arrays = _present(*(a.get(name) for name in op.params + ("shift", "scale", "residual_gate")))
+        return [dx] + dres + [p.new_empty(p.shape) for p in arrays]
     return [dx] + [torch.empty_like(p) for p in _present(*(a.get(name) for name in op.params))]
 
 
@@ -164,11 +205,13 @@ def _output_grads(grads) -> list:
     return list(grads[0]) if len(grads) == 1 and isinstance(grads[0], (list, tuple)) else list(grads)
 
 
-def _setup(op: Op, ctx, a: dict, output) -> None:
+def _setup(op: Op, operators: tuple, ctx, a: dict, output) -> None:
     """What the backward needs: for the normalizing ops with statistics,
     the normalized input (h where the forward formed it), the parameters
-    and the statistics (BatchNorm in eval: its running buffers); for the
-    Lp family, x."""
+    and the statistics (BatchNorm in eval: its running buffers), with the
+    modulation arrays and the x residual_gate scaled for the conditioned
+    operator; for the Lp family, x."""
+    ctx.arguments, ctx.backward = operators[0].arguments, operators[1]
     if not op.statistics:
         ctx.save_for_backward(a["x"])
         ctx.norm, ctx.axes, ctx.eps = a["norm"], a["axes"], a["eps"]
@@ -177,11 +220,16 @@ def _setup(op: Op, ctx, a: dict, output) -> None:
     training = a.get("training", True)
     ctx.kept = a["return_stats"] or not training
     ctx.residual = a.get("residual") is not None
+    ctx.composed = None
     if not ctx.kept:
         return
     if op.family == "rows":
         h = output[1] if ctx.residual else a["x"]
-        ctx.save_for_backward(h, a.get("weight"), a.get("bias"), *output[-len(op.statistics):])
+        conditioned = [a[name] for name in ("shift", "scale", "residual_gate") if name in a]
+        if conditioned:
+            ctx.composed = _composed_reason(op, a)
+            conditioned.append(a["x"] if a["residual_gate"] is not None else None)
+        ctx.save_for_backward(h, a.get("weight"), a.get("bias"), *conditioned, *output[-len(op.statistics):])
         ctx.axes = a["axes"]
         return
     statistics = (output[1], output[2]) if training else (a["running_mean"], a["running_var"])
@@ -190,35 +238,73 @@ def _setup(op: Op, ctx, a: dict, output) -> None:
     ctx.eps = a["eps"] if op.running else 0.0
 
 
+_NOT_MODULATED = ("cunorm.{op}_conditioned: the operator was called while autograd recorded it with {what}, which its "
+                  "backward (the fused modulated backward) does not take. Call it through cunorm.torch.{op} (or "
+                  "cunorm.{op}), which composes the norm and torch's ops where autograd records.")
+
+
+def _composed_reason(op: Op, a: dict) -> str | None:
+    """Why the conditioned operator's backward cannot take a call (None:
+    it may; the backward raises ValueError where the arrays' pattern is
+    not one it takes, modulated_grad.unfused_reason). Shapes are not
+    looked at: while tracing they may be symbolic."""
+    x, axis, residual = a["x"], _axis(a["axes"], op), a.get("residual")
+    if a.get("gate") is not None:
+        return "gate="
+    if conditioning.per_head(a.get("weight"), axis) or conditioning.per_head(a.get("bias"), axis):
+        return "per-head weights"
+    if conditioning.wide(x, residual):
+        return "a float32 residual under 16-bit x"
+    if a["epilogue"] & plans.UNFUSED_IN_BACKWARD:
+        return "an activation or a weight offset"
+    if all(a[name] is None for name in ("shift", "scale", "residual_gate")):
+        return "none of shift=, scale= or residual_gate="
+    return None
+
+
 def _gradients(op: Op, ctx, grads) -> tuple:
     """The gradients of the forward operator's arguments, in order: dx for
-    x (and for the residual), dweight and dbias; None for the rest."""
-    backward = getattr(torch.ops.cunorm, op.backward.name)
+    x (and for the residual), dweight and dbias (the modulation arrays'
+    for the conditioned operator); None for the rest."""
+    backward = getattr(torch.ops.cunorm, ctx.backward.name)
+    forward_arguments = ctx.arguments
     if not op.statistics:
         (x,) = ctx.saved_tensors
         found = {"x": backward(grads[0], x, ctx.norm, ctx.axes, ctx.eps)}
-        return tuple(found.get(name) for name in op.forward.arguments)
+        return tuple(found.get(name) for name in forward_arguments)
     if ctx.unfused:
         raise RuntimeError(_UNFUSED.format(op=op.name, bits=ctx.unfused))
     if not ctx.kept:
         raise RuntimeError(_NO_STATS.format(op=op.name))
+    if ctx.composed:
+        raise RuntimeError(_NOT_MODULATED.format(op=op.name, what=ctx.composed))
     grads = _output_grads(grads)
     if op.family == "rows":
-        h, weight, bias, *statistics = ctx.saved_tensors
-        dy = grads[0] if grads[0] is not None else torch.zeros_like(h)
-        dh = grads[1] if ctx.residual else None
-        params = [p for name, p in (("weight", weight), ("bias", bias)) if name in op.params]
-        results = backward(dy, h, *statistics, *params, dh, ctx.axes)
-    else:
-        x, mean, rstd, weight, bias = ctx.saved_tensors
-        dy = grads[0] if grads[0] is not None else torch.zeros_like(x)
-        results = backward(dy, x, mean, rstd, op.norm, ctx.num_groups, weight, bias, ctx.training, ctx.eps,
-                           ctx.channel_axis)
+        h, weight, bias, *rest = ctx.saved_tensors
+        modulated = "gated_x" in ctx.backward.arguments
+        shift = scale = residual_gate = gated_x = None
+        if modulated:
+            shift, scale, residual_gate, gated_x, *rest = rest
+        values = dict(zip(op.statistics, rest), dy=grads[0] if grads[0] is not None else torch.zeros_like(h), x=h,
+                      weight=weight, bias=bias, dh=grads[1] if ctx.residual else None, shift=shift, scale=scale,
+                      residual_gate=residual_gate, gated_x=gated_x, axes=ctx.axes)
+        results = backward(*(values[name] for name in ctx.backward.arguments))
+        dres = results[1] if residual_gate is not None else None
+        rest = iter(results[1 + (dres is not None):])
+        found = {"x": results[0], "residual": dres if dres is not None else (results[0] if ctx.residual else None)}
+        for name, given in (("weight", weight), ("bias", bias), ("shift", shift), ("scale", scale),
+                            ("residual_gate", residual_gate)):
+            if given is not None and (name in op.params or name not in ("weight", "bias")):
+                found[name] = next(rest)
+        return tuple(found.get(name) for name in forward_arguments)
+    x, mean, rstd, weight, bias = ctx.saved_tensors
+    dy = grads[0] if grads[0] is not None else torch.zeros_like(x)
+    results = backward(dy, x, mean, rstd, op.norm, ctx.num_groups, weight, bias, ctx.training, ctx.eps,
+                       ctx.channel_axis)
     rest = iter(results[1:])
     found = {"x": results[0], "weight": next(rest) if weight is not None else None,
-             "bias": next(rest) if "bias" in op.params and bias is not None else None,
-             "residual": results[0] if ctx.residual else None}
-    return tuple(found.get(name) for name in op.forward.arguments)
+             "bias": next(rest) if "bias" in op.params and bias is not None else None}
+    return tuple(found.get(name) for name in forward_arguments)
 
 
 # -- registration ---------------------------------------------------------------------------------------------------
@@ -240,21 +326,22 @@ def _register() -> dict:
     their autograd formula. Returns {name: CustomOpDef}."""
     registered, differentiated = {}, set()
     for op in OPS.values():
-        for operator, impl, fake in ((op.forward, _forward, _forward_fake), (op.backward, _backward, _backward_fake)):
-            if operator.name in registered:
-                continue
-            custom = torch.library.custom_op(f"cunorm::{operator.name}", _by_name(operator, lambda a, op=op, f=impl:
-                                                                                  f(op, a)),
-                                             mutates_args=(), schema=schema(operator))
-            custom.register_fake(_by_name(operator, lambda a, op=op, f=fake: f(op, a)))
-            registered[operator.name] = custom
-        if op.forward.name not in differentiated:
-            names = op.forward.arguments
-            registered[op.forward.name].register_autograd(
-                lambda ctx, *grads, op=op: _gradients(op, ctx, grads),
-                setup_context=lambda ctx, inputs, output, op=op, names=names: _setup(op, ctx, dict(zip(names, inputs)),
-                                                                                     output))
-            differentiated.add(op.forward.name)
+        for pair in op.pairs:
+            for operator, impl, fake in zip(pair, (_forward, _backward), (_forward_fake, _backward_fake)):
+                if operator.name in registered:
+                    continue
+                custom = torch.library.custom_op(f"cunorm::{operator.name}",
+                                                 _by_name(operator, lambda a, op=op, f=impl: f(op, a)),
+                                                 mutates_args=(), schema=schema(operator))
+                custom.register_fake(_by_name(operator, lambda a, op=op, f=fake: f(op, a)))
+                registered[operator.name] = custom
+            forward = pair[0]
+            if forward.name not in differentiated:
+                registered[forward.name].register_autograd(
+                    lambda ctx, *grads, op=op: _gradients(op, ctx, grads),
+                    setup_context=lambda ctx, inputs, output, op=op, pair=pair: _setup(
+                        op, pair, ctx, dict(zip(pair[0].arguments, inputs)), output))
+                differentiated.add(forward.name)
     return registered
 
 
