@@ -187,3 +187,48 @@ def test_inside_shard_map_each_call_is_the_shards_own(rng, env):
     got = jax.jit(f)(jax.device_put(x, sharded("d")))
     want = jax.jit(cj.rms_norm)(jax.device_put(x, one))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("split", ["batch", "tokens"])
+def test_conditioned_calls_read_their_own_rows_on_each_shard(rng, env, split):
+    """adaLN-Zero (residual_gate, shift and scale per sample, a weight)
+    with x split by the batch or by the tokens: each shard's kernels read
+    the modulation rows of its own rows. The forward is bitwise the
+    unsharded call's with no collective; under jax.grad (the fused
+    modulated backward) dx and the residual's gradient are too, sharded as
+    x, and the per-sample sums split with the batch are bitwise, split by
+    the tokens summed across the shards (all-reduce), as dweight is."""
+    jax, cj, mesh, sharded, one = env
+    jnp = jax.numpy
+    shape = (8, 64, 256)
+    x, r, dy, dh = (random(rng, shape, np.float32) for _ in range(4))
+    mods = [random(rng, (shape[0], 1, shape[-1]), np.float32, 0.5) for _ in range(3)]
+    w = random(rng, shape[-1:], np.float32, 0.5, 1.0)
+
+    def loss(x, r, w, shift, scale, gate, dy, dh):
+        y, h = cj.layer_norm(x, w, residual=r, shift=shift, scale=scale, residual_gate=gate)
+        return jnp.sum(y * dy) + jnp.sum(h * dh), (y, h)
+
+    rows = sharded("d") if split == "batch" else sharded(None, "d")
+    mod = sharded("d") if split == "batch" else sharded()
+    args = [jax.device_put(x, rows), jax.device_put(r, rows), jax.device_put(w, sharded())] + [
+        jax.device_put(m, mod) for m in mods] + [jax.device_put(dy, rows), jax.device_put(dh, rows)]
+    alone = [jax.device_put(a, one) for a in (x, r, w, *mods, dy, dh)]
+    forward = lambda *a: loss(*a)[1]  # noqa: E731
+    for got, want in zip(jax.jit(forward)(*args), jax.jit(forward)(*alone)):
+        assert got.sharding.is_equivalent_to(rows, got.ndim), got.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not _collectives(_hlo(jax, forward, *args))
+    grad = jax.grad(lambda *a: loss(*a)[0], argnums=tuple(range(6)))
+    got, want = jax.jit(grad)(*args), jax.jit(grad)(*alone)
+    for g, wnt in zip(got[:2], want[:2]):
+        assert g.sharding.is_equivalent_to(rows, g.ndim)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(wnt))
+    for g, wnt in zip(got[2:], want[2:]):  # dweight, dshift, dscale, dgate
+        if split == "batch" and g.ndim == 3:
+            assert g.sharding.is_equivalent_to(mod, g.ndim)
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(wnt))
+        else:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(wnt), rtol=2e-5,
+                                       atol=1e-5 * float(np.abs(wnt).max()))
+    assert _collectives(_hlo(jax, grad, *args)) == {"all-reduce"}

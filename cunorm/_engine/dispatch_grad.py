@@ -460,16 +460,19 @@ def max_vectors(itemsize: int, gate: bool) -> int:
 
 
 def modulated_plan(rows: int, n: int, vec: int, itemsize: int, mod_div: int, mod_count: int, sm_count: int,
-                   gate: bool = False):
+                   gate: bool = False, min_run: int = UNIT_MIN_ROWS):
     """The ModulatedPlan of rows x n elements (``vec``: the widest vector
     every pointer allows) whose modulation row is r // mod_div % mod_count
     (``gate``: with residual_gate), or None where the fused kernels do not
-    take it. The thread count is the fewest vectors a thread that fit
+    take it. Runs shorter than ``min_run`` rows are refused (their partial
+    sums would outweigh the rows: per-token modulation composes); a shard
+    of a partitioned call, whose runs may be a part of the whole call's,
+    passes 1. The thread count is the fewest vectors a thread that fit
     MODULATED_MAX_THREADS; the unit cutting depends on mod_div and the GPU
     alone (batch invariance)."""
     if mod_count == 1:
         mod_div = rows  # one modulation row for all: one run
-    if rows == 0 or mod_div < UNIT_MIN_ROWS or n % vec or mod_count > MAX_GRID_Y:
+    if rows == 0 or mod_div < min_run or n % vec or mod_count > MAX_GRID_Y:
         return None
     for vpt in [v for v in (1, 2, 4) if v <= max_vectors(itemsize, gate)]:
         threads = _ceil_div(_ceil_div(n // vec, vpt), 32) * 32

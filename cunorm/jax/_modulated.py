@@ -152,8 +152,9 @@ def _lowering(ctx, *args, spec: ModulatedGradSpec):
     itemsize = f.dtype.itemsize
     _, mod_div, mod_count = f.conditioning
     gate = "res_gate" in spec.slots
+    # (min_run 1: a shard's runs may be a part of those fusable_backward planned)
     p = modulated_grad.plan(rows, n, plans.vector_width(itemsize, n, [], []), itemsize, mod_div, mod_count,
-                            device.sm_count, gate)
+                            device.sm_count, gate, min_run=1)
     if p is None:
         raise RuntimeError(f"cunorm inside jit: no fused modulated backward for {f}")  # (fusable_backward said so)
     outputs = spec.outputs()

@@ -714,7 +714,8 @@ def test_modulated_backward_plan():
     """The fused modulated backward's plan: units of at least UNIT_MIN_ROWS
     rows that cover each run, cut by the run length and the GPU alone (the
     same for any number of runs: batch invariance); None for runs of
-    under UNIT_MIN_ROWS rows (per token) and rows past 512 threads' vectors."""
+    under UNIT_MIN_ROWS rows (per token; taken with min_run=1, as a shard
+    of a partitioned call) and rows past 512 threads' vectors."""
     plan = dispatch_grad.modulated_plan
     for run_rows in (16, 17, 512, 4096, 32768):
         cuts = {plan(run_rows * batch, 3072, 8, 2, run_rows, batch, 132) for batch in (1, 2, 8)}
@@ -725,5 +726,7 @@ def test_modulated_backward_plan():
     one = plan(300, 1024, 8, 2, 1, 1, 132)  # one modulation row for all: one run
     assert one.mod_div == 300
     assert plan(4096, 1024, 8, 2, 1, 4096, 132) is None  # per token
+    shard = plan(64, 1024, 8, 2, 8, 8, 132, min_run=1)  # a shard's runs of 8 rows (jit's partitioned lowering)
+    assert shard is not None and shard.unit_rows * shard.units_per_run >= 8
     assert plan(64, 8192, 8, 2, 64, 1, 132).vpt == 2 and plan(64, 16384, 8, 2, 64, 1, 132) is None
     assert plan(64, 8192, 2, 8, 64, 1, 132) is None and plan(64, 4096, 2, 8, 64, 1, 132).threads == 512
