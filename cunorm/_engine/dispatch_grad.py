@@ -432,6 +432,11 @@ UNIT_MIN_ROWS = 16
 #: the units a run is cut into at most: two a resident block (2 x SMs),
 #: so that one run (one sample) fills the GPU
 UNITS_PER_SM = 2
+#: ... and no more than one an SM where units of UNIT_ROWS rows would not
+#: need more: each unit writes its partial sums, so shorter units cost
+#: traffic (runs of 4096 rows, batch 8: 7-11% faster in 32-row units than
+#: in 16-row ones, H200; docs/notes/conditioned.md)
+UNIT_ROWS = 32
 #: rows_grad_modulated's MODF and modulated_grad_sums' OUTS bits (the .cu's)
 MOD_SCALE, MOD_GATE = 1, 2
 OUT_SHIFT, OUT_SCALE, OUT_GATE = 1, 2, 4
@@ -480,7 +485,7 @@ def modulated_plan(rows: int, n: int, vec: int, itemsize: int, mod_div: int, mod
             break
     else:
         return None
-    units_per_run = max(1, min(mod_div // UNIT_MIN_ROWS, UNITS_PER_SM * sm_count))
+    units_per_run = max(1, min(mod_div // UNIT_MIN_ROWS, UNITS_PER_SM * sm_count, max(sm_count, mod_div // UNIT_ROWS)))
     unit_rows = _ceil_div(mod_div, units_per_run)
     units_per_run = _ceil_div(mod_div, unit_rows)
     return ModulatedPlan(vec, vpt, threads, units_per_run, unit_rows, mod_div, mod_count)
