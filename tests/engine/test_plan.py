@@ -723,6 +723,11 @@ def test_modulated_backward_plan():
         p = cuts.pop()
         assert p.units_per_run * p.unit_rows >= run_rows > (p.units_per_run - 1) * p.unit_rows
         assert p.unit_rows >= dispatch_grad.UNIT_MIN_ROWS and p.units_per_run <= 2 * 132
+    # units of about UNIT_ROWS rows where that still gives every SM one (runs of 4096 on 132 SMs), of 16
+    # where the run is shorter, at most 2 x SMs of them where it is longer
+    cut = {run: (p.units_per_run, p.unit_rows) for run in (512, 4096, 32768)
+           for p in [plan(run * 8, 3072, 8, 2, run, 8, 132)]}
+    assert cut == {512: (32, 16), 4096: (128, 32), 32768: (263, 125)}
     one = plan(300, 1024, 8, 2, 1, 1, 132)  # one modulation row for all: one run
     assert one.mod_div == 300
     assert plan(4096, 1024, 8, 2, 1, 4096, 132) is None  # per token
