@@ -236,7 +236,7 @@ def _gpu(g: ModulatedGradCall) -> ModulatedGrads:
         h, dy, dh, x = (None if a is None else a.copy() for a in (h, dy, dh, x))  # (fresh: aligned for vec)
     gate = cond.residual_gate is not None
     p = None if cond.expand else plan(rows, n, vec, h.itemsize, cond.mod_div, cond.mod_count,
-                                      _sm_count(h.data.device_id), gate)
+                                      launches.device_info(h.data.device_id).sm_count, gate)
     if p is None:
         raise ValueError(unfused_reason(cond, rows, n, h.itemsize))
     dx = cupy.empty(h.shape, h.dtype)
@@ -294,11 +294,6 @@ def _entry(g: ModulatedGradCall, prog, pdtype, present):
     returns = [name if name in outputs else None for name in ("dx", "dres", "dw", "db", "dshift", "dscale", "dgate")]
     return launch_cache.entry(call.adapter, h.data.device_id, prog, ENTRY_INPUTS, outputs, slots, returns,
                               arrays={"h": h})
-
-
-@functools.lru_cache(maxsize=64)
-def _sm_count(device_id: int) -> int:
-    return launches.device_info(device_id).sm_count
 
 
 def _empty(g: ModulatedGradCall, n: int) -> ModulatedGrads:

@@ -89,8 +89,7 @@ class RowSpec:
     def cond_flags(self) -> int:
         """The per-row operands' FLAGS bits (conditioning.OPERANDS and the
         float32 stream's)."""
-        bits = {"shift": plans.FLAG_SHIFT, "mod_scale": plans.FLAG_SCALE, "res_gate": plans.FLAG_RESIDUAL_GATE,
-                "gate": plans.FLAG_GATE}
+        bits = dict(zip(row_norms.CONDITIONED_SLOTS, conditioning.OPERANDS.values()))
         flags = sum(bits[slot] for slot, _ in self.operands)
         flags |= plans.FLAG_PARAM_ROWS if self.param_rows > 1 else 0
         return flags | (plans.FLAG_WIDE_RESIDUAL if self.rdtype is not None else 0)

@@ -29,8 +29,8 @@ from .._engine.dispatch_grad import MOD_GATE, MOD_SCALE, OUT_GATE, OUT_SCALE, OU
 from . import _jit, _sharding
 from ._custom_call import emit
 
-#: a conditioned keyword's kernel slot (row_norms.CONDITIONED_SLOTS)
-SLOT = {"shift": "shift", "scale": "mod_scale", "residual_gate": "res_gate", "gate": "gate"}
+#: a conditioned keyword's kernel slot
+SLOT = dict(zip(conditioning.OPERAND_NAMES, row_norms.CONDITIONED_SLOTS))
 
 
 def forward_spec(call: row_norms.Call, x, weight, bias, residual, arrays: dict, epilogue: int,
@@ -61,7 +61,7 @@ def forward_spec(call: row_norms.Call, x, weight, bias, residual, arrays: dict, 
                         rdtype=np.dtype(residual.dtype) if residual is not None and residual.dtype != x.dtype
                         else None)
     device_id, _, _ = _jit.target()
-    plan, launch = row_norms._plan_and_choose(_jit._row_key(spec, device_id), None)
+    plan, launch = row_norms._planned(*_jit._row_key(spec, device_id))
     if plan is None or launch is None or launch.tier != "cached":
         return None
     return spec
@@ -75,7 +75,7 @@ def prepare(spec: _jit.RowSpec, x, weight, bias, residual, shift, scale, residua
     for name, a in (("r", residual), ("w", weight), ("b", bias)):
         if a is not None:
             given[name] = a if name == "r" else a.astype(spec.pdtype)
-    arrays = {"shift": shift, "mod_scale": scale, "res_gate": residual_gate, "gate": gate}
+    arrays = dict(zip(row_norms.CONDITIONED_SLOTS, (shift, scale, residual_gate, gate)))
     for slot, shape in spec.operands:
         a = arrays[slot]
         given[slot] = a if slot == "gate" else jnp.broadcast_to(
@@ -90,18 +90,15 @@ def bind_forward(spec: _jit.RowSpec, given: dict) -> tuple:
 def fusable_backward(spec: _jit.RowSpec) -> bool:
     """Whether the fused modulated backward takes a prepared call:
     shift, scale or the residual gate (no gate z, per-head parameters,
-    float32 stream, activation or weight offset) in runs of rows its plan
-    takes."""
+    float32 stream, activation or weight offset) of a pattern its plan
+    takes (modulated_grad.fusable)."""
+    shapes = [shape for slot, shape in spec.operands]
     slots = [slot for slot, _ in spec.operands]
     if (not slots or "gate" in slots or spec.param_ndim or spec.rdtype is not None
-            or spec.epilogue & plans.UNFUSED_IN_BACKWARD or spec.last != len(spec.shape) - 1):
+            or spec.epilogue & plans.UNFUSED_IN_BACKWARD):
         return False
-    _, mod_div, mod_count = spec.conditioning
-    rows, n = math.prod(spec.shape[:spec.first]), math.prod(spec.shape[spec.first:])
-    itemsize = spec.dtype.itemsize
-    sm_count = _jit.target()[1].sm_count
-    return modulated_grad.plan(rows, n, plans.vector_width(itemsize, n, [], []), itemsize, mod_div, mod_count,
-                               sm_count, "res_gate" in slots) is not None
+    return modulated_grad.fusable(spec.shape, spec.dtype.itemsize, spec.first, spec.last, shapes, False,
+                                  "res_gate" in slots)
 
 
 # --- the fused modulated backward as a primitive -------------------------------------------------

@@ -46,19 +46,35 @@ def operator_axes(axis) -> list[int]:
     return [row_norms.check_int(axis, "axis")]
 
 
+def unfused_form(x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate, gate=None) -> str | None:
+    """What in a conditioned call the fused modulated backward does not
+    take, by looking at no size (a traced size may be symbolic); None
+    where it may take it (modulated_fusable then asks of the shapes)."""
+    if gate is not None:
+        return "gate="
+    if conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis):
+        return "per-head weights"
+    if conditioning.wide(x, residual):
+        return "a float32 residual under 16-bit x"
+    if epilogue & plans.UNFUSED_IN_BACKWARD:
+        return "an activation or a weight offset"
+    if shift is None and scale is None and residual_gate is None:
+        return "none of shift=, scale= or residual_gate="
+    return None
+
+
 def modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate) -> bool:
     """Whether the fused modulated backward (modulated_grad.fusable) takes
     a call on torch tensors (CUDA, or meta: the operators' fakes give their
     shapes)."""
-    if epilogue & plans.UNFUSED_IN_BACKWARD or conditioning.wide(x, residual) or not isinstance(x, Tensor):
-        return False
     arrays = [a for a in (shift, scale, residual_gate) if a is not None]
-    if not arrays or x.device.type not in ("cuda", "meta") or not all(isinstance(a, Tensor) for a in arrays):
+    if (not isinstance(x, Tensor) or x.device.type not in ("cuda", "meta")
+            or not all(isinstance(a, Tensor) for a in arrays)
+            or unfused_form(x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate) is not None):
         return False
     first, last = plans.normalize_axes(axis, x.dim())
-    heads = conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis)
     return modulated_grad.fusable(tuple(x.shape), x.element_size(), first, last, [tuple(a.shape) for a in arrays],
-                                  heads, residual_gate is not None)
+                                  False, residual_gate is not None)
 
 
 def _as_list(results) -> list[Tensor]:
@@ -227,7 +243,10 @@ def _setup(op: Op, operators: tuple, ctx, a: dict, output) -> None:
         h = output[1] if ctx.residual else a["x"]
         conditioned = [a[name] for name in ("shift", "scale", "residual_gate") if name in a]
         if conditioned:
-            ctx.composed = _composed_reason(op, a)
+            # (the pattern of the arrays is not looked at: the backward's ValueError names one it does not take)
+            ctx.composed = unfused_form(a["x"], a.get("weight"), a.get("bias"), a.get("residual"),
+                                        _axis(a["axes"], op), a["epilogue"], a["shift"], a["scale"],
+                                        a["residual_gate"], a.get("gate"))
             conditioned.append(a["x"] if a["residual_gate"] is not None else None)
         ctx.save_for_backward(h, a.get("weight"), a.get("bias"), *conditioned, *output[-len(op.statistics):])
         ctx.axes = a["axes"]
@@ -241,25 +260,6 @@ def _setup(op: Op, operators: tuple, ctx, a: dict, output) -> None:
 _NOT_MODULATED = ("cunorm.{op}_conditioned: the operator was called while autograd recorded it with {what}, which its "
                   "backward (the fused modulated backward) does not take. Call it through cunorm.torch.{op} (or "
                   "cunorm.{op}), which composes the norm and torch's ops where autograd records.")
-
-
-def _composed_reason(op: Op, a: dict) -> str | None:
-    """Why the conditioned operator's backward cannot take a call (None:
-    it may; the backward raises ValueError where the arrays' pattern is
-    not one it takes, modulated_grad.unfused_reason). Shapes are not
-    looked at: while tracing they may be symbolic."""
-    x, axis, residual = a["x"], _axis(a["axes"], op), a.get("residual")
-    if a.get("gate") is not None:
-        return "gate="
-    if conditioning.per_head(a.get("weight"), axis) or conditioning.per_head(a.get("bias"), axis):
-        return "per-head weights"
-    if conditioning.wide(x, residual):
-        return "a float32 residual under 16-bit x"
-    if a["epilogue"] & plans.UNFUSED_IN_BACKWARD:
-        return "an activation or a weight offset"
-    if all(a[name] is None for name in ("shift", "scale", "residual_gate")):
-        return "none of shift=, scale= or residual_gate="
-    return None
 
 
 def _gradients(op: Op, ctx, grads) -> tuple:
@@ -294,7 +294,7 @@ def _gradients(op: Op, ctx, grads) -> tuple:
         found = {"x": results[0], "residual": dres if dres is not None else (results[0] if ctx.residual else None)}
         for name, given in (("weight", weight), ("bias", bias), ("shift", shift), ("scale", scale),
                             ("residual_gate", residual_gate)):
-            if given is not None and (name in op.params or name not in ("weight", "bias")):
+            if given is not None:  # (the backward returns a gradient for each array given, in this order)
                 found[name] = next(rest)
         return tuple(found.get(name) for name in forward_arguments)
     x, mean, rstd, weight, bias = ctx.saved_tensors
