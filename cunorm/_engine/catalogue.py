@@ -10,9 +10,10 @@ from . import declarations as K
 from .dispatch_rows import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
                             cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
 from .dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_NORMS, GRAD_STRIDED_MAX_CPT, _vpt_choices,
-                            column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes, grad_onchip_items,
-                            grad_onchip_max_elements, grad_onchip_shapes, grad_policy, strided_grad_cache_bytes,
-                            MOD_GATE, MOD_SCALE, max_vectors)
+                            column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes,
+                            grad_cached_multi_row_bounds, grad_onchip_items, grad_onchip_max_elements,
+                            grad_onchip_shapes, grad_policy, strided_grad_cache_bytes, MOD_GATE, MOD_SCALE,
+                            max_vectors)
 from .dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
                                 ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from .declarations import Kernel
@@ -253,7 +254,11 @@ def backward_kernels() -> list[Kernel]:
                         for tune in tunes:
                             for threads in (tune.grad_cached_target_threads, GRAD_CACHED_MAX_THREADS):
                                 out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt,
-                                                              *grad_cached_bounds(threads, vpt, tune),
+                                                              *grad_cached_bounds(threads, vpt, tune), 0,
+                                                              cooperative=flags != 0, persistent=True))
+                            if vpt == 1:  # (rows shorter than a block: several a block)
+                                out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt,
+                                                              *grad_cached_multi_row_bounds(tune), 1,
                                                               cooperative=flags != 0, persistent=True))
                     for bounds in sorted({(vpt, cluster, *grad_cached_bounds(threads, vpt, tune)) for tune in tunes
                                           for vpt, cluster, threads in grad_cached_cluster_shapes(vec, dtype.itemsize,

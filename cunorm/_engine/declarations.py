@@ -206,10 +206,10 @@ CHANNEL_GRAD_ONCHIP = KernelDecl("onchip", "channel_grad_onchip",
                                  ("T", "P", "FLAGS", "VEC", "TRAINING", "THREADS", "ITEMS", "CLUSTER"),
                                  _args("dy x mean rstd w:in dx dw db:out batch plane_vecs channels:i32"))
 # backward.cu
-_ROWS_GRAD_CACHED_ARGS = _args("dy x dh w center scale:in dx partial:out rows:i64 n:i32 eps:acc "
+_ROWS_GRAD_CACHED_ARGS = _args("dy x dh w center scale:in dx partial:out rows:i64 n row_threads:i32 eps:acc "
                                "prefetch_next:i32 dw db arrived:out")
 ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
-                              ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),
+                              ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "MULTI_ROW"),
                               _ROWS_GRAD_CACHED_ARGS)
 ROWS_GRAD_CLUSTER = KernelDecl("backward", "rows_grad_cluster",
                                ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "CLUSTER"),

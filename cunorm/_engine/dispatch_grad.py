@@ -124,6 +124,28 @@ def grad_cached_shape(n_vec: int, vec: int, itemsize: int, tune: tuning.Tuning,
     return None
 
 
+def grad_cached_rows_a_block(n_vec: int, threads: int, vpt: int, tune: tuning.Tuning) -> tuple[int, int]:
+    """(threads a row, rows a block) of rows_grad_cached for rows of n_vec
+    vectors that grad_cached_shape gives ``threads`` of one block: a row of
+    at most tune.grad_cached_multi_row_max_row_threads threads shares a
+    block of tune.grad_cached_multi_row_threads with other rows, where its
+    threads divide it (a row of under 32 vectors a thread takes the power
+    of two at or above, a part of a warp), so that its barriers and its
+    block's partial row serve several rows (docs/notes/backward.md, "Short
+    rows"); else (threads, 1)."""
+    block = tune.grad_cached_multi_row_threads
+    width = _ceil_div(n_vec, vpt)
+    row_threads = next_pow2(width) if width < 32 else threads
+    if row_threads > tune.grad_cached_multi_row_max_row_threads or row_threads >= block or block % row_threads:
+        return threads, 1
+    return row_threads, block // row_threads
+
+
+def grad_cached_multi_row_bounds(tune: tuning.Tuning) -> tuple[int, int]:
+    """rows_grad_cached's launch bounds for blocks shared by several rows."""
+    return tune.grad_cached_multi_row_threads, tune.grad_cached_multi_row_min_blocks
+
+
 def _cluster_sizes(most: int) -> list[int]:
     """The cluster sizes tried, in order: powers of two from 2 to ``most``."""
     return [c for c in (2, 4, 8, 16) if c <= most]
@@ -164,6 +186,7 @@ class GradLaunch:
     parts: int = 0  # rows of parameter partials (cached: set at launch; streamed: 1 = written directly)
     stat_words: int = 2  # words of the gradient statistic (LinfGrad: 3)
     prefetch_next: bool = False  # cached: the next row fetched into L2 ahead
+    row_threads: int = 0  # cached: threads a row (the block's, or a part of it shared by several rows)
 
 
 def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: int, inner: int, vec: int,
@@ -190,14 +213,21 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
         if shape is not None and (shape[2] == 1 or outer * shape[2] >= sm) and \
                 shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
             threads, vpt, cluster = shape
-            bounds = grad_cached_bounds(threads, vpt, tune)
+            row_threads, rows_a_block = grad_cached_rows_a_block(n_vec, threads, vpt, tune) if cluster == 1 else \
+                (threads, 1)
+            if rows_a_block > 1:
+                threads = row_threads * rows_a_block
+                shared = grad_cached_shared_bytes(flags, vec, threads, vpt, accumulation(dtype).itemsize)
+            bounds = grad_cached_multi_row_bounds(tune) if rows_a_block > 1 else grad_cached_bounds(threads, vpt, tune)
             if cluster == 1:
-                kernel = K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *bounds, cooperative=flags != 0 and cooperative,
-                                            persistent=True)
+                kernel = K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *bounds, int(rows_a_block > 1),
+                                            cooperative=flags != 0 and cooperative, persistent=True)
             else:  # (its partials go to column_sum: no cooperative launch)
                 kernel = K.ROWS_GRAD_CLUSTER(grad, t, p, flags, vec, vpt, *bounds, cluster, persistent=True)
-            step = Step(kernel, (min(outer, MAX_GRID_X // cluster) * cluster,), (threads,), shared)
-            return GradLaunch("cached", (step,), prefetch_next=tune.grad_cached_prefetch_next)
+            blocks = min(_ceil_div(outer, rows_a_block), MAX_GRID_X // cluster) * cluster
+            step = Step(kernel, (blocks,), (threads,), shared)
+            return GradLaunch("cached", (step,), prefetch_next=tune.grad_cached_prefetch_next,
+                              row_threads=row_threads)
         # pass 1: chunks of each row, about tuning.grad_chunk_blocks_per_sm blocks an
         # SM; pass 2: column tiles down row chunks, tuning.grad_apply_blocks_per_sm
         want = max(1, _ceil_div(tune.grad_chunk_blocks_per_sm * sm, outer))

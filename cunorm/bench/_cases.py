@@ -232,6 +232,11 @@ BACKWARD_CASES = [
     ("backward rms_norm bf16 32768x4096 +w", "rms", (32768, 4096), "bfloat16", -1, 80),
     ("backward layer_norm bf16 32768x4096 +w+b", "ln", (32768, 4096), "bfloat16", -1, 80),
     ("backward rms_norm fp32 65536x1024 +w", "rms", (65536, 1024), "float32", -1, None),
+    # short rows: 1024 bf16 (a block a row), 256 and 128 (QK-norm's heads: several rows a block)
+    ("backward rms_norm bf16 65536x1024 +w (short rows)", "rms", (65536, 1024), "bfloat16", -1, 80),
+    ("backward layer_norm bf16 65536x1024 +w+b (short rows)", "ln", (65536, 1024), "bfloat16", -1, 80),
+    ("backward layer_norm bf16 131072x256 +w+b (short rows)", "ln", (131072, 256), "bfloat16", -1, None),
+    ("backward rms_norm bf16 262144x128 +w (short rows)", "rms", (262144, 128), "bfloat16", -1, None),
     # 64 KB of column sums a block: more than the default dynamic shared memory
     ("backward layer_norm bf16 4096x8192 +w+b", "ln", (4096, 8192), "bfloat16", -1, None),
     ("backward layer_norm bf16 4096x32768 +w+b (long rows)", "ln", (4096, 32768), "bfloat16", -1, None),

@@ -19,12 +19,13 @@
 // Families (cunorm/_engine/gradients.py picks):
 //   rows_grad_cached   contiguous rows of up to 32 elements (64 bytes of x)
 //                      a thread: a block walks rows with its row in
-//                      registers, reads x and dy once, and keeps its
-//                      columns' dweight/dbias partials in shared memory
-//                      across rows (each thread owns the same columns in
-//                      every row); once all have written their partials
-//                      the grid adds them up (a cooperative launch). One
-//                      read of x and dy, one write of dx.
+//                      registers (short rows: several rows at once, a
+//                      slot of the block each), reads x and dy once, and
+//                      keeps its columns' dweight/dbias partials in shared
+//                      memory across rows (each thread owns the same
+//                      columns in every row); once all have written their
+//                      partials the grid adds them up (a cooperative
+//                      launch). One read of x and dy, one write of dx.
 //   rows_grad_cluster  the same for rows one block cannot hold (sm_90): a
 //                      thread-block cluster a row, its partials added by
 //                      column_sum.
@@ -41,6 +42,7 @@
 //                      in order, pass 2 writes dx and the parameter
 //                      partials.
 #include "cluster.cuh"
+#include "column_sums.cuh"
 #include "grads.cuh"
 
 namespace cunorm {
@@ -49,8 +51,16 @@ namespace cunorm {
 // Thread layout: blockDim.x threads (a multiple of 32, at most MAX_THREADS)
 // own vectors tid, tid + blockDim.x, ... (VPT of them) of every row; grid =
 // min(rows, the blocks resident at once), block b taking rows b, b + grid,
-// ... partial (FLAGS: 2 x gridDim.x x n words) receives each block's sums
-// of dy * xhat (dweight) and dy (dbias) per column; the block then counts
+// ... With MULTI_ROW (rows of at most 64 threads) the block is
+// blockDim.x / row_threads slots of row_threads threads (a power of two
+// under 32: a part of a warp, reduced by shuffles alone), thread tid of a
+// slot owning vectors tid, tid + row_threads, ...; block b takes rows b x
+// slots, ..., b x slots + slots - 1, then the next grid x slots: rows of
+// 64-256 bf16 elements went 2.5-4x faster (H200), a block a row having
+// run one barrier-bound warp a row and written a partial row per 16-17
+// rows (docs/notes/backward.md).
+// partial (FLAGS: 2 x gridDim.x x n words) receives each block's sums of dy
+// * xhat (dweight) and dy (dbias) per column; the block then counts
 // in on `arrived` (zeroed by the caller) and waits for every block (the
 // launch is cooperative: all blocks resident at once, or no launch), and
 // the grid adds the partials up into dw and db (grid_column_sum): no
@@ -91,117 +101,6 @@ namespace cunorm {
 // 80.5-81.0% both, as without; a grid sum whose warps each took a column
 // of 32 down all 396 partial rows (50 dependent-batch loads a thread):
 // no faster than column_sum.
-template <class A, int VEC>
-struct ColumnSums {
-    static constexpr int kWidth = VEC * sizeof(A) <= 16 ? VEC : 16 / static_cast<int>(sizeof(A));
-    using Group = Vec<A, kWidth>;
-    A* first;  // this thread's first word
-    __device__ __forceinline__ Group* group(int k, int g) const {
-        return reinterpret_cast<Group*>(first + (k * VEC + g * kWidth) * 32);
-    }
-};
-
-// C consecutive accumulator words from L2 (.cg: partials another SM may
-// have just written), one 16-byte load for 4 floats or 2 doubles.
-template <class A, int C>
-__device__ __forceinline__ Vec<A, C> load_partial(const A* p) {
-    Vec<A, C> v;
-    if constexpr (C == 4 && sizeof(A) == 4) {
-        const float4 f = __ldcg(reinterpret_cast<const float4*>(p));
-        v.v[0] = f.x; v.v[1] = f.y; v.v[2] = f.z; v.v[3] = f.w;
-    } else if constexpr (C == 2 && sizeof(A) == 8) {
-        const double2 d = __ldcg(reinterpret_cast<const double2*>(p));
-        v.v[0] = d.x; v.v[1] = d.y;
-    } else {
-        static_assert(C == 1, "one word, or 16 bytes");
-        v.v[0] = __ldcg(p);
-    }
-    return v;
-}
-
-// The column sums of parameter partials, in a fixed order (the one
-// mechanism of column_sum and of rows_grad_cached's own grid): out[col + i]
-// = the sum over p < parts of src[p * n + col + i] for i < C, rounded once
-// to P, out being out_w for output 0 and out_b for 1. The block is `quads`
-// x `slices` threads, thread (x, y) the one of linear index y * quads + x:
-// it loads parts y, y + slices, ... (BATCH loads in flight), then thread
-// (x, 0) adds the slices' sums in slice order. The order depends on the
-// block's shape alone: bitwise the same run to run. Every thread of the
-// block calls it (it has barriers); `tile`: C x quads x slices words of
-// shared memory. Index: the column type (int in rows_grad_cached, whose
-// rows are short; long long in column_sum). Inlined in rows_grad_cached
-// its registers count: the tile slot is read from threadIdx, the output
-// picked only to write, the column's pointer formed once (a first version
-// without these held 71 registers against 64 for RMSNorm fp32 rows of
-// 1024, three blocks an SM instead of four, 89.7-90.3% against 92.1% in
-// the same call, H200; 62 now).
-template <int C, int BATCH, class A, class P, class Index>
-__device__ __forceinline__ void sum_partial_columns(const A* __restrict__ src, P* __restrict__ out_w,
-                                                    P* __restrict__ out_b, int output, int parts, Index n, Index col,
-                                                    int x, int y, int quads, int slices, A* tile) {
-    const int threads = blockDim.x;  // quads x slices (a 1-D block)
-    Vec<A, C> s;
-#pragma unroll
-    for (int i = 0; i < C; ++i) s.v[i] = A(0);
-    if (col < n) {
-        const A* const column = src + col;
-        for_each_batched<BATCH>(
-            y, parts, slices, [&](long long p) { return load_partial<A, C>(column + p * n); },
-            [&](long long, const Vec<A, C>& v) {
-#pragma unroll
-                for (int i = 0; i < C; ++i) s.v[i] += v.v[i];
-            });
-    }
-#pragma unroll
-    for (int i = 0; i < C; ++i) tile[i * threads + threadIdx.x] = s.v[i];
-    __syncthreads();
-    if (y == 0 && col < n) {
-        P* const out = output == 0 ? out_w : out_b;
-#pragma unroll
-        for (int i = 0; i < C; ++i) {
-            A t = tile[i * threads + x];
-            for (int q = 1; q < slices; ++q) t += tile[i * threads + q * quads + x];
-            if (col + i < n) narrow(static_cast<typename AccOf<P>::type>(t), out[col + i]);
-        }
-    }
-    __syncthreads();  // tile is refilled
-}
-
-// The column sums of rows_grad_cached's partials by its own grid, once
-// every block has written its own (behind the grid barrier): out_w from
-// partial rows 0 .. parts - 1, out_b from rows parts .. 2 * parts - 1. A
-// unit of work is quads x C consecutive columns of one output, C = 4 (one
-// 16-byte load) where n allows, else 1, summed by the block as quads x
-// slices threads (sum_partial_columns); blocks take units blockIdx.x, +
-// gridDim.x, ... slices = blockDim.x / 8 (quads = 8) where there are that
-// many partial rows; a grid of fewer (few rows: decode-sized calls) takes
-// the power of two at or above parts (at most 32) and wider units, so that
-// no slice idles and a block runs few units one after another (one block
-// of a 1x4096 RMSNorm ran 128 units of 32 columns: docs/notes/host-time.md).
-// `tile`: C x blockDim.x words of shared memory.
-template <int C, class A, class P, int FLAGS>
-__device__ __forceinline__ void grid_column_sum(const A* __restrict__ partial, P* __restrict__ out_w,
-                                                P* __restrict__ out_b, int parts, int n, A* tile) {
-    const int threads = static_cast<int>(blockDim.x);
-    int slices = threads / 8;
-    if (parts < slices) {
-        slices = 1;
-        while (slices < parts && slices < 32) slices *= 2;
-    }
-    const int quads = threads / slices;  // column groups of C a unit
-    const int x = threadIdx.x % quads, y = threadIdx.x / quads;
-    const int unit_cols = quads * C;
-    const int groups = (n + unit_cols - 1) / unit_cols;
-    constexpr int first = (FLAGS & kWeight) ? 0 : 1;  // the outputs wanted: first .. last
-    constexpr int last = (FLAGS & kBias) ? 1 : 0;
-    for (int unit = blockIdx.x; unit < (last - first + 1) * groups; unit += gridDim.x) {
-        const int output = first + unit / groups;
-        // (four loads in flight: eight raised the kernel's registers, 39 ->
-        // 78 for RMSNorm fp32 rows of 1024, cutting its blocks an SM)
-        sum_partial_columns<C, 4>(partial + static_cast<long long>(output) * parts * n, out_w, out_b, output, parts,
-                                  n, (unit % groups) * unit_cols + x * C, x, y, quads, slices, tile);
-    }
-}
 
 // The sum of a block's statistic s over its cluster, in rank order, in every
 // thread (slot: one Stats of this block's shared memory, free until every
@@ -217,12 +116,16 @@ __device__ __forceinline__ typename Grad::Stats cluster_combine(typename Grad::S
     return total;
 }
 
-// The body of rows_grad_cached (CLUSTER 1) and rows_grad_cluster.
-template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int CLUSTER>
+// The body of rows_grad_cached (CLUSTER 1) and rows_grad_cluster. MULTI_ROW
+// (CLUSTER 1 only): the block works on slots = blockDim.x / row_threads
+// rows at once, slot s (threads s x row_threads ...) taking rows b x slots
+// + s, + gridDim.x x slots, ...; the slots' column sums are added in slot
+// order before the block writes its one partial row.
+template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int CLUSTER, int MULTI_ROW>
 __device__ __forceinline__ void rows_grad_cached_body(
     const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh, const P* __restrict__ w,
     const typename AccOf<T>::type* __restrict__ center, const typename AccOf<T>::type* __restrict__ scale,
-    T* __restrict__ dx, typename AccOf<T>::type* __restrict__ partial, long long rows, int n,
+    T* __restrict__ dx, typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
     typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
     unsigned int* __restrict__ arrived) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -239,18 +142,24 @@ __device__ __forceinline__ void rows_grad_cached_body(
                          (threadIdx.x % 32) * W;
     const Sums dw_sums{sums_base};
     const Sums db_sums{sums_base + ((FLAGS & kWeight) ? VPT * VEC * blockDim.x : 0)};
+    static_assert(!MULTI_ROW || CLUSTER == 1, "a row a block in a cluster");
     const int n_vec = n / VEC;
     const unsigned int rank = CLUSTER > 1 ? cluster_rank() : 0u;
+    if constexpr (!MULTI_ROW) row_threads = static_cast<int>(blockDim.x);
+    const int slots = MULTI_ROW ? static_cast<int>(blockDim.x) / row_threads : 1;
+    const int slot = MULTI_ROW ? static_cast<int>(threadIdx.x) / row_threads : 0;
+    const int tid = static_cast<int>(threadIdx.x) - slot * row_threads;  // within the slot
     // this thread's first vector of every row (its block's slice, then its own)
-    const int first_vec = static_cast<int>(rank) * static_cast<int>(blockDim.x) * VPT + static_cast<int>(threadIdx.x);
+    const int first_vec = static_cast<int>(rank) * row_threads * VPT + tid;
     const long long clusters = gridDim.x / CLUSTER;  // the partials' rows
     const long long cluster = blockIdx.x / CLUSTER;
+    const long long row_step = clusters * slots;
     // the weights widened once (not twice a row: 16-bit weights cost a
     // conversion an element a pass)
     A wf[VPT][VEC];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-        const int v = first_vec + k * blockDim.x;
+        const int v = first_vec + k * row_threads;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) wf[k][j] = A(1);
         if constexpr (FLAGS & kWeight) {
@@ -271,14 +180,16 @@ __device__ __forceinline__ void rows_grad_cached_body(
     }
     int parity = 0;
 #pragma unroll 1
-    for (long long row = cluster; row < rows; row += clusters) {
+    for (long long first_row = cluster * slots; first_row < rows; first_row += row_step) {
+        const long long row = first_row + slot;
+        const bool active = !MULTI_ROW || row < rows;  // (a slot past the end still meets the barriers)
         const long long base = row * n;
         Vec<T, VEC> xv[VPT];
         Vec<T, VEC> gv[VPT];
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            const int v = first_vec + k * blockDim.x;
-            if (v < n_vec) {
+            const int v = first_vec + k * row_threads;
+            if (active && v < n_vec) {
                 xv[k] = load_vec<T, VEC>(x + base + static_cast<long long>(v) * VEC);
                 gv[k] = load_vec<T, VEC>(dy + base + static_cast<long long>(v) * VEC);
             }
@@ -289,25 +200,27 @@ __device__ __forceinline__ void rows_grad_cached_body(
         // step (the loop before, over a row's lines of x then of dy with
         // 64-bit index arithmetic and up to k rows ahead, cost LayerNorm
         // bf16 32768x4096 1.4 points).
-        if (prefetch_next && row + clusters < rows) {
-            const int first = (first_vec - static_cast<int>(threadIdx.x)) * VEC;  // the block's slice
-            const char* const x_next = reinterpret_cast<const char*>(x + (row + clusters) * n + first);
-            const char* const dy_next = reinterpret_cast<const char*>(dy + (row + clusters) * n + first);
-            const int bytes = min(n - first, static_cast<int>(blockDim.x) * VPT * VEC) * static_cast<int>(sizeof(T));
-            for (int offset = threadIdx.x * 128; offset < bytes; offset += blockDim.x * 128) {
+        if (prefetch_next && row + row_step < rows) {
+            const int first = (first_vec - tid) * VEC;  // the block's slice
+            const char* const x_next = reinterpret_cast<const char*>(x + (row + row_step) * n + first);
+            const char* const dy_next = reinterpret_cast<const char*>(dy + (row + row_step) * n + first);
+            const int bytes = min(n - first, row_threads * VPT * VEC) * static_cast<int>(sizeof(T));
+            for (int offset = tid * 128; offset < bytes; offset += row_threads * 128) {
                 prefetch_l2(x_next + offset);
                 prefetch_l2(dy_next + offset);
             }
         }
         A c0 = A(0), s0 = A(1);
         if constexpr (Grad::kSaved) {
-            if (center != nullptr) c0 = center[row];
-            s0 = scale[row];
+            if (active) {
+                if (center != nullptr) c0 = center[row];
+                s0 = scale[row];
+            }
         }
         Stats s = Grad::init();
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            if (first_vec + k * blockDim.x < n_vec) {
+            if (active && first_vec + k * row_threads < n_vec) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const A g = weighted<FLAGS>(static_cast<A>(widen(gv[k].v[j])), wf[k][j]);
@@ -318,7 +231,11 @@ __device__ __forceinline__ void rows_grad_cached_body(
         // (the block's most warps known: its warps' sums are added by an
         // unrolled loop, not the general one with its trip-count
         // arithmetic; LayerNorm bf16 32768x4096 77.2 -> 79.4%, H200)
-        s = block_reduce<Grad, MAX_THREADS / 32>(s, scratch);
+        if constexpr (!MULTI_ROW) {
+            s = block_reduce<Grad, MAX_THREADS / 32>(s, scratch);
+        } else {
+            s = group_block_reduce<Grad, MAX_THREADS / 32>(s, scratch, row_threads);
+        }
         if constexpr (CLUSTER > 1) {
             s = cluster_combine<Grad, CLUSTER>(s, &cluster_slots[parity]);
             parity ^= 1;
@@ -326,8 +243,8 @@ __device__ __forceinline__ void rows_grad_cached_body(
         const GradCoeffs<A> c = Grad::coeffs(s, n, eps, c0, s0);
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            const int v = first_vec + k * blockDim.x;
-            if (v < n_vec) {
+            const int v = first_vec + k * row_threads;
+            if (active && v < n_vec) {
                 const long long e = base + static_cast<long long>(v) * VEC;
                 Vec<T, VEC> hv;
                 if (dh != nullptr) hv = load_vec<T, VEC>(dh + e);
@@ -361,16 +278,28 @@ __device__ __forceinline__ void rows_grad_cached_body(
         cluster_wait();
     }
     if constexpr (FLAGS != 0) {
+        if constexpr (MULTI_ROW) __syncthreads();  // every slot's sums written
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            const int v = first_vec + k * blockDim.x;
-            if (v < n_vec) {
+            const int v = first_vec + k * row_threads;
+            if (slot == 0 && v < n_vec) {
 #pragma unroll
                 for (int g = 0; g < VEC / W; ++g) {
                     const long long col = static_cast<long long>(v) * VEC + g * W;
                     typename Sums::Group dw_group, db_group;
                     if constexpr (FLAGS & kWeight) dw_group = *dw_sums.group(k, g);
                     if constexpr (FLAGS & kBias) db_group = *db_sums.group(k, g);
+                    for (int q = 1; q < slots; ++q) {  // the other slots' threads of these columns, in slot order
+                        const int peer = static_cast<int>(threadIdx.x) + q * row_threads;
+                        const int shift = ((peer >> 5) - static_cast<int>(threadIdx.x >> 5)) * (VPT * VEC * 32) +
+                                          ((peer & 31) - static_cast<int>(threadIdx.x & 31)) * W;
+                        const Sums peer_dw{dw_sums.first + shift}, peer_db{db_sums.first + shift};
+#pragma unroll
+                        for (int i = 0; i < W; ++i) {
+                            if constexpr (FLAGS & kWeight) dw_group.v[i] += peer_dw.group(k, g)->v[i];
+                            if constexpr (FLAGS & kBias) db_group.v[i] += peer_db.group(k, g)->v[i];
+                        }
+                    }
 #pragma unroll
                     for (int i = 0; i < W; ++i) {
                         if constexpr (FLAGS & kWeight) partial[cluster * n + col + i] = dw_group.v[i];
@@ -409,15 +338,16 @@ __device__ __forceinline__ void rows_grad_cached_body(
 // even of one block, had its cooperative launches refused as too large
 // (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) at grids the occupancy query
 // allowed (H100).
-template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS>
+template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS, int MULTI_ROW>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
     rows_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
                      const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
                      const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
-                     typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
-                     int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
-    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1>(dy, x, dh, w, center, scale, dx, partial, rows,
-                                                                      n, eps, prefetch_next, dw, db, arrived);
+                     typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
+                     typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
+                     unsigned int* __restrict__ arrived) {
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW>(
+        dy, x, dh, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived);
 }
 
 // A cluster of CLUSTER blocks a row (sm_90; never cooperative).
@@ -426,10 +356,11 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(C
     rows_grad_cluster(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh,
                       const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ center,
                       const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
-                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, typename AccOf<T>::type eps,
-                      int prefetch_next, P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived) {
-    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER>(
-        dy, x, dh, w, center, scale, dx, partial, rows, n, eps, prefetch_next, dw, db, arrived);
+                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
+                      typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
+                      unsigned int* __restrict__ arrived) {
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER, 0>(
+        dy, x, dh, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived);
 }
 
 // --- column_sum ------------------------------------------------------------------

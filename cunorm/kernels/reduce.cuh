@@ -163,4 +163,30 @@ __device__ __forceinline__ typename Norm::Stats block_reduce(typename Norm::Stat
     return scratch[32];
 }
 
+// All threads of each aligned group of `width` consecutive threads of the
+// block (a power of two up to 32, or a multiple of 32 dividing blockDim.x,
+// of at most four warps or a cheap combine) end with their group's combined
+// partial, combined in block_reduce's order for a block of `width` threads:
+// the same statistic. Groups within a warp need no barrier; wider ones add
+// their warps' partials through `scratch` (a Stats a warp), every thread of
+// the block calling.
+template <class Norm, int MAX_WARPS>
+__device__ __forceinline__ typename Norm::Stats group_block_reduce(typename Norm::Stats s,
+                                                                   typename Norm::Stats* scratch, int width) {
+    if (width <= 32) return group_reduce<Norm>(s, width);
+    const int warp = threadIdx.x >> 5;
+    const int group_warps = width >> 5;
+    const int first = warp - warp % group_warps;
+    s = group_reduce<Norm>(s, 32);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[warp] = s;
+    __syncthreads();
+    typename Norm::Stats total = scratch[first];
+#pragma unroll
+    for (int i = 1; i < MAX_WARPS; ++i) {
+        if (i < group_warps) total = Norm::combine(total, scratch[first + i]);
+    }
+    return total;
+}
+
 }  // namespace cunorm

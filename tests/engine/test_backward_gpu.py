@@ -205,6 +205,45 @@ def test_cluster_backward(op, rng):
         check_rows(op, x, weight=random(rng, (n,), bf16, offset=1.0), bias=random(rng, (n,), bf16), rng=rng)
 
 
+@pytest.mark.parametrize("shape, dtype", [((1001, 40), np.float32), ((20001, 64), dtypes.bfloat16),
+                                          ((4099, 256), dtypes.bfloat16), ((3001, 200), np.float16)],
+                         ids=["1001x40-f32", "20001x64-bf16", "4099x256-bf16", "3001x200-f16"])
+@pytest.mark.parametrize("op", ["rms", "ln"])
+def test_short_rows_share_blocks(op, shape, dtype, rng):
+    """Rows of at most 64 threads share a block, a row a slot (parts of a
+    warp for 40 and 64 elements): a row count no multiple of the slots,
+    more rows than resident slots (a slot walks several), dh, no parameters,
+    float32 parameters; each row's dx bitwise the one it gets alone or in a
+    shorter batch."""
+    import cupy
+    from cunorm._engine import gradients
+
+    n = shape[-1]
+    vec = max(v for v in (1, 2, 4, 8) if v * np.dtype(dtype).itemsize <= 16 and n % v == 0)
+    launch = gradients._rows_launch(op, np.dtype(dtype), np.dtype(dtype), 3 if op == "ln" else 1, *shape, 1, vec, 0)
+    assert launch.steps[0].kernel.template_args[-1] == 1 and launch.row_threads < launch.steps[0].block[0]
+    x = random(rng, shape, dtype)
+    w = random(rng, (n,), dtype, offset=1.0)
+    b = random(rng, (n,), dtype) if op == "ln" else None
+    check_rows(op, x, weight=w, bias=b, residual=True, rng=rng)
+    check_rows(op, x, rng=rng)
+    check_rows(op, x, weight=random(rng, (n,), np.float32, offset=1.0), rng=rng)
+    xs, dys = cupy.asarray(x), cupy.asarray(random(rng, shape, dtype))
+    ws = cupy.asarray(w)
+
+    def dx_of(rows):
+        if op == "rms":
+            _, rstd = cunorm.rms_norm(xs[:rows], ws, return_stats=True)
+            return cunorm.rms_norm_backward(dys[:rows], xs[:rows], rstd, ws)[0]
+        _, mean, rstd = cunorm.layer_norm(xs[:rows], ws, cupy.asarray(b), return_stats=True)
+        return cunorm.layer_norm_backward(dys[:rows], xs[:rows], mean, rstd, ws, cupy.asarray(b))[0]
+
+    whole = cupy.asnumpy(dx_of(shape[0]))
+    for rows in (1, 7, shape[0] // 3):
+        part = cupy.asnumpy(dx_of(rows))
+        assert np.array_equal(part.view(np.uint8), whole[:rows].view(np.uint8)), rows
+
+
 def test_cached_backward_grid_fills_the_gpu():
     """A cached block whose column sums need more than 48 KB of shared
     memory (LayerNorm, 16384 bf16 a row: 128 KB) still gets a block an SM:

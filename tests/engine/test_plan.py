@@ -637,6 +637,34 @@ def test_long_rows_backward_on_clusters():
     assert dispatch_grad.choose_rows_grad("ln", bf16, bf16, 3, 4096, 1 << 20, 1, 8, H200).tier == "streamed"
 
 
+def test_short_rows_backward_share_blocks():
+    """Rows of at most 64 threads share 256-thread blocks of rows_grad_cached
+    (a row a slot: a part of a warp below 32 vectors, the power of two at or
+    above), launched at its own bounds, the grid a block per 256 // slot rows;
+    longer rows, and rows whose threads do not divide the block, keep a
+    block each."""
+    bf16, f32 = np.dtype(dtypes.bfloat16), np.dtype(np.float32)
+    tune = tuning.of(H200)
+    share = dispatch_grad.grad_cached_rows_a_block
+    assert share(16, 32, 1, tune) == (16, 16)
+    assert share(5, 32, 1, tune) == (8, 32)
+    assert share(1, 32, 1, tune) == (1, 256)
+    assert share(32, 32, 1, tune) == (32, 8)
+    assert share(64, 64, 1, tune) == (64, 4)
+    assert share(96, 96, 1, tune) == (96, 1)  # (more than 64 threads)
+    assert share(128, 128, 1, tune) == (128, 1)
+    for dtype, n, vec, row_threads in ((bf16, 128, 8, 16), (bf16, 256, 8, 32), (bf16, 512, 8, 64), (f32, 40, 4, 16)):
+        launch = dispatch_grad.choose_rows_grad("ln", dtype, dtype, 3, 1001, n, 1, vec, H200)
+        (step,) = launch.steps
+        assert launch.tier == "cached" and launch.row_threads == row_threads and step.block == (256,)
+        assert step.kernel.template_args[-3:] == (*dispatch_grad.grad_cached_multi_row_bounds(tune), 1)
+        assert step.grid == (-(-1001 // (256 // row_threads)),) and step.kernel.cooperative
+        assert step.shared_bytes == dispatch_grad.grad_cached_shared_bytes(3, vec, 256, 1, 4)
+    launch = dispatch_grad.choose_rows_grad("ln", bf16, bf16, 3, 1001, 1024, 1, 8, H200)
+    assert launch.row_threads == 128 and launch.steps[0].block == (128,)
+    assert launch.steps[0].kernel.template_args[-1] == 0 and launch.steps[0].grid == (1001,)
+
+
 def test_every_backward_choice_is_compiled():
     """Whatever the row backward's dispatch picks over a sweep of norms,
     dtypes, parameters, vector widths and row lengths (clusters included)
@@ -649,7 +677,7 @@ def test_every_backward_choice_is_compiled():
             for flags in dispatch_rows.norm_info(norm).flags:
                 pdtype = dtype if flags else None
                 for vec in (1, 2, 16 // dtype.itemsize):
-                    for n in (vec * 8, 4096, 8192 + vec, 16384, 32768, 40000 * vec, 65536):
+                    for n in (vec, vec * 8, 512, 4096, 8192 + vec, 16384, 32768, 40000 * vec, 65536):
                         n -= n % vec
                         for device in (H200, A100):
                             launch = dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, 4096, n, 1, vec,
