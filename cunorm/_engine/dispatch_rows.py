@@ -84,7 +84,7 @@ UNCACHED_SHARED_RESERVE = 1024
 #: kernel's static scratch.
 RESIDENT_BLOCK_THREADS = 512
 RESIDENT_SHARED_RESERVE = 1024
-GROUP_BLOCK_THREADS = 256  # mirrors kGroupBlockThreads in rows.cu
+GROUP_BLOCK_THREADS = 128  # mirrors kGroupBlockThreads in row_bounds.cuh
 STRIDED_BLOCK_THREADS = 256
 
 MAX_GRID_X = 2**31 - 1
@@ -342,6 +342,12 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         if plan.flags & (plans.FLAG_GATE_INPUT | plans.FLAG_WIDE_RESIDUAL) and n_vec >= tune.formed_min_vecs:
             target = tune.target_vecs_per_thread_formed
         threads = min(next_pow2(_ceil_div(n_vec, target)), tune.preferred_max_row_threads)
+        plain = not plan.residual and plan.quant is None and not plan.flags & plans.CONDITIONED_FLAGS
+        if plain and 1 < threads and next_pow2(_ceil_div(n_vec, target // 2)) <= tune.short_row_max_lanes:
+            # short rows: half the vectors a thread where a group of at
+            # most short_row_max_lanes lanes still holds the row (rows of
+            # one lane keep it: not measured)
+            threads = next_pow2(_ceil_div(n_vec, target // 2))
         if heavy and n_vec >= 64 * tune.target_vecs_per_thread:
             threads = max(threads, 64)
         if _ceil_div(n_vec, threads) > MAX_VECS_PER_THREAD:

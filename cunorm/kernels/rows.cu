@@ -94,7 +94,7 @@ template <template <class> class NormT, class T, class STORE, class LOAD, int VE
 __global__ void __launch_bounds__(
     BLOCK_PER_ROW ? CachedBoundsOf<NormT, T, STORE, LOAD, VEC, VECS_PER_THREAD>::kBlockMaxThreads
                   : kGroupBlockThreads,
-    BLOCK_PER_ROW ? CachedBoundsOf<NormT, T, STORE, LOAD, VEC, VECS_PER_THREAD>::kBlockMinBlocks : 2)
+    BLOCK_PER_ROW ? CachedBoundsOf<NormT, T, STORE, LOAD, VEC, VECS_PER_THREAD>::kBlockMinBlocks : kGroupMinBlocks)
 rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__ r,
             const typename STORE::Param* __restrict__ w,
             const typename STORE::Param* __restrict__ b, const float* __restrict__ quant_scale,

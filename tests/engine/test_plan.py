@@ -59,6 +59,15 @@ def test_vector_width():
     assert vector_width(2, 1024, [1024], [(0, 2), (16, 4)]) == 4  # float32 weight aligned to 16 only
 
 
+def test_short_rows_halve_the_vectors_a_thread_only_when_plain():
+    """Half the target vectors a thread (within 16 lanes) is for plain rows:
+    a residual keeps the target; LayerNorm's heavier target halves too."""
+    bf16 = dtypes.bfloat16
+    assert dispatch_rows.choose(plan_for((65536, 256), -1, bf16, residual=True), H200).threads_per_row == 8
+    assert dispatch_rows.choose(plan_for((65536, 256), -1, bf16), H200).threads_per_row == 16
+    assert dispatch_rows.choose(plan_for((65536, 256), -1, bf16, norm="ln"), H200).threads_per_row == 8
+
+
 def test_plan_problem_36():
     p = plan_for((112, 64, 512, 512), 1)
     assert (p.outer, p.reduced, p.inner, p.vec) == (112, 64, 262144, 4)
@@ -80,6 +89,10 @@ def test_plan_problem_36():
         (4096, 65536, dtypes.float32, "uncached", 0),
         (65536, 1024, dtypes.float32, "cached", 64),
         (65536, 512, dtypes.float32, "cached", 32),
+        # short plain rows: half the vectors a thread within 16 lanes
+        (200000, 64, np.float16, "cached", 4),
+        (65536, 256, dtypes.bfloat16, "cached", 16),
+        (65536, 512, dtypes.bfloat16, "cached", 16),
         (1000, 1, dtypes.float32, "cached", 1),
         (100000, 3, dtypes.float32, "cached", 1),
         (1, 4096, dtypes.bfloat16, "cached", 128),
