@@ -13,7 +13,7 @@ from .dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_NORMS, GRAD_STRIDED_MA
                             column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes,
                             grad_cached_multi_row_bounds, grad_onchip_items, grad_onchip_max_elements,
                             grad_onchip_shapes, grad_policy, strided_grad_cache_bytes, MOD_GATE, MOD_SCALE,
-                            max_vectors)
+                            OUT_GATE, OUT_SCALE, OUT_SHIFT, max_vectors)
 from .dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
                                 ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from .declarations import Kernel
@@ -205,22 +205,27 @@ def conditioned_kernels() -> list[Kernel]:
 def modulated_grad_kernels() -> list[Kernel]:
     """The fused modulated backward's kernels (modulated_grad.py) for
     RMSNorm and LayerNorm over every dtype and vector width, each vectors
-    a thread the plan takes, parameters in the data's and the accumulation
-    dtype, with every parameter, and with scale alone or scale and the
-    gate; modulated_grad_sums for each."""
+    a thread the plan takes, parameters (stored with the modulation) in
+    the data's and the accumulation dtype, every set of parameters the
+    norm takes, every modulation (shift alone, scale, the gate, scale and
+    the gate); modulated_grad_sums for each with the gradients it writes
+    (shift's where there is one)."""
     out = []
     for dtype in dtypes.SUPPORTED:
         acc = dtypes.accumulation(dtype)
         a, t = dtypes.KERNEL_TYPE[acc], dtypes.KERNEL_TYPE[dtype]
         for p in sorted({t, a}):
-            for norm, flags in (("rms", 1), ("ln", 3)):
+            for norm in ("rms", "ln"):
                 grad = grad_policy(norm, a)
-                for modf in (MOD_SCALE, MOD_SCALE | MOD_GATE):
-                    out.append(K.MODULATED_GRAD_SUMS(a, p, flags, modf, 7 if modf & MOD_GATE else 3))
-                    for vec in _vector_widths(dtype):
+                for flags in norm_info(norm).flags:
+                    for modf in (0, MOD_SCALE, MOD_GATE, MOD_SCALE | MOD_GATE):
+                        given = (OUT_SCALE if modf & MOD_SCALE else 0) | (OUT_GATE if modf & MOD_GATE else 0)
+                        for outs in sorted({given | OUT_SHIFT} | ({given} if given else set())):
+                            out.append(K.MODULATED_GRAD_SUMS(a, p, flags, modf, outs))
                         most = max_vectors(dtype.itemsize, bool(modf & MOD_GATE))
-                        for vpt in [v for v in (1, 2, 4) if v <= most]:
-                            out.append(K.ROWS_GRAD_MODULATED(grad, t, p, flags, modf, vec, vpt, persistent=True))
+                        for vec in _vector_widths(dtype):
+                            for vpt in [v for v in (1, 2, 4) if v <= most]:
+                                out.append(K.ROWS_GRAD_MODULATED(grad, t, p, flags, modf, vec, vpt, persistent=True))
     return list(dict.fromkeys(out))
 
 

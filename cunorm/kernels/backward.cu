@@ -52,13 +52,13 @@ namespace cunorm {
 // own vectors tid, tid + blockDim.x, ... (VPT of them) of every row; grid =
 // min(rows, the blocks resident at once), block b taking rows b, b + grid,
 // ... With MULTI_ROW (rows of at most 64 threads) the block is
-// blockDim.x / row_threads slots of row_threads threads (a power of two
-// under 32: a part of a warp, reduced by shuffles alone), thread tid of a
-// slot owning vectors tid, tid + row_threads, ...; block b takes rows b x
-// slots, ..., b x slots + slots - 1, then the next grid x slots: rows of
-// 64-256 bf16 elements went 2.5-4x faster (H200), a block a row having
-// run one barrier-bound warp a row and written a partial row per 16-17
-// rows (docs/notes/backward.md).
+// blockDim.x / row_threads slots of row_threads threads (32 or 64, or for
+// rows of fewer vectors the power of two at or above: a part of a warp,
+// reduced by shuffles alone), thread tid of a slot owning vectors tid, tid
+// + row_threads, ...; block b takes rows b x slots, ..., b x slots + slots
+// - 1, then the next grid x slots: rows of 64-256 bf16 elements went
+// 2.5-4x faster (H200), a block a row having run a barrier-bound warp a
+// row and written a partial row per 18 rows (docs/notes/backward.md).
 // partial (FLAGS: 2 x gridDim.x x n words) receives each block's sums of dy
 // * xhat (dweight) and dy (dbias) per column; the block then counts
 // in on `arrived` (zeroed by the caller) and waits for every block (the

@@ -776,3 +776,29 @@ def test_modulated_backward_plan():
     assert shard is not None and shard.unit_rows * shard.units_per_run >= 8
     assert plan(64, 8192, 8, 2, 64, 1, 132).vpt == 2 and plan(64, 16384, 8, 2, 64, 1, 132) is None
     assert plan(64, 8192, 2, 8, 64, 1, 132) is None and plan(64, 4096, 2, 8, 64, 1, 132).threads == 512
+
+
+def test_every_modulated_backward_choice_is_compiled():
+    """Whatever the fused modulated backward launches over norms, dtypes,
+    parameter sets and dtypes, modulations (shift alone, scale, the gate,
+    both), the gradients asked for and row lengths is in all_kernels()
+    (cunorm.precompile builds it ahead)."""
+    from cunorm._engine import modulated_grad
+
+    compiled = {k.expression for k in catalogue.all_kernels()}
+    D = dispatch_grad
+    for norm, norm_flags in (("rms", (0, 1)), ("ln", (0, 1, 2, 3))):
+        for dtype in dtypes.SUPPORTED:
+            dtype = np.dtype(dtype)
+            for pdtype in {dtype, np.dtype(dtypes.accumulation(dtype))}:
+                for flags in norm_flags:
+                    for modf in (0, D.MOD_SCALE, D.MOD_GATE, D.MOD_SCALE | D.MOD_GATE):
+                        given = (D.OUT_SCALE if modf & D.MOD_SCALE else 0) | (D.OUT_GATE if modf & D.MOD_GATE else 0)
+                        for outs in {given | D.OUT_SHIFT} | ({given} if given else set()):
+                            for n, vec in ((1152, 16 // dtype.itemsize), (3072, 1), (8192 // dtype.itemsize, 2)):
+                                p = D.modulated_plan(8 * 512, n, vec, dtype.itemsize, 512, 8, 132,
+                                                     bool(modf & D.MOD_GATE))
+                                if p is None:
+                                    continue
+                                for step in modulated_grad.steps(p, norm, dtype, pdtype, flags, modf, outs, 8 * 512, n):
+                                    assert step.kernel.expression in compiled, step.kernel.expression
