@@ -235,7 +235,7 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
         arrived = pb.workspace(4, zeroed=True) if grid_sums else None
         dw, db = (pb[n] if has[n] and grid_sums else None for n in ("dw", "db"))
         pb.launch(dataclasses.replace(step, grid=grid), dy=dy, x=x, dh=dh, dx=dx, w=w, center=center, scale=scale,
-                  partial=partial, rows=outer, n=reduced, row_threads=launch.row_threads or step.threads, eps=eps,
+                  partial=partial, rows=outer, n=reduced, row_threads=launch.row_threads, eps=eps,
                   prefetch_next=int(launch.prefetch_next), dw=dw,
                   db=db, arrived=arrived)
         if wants and not grid_sums:

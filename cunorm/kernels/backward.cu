@@ -56,9 +56,9 @@ namespace cunorm {
 // rows of fewer vectors the power of two at or above: a part of a warp,
 // reduced by shuffles alone), thread tid of a slot owning vectors tid, tid
 // + row_threads, ...; block b takes rows b x slots, ..., b x slots + slots
-// - 1, then the next grid x slots: rows of 64-256 bf16 elements went
-// 2.5-4x faster (H200), a block a row having run a barrier-bound warp a
-// row and written a partial row per 18 rows (docs/notes/backward.md).
+// - 1, then the next grid x slots. A block a row would run a barrier-bound
+// warp a row and write a partial row every 18 or so rows: 2.5-4x slower on
+// rows of 64-256 bf16 elements (H200, docs/notes/backward.md).
 // partial (FLAGS: 2 x gridDim.x x n words) receives each block's sums of dy
 // * xhat (dweight) and dy (dbias) per column; the block then counts
 // in on `arrived` (zeroed by the caller) and waits for every block (the

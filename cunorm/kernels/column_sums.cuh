@@ -76,7 +76,9 @@ __device__ __forceinline__ void sum_partial_columns(const A* __restrict__ src, P
             });
     }
     int steps = slices;  // the sums thread (x, 0) adds: a slice's each, or (quads < 32) a warp's
-    if (32 % quads == 0 && quads < 32) {  // (quads a power of two: blocks of 96 or 192 threads may take 3 or 6)
+    // (quads divides 32 where it is a power of two; a block of 96 or 192
+    // threads over few partial rows takes 3, 6, 12 or 24)
+    if (32 % quads == 0 && quads < 32) {
         for (int mask = quads; mask < 32; mask <<= 1) {
 #pragma unroll
             for (int i = 0; i < C; ++i) s.v[i] += shfl_xor_acc(s.v[i], mask, 32);
@@ -111,8 +113,9 @@ __device__ __forceinline__ void sum_partial_columns(const A* __restrict__ src, P
 // slices threads (sum_partial_columns); blocks take units blockIdx.x, +
 // gridDim.x, ... quads is the largest power of two up to 8 that still
 // gives every block a unit, else 1 (short rows have few columns and many
-// partial rows: 1024 columns of 924 partials ran as 64 units of 58 loads a
-// thread, now 256-512 units of 8), slices = blockDim.x / quads where there
+// partial rows: 1024 columns of 924 partials make 64 units of 58 loads a
+// thread at 8 quads, 256-512 units of about 8 at 1), slices = blockDim.x /
+// quads where there
 // are that many partial rows; a grid of fewer (few rows: decode-sized
 // calls) takes the power of two at or above parts (at most 32) and wider
 // units, so that no slice idles and a block runs few units one after
