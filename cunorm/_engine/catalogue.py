@@ -13,7 +13,7 @@ from .dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_NORMS, GRAD_STRIDED_MA
                             column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes,
                             grad_cached_multi_row_bounds, grad_onchip_items, grad_onchip_max_elements,
                             grad_onchip_shapes, grad_policy, strided_grad_cache_bytes, MOD_GATE, MOD_SCALE,
-                            OUT_GATE, OUT_SCALE, OUT_SHIFT, max_vectors)
+                            OUT_GATE, OUT_SCALE, OUT_SHIFT, modulated_shapes)
 from .dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
                                 ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from .declarations import Kernel
@@ -222,10 +222,12 @@ def modulated_grad_kernels() -> list[Kernel]:
                         given = (OUT_SCALE if modf & MOD_SCALE else 0) | (OUT_GATE if modf & MOD_GATE else 0)
                         for outs in sorted({given | OUT_SHIFT} | ({given} if given else set())):
                             out.append(K.MODULATED_GRAD_SUMS(a, p, flags, modf, outs))
-                        most = max_vectors(dtype.itemsize, bool(modf & MOD_GATE))
                         for vec in _vector_widths(dtype):
-                            for vpt in [v for v in (1, 2, 4) if v <= most]:
-                                out.append(K.ROWS_GRAD_MODULATED(grad, t, p, flags, modf, vec, vpt, persistent=True))
+                            for tune in _tunings():
+                                for shape in sorted(modulated_shapes(vec, dtype.itemsize, bool(modf & MOD_GATE),
+                                                                     tune)):
+                                    out.append(K.ROWS_GRAD_MODULATED(grad, t, p, flags, modf, vec, *shape,
+                                                                     persistent=True))
     return list(dict.fromkeys(out))
 
 

@@ -233,7 +233,7 @@ STRIDED_GRAD_CACHED = KernelDecl("strided_grads", "strided_grad_cached", ("Grad"
                                        "eps:acc block_x:i32"))
 # modulated_grads.cu
 ROWS_GRAD_MODULATED = KernelDecl("modulated_grads", "rows_grad_modulated",
-                                 ("Grad", "T", "P", "FLAGS", "MODF", "VEC", "VPT"),
+                                 ("Grad", "T", "P", "FLAGS", "MODF", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),
                                  _args("dy h x dh w mod_scale res_gate center rstd:in dx dres partial:out rows:i64 "
                                        "n:i32 mod_div mod_count:i64 units_per_run unit_rows:i32 eps:acc"))
 MODULATED_GRAD_SUMS = KernelDecl("modulated_grads", "modulated_grad_sums", ("A", "P", "FLAGS", "MODF", "OUTS"),

@@ -106,13 +106,14 @@ def _vpt_choices(vec: int, itemsize: int) -> list[int]:
 
 
 def grad_cached_shape(n_vec: int, vec: int, itemsize: int, tune: tuning.Tuning,
-                      max_cluster: int = 1) -> tuple[int, int, int] | None:
+                      max_cluster: int = 1, max_vpt: int = 8) -> tuple[int, int, int] | None:
     """(threads, vectors a thread, cluster) of rows_grad_cached for rows of
     n_vec vectors: one block where it holds the row, else (clusters of at
     most ``max_cluster`` blocks) the fewest blocks of at most
-    GRAD_CACHED_CLUSTER_THREADS that hold it; None when none does."""
+    GRAD_CACHED_CLUSTER_THREADS that hold it; None when none does.
+    ``max_vpt``: vectors a thread at most (one block)."""
     for cap in (tune.grad_cached_target_threads, GRAD_CACHED_MAX_THREADS):
-        for vpt in _vpt_choices(vec, itemsize):
+        for vpt in [v for v in _vpt_choices(vec, itemsize) if v <= max_vpt]:
             threads = _ceil_div(_ceil_div(n_vec, vpt), 32) * 32
             if threads <= cap:
                 return threads, vpt, 1
@@ -453,8 +454,20 @@ GRAD_NORMS = ("rms", "ln", "l1", "l2", "linf", "mean_abs")
 
 # --- the fused modulated backward (modulated_grad.py, modulated_grads.cu) -----------------
 
-#: the kernel's block bound (rows_grad_modulated's launch bounds)
-MODULATED_MAX_THREADS = 512
+#: rows_grad_modulated's P, Q and G sums (VPT x VEC words a thread each)
+#: at most: within the 99 KB a block of sm_86 and sm_89, so that a plan
+#: holds on every architecture (fusable() asks before the device is known)
+MODULATED_MAX_SHARED = 96 * 1024
+#: ... and vectors a thread at most: more serve only rows of narrow
+#: vectors (odd lengths), whose instantiations would double the catalogue
+MODULATED_MAX_VECTORS = 4
+#: with the gate (x and dh read together after the reduction, dres
+#: written, the G sums) at most 2 vectors a thread and 2 blocks an SM
+#: (128 registers): 4 vectors spilled 240-312 bytes, 2 under 3 blocks' 85
+#: registers 116-124 (adaLN bf16 32768x3072: 434 against 389 us, H200;
+#: docs/notes/conditioned.md)
+MODULATED_GATE_MAX_VECTORS = 2
+MODULATED_GATE_MIN_BLOCKS = 2
 #: a unit's rows at least: each unit writes 2-3 float32 partial words a
 #: column against its rows' 3-6 reads and writes a column, so 16 rows keep
 #: the partials within about 15% of the traffic
@@ -476,7 +489,8 @@ OUT_SHIFT, OUT_SCALE, OUT_GATE = 1, 2, 4
 class ModulatedPlan:
     """The launch parameters of one call: rows of n elements in runs of
     mod_div rows, run r reading modulation row r % mod_count; each run cut
-    into units_per_run units of unit_rows rows."""
+    into units_per_run units of unit_rows rows; blocks of ``threads``,
+    ``vpt`` vectors a thread, launch bounds (max_threads, min_blocks)."""
 
     vec: int
     vpt: int
@@ -485,37 +499,54 @@ class ModulatedPlan:
     unit_rows: int
     mod_div: int
     mod_count: int
+    max_threads: int
+    min_blocks: int
 
-
-def max_vectors(itemsize: int, gate: bool) -> int:
-    """Vectors a thread holds at most: 16 elements of 16- or 32-bit data, 8
-    of float64; with the gate (x and dh held too) 16 of 16-bit data, 8 of
-    float32, 4 of float64 (the compile check: more spilled on sm_90)."""
-    return {2: 2, 4: 4, 8: 4}[itemsize] if not gate else 2
+    def sums_shared_bytes(self, acc_itemsize: int, gate: bool) -> int:
+        """rows_grad_modulated's dynamic shared memory: P and Q (and G)."""
+        return (3 if gate else 2) * self.vpt * self.vec * self.threads * acc_itemsize
 
 
 def modulated_plan(rows: int, n: int, vec: int, itemsize: int, mod_div: int, mod_count: int, sm_count: int,
-                   gate: bool = False, min_run: int = UNIT_MIN_ROWS):
+                   gate: bool = False, min_run: int = UNIT_MIN_ROWS, tune: tuning.Tuning = tuning.SM90):
     """The ModulatedPlan of rows x n elements (``vec``: the widest vector
     every pointer allows) whose modulation row is r // mod_div % mod_count
     (``gate``: with residual_gate), or None where the fused kernels do not
     take it. Runs shorter than ``min_run`` rows are refused (their partial
     sums would outweigh the rows: per-token modulation composes); a shard
     of a partitioned call, whose runs may be a part of the whole call's,
-    passes 1. The thread count is the fewest vectors a thread that fit
-    MODULATED_MAX_THREADS; the unit cutting depends on mod_div and the GPU
+    passes 1. The block is rows_grad_cached's (grad_cached_shape, one block
+    a row, its launch bounds), refused where its sums pass
+    MODULATED_MAX_SHARED; the unit cutting depends on mod_div and the GPU
     alone (batch invariance)."""
     if mod_count == 1:
         mod_div = rows  # one modulation row for all: one run
     if rows == 0 or mod_div < min_run or n % vec or mod_count > MAX_GRID_Y:
         return None
-    for vpt in [v for v in (1, 2, 4) if v <= max_vectors(itemsize, gate)]:
-        threads = _ceil_div(_ceil_div(n // vec, vpt), 32) * 32
-        if threads <= MODULATED_MAX_THREADS:
-            break
-    else:
+    shape = grad_cached_shape(n // vec, vec, itemsize, tune,
+                              max_vpt=MODULATED_GATE_MAX_VECTORS if gate else MODULATED_MAX_VECTORS)
+    if shape is None:
         return None
+    threads, vpt, _ = shape
+    bounds = grad_cached_bounds(threads, vpt, tune)
+    if gate:
+        bounds = (bounds[0], min(bounds[1], MODULATED_GATE_MIN_BLOCKS))
     units_per_run = max(1, min(mod_div // UNIT_MIN_ROWS, UNITS_PER_SM * sm_count, max(sm_count, mod_div // UNIT_ROWS)))
     unit_rows = _ceil_div(mod_div, units_per_run)
     units_per_run = _ceil_div(mod_div, unit_rows)
-    return ModulatedPlan(vec, vpt, threads, units_per_run, unit_rows, mod_div, mod_count)
+    p = ModulatedPlan(vec, vpt, threads, units_per_run, unit_rows, mod_div, mod_count, *bounds)
+    if p.sums_shared_bytes(8 if itemsize == 8 else 4, gate) > MODULATED_MAX_SHARED:
+        return None
+    return p
+
+
+def modulated_shapes(vec: int, itemsize: int, gate: bool, tune: tuning.Tuning) -> set[tuple[int, int, int]]:
+    """The (vectors a thread, max_threads, min_blocks) modulated_plan can
+    pick over every row length (what the catalogue compiles): a block's
+    shape and shared memory follow from its threads and vectors a thread,
+    so the longest row of each is the one tried."""
+    lengths = {vpt * threads for vpt in _vpt_choices(vec, itemsize) if vpt <= MODULATED_MAX_VECTORS
+               for threads in range(32, GRAD_CACHED_MAX_THREADS + 1, 32)}
+    plans_ = (modulated_plan(UNIT_MIN_ROWS, n_vec * vec, vec, itemsize, UNIT_MIN_ROWS, 1, 1, gate, tune=tune)
+              for n_vec in lengths)
+    return {(p.vpt, p.max_threads, p.min_blocks) for p in plans_ if p is not None}

@@ -10,7 +10,8 @@ residual, the weight, the bias, shift, scale and the residual gate.
 
 What the fused kernels take (``plan`` returns None otherwise, and the
 caller composes the backward): RMSNorm or LayerNorm over the trailing axes,
-rows of up to MAX_THREADS x ``max_vectors`` vectors, modulation arrays of
+rows rows_grad_cached's block holds (its shared memory within
+dispatch_grad.MODULATED_MAX_SHARED), modulation arrays of
 one broadcast pattern whose rows come in runs of at least UNIT_MIN_ROWS
 (per sample, or one for all; per token is the elementwise case the
 composed backward serves), no per-head weights, gate=, float32 residual
@@ -24,11 +25,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import conditioning, dispatch_grad, dtypes, launch_cache, launches, plans, row_norms
+from . import conditioning, dispatch_grad, dtypes, launch_cache, launches, plans, row_norms, tuning
 from . import declarations as K
-from .dispatch_grad import MODULATED_MAX_THREADS as MAX_THREADS
-from .dispatch_grad import (MOD_GATE, MOD_SCALE, OUT_GATE, OUT_SCALE, OUT_SHIFT, UNIT_MIN_ROWS, ModulatedPlan,
-                            max_vectors)
+from .dispatch_grad import MOD_GATE, MOD_SCALE, OUT_GATE, OUT_SCALE, OUT_SHIFT, UNIT_MIN_ROWS, ModulatedPlan
 from .dispatch_grad import modulated_plan as plan
 from .dispatch_rows import Step, _ceil_div, next_pow2
 
@@ -73,11 +72,9 @@ def steps(p: ModulatedPlan, norm: str, dtype, pdtype, flags: int, modf: int, out
     a = dtypes.KERNEL_TYPE[acc]
     grad = dispatch_grad.grad_policy(norm, a)
     units = rows // p.mod_div * p.units_per_run
-    gate = bool(modf & MOD_GATE)
-    # the factors (and gates) a column, then with the gate its sums a thread's element
-    shared = (n * (2 if gate else 1) + (p.vpt * p.threads * p.vec if gate else 0)) * acc.itemsize
-    main = Step(K.ROWS_GRAD_MODULATED(grad, t, pt, flags, modf, p.vec, p.vpt, persistent=True), (units,),
-                (p.threads,), shared)
+    shared = p.sums_shared_bytes(acc.itemsize, bool(modf & MOD_GATE))
+    main = Step(K.ROWS_GRAD_MODULATED(grad, t, pt, flags, modf, p.vec, p.vpt, p.max_threads, p.min_blocks,
+                                      persistent=True), (units,), (p.threads,), shared)
     runs = rows // p.mod_div
     parts = _ceil_div(runs, p.mod_count) * p.units_per_run
     by = min(32, next_pow2(parts))
@@ -235,8 +232,9 @@ def _gpu(g: ModulatedGradCall) -> ModulatedGrads:
     if plans.vector_width(h.itemsize, n, [], [(a.data.ptr, h.itemsize) for a in (h, dy, dh, x) if a is not None]) < vec:
         h, dy, dh, x = (None if a is None else a.copy() for a in (h, dy, dh, x))  # (fresh: aligned for vec)
     gate = cond.residual_gate is not None
-    p = None if cond.expand else plan(rows, n, vec, h.itemsize, cond.mod_div, cond.mod_count,
-                                      launches.device_info(h.data.device_id).sm_count, gate)
+    info = launches.device_info(h.data.device_id)
+    p = None if cond.expand else plan(rows, n, vec, h.itemsize, cond.mod_div, cond.mod_count, info.sm_count, gate,
+                                      tune=tuning.of(info))
     if p is None:
         raise ValueError(unfused_reason(cond, rows, n, h.itemsize))
     dx = cupy.empty(h.shape, h.dtype)
@@ -316,5 +314,7 @@ def unfused_reason(cond, rows: int, n: int, itemsize: int) -> str:
     if cond.mod_count > 1 and cond.mod_div < UNIT_MIN_ROWS:
         return (f"the fused modulated backward takes modulation rows shared by runs of at least {UNIT_MIN_ROWS} "
                 f"rows (per sample), got runs of {cond.mod_div} (per token: its gradients are elementwise)")
-    most = MAX_THREADS * max_vectors(itemsize, cond.residual_gate is not None) * (16 // itemsize)
+    most = max(k for k in range(16 // itemsize, 32769, 16 // itemsize)
+               if plan(UNIT_MIN_ROWS, k, 16 // itemsize, itemsize, UNIT_MIN_ROWS, 1, 1,
+                       cond.residual_gate is not None) is not None)
     return f"the fused modulated backward takes rows of up to {most} elements of this dtype, got {n}"

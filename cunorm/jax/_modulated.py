@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._engine import conditioning, launches, modulated_grad, plans, row_norms
+from .._engine import conditioning, launches, modulated_grad, plans, row_norms, tuning
 from .._engine.dispatch_grad import MOD_GATE, MOD_SCALE, OUT_GATE, OUT_SCALE, OUT_SHIFT
 from . import _jit, _sharding
 from ._custom_call import emit
@@ -151,7 +151,7 @@ def _lowering(ctx, *args, spec: ModulatedGradSpec):
     gate = "res_gate" in spec.slots
     # (min_run 1: a shard's runs may be a part of those fusable_backward planned)
     p = modulated_grad.plan(rows, n, plans.vector_width(itemsize, n, [], []), itemsize, mod_div, mod_count,
-                            device.sm_count, gate, min_run=1)
+                            device.sm_count, gate, min_run=1, tune=tuning.of(device))
     if p is None:
         raise RuntimeError(f"cunorm inside jit: no fused modulated backward for {f}")  # (fusable_backward said so)
     outputs = spec.outputs()

@@ -20,12 +20,16 @@
 // row's) are cut into units_per_run units of unit_rows consecutive rows
 // (the last may be shorter); unit u = run * units_per_run + j. A block
 // takes units blockIdx.x, + gridDim.x, ... (a persistent grid). Thread
-// layout as rows_grad_cached's: blockDim.x threads own vectors tid, tid +
-// blockDim.x, ... (VPT of them) of every row, at most 512 threads. A thread
-// keeps its columns' P and Q sums in registers (G in its own words of
-// shared memory) across the unit's rows, in row order, and writes them as
-// the unit's partial rows: partial[(s * units + u) * n + column], s = 0
-// for P, 1 for Q, 2 for G. The cutting depends on mod_div and the GPU
+// layout, launch bounds and column sums as rows_grad_cached's (backward.cu):
+// blockDim.x threads own vectors tid, tid + blockDim.x, ... (VPT of them)
+// of every row; a thread keeps its columns' P, Q (and G) sums in shared
+// memory in 16-byte groups (ColumnSums), its factors (1 + scale[m]) * w and
+// gates in registers, across the unit's rows in row order, and writes the sums as
+// the unit's partial rows: partial[(s * units + u) * n + column], s = 0 for
+// P, 1 for Q, 2 for G. x and dh are read after the reduction, every
+// vector's loads issued together, so the rows held across it are h and dy
+// alone; they are fetched into L2 as the row starts, and h and dy of the
+// next row one row ahead. The cutting depends on mod_div and the GPU
 // alone, never on the batch: every per-row and per-modulation-row gradient
 // is bitwise the same for any number of runs. No atomics.
 //
@@ -36,7 +40,7 @@
 // weighted rows (1 + scale[m]) * Pm and (1 + scale[m]) * Qm, which
 // column_sum (backward.cu) adds over the modulation rows into dweight and
 // dbias.
-#include "grads.cuh"
+#include "column_sums.cuh"
 
 namespace cunorm {
 
@@ -44,10 +48,8 @@ namespace cunorm {
 constexpr int kModScale = 1;  // scale=: g carries (1 + scale[m])
 constexpr int kModGate = 2;   // residual_gate=: reads x, writes dres and the G sums
 
-// Two blocks an SM (64 registers) where a thread holds one vector without
-// the gate; with it, 64 registers spill on sm_90.
-template <class Grad, class T, class P, int FLAGS, int MODF, int VEC, int VPT>
-__global__ void __launch_bounds__(512, VPT == 1 && !(MODF & kModGate) ? 2 : 1)
+template <class Grad, class T, class P, int FLAGS, int MODF, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
 rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* __restrict__ x,
                     const T* __restrict__ dh, const P* __restrict__ w, const P* __restrict__ mod_scale,
                     const P* __restrict__ res_gate, const typename AccOf<T>::type* __restrict__ center,
@@ -56,23 +58,26 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
                     long long mod_count, int units_per_run, int unit_rows, typename AccOf<T>::type eps) {
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
-    using Acc = Vec<A, VEC>;
+    using Sums = ColumnSums<A, VEC>;
+    using Group = typename Sums::Group;
+    constexpr int W = Sums::kWidth;
     constexpr bool kGate = (MODF & kModGate) != 0;
     __shared__ Stats scratch[33];
-    // Dynamic shared memory: the unit's factors (1 + scale[m]) * w and
-    // gate[m] a column, then with the gate the G sums (sum k of thread t at
-    // k * blockDim.x + t); a thread reads only its own words, so none needs
-    // a barrier. The P and Q sums are held in registers: in shared memory
-    // their reads and writes each row move six times the global loads'
-    // bytes through L1, which then bounds the kernel. The G sums are not:
-    // in registers they spill for 16-bit rows of two vectors a thread
+    // P, Q and (with the gate) G: VPT x VEC words a thread each, the
+    // layout of rows_grad_cached's column sums (a warp's group 512
+    // contiguous bytes). In registers they spilled past one vector a
+    // thread; as words a thread 32 bytes apart, every access conflicted
     // (docs/notes/conditioned.md).
-    extern __shared__ __align__(16) unsigned char modulated_shared[];
+    extern __shared__ __align__(16) unsigned char modulated_sums[];
+    A* const first_word = reinterpret_cast<A*>(modulated_sums) + (threadIdx.x / 32) * (VPT * VEC * 32) +
+                          (threadIdx.x % 32) * W;
+    const int sum_words = VPT * VEC * static_cast<int>(blockDim.x);
+    const Sums p_sums{first_word}, q_sums{first_word + sum_words}, g_sums{first_word + 2 * sum_words};
     const int n_vec = n / VEC;
-    Acc* const factors = reinterpret_cast<Acc*>(modulated_shared);
-    Acc* const gates = factors + n_vec;
-    Acc* const gate_sums = gates + n_vec;
     const long long units = rows / mod_div * units_per_run;
+    Group zero;
+#pragma unroll
+    for (int i = 0; i < W; ++i) zero.v[i] = A(0);
 #pragma unroll 1
     for (long long u = blockIdx.x; u < units; u += gridDim.x) {
         const long long run = u / units_per_run;
@@ -80,44 +85,51 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
         const long long first = run * mod_div + (u - run * units_per_run) * unit_rows;
         const long long run_end = (run + 1) * mod_div;
         const long long end = first + unit_rows < run_end ? first + unit_rows : run_end;
-        Acc sum_p[VPT], sum_q[VPT];
+        A f[VPT][VEC];  // (1 + scale[m]) * w
+        // gate[m] as stored, held the unit (reloaded a row, it came from L2:
+        // adaLN 32768x8192 1-2% slower)
+        Vec<P, VEC> tv[VPT];
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             const int v = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) sum_p[k].v[i] = sum_q[k].v[i] = A(0);
+            for (int i = 0; i < VEC; ++i) f[k][i] = A(1);
             if (v < n_vec) {
                 const long long col = static_cast<long long>(v) * VEC;
-                Acc f, t;
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) f.v[i] = t.v[i] = A(1);
                 if constexpr (FLAGS & kWeight) {
                     const Vec<P, VEC> wv = load_vec<P, VEC>(w + col);
 #pragma unroll
-                    for (int i = 0; i < VEC; ++i) f.v[i] = static_cast<A>(widen(wv.v[i]));
+                    for (int i = 0; i < VEC; ++i) f[k][i] = static_cast<A>(widen(wv.v[i]));
                 }
+                if constexpr (kGate) tv[k] = load_vec<P, VEC>(res_gate + m * n + col);
                 if constexpr (MODF & kModScale) {
                     const Vec<P, VEC> sv = load_vec<P, VEC>(mod_scale + m * n + col);
 #pragma unroll
-                    for (int i = 0; i < VEC; ++i) f.v[i] *= A(1) + static_cast<A>(widen(sv.v[i]));
+                    for (int i = 0; i < VEC; ++i) f[k][i] *= A(1) + static_cast<A>(widen(sv.v[i]));
                 }
-                factors[v] = f;
-                if constexpr (kGate) {
-                    const Vec<P, VEC> gv = load_vec<P, VEC>(res_gate + m * n + col);
+            }
 #pragma unroll
-                    for (int i = 0; i < VEC; ++i) t.v[i] = static_cast<A>(widen(gv.v[i]));
-                    gates[v] = t;
-                    Acc zero;
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) zero.v[i] = A(0);
-                    gate_sums[k * blockDim.x + threadIdx.x] = zero;
-                }
+            for (int g = 0; g < VEC / W; ++g) {
+                *p_sums.group(k, g) = zero;
+                *q_sums.group(k, g) = zero;
+                if constexpr (kGate) *g_sums.group(k, g) = zero;
             }
         }
 #pragma unroll 1
         for (long long row = first; row < end; ++row) {
             const long long base = row * n;
-            Vec<T, VEC> hv[VPT], gv[VPT], xv[VPT], dhv[VPT];
+            // x and dh of this row into L2 while h and dy are loaded and
+            // reduced: fetched a row ahead with h and dy (they then wait in
+            // L2 longer), adaLN at hidden 3072-8192 ran 4-8% slower (H200,
+            // docs/notes/conditioned.md)
+            if (kGate || dh != nullptr) {
+                const int bytes = n * static_cast<int>(sizeof(T));
+                for (int offset = threadIdx.x * 128; offset < bytes; offset += blockDim.x * 128) {
+                    if constexpr (kGate) prefetch_l2(reinterpret_cast<const char*>(x + base) + offset);
+                    if (dh != nullptr) prefetch_l2(reinterpret_cast<const char*>(dh + base) + offset);
+                }
+            }
+            Vec<T, VEC> hv[VPT], gv[VPT];
 #pragma unroll
             for (int k = 0; k < VPT; ++k) {
                 const int v = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
@@ -125,19 +137,16 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
                     const long long e = base + static_cast<long long>(v) * VEC;
                     hv[k] = load_vec<T, VEC>(h + e);
                     gv[k] = load_vec<T, VEC>(dy + e);
-                    if constexpr (kGate) xv[k] = load_vec<T, VEC>(x + e);
-                    if (dh != nullptr) dhv[k] = load_vec<T, VEC>(dh + e);
                 }
             }
-            // the next row into L2 while this one is reduced and written
-            // (the distance measured fastest: docs/notes/conditioned.md)
+            // h and dy of the next row into L2 while this one is reduced and
+            // written, a line of each a thread a step (rows_grad_cached's rule)
             if (row + 1 < end) {
                 const int bytes = n * static_cast<int>(sizeof(T));
+                const long long next = base + n;
                 for (int offset = threadIdx.x * 128; offset < bytes; offset += blockDim.x * 128) {
-                    prefetch_l2(reinterpret_cast<const char*>(h + base + n) + offset);
-                    prefetch_l2(reinterpret_cast<const char*>(dy + base + n) + offset);
-                    if constexpr (kGate) prefetch_l2(reinterpret_cast<const char*>(x + base + n) + offset);
-                    if (dh != nullptr) prefetch_l2(reinterpret_cast<const char*>(dh + base + n) + offset);
+                    prefetch_l2(reinterpret_cast<const char*>(h + next) + offset);
+                    prefetch_l2(reinterpret_cast<const char*>(dy + next) + offset);
                 }
             }
             A c0 = A(0);
@@ -146,50 +155,60 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
             Stats s = Grad::init();
 #pragma unroll
             for (int k = 0; k < VPT; ++k) {
-                const int v = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
-                if (v < n_vec) {
-                    const Acc f = factors[v];
+                if (static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x) < n_vec) {
 #pragma unroll
                     for (int i = 0; i < VEC; ++i)
                         s = Grad::accumulate(s, static_cast<A>(widen(hv[k].v[i])),
-                                             static_cast<A>(widen(gv[k].v[i])) * f.v[i], c0, s0);
+                                             static_cast<A>(widen(gv[k].v[i])) * f[k][i], c0, s0);
                 }
             }
-            s = block_reduce<Grad, 16>(s, scratch);
+            s = block_reduce<Grad, MAX_THREADS / 32>(s, scratch);
             const GradCoeffs<A> c = Grad::coeffs(s, n, eps, c0, s0);
+            // every vector's x and dh loads issued before any is used: one
+            // wait on L2 a row, not one a vector
+            Vec<T, VEC> dhv[VPT], xv[VPT];
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+                const int v = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+                if (v < n_vec) {
+                    const long long e = base + static_cast<long long>(v) * VEC;
+                    if (dh != nullptr) dhv[k] = load_vec<T, VEC>(dh + e);
+                    if constexpr (kGate) xv[k] = load_vec<T, VEC>(x + e);
+                }
+            }
 #pragma unroll
             for (int k = 0; k < VPT; ++k) {
                 const int v = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
                 if (v < n_vec) {
                     const long long e = base + static_cast<long long>(v) * VEC;
                     Vec<T, VEC> out, out_res;
-                    const Acc f = factors[v];
-                    Acc t, sg;
-                    if constexpr (kGate) {
-                        t = gates[v];
-                        sg = gate_sums[k * blockDim.x + threadIdx.x];
-                    }
 #pragma unroll
-                    for (int i = 0; i < VEC; ++i) {
-                        const A hi = static_cast<A>(widen(hv[k].v[i]));
-                        const A dyi = static_cast<A>(widen(gv[k].v[i]));
-                        A d = grad_of<Grad>(hi, dyi * f.v[i], c);
-                        if (dh != nullptr) d += static_cast<A>(widen(dhv[k].v[i]));
-                        sum_p[k].v[i] = fma(dyi, (hi - c.center) * c.scale, sum_p[k].v[i]);
-                        sum_q[k].v[i] += dyi;
-                        if constexpr (kGate) {
-                            sg.v[i] = fma(d, static_cast<A>(widen(xv[k].v[i])), sg.v[i]);
-                            narrow(d, out_res.v[i]);
-                            narrow(d * t.v[i], out.v[i]);
-                        } else {
-                            narrow(d, out.v[i]);
+                    for (int g = 0; g < VEC / W; ++g) {
+                        Group sp = *p_sums.group(k, g), sq = *q_sums.group(k, g), sg;
+                        if constexpr (kGate) sg = *g_sums.group(k, g);
+#pragma unroll
+                        for (int q = 0; q < W; ++q) {
+                            const int i = g * W + q;
+                            const A hi = static_cast<A>(widen(hv[k].v[i]));
+                            const A dyi = static_cast<A>(widen(gv[k].v[i]));
+                            A d = grad_of<Grad>(hi, dyi * f[k][i], c);
+                            if (dh != nullptr) d += static_cast<A>(widen(dhv[k].v[i]));
+                            sp.v[q] = fma(dyi, (hi - c.center) * c.scale, sp.v[q]);
+                            sq.v[q] += dyi;
+                            if constexpr (kGate) {
+                                sg.v[q] = fma(d, static_cast<A>(widen(xv[k].v[i])), sg.v[q]);
+                                narrow(d, out_res.v[i]);
+                                narrow(d * static_cast<A>(widen(tv[k].v[i])), out.v[i]);
+                            } else {
+                                narrow(d, out.v[i]);
+                            }
                         }
+                        *p_sums.group(k, g) = sp;
+                        *q_sums.group(k, g) = sq;
+                        if constexpr (kGate) *g_sums.group(k, g) = sg;
                     }
                     store_vec<T, VEC>(dx + e, out);
-                    if constexpr (kGate) {
-                        store_vec<T, VEC>(dres + e, out_res);
-                        gate_sums[k * blockDim.x + threadIdx.x] = sg;
-                    }
+                    if constexpr (kGate) store_vec<T, VEC>(dres + e, out_res);
                 }
             }
         }
@@ -197,13 +216,13 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
         for (int k = 0; k < VPT; ++k) {
             const int v = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
             if (v < n_vec) {
-                const long long col = static_cast<long long>(v) * VEC;
-                // (whole vectors: a word a lane, the lanes 32 bytes apart,
-                // writes each 32-byte sector a word at a time)
-                store_vec<A, VEC>(partial + u * n + col, sum_p[k]);
-                store_vec<A, VEC>(partial + (units + u) * n + col, sum_q[k]);
-                if constexpr (kGate) store_vec<A, VEC>(partial + (2 * units + u) * n + col,
-                                                       gate_sums[k * blockDim.x + threadIdx.x]);
+#pragma unroll
+                for (int g = 0; g < VEC / W; ++g) {
+                    const long long col = static_cast<long long>(v) * VEC + g * W;
+                    store_vec<A, W>(partial + u * n + col, *p_sums.group(k, g));
+                    store_vec<A, W>(partial + (units + u) * n + col, *q_sums.group(k, g));
+                    if constexpr (kGate) store_vec<A, W>(partial + (2 * units + u) * n + col, *g_sums.group(k, g));
+                }
             }
         }
     }

@@ -756,7 +756,8 @@ def test_modulated_backward_plan():
     rows that cover each run, cut by the run length and the GPU alone (the
     same for any number of runs: batch invariance); None for runs of
     under UNIT_MIN_ROWS rows (per token; taken with min_run=1, as a shard
-    of a partitioned call) and rows past 512 threads' vectors."""
+    of a partitioned call) and rows whose sums pass the shared memory
+    allowed."""
     plan = dispatch_grad.modulated_plan
     for run_rows in (16, 17, 512, 4096, 32768):
         cuts = {plan(run_rows * batch, 3072, 8, 2, run_rows, batch, 132) for batch in (1, 2, 8)}
@@ -774,8 +775,20 @@ def test_modulated_backward_plan():
     assert plan(4096, 1024, 8, 2, 1, 4096, 132) is None  # per token
     shard = plan(64, 1024, 8, 2, 8, 8, 132, min_run=1)  # a shard's runs of 8 rows (jit's partitioned lowering)
     assert shard is not None and shard.unit_rows * shard.units_per_run >= 8
-    assert plan(64, 8192, 8, 2, 64, 1, 132).vpt == 2 and plan(64, 16384, 8, 2, 64, 1, 132) is None
+    # rows_grad_cached's blocks: 256 threads of up to 4 vectors, then 512 of 4 within MODULATED_MAX_SHARED
+    shapes = {n: (p.threads, p.vpt, p.max_threads, p.min_blocks)
+              for n in (1152, 3072, 4096, 8192) for p in [plan(64, n, 8, 2, 64, 1, 132)]}
+    assert shapes == {1152: (160, 1, 256, 3), 3072: (192, 2, 256, 3), 4096: (256, 2, 256, 3), 8192: (256, 4, 256, 2)}
+    assert plan(64, 16384, 8, 2, 64, 1, 132) is None  # P and Q would take 128 KB
+    gated = plan(64, 8192, 8, 2, 64, 1, 132, gate=True)  # (2 vectors a thread, 128 registers; P, Q and G: 96 KB)
+    assert (gated.threads, gated.vpt, gated.max_threads, gated.min_blocks) == (512, 2, 512, 1)
+    gated = plan(64, 3072, 8, 2, 64, 1, 132, gate=True)
+    assert (gated.threads, gated.vpt, gated.max_threads, gated.min_blocks) == (192, 2, 256, 2)
     assert plan(64, 8192, 2, 8, 64, 1, 132) is None and plan(64, 4096, 2, 8, 64, 1, 132).threads == 512
+    for gate in (False, True):
+        for n in range(8, 16385, 8):
+            p = plan(64, n, 8, 2, 64, 1, 132, gate=gate)
+            assert p is None or p.sums_shared_bytes(4, gate) <= dispatch_grad.MODULATED_MAX_SHARED
 
 
 def test_every_modulated_backward_choice_is_compiled():
