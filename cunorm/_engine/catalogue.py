@@ -221,7 +221,8 @@ def modulated_grad_kernels() -> list[Kernel]:
                     for modf in (0, MOD_SCALE, MOD_GATE, MOD_SCALE | MOD_GATE):
                         given = (OUT_SCALE if modf & MOD_SCALE else 0) | (OUT_GATE if modf & MOD_GATE else 0)
                         for outs in sorted({given | OUT_SHIFT} | ({given} if given else set())):
-                            out.append(K.MODULATED_GRAD_SUMS(a, p, flags, modf, outs))
+                            for columns in sorted({1, column_sum_width(a, 0)}):
+                                out.append(K.MODULATED_GRAD_SUMS(a, p, flags, modf, outs, columns))
                         for vec in _vector_widths(dtype):
                             for tune in _tunings():
                                 for shape in sorted(modulated_shapes(vec, dtype.itemsize, bool(modf & MOD_GATE),

@@ -236,7 +236,7 @@ ROWS_GRAD_MODULATED = KernelDecl("modulated_grads", "rows_grad_modulated",
                                  ("Grad", "T", "P", "FLAGS", "MODF", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS"),
                                  _args("dy h x dh w mod_scale res_gate center rstd:in dx dres partial:out rows:i64 "
                                        "n:i32 mod_div mod_count:i64 units_per_run unit_rows:i32 eps:acc"))
-MODULATED_GRAD_SUMS = KernelDecl("modulated_grads", "modulated_grad_sums", ("A", "P", "FLAGS", "MODF", "OUTS"),
+MODULATED_GRAD_SUMS = KernelDecl("modulated_grads", "modulated_grad_sums", ("A", "P", "FLAGS", "MODF", "OUTS", "C"),
                                  _args("partial w b mod_scale:in dshift dscale dgate weighted:out units:i64 n "
                                        "units_per_run:i32 runs mod_count:i64 block_x:i32"))
 # channel_grads.cu

@@ -79,7 +79,9 @@ def steps(p: ModulatedPlan, norm: str, dtype, pdtype, flags: int, modf: int, out
     parts = _ceil_div(runs, p.mod_count) * p.units_per_run
     by = min(32, next_pow2(parts))
     bx = dispatch_grad.GRAD_BLOCK_THREADS // by
-    sums = Step(K.MODULATED_GRAD_SUMS(a, pt, flags, modf, outs), (_ceil_div(n, bx), p.mod_count), (bx, by))
+    columns = dispatch_grad.column_sum_width(a, n)
+    sums = Step(K.MODULATED_GRAD_SUMS(a, pt, flags, modf, outs, columns), (_ceil_div(n, bx * columns), p.mod_count),
+                (bx, by))
     out = [main, sums]
     if flags:
         out.append(dispatch_grad.column_sum_step(a, pt, p.mod_count, n, 2 if flags & plans.FLAG_BIAS else 1))

@@ -34,8 +34,8 @@
 // is bitwise the same for any number of runs. No atomics.
 //
 // modulated_grad_sums: a block of bx x by threads (BlockLayout) a tile of
-// bx columns of one modulation row (blockIdx.y); thread (tx, ty) adds the
-// partial rows ty, ty + by, ... of the row's units, then thread (tx, 0)
+// bx x C columns of one modulation row (blockIdx.y); thread (tx, ty) adds
+// C columns of the partial rows ty, ty + by, ... of the row's units, then thread (tx, 0)
 // adds the by sums in ty order. It writes dshift, dscale, dgate and the
 // weighted rows (1 + scale[m]) * Pm and (1 + scale[m]) * Qm, which
 // column_sum (backward.cu) adds over the modulation rows into dweight and
@@ -230,8 +230,12 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
 
 // OUTS: which of dshift (1), dscale (2), dgate (4) are written; FLAGS:
 // the weight and bias present (their weighted rows written for
-// column_sum, and read for dscale).
-template <class A, class P, int FLAGS, int MODF, int OUTS>
+// column_sum, and read for dscale). C: consecutive columns a thread adds,
+// one 16-byte load a partial row where n allows (a word a thread, 8
+// columns a warp row, took the partials of RMSNorm bf16 32768x4096, 132
+// units of 4096 columns a sample, 30 us at 24% of DRAM bandwidth; 14.8
+// us so, H200).
+template <class A, class P, int FLAGS, int MODF, int OUTS, int C>
 __global__ void __launch_bounds__(256, 1)
 modulated_grad_sums(const A* __restrict__ partial, const P* __restrict__ w, const P* __restrict__ b,
                     const P* __restrict__ mod_scale, P* __restrict__ dshift, P* __restrict__ dscale,
@@ -239,21 +243,28 @@ modulated_grad_sums(const A* __restrict__ partial, const P* __restrict__ w, cons
                     long long runs, long long mod_count, int block_x) {
     using PA = typename AccOf<P>::type;
     constexpr int kSums = (MODF & kModGate) ? 3 : 2;
-    __shared__ A tile[kSums][256];
+    __shared__ Vec<A, C> tile[kSums][256];
     const BlockLayout bl = block_layout(block_x);
     const long long m = blockIdx.y;
-    const int col = static_cast<int>(blockIdx.x) * bl.bx + bl.tx;
+    const int col = (static_cast<int>(blockIdx.x) * bl.bx + bl.tx) * C;
     // the units of modulation row m: runs m, m + mod_count, ..., each units_per_run of them
     const long long parts = (runs - m + mod_count - 1) / mod_count * units_per_run;
-    A s[kSums];
+    Vec<A, C> s[kSums];
 #pragma unroll
-    for (int q = 0; q < kSums; ++q) s[q] = A(0);
+    for (int q = 0; q < kSums; ++q) {
+#pragma unroll
+        for (int i = 0; i < C; ++i) s[q].v[i] = A(0);
+    }
     if (col < n) {
 #pragma unroll 4
         for (long long p = bl.ty; p < parts; p += bl.by) {
             const long long u = (m + p / units_per_run * mod_count) * units_per_run + p % units_per_run;
 #pragma unroll
-            for (int q = 0; q < kSums; ++q) s[q] += __ldcg(partial + (q * units + u) * n + col);
+            for (int q = 0; q < kSums; ++q) {
+                const Vec<A, C> v = load_partial<A, C>(partial + (q * units + u) * n + col);
+#pragma unroll
+                for (int i = 0; i < C; ++i) s[q].v[i] += v.v[i];
+            }
         }
     }
 #pragma unroll
@@ -262,18 +273,25 @@ modulated_grad_sums(const A* __restrict__ partial, const P* __restrict__ w, cons
     if (bl.ty != 0 || col >= n) return;
 #pragma unroll
     for (int q = 0; q < kSums; ++q) {
-        for (int y = 1; y < bl.by; ++y) s[q] += tile[q][y * bl.bx + bl.tx];
+        for (int y = 1; y < bl.by; ++y) {
+            const Vec<A, C> t = tile[q][y * bl.bx + bl.tx];
+#pragma unroll
+            for (int i = 0; i < C; ++i) s[q].v[i] += t.v[i];
+        }
     }
-    const long long e = m * n + col;
-    A wv = A(1), bv = A(0), factor = A(1);
-    if constexpr (FLAGS & kWeight) wv = static_cast<A>(widen(w[col]));
-    if constexpr (FLAGS & kBias) bv = static_cast<A>(widen(b[col]));
-    if constexpr (MODF & kModScale) factor += static_cast<A>(widen(mod_scale[e]));
-    if constexpr (OUTS & 1) narrow(static_cast<PA>(s[1]), dshift[e]);
-    if constexpr (OUTS & 2) narrow(static_cast<PA>(fma(wv, s[0], bv * s[1])), dscale[e]);
-    if constexpr (OUTS & 4) narrow(static_cast<PA>(s[kSums - 1]), dgate[e]);
-    if constexpr (FLAGS & kWeight) weighted[e] = factor * s[0];
-    if constexpr (FLAGS & kBias) weighted[mod_count * n + e] = factor * s[1];
+#pragma unroll
+    for (int i = 0; i < C; ++i) {  // (n is a multiple of C: every column of the group is in the row)
+        const long long e = m * n + col + i;
+        A wv = A(1), bv = A(0), factor = A(1);
+        if constexpr (FLAGS & kWeight) wv = static_cast<A>(widen(w[col + i]));
+        if constexpr (FLAGS & kBias) bv = static_cast<A>(widen(b[col + i]));
+        if constexpr (MODF & kModScale) factor += static_cast<A>(widen(mod_scale[e]));
+        if constexpr (OUTS & 1) narrow(static_cast<PA>(s[1].v[i]), dshift[e]);
+        if constexpr (OUTS & 2) narrow(static_cast<PA>(fma(wv, s[0].v[i], bv * s[1].v[i])), dscale[e]);
+        if constexpr (OUTS & 4) narrow(static_cast<PA>(s[kSums - 1].v[i]), dgate[e]);
+        if constexpr (FLAGS & kWeight) weighted[e] = factor * s[0].v[i];
+        if constexpr (FLAGS & kBias) weighted[mod_count * n + e] = factor * s[1].v[i];
+    }
 }
 
 }  // namespace cunorm
