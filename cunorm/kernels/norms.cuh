@@ -44,6 +44,18 @@ __device__ __forceinline__ double reciprocal(double v) {
     return fma(fma(-v, r, 1.0), r, r);
 }
 
+// The reciprocal of a combined count, for the share it weights a partial
+// by: float within an ulp (rcp.approx; the correctly rounded reciprocal's
+// fix-up steps, once a combine, cost LayerNorm bf16 4096x32768 154.7
+// against 143.5 us and 65536x1024 82.6 against 80.1, H200); double as
+// reciprocal().
+__device__ __forceinline__ float count_reciprocal(float v) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
+}
+__device__ __forceinline__ double count_reciprocal(double v) { return reciprocal(v); }
+
 template <class A>
 __device__ __forceinline__ A quiet_nan() {
     return static_cast<A>(__int_as_float(0x7fc00000));
@@ -131,7 +143,7 @@ struct LayerNorm {
         const A n = a.count + b.count;
         if (n == A(0)) return a;
         const A delta = b.mean - a.mean;
-        const A fb = b.count * reciprocal(n);  // b's share of the combined count
+        const A fb = b.count * count_reciprocal(n);  // b's share of the combined count
         return Stats{n, fma(delta, fb, a.mean), a.m2 + b.m2 + delta * delta * a.count * fb};
     }
     __device__ static __forceinline__ Stats shfl_xor(const Stats& s, int mask, int width) {
