@@ -17,29 +17,29 @@
 // (the sums of g * xhat and g, the factor per modulation row taken out).
 //
 // rows_grad_modulated: the rows of each run of mod_div rows (one modulation
-// row's) are cut into units_per_run units of unit_rows consecutive rows
-// (the last may be shorter); unit u = run * units_per_run + j. A block
-// takes units blockIdx.x, + gridDim.x, ... (a persistent grid). Thread
-// layout, launch bounds and column sums as rows_grad_cached's (backward.cu):
-// blockDim.x threads own vectors tid, tid + blockDim.x, ... (VPT of them)
-// of every row; a thread keeps its columns' P, Q (and G) sums in shared
-// memory in 16-byte groups (ColumnSums), its factors (1 + scale[m]) * w and
-// gates in registers, across the unit's rows in row order, and writes the sums as
-// the unit's partial rows: partial[(s * units + u) * n + column], s = 0 for
-// P, 1 for Q, 2 for G. x and dh are read after the reduction, every
-// vector's loads issued together, so the rows held across it are h and dy
-// alone; they are fetched into L2 as the row starts, and h and dy of the
-// next row one row ahead. The cutting depends on mod_div and the GPU
-// alone, never on the batch: every per-row and per-modulation-row gradient
-// is bitwise the same for any number of runs. No atomics.
+// row's) are cut into units_per_run units of unit_rows consecutive rows (the
+// last may be shorter); unit u = run * units_per_run + j. A block takes units
+// blockIdx.x, + gridDim.x, ... (a persistent grid). Thread layout, launch
+// bounds and column sums as rows_grad_cached's (backward.cu): blockDim.x
+// threads own vectors tid, tid + blockDim.x, ... (VPT of them) of every row;
+// a thread keeps its columns' P, Q (and G) sums in shared memory in 16-byte
+// groups (ColumnSums), its factors (1 + scale[m]) * w and gates in registers,
+// across the unit's rows in row order, and writes the sums as the unit's
+// partial rows: partial[(s * units + u) * n + column], s = 0 for P, 1 for Q,
+// 2 for G. x and dh are read after the reduction, every vector's loads issued
+// together, so the rows held across it are h and dy alone; they are fetched
+// into L2 as the row starts, and h and dy of the next row one row ahead. The
+// cutting depends on mod_div and the GPU alone, never on the batch: every
+// per-row and per-modulation-row gradient is bitwise the same for any number
+// of runs. No atomics.
 //
-// modulated_grad_sums: a block of bx x by threads (BlockLayout) a tile of
-// bx x C columns of one modulation row (blockIdx.y); thread (tx, ty) adds
-// C columns of the partial rows ty, ty + by, ... of the row's units, then thread (tx, 0)
-// adds the by sums in ty order. It writes dshift, dscale, dgate and the
-// weighted rows (1 + scale[m]) * Pm and (1 + scale[m]) * Qm, which
-// column_sum (backward.cu) adds over the modulation rows into dweight and
-// dbias.
+// modulated_grad_sums: a block of bx x by threads (BlockLayout) a tile of bx
+// x C columns of one modulation row (blockIdx.y); thread (tx, ty) adds C
+// columns of the partial rows ty, ty + by, ... of the row's units, then
+// thread (tx, 0) adds the by sums in ty order. It writes dshift, dscale,
+// dgate and the weighted rows (1 + scale[m]) * Pm and (1 + scale[m]) * Qm,
+// which column_sum (backward.cu) adds over the modulation rows into dweight
+// and dbias.
 #include "column_sums.cuh"
 
 namespace cunorm {
@@ -65,8 +65,8 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
     __shared__ Stats scratch[33];
     // P, Q and (with the gate) G: VPT x VEC words a thread each, the
     // layout of rows_grad_cached's column sums (a warp's group 512
-    // contiguous bytes). In registers they spilled past one vector a
-    // thread; as words a thread 32 bytes apart, every access conflicted
+    // contiguous bytes): in registers they spilled past one vector a
+    // thread, which left blocks too few rows in flight
     // (docs/notes/conditioned.md).
     extern __shared__ __align__(16) unsigned char modulated_sums[];
     A* const first_word = reinterpret_cast<A*>(modulated_sums) + (threadIdx.x / 32) * (VPT * VEC * 32) +
