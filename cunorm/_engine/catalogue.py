@@ -211,6 +211,7 @@ def modulated_grad_kernels() -> list[Kernel]:
     the gate); modulated_grad_sums for each with the gradients it writes
     (shift's where there is one)."""
     out = []
+    tunes = _tunings()
     for dtype in dtypes.SUPPORTED:
         acc = dtypes.accumulation(dtype)
         a, t = dtypes.KERNEL_TYPE[acc], dtypes.KERNEL_TYPE[dtype]
@@ -224,7 +225,7 @@ def modulated_grad_kernels() -> list[Kernel]:
                             for columns in sorted({1, column_sum_width(a, 0)}):
                                 out.append(K.MODULATED_GRAD_SUMS(a, p, flags, modf, outs, columns))
                         for vec in _vector_widths(dtype):
-                            for tune in _tunings():
+                            for tune in tunes:
                                 for shape in sorted(modulated_shapes(vec, dtype.itemsize, bool(modf & MOD_GATE),
                                                                      tune)):
                                     out.append(K.ROWS_GRAD_MODULATED(grad, t, p, flags, modf, vec, *shape,
