@@ -68,6 +68,36 @@ struct alignas(sizeof(T) * N) Vec {
     T v[N];
 };
 
+// Whether two types are one (NVRTC has no <type_traits>).
+template <class A, class B>
+struct SameType {
+    static constexpr bool value = false;
+};
+template <class A>
+struct SameType<A, A> {
+    static constexpr bool value = true;
+};
+
+// Element j of a vector in the accumulation type, as widen(v.v[j]). A
+// bfloat16 pair shares a 32-bit register, and its high element is the
+// register's high half as it stands: one AND, where widening the element
+// on its own first moved it down (two instructions; a quarter of
+// LayerNorm's bf16 instructions were widenings).
+template <class T, int N>
+__device__ __forceinline__ auto widen_at(const Vec<T, N>& v, int j) {
+    if constexpr (SameType<T, bf16_t>::value && N % 2 == 0) {
+        union {
+            Vec<T, N> v;
+            unsigned w[N / 2];
+        } u;
+        u.v = v;
+        const unsigned word = u.w[j / 2];
+        return __uint_as_float(j % 2 == 0 ? word << 16 : word & 0xffff0000u);
+    } else {
+        return widen(v.v[j]);
+    }
+}
+
 template <class T, int N>
 __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
     return *reinterpret_cast<const Vec<T, N>*>(p);

@@ -116,7 +116,12 @@ struct RmsNorm : SumStatistic<A, SquareTerm> {
 // (kShifted): for rows of mean 1e4 and std 1 in float32, the mean itself
 // rounds to 5e-4 of the std; x - pivot is exact there (Sterbenz) and the
 // shifted mean is of the size of the std, so the outputs keep float32's
-// precision.
+// precision. 16-bit data are not shifted (reduce.cuh, row_pivot): their
+// spread is at least an ulp of their mean (2^-8 of it in bfloat16, 2^-11
+// in float16), so float32's rounding of the mean stays within 2^-13 of the
+// std, far below y's rounding, and the subtraction was one instruction an
+// element in each of the statistic and the epilogue
+// (docs/notes/rows.md, "16-bit LayerNorm").
 template <class A>
 struct LayerNorm {
     struct Stats {

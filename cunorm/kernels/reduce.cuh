@@ -12,18 +12,18 @@ template <class Norm, class A, class T, int VEC>
 __device__ __forceinline__ typename Norm::Stats fold(const typename Norm::Stats& s, const Vec<T, VEC>& v, A pivot) {
     A values[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) values[j] = static_cast<A>(widen(v.v[j])) - pivot;
+    for (int j = 0; j < VEC; ++j) values[j] = static_cast<A>(widen_at(v, j)) - pivot;
     return Norm::combine(s, Norm::of_values(values));
 }
 
 // The shift of a row for shifted norms (norms.cuh, kShifted): its first
 // element as the load stage forms it (h = x + r, rounded as h is, with a
-// residual); 0 otherwise. Every thread of the row loads the same element
-// (one broadcast access).
+// residual); 0 otherwise, and for rows of 16-bit h (norms.cuh, LayerNorm).
+// Every thread of the row loads the same element (one broadcast access).
 template <class Norm, class A, class T, class LOAD>
 __device__ __forceinline__ A row_pivot(const T* x_row, const typename LOAD::Residual* r_row, bool active,
                                        const typename LOAD::Gate* g_row = nullptr) {
-    if constexpr (!Norm::kShifted) {
+    if constexpr (!Norm::kShifted || (sizeof(T) == 2 && !LOAD::kWide)) {
         return A(0);
     } else {
         if (!active) return A(0);

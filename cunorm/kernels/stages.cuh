@@ -172,16 +172,6 @@ struct GatedParamVec : ParamVec<P, WEIGHT, BIAS, VEC> {
     Vec<G, VEC> gate;
 };
 
-// Whether two types are one (NVRTC has no <type_traits>).
-template <class A, class B>
-struct SameType {
-    static constexpr bool value = false;
-};
-template <class A>
-struct SameType<A, A> {
-    static constexpr bool value = true;
-};
-
 // The row of a per-sample or per-token array that row r reads: r / div % count.
 __device__ __forceinline__ long long broadcast_row(long long row, long long div, long long count) {
     return (row / div) % count;
@@ -284,11 +274,11 @@ struct AffineStore {
     template <class A, class PV>
     __device__ __forceinline__ static Scalars<A> scalars_at(const PV& p, int j) {
         Scalars<A> s{A(1), A(0), A(0), A(0), A(0)};
-        if constexpr (kHasWeight) s.w = static_cast<A>(widen(p.w.v[j]));
-        if constexpr (kHasBias) s.b = static_cast<A>(widen(p.b.v[j]));
-        if constexpr (kHasShift) s.shift = static_cast<A>(widen(p.shift.v[j]));
-        if constexpr (kHasScale) s.scale = static_cast<A>(widen(p.scale.v[j]));
-        if constexpr (kGateAfter) s.gate = static_cast<A>(widen(p.gate.v[j]));
+        if constexpr (kHasWeight) s.w = static_cast<A>(widen_at(p.w, j));
+        if constexpr (kHasBias) s.b = static_cast<A>(widen_at(p.b, j));
+        if constexpr (kHasShift) s.shift = static_cast<A>(widen_at(p.shift, j));
+        if constexpr (kHasScale) s.scale = static_cast<A>(widen_at(p.scale, j));
+        if constexpr (kGateAfter) s.gate = static_cast<A>(widen_at(p.gate, j));
         return s;
     }
     // The norm's input vector with kGateInput: x * silu(z) in A, never
@@ -299,7 +289,7 @@ struct AffineStore {
         Vec<A, VEC> v;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            v.v[j] = static_cast<A>(widen(x.v[j])) * activate<kSilu>(static_cast<A>(widen(z.v[j])));
+            v.v[j] = static_cast<A>(widen_at(x, j)) * activate<kSilu>(static_cast<A>(widen_at(z, j)));
         }
         return v;
     }
@@ -366,7 +356,7 @@ struct AffineStore {
         Vec<Y, VEC> out;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const A shifted = static_cast<A>(widen(in.v[j])) - pivot;
+            const A shifted = static_cast<A>(widen_at(in, j)) - pivot;
             element<T>(shifted, f, scalars_at<A>(p, j), out.v[j]);
         }
         return out;
@@ -507,7 +497,7 @@ struct QuantStore : AffineStore<P, FLAGS, Q> {
         float m = 0.0f;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const float shifted = static_cast<float>(widen(in.v[j])) - pivot;
+            const float shifted = static_cast<float>(widen_at(in, j)) - pivot;
             m = fmaxf(m, fabsf(Base::template value<T>(shifted, f, Base::template scalars_at<float>(p, j))));
         }
         return m;
@@ -524,7 +514,7 @@ struct QuantStore : AffineStore<P, FLAGS, Q> {
         float v[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const float shifted = static_cast<float>(widen(in.v[j])) - pivot;
+            const float shifted = static_cast<float>(widen_at(in, j)) - pivot;
             v[j] = Base::template value<T>(shifted, f, Base::template scalars_at<float>(p, j)) * s.inverse;
         }
 #pragma unroll
@@ -563,7 +553,7 @@ template <class T, int VEC>
 __device__ __forceinline__ Vec<T, VEC> add_residual(const Vec<T, VEC>& x, const Vec<T, VEC>& r) {
     Vec<T, VEC> h;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) narrow(widen(x.v[j]) + widen(r.v[j]), h.v[j]);
+    for (int j = 0; j < VEC; ++j) narrow(widen_at(x, j) + widen_at(r, j), h.v[j]);
     return h;
 }
 
@@ -623,7 +613,7 @@ struct ScaledResidualLoad {
         Vec<T, VEC> h;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            narrow(fma(static_cast<A>(widen(g.v[j])), static_cast<A>(widen(x.v[j])), static_cast<A>(widen(r.v[j]))),
+            narrow(fma(static_cast<A>(widen_at(g, j)), static_cast<A>(widen_at(x, j)), static_cast<A>(widen_at(r, j))),
                    h.v[j]);
         }
         return h;
@@ -646,7 +636,7 @@ struct WideResidualLoad {
     __device__ __forceinline__ static Vec<R, VEC> combine_wide(const Vec<T, VEC>& x, const Vec<R, VEC>& r) {
         Vec<R, VEC> h;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) h.v[j] = static_cast<R>(widen(x.v[j])) + r.v[j];
+        for (int j = 0; j < VEC; ++j) h.v[j] = static_cast<R>(widen_at(x, j)) + r.v[j];
         return h;
     }
 };

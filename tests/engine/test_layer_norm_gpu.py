@@ -193,6 +193,21 @@ def test_large_mean_small_spread_within_torch(rng):
     assert err_ours < 1e-4
 
 
+@pytest.mark.parametrize("dtype,offset", [(dtypes.bfloat16, 100.0), (dtypes.float16, 1000.0)], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape", [(256, 1000), (64, 8192), (4, 1 << 17)], ids=str)
+def test_16bit_large_mean_small_spread(rng, dtype, offset, shape):
+    """16-bit rows take no pivot (norms.cuh, LayerNorm): at about the
+    largest mean over spread 16-bit data can hold (a std of two ulps of the
+    mean), y is within its own rounding of the float64 truth, in every tier."""
+    import cupy
+
+    x_np = random(rng, shape, dtype, scale=1.0, offset=offset)
+    w_np, b_np = random(rng, shape[-1], dtype), random(rng, shape[-1], dtype)
+    ref = reference.layer_norm(x_np, w_np, b_np, exact=True)
+    y = cunorm.layer_norm(*(cupy.asarray(a) for a in (x_np, w_np, b_np)))
+    assert_close(cupy.asnumpy(y), ref, dtype, atol=RTOL[dtype] * output_scale(ref), what=f"ln y {shape}")
+
+
 @pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16], ids=["bf16", "f16"])
 def test_error_within_twice_torch(rng, dtype):
     torch = pytest.importorskip("torch")
