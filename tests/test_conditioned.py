@@ -201,6 +201,26 @@ def test_which_calls_ask_for_per_row_operands():
     assert conditioning.requested(w, None, -1, None, np.ones(8), None)
 
 
+def test_dynamo_traces_without_lru_cache_warnings(monkeypatch):
+    """torch.compile of the conditioned norms (modulated, gated) warns
+    nothing about functools.lru_cache: dynamo warns once a process, so its
+    record of warned messages is emptied first."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    import cunorm.torch as ct
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    meta = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    modulated = torch.compile(lambda x, s, c: ct.layer_norm(x, shift=s, scale=c), backend="eager", fullgraph=True)
+    gated = torch.compile(lambda x, z: ct.rms_norm(x, gate=z), backend="eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        modulated(meta(2, 8, 64), meta(2, 1, 64), meta(2, 1, 64))
+        gated(meta(2, 8, 64), meta(2, 8, 64))
+    assert not [str(w.message)[:200] for w in caught if "lru_cache" in str(w.message)]
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_dynamo_traces_the_fused_operators(dynamic):
     """torch.compile (aot_eager, meta tensors: the operators' fakes) takes

@@ -162,16 +162,18 @@ def rms_epilogue_flags(weight_offset, rounding, has_weight: bool) -> int:
     return bits | (FLAG_WEIGHT_OFFSET if weight_offset else 0)
 
 
-def normalize_axes(axis, ndim: int) -> tuple[int, int]:
+def normalize_axes(axis, ndim: int, *, memo: bool = True) -> tuple[int, int]:
     """Return (first, last) of the adjacent axes named by ``axis``.
 
     ``axis`` is an int or a tuple/list of ints naming adjacent axes in any
     order; negative values count from the end. Memoized for the common
     forms of exact ints only (the per-call cost of a repeated call is a
     lookup): a memo keyed by equality would take (True,) or (1.0,) for a
-    (1,) it saw, and validation would depend on call order.
+    (1,) it saw, and validation would depend on call order. ``memo=False``
+    skips the memo (code torch.compile traces: dynamo warns when it traces
+    through a functools.lru_cache).
     """
-    if type(axis) is int or (type(axis) is tuple and all(type(a) is int for a in axis)):
+    if memo and (type(axis) is int or (type(axis) is tuple and all(type(a) is int for a in axis))):
         return _normalize_axes_cached(axis, ndim)
     return _normalize_axes(axis, ndim)
 

@@ -19,7 +19,8 @@
 //   finalize(s, n, eps)        the Affine of the group (n elements)
 //   kShifted                   whether the kernels feed it x - pivot (the
 //                              group's first element) instead of x, and
-//                              center the epilogue on the pivot too
+//                              center the epilogue on the pivot too (rows
+//                              of 16-bit data excepted: LayerNorm below)
 // A policy with a compile-time parameter (PowerNorm's p) is a member
 // template of a class template: cunorm::PowerNorm<bits of p>::Policy.
 #pragma once

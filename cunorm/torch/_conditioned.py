@@ -22,7 +22,7 @@ import torch
 from .._engine import calls, conditioning, ops, plans, row_norms
 from .._interop import torch as _adapter
 from ._autograd import TORCH_ACTIVATIONS, needs_grad, once_differentiable
-from ._operators import modulated_fusable, operator_axes
+from ._operators import axes_span, modulated_fusable, operator_axes
 
 
 class ModulatedRowNorm(torch.autograd.Function):
@@ -86,7 +86,7 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
     if gate is not None:
         if not isinstance(gate, torch.Tensor):
             raise TypeError(f"gate must be a torch tensor as x is, got {type(gate).__name__}")
-        _, last = plans.normalize_axes(axis, x.dim())
+        _, last = axes_span(axis, x.dim())
         others = [n for n, a in (("shift", shift), ("scale", scale), ("residual_gate", residual_gate)) if a is not None]
         conditioning.check_gate(norm, tuple(x.shape), x.dtype, tuple(gate.shape), gate.dtype, last,
                                 residual is not None, epilogue, others)
@@ -98,7 +98,7 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
             round_weighted=weight is not None and weight.dtype == x.dtype and x.element_size() == 2,
             to=_to, acc=acc, silu=torch.nn.functional.silu, return_stats=return_stats, axis=axis, eps=eps)
     if conditioning.wide(x, residual):
-        _, last = plans.normalize_axes(axis, x.dim())
+        _, last = axes_span(axis, x.dim())
         conditioning.check_wide(x.dtype, residual.dtype, x.element_size(), residual.dtype == torch.float32, last,
                                 x.dim(), residual_gate is not None)
     return conditioning.composed(plain, x, weight, bias, to=_to, acc=acc, activate=TORCH_ACTIVATIONS.get(activation),
@@ -119,7 +119,7 @@ def _operator(norm, x, weight, bias, residual, shift, scale, residual_gate, gate
     for name, a in given.items():
         if a is not None and not isinstance(a, torch.Tensor):
             raise TypeError(f"{name} must be a torch tensor as x is, got {type(a).__name__}")
-    first, last = plans.normalize_axes(axis, x.dim())
+    first, last = axes_span(axis, x.dim())
     if conditioning.wide(x, residual):
         conditioning.check_wide(x.dtype, residual.dtype, x.element_size(), residual.dtype == torch.float32, last,
                                 x.dim(), residual_gate is not None)

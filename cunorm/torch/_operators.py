@@ -63,6 +63,14 @@ def unfused_form(x, weight, bias, residual, axis, epilogue, shift, scale, residu
     return None
 
 
+def axes_span(axis, ndim: int) -> tuple[int, int]:
+    """plans.normalize_axes for front-end code that dynamo traces: its memo
+    is a functools.lru_cache, which dynamo traces through with a warning,
+    so a traced call takes the span without it (traced once; eager calls
+    keep the memo)."""
+    return plans.normalize_axes(axis, ndim, memo=not torch.compiler.is_compiling())
+
+
 def modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate) -> bool:
     """Whether the fused modulated backward (modulated_grad.fusable) takes
     a call on torch tensors (CUDA, or meta: the operators' fakes give their
@@ -72,7 +80,7 @@ def modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, sc
             or not all(isinstance(a, Tensor) for a in arrays)
             or unfused_form(x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate) is not None):
         return False
-    first, last = plans.normalize_axes(axis, x.dim())
+    first, last = axes_span(axis, x.dim())
     return modulated_grad.fusable(tuple(x.shape), x.element_size(), first, last, [tuple(a.shape) for a in arrays],
                                   False, residual_gate is not None)
 
