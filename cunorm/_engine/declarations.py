@@ -164,15 +164,16 @@ ROWS_CACHED = KernelDecl("rows", "rows_cached", _NORM_ROWS + ("VECS_PER_THREAD",
                          _args("x r w b quant_scale shift mod_scale res_gate gate:in y h center_out scale_out y_scale "
                                "y_plain:out rows:i64 n:i32 x_row_stride:i64 eps:acc threads_per_row:i32 "
                                "scale_row_stride scale_group_stride param_rows mod_div mod_count:i64"))
-ROWS_UNCACHED = KernelDecl("rows", "rows_uncached", _NORM_ROWS,
+# rows_streamed.cu
+ROWS_UNCACHED = KernelDecl("rows_streamed", "rows_uncached", _NORM_ROWS,
                            _args("x r w b quant_scale:in y h center_out scale_out y_scale y_plain:out rows n "
                                  "x_row_stride:i64 eps:acc stash_vecs scale_row_stride scale_group_stride:i64"))
-ROWS_SPLIT_PARTIAL = KernelDecl("rows", "rows_split_partial", ("NormT", "T", "LOAD", "VEC"),
+ROWS_SPLIT_PARTIAL = KernelDecl("rows_streamed", "rows_split_partial", ("NormT", "T", "LOAD", "VEC"),
                                 _args("x r:in h partial:out rows n x_row_stride chunks:i64"))
-ROWS_SPLIT_APPLY = KernelDecl("rows", "rows_split_apply", _NORM_ROWS,
+ROWS_SPLIT_APPLY = KernelDecl("rows_streamed", "rows_split_apply", _NORM_ROWS,
                               _args("x h w b partial:in y center_out scale_out:out rows n x_row_stride chunks:i64 "
                                     "eps:acc"))
-ROWS_RESIDENT = KernelDecl("rows", "rows_resident", _NORM_ROWS,
+ROWS_RESIDENT = KernelDecl("rows_streamed", "rows_resident", _NORM_ROWS,
                            _args(f"{_ROW_ARGS} partial arrived:out rows n x_row_stride chunk_vecs:i64 eps:acc"))
 # strided.cu
 STRIDED_NORM = KernelDecl("strided", "strided_norm", ("NormT", "T", "STORE", "VEC", "CHANNELS_PER_THREAD"),

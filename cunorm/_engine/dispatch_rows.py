@@ -441,7 +441,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
                       chunks=grid, chunk_vecs=chunk_vecs, workspace_words=rows * grid * norm_info(plan.norm).stat_words)
     if tier == "split":
         block = SPLIT_BLOCK_THREADS
-        # chunks interleave (rows.cu): at most one a block's width of vectors
+        # chunks interleave (rows_streamed.cu): at most one a block's width of vectors
         want_chunks = max(1, _ceil_div(tune.split_blocks_per_sm * device.sm_count, rows))
         chunks = override.get("chunks", min(want_chunks, _ceil_div(n_vec, block)))
         grid = (min(rows, MAX_GRID_X), min(chunks, MAX_GRID_Y))

@@ -524,6 +524,20 @@ struct QuantStore : AffineStore<P, FLAGS, Q> {
     }
 };
 
+// A quantizing store's y also as the plain store writes it (x's type,
+// rounded once), where the caller asked for it (y_plain not null: a
+// uniform branch); nothing for the other stores.
+template <class STORE, class T, int VEC, class A>
+__device__ __forceinline__ void store_plain(T* y_plain, long long at, const Vec<T, VEC>& in,
+                                            const typename STORE::template Params<VEC>& p, const Affine<A>& f,
+                                            A pivot) {
+    if constexpr (STORE::kQuantized) {
+        if (y_plain != nullptr) {
+            store_vec(y_plain + at, STORE::template Plain<T>::template apply<T>(in, p, f, pivot));
+        }
+    }
+}
+
 struct NoStore {
     using Param = none_t;
     using Out = none_t;
