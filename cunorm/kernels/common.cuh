@@ -81,8 +81,8 @@ struct SameType<A, A> {
 // Element j of a vector in the accumulation type, as widen(v.v[j]). A
 // bfloat16 pair shares a 32-bit register, and its high element is the
 // register's high half as it stands: one AND, where widening the element
-// on its own first moved it down (two instructions; a quarter of
-// LayerNorm's bf16 instructions were widenings).
+// on its own moves it down first (two instructions). Widenings are a
+// quarter of LayerNorm's bf16 instructions (docs/notes/rows.md).
 template <class T, int N>
 __device__ __forceinline__ auto widen_at(const Vec<T, N>& v, int j) {
     if constexpr (SameType<T, bf16_t>::value && N % 2 == 0) {

@@ -120,8 +120,8 @@ struct RmsNorm : SumStatistic<A, SquareTerm> {
 // precision. 16-bit data are not shifted (reduce.cuh, row_pivot): their
 // spread is at least an ulp of their mean (2^-8 of it in bfloat16, 2^-11
 // in float16), so float32's rounding of the mean stays within 2^-13 of the
-// std, far below y's rounding, and the subtraction was one instruction an
-// element in each of the statistic and the epilogue
+// std, far below y's rounding, while the subtraction costs an instruction
+// an element in each of the statistic and the epilogue
 // (docs/notes/rows.md, "16-bit LayerNorm").
 template <class A>
 struct LayerNorm {
