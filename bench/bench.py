@@ -5,6 +5,12 @@ sweep of launch overrides for the main cases. Writes bench.json and bench.md
 to --out. The user-facing suites are ``python -m cunorm bench``.
 
     PYTHONPATH=. python bench/bench.py --out results/
+
+A run longer than one call allows goes in parts (the device tool's 10
+minutes a command), merged after:
+
+    python bench/bench.py --part 0/2 --out p0   (and --part 1/2 --out p1)
+    python bench/bench.py --merge p0/bench.json p1/bench.json --out results/
 """
 from __future__ import annotations
 
@@ -45,9 +51,23 @@ def main():
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--tune", action="store_true", help="also sweep launch overrides")
     ap.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    ap.add_argument("--part", default="0/1", help="K/N: run every N-th case from the K-th (K=0 also the host table)")
+    ap.add_argument("--merge", nargs="+", metavar="BENCH_JSON", help="merge parts' bench.json into --out")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge]
+        result = {"meta": parts[0]["meta"], "cases": [], "tuning": [], "host_overhead_us": {}}
+        for part in parts:
+            for key in ("cases", "tuning"):
+                result[key] += part[key]
+            result["host_overhead_us"].update(part["host_overhead_us"])
+        order = [c[0] for c in (*CASES, *CHANNEL_CASES, *LP_CASES, *BACKWARD_CASES)]
+        result["cases"].sort(key=lambda r: order.index(r["case"]) if r["case"] in order else len(order))
+        write(out_dir, result)
+        return
+    part, parts = (int(v) for v in args.part.split("/"))
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
@@ -63,20 +83,25 @@ def main():
     meta["copy_gbps"] = copy_bw
     print(f"{gpu}, {meta['date']}: copy bandwidth {copy_bw:.0f} GB/s (read + write)", flush=True)
 
+    every = [c[0] for c in (*CASES, *CHANNEL_CASES, *LP_CASES, *BACKWARD_CASES)]
+
+    def mine(case):
+        return every.index(case[0]) % parts == part
+
     rows = []
-    for case in [c for c in CASES if args.only in c[0]]:
+    for case in [c for c in CASES if args.only in c[0] and mine(c)]:
         row = bench_case(*case, copy_bw, with_compile=not args.no_compile)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    for case in [c for c in CHANNEL_CASES if args.only in c[0]]:
+    for case in [c for c in CHANNEL_CASES if args.only in c[0] and mine(c)]:
         row = bench_channel_case(*case, copy_bw, with_compile=not args.no_compile)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    for case in [c for c in LP_CASES if args.only in c[0]]:
+    for case in [c for c in LP_CASES if args.only in c[0] and mine(c)]:
         row = bench_lp_case(*case, copy_bw, with_compile=not args.no_compile)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    for case in [c for c in BACKWARD_CASES if args.only in c[0]]:
+    for case in [c for c in BACKWARD_CASES if args.only in c[0] and mine(c)]:
         row = bench_backward_case(*case, copy_bw, with_compile=not args.no_compile)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -92,12 +117,19 @@ def main():
                 for r in tune_channel_case(*case[:7], copy_bw):
                     tuning.append(r)
                     print("tune", json.dumps(r), flush=True)
-    overhead = host_overhead() if not args.only or "host" in args.only else {}
-    result = {"meta": meta, "cases": rows, "tuning": tuning, "host_overhead_us": overhead}
+    overhead = host_overhead() if (not args.only or "host" in args.only) and part == 0 else {}
+    write(out_dir, {"meta": meta, "cases": rows, "tuning": tuning, "host_overhead_us": overhead})
+
+
+def write(out_dir, result):
+    """bench.json and bench.md of a run under out_dir."""
+    meta, rows, tuning, overhead = result["meta"], result["cases"], result["tuning"], result["host_overhead_us"]
+    gpu = meta["gpu"]
+    copy_bw = meta["copy_gbps"]
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
 
     lines = [f"GPU: {gpu}; date {meta['date']}; copy bandwidth {copy_bw:.0f} GB/s (read + write); "
-             f"CuPy {cupy.__version__}; torch {meta['torch']}; commit {meta['commit']}", "",
+             f"CuPy {meta['cupy']}; torch {meta['torch']}; commit {meta['commit']}", "",
              "| case | tier | cunorm ms | GB/s | floor% | target | torch eager ms | floor% | torch.compile ms | floor% | max rel err |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -19,7 +19,7 @@ import sys
 import torch
 
 import cunorm
-from cunorm.bench._timing import copy_bandwidth, time_gpu, time_single
+from cunorm.bench._timing import compile_static, copy_bandwidth, time_gpu, time_single
 
 EPS = 1e-6
 _FLUSH = torch.empty(256 << 20, dtype=torch.float32, device="cuda")
@@ -69,12 +69,12 @@ def rms_res32_torch(x, r, w):
 
 def main(out):
     copy = copy_bandwidth()
-    compiled = {"adaln": torch.compile(adaln_torch), "rms_mod": torch.compile(rms_mod_torch),
-                "gated": torch.compile(gated_torch), "gated_groups": torch.compile(gated_groups_torch),
-                "rms_res32": torch.compile(rms_res32_torch)}
     rows = []
     for hidden in (1152, 3072, 4096, 8192):
         for tokens in (1, 4096, 32768):
+            compiled = {name: compile_static(fn) for name, fn in (
+                ("adaln", adaln_torch), ("rms_mod", rms_mod_torch), ("gated", gated_torch),
+                ("gated_groups", gated_groups_torch), ("rms_res32", rms_res32_torch))}
             batch = 1 if tokens == 1 else 8
             shape = (batch, tokens // batch, hidden)
             g = torch.Generator(device="cuda").manual_seed(0)

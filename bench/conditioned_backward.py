@@ -21,7 +21,7 @@ import torch
 import torch._functorch.config
 
 import cunorm.torch as ct
-from cunorm.bench._timing import copy_bandwidth, time_gpu
+from cunorm.bench._timing import compile_static, copy_bandwidth, time_gpu
 
 # the forward bench's formulas, cold-call timing and EPS (bench/ is on the path when run as a script)
 from conditioned import EPS, adaln_torch, cold, rms_mod_torch  # noqa: E402
@@ -50,11 +50,12 @@ def _backward(forward, inputs, grads):
 
 def main(out):
     copy = copy_bandwidth()
-    compiled = {"adaln": torch.compile(adaln_torch), "rms_mod": torch.compile(rms_mod_torch),
-                "adaln_cunorm": torch.compile(adaln_cunorm), "rms_mod_cunorm": torch.compile(rms_mod_cunorm)}
     rows = []
     for hidden in (1152, 3072, 4096, 8192):
         for tokens in (4096, 32768):
+            compiled = {name: compile_static(fn) for name, fn in (
+                ("adaln", adaln_torch), ("rms_mod", rms_mod_torch), ("adaln_cunorm", adaln_cunorm),
+                ("rms_mod_cunorm", rms_mod_cunorm))}
             batch = 8
             shape = (batch, tokens // batch, hidden)
             g = torch.Generator(device="cuda").manual_seed(0)

@@ -85,12 +85,14 @@ def torch_quantized(x, w, b, r, group=None):
 
 
 def main(out_path, modes):
-    # every shape of every mode compiled (past the default limit dynamo would run the rest eagerly)
+    # every shape of every mode compiled with static shapes (past the default
+    # limit dynamo would run the rest eagerly; a recompile would otherwise
+    # mark the changed sizes dynamic)
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 256)
     copy_gbps = copy_bandwidth()
-    compiled = torch.compile(torch_quantized)
+    compiled = torch.compile(torch_quantized, dynamic=False)
     results = {"gpu": torch.cuda.get_device_name(), "copy_gbps": copy_gbps, "cases": []}
     print(f"{results['gpu']}: copy {copy_gbps:.0f} GB/s")
     with torch.no_grad():

@@ -39,6 +39,27 @@ def test_suites_cover_the_issue():
     assert bench.cases(("host",)) == []  # its rows come from _host.host_rows
 
 
+def test_torch_compile_columns_compile_each_case_static(monkeypatch):
+    """The torch.compile columns compile every case afresh with static
+    shapes: one function compiled over many shapes would otherwise time a
+    dynamic-shape kernel from the second case on (and eager past dynamo's
+    recompile limit)."""
+    torch = pytest.importorskip("torch")
+    from pathlib import Path
+    from cunorm.bench import _timing
+
+    calls = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    fn = _timing.compile_static(len)
+    assert fn is len and calls == ["reset", {"dynamic": False}]
+    root = Path(bench.__file__).parent
+    for path in sorted(root.glob("_*cases.py")) + sorted((root.parents[1] / "bench").glob("*.py")):
+        for line in path.read_text().splitlines():
+            if "torch.compile(" in line and not line.lstrip().startswith("#"):
+                assert "dynamic=False" in line, f"{path.name}: {line.strip()}"
+
+
 def test_quick_shapes_are_smaller():
     for suite in set(bench.SUITES) - {"host", "models", "jax"}:  # (suites without per-case shapes)
         full = sum(c.x_bytes for c in bench.cases((suite,)))

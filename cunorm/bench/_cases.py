@@ -19,7 +19,7 @@ import numpy as np
 
 import cunorm
 from .._engine import dtypes, row_norms
-from ._timing import single_columns, time_gpu, torch
+from ._timing import compile_static, single_columns, time_gpu, torch
 
 
 def torch_norm(op, x, w, b, axis, eps, r=None):
@@ -99,7 +99,7 @@ def bench_lp_case(name, op, shape, axis, target, copy_bw, with_compile):
         row["torch_floor_pct"] = 100 * nbytes / (t_ms * 1e-3) / 1e9 / copy_bw
         if with_compile:
             try:
-                compiled = torch.compile(lambda a: torch_lp(op, a, axis))
+                compiled = compile_static(lambda a: torch_lp(op, a, axis))
                 c_ms, _, _ = time_gpu(lambda: compiled(xt), reps=10, warmup=2)
                 row["compile_ms"] = c_ms
                 row["compile_floor_pct"] = 100 * nbytes / (c_ms * 1e-3) / 1e9 / copy_bw
@@ -210,7 +210,7 @@ def bench_case(name, op, shape, dtype, axis, params, residual, target, copy_bw, 
             row["liger_floor_pct"] = 100 * nbytes / (l_ms * 1e-3) / 1e9 / copy_bw
         if with_compile:
             try:
-                compiled = torch.compile(lambda a, c, d, e: torch_norm(op, a, c, d, axis, 1e-5, e))
+                compiled = compile_static(lambda a, c, d, e: torch_norm(op, a, c, d, axis, 1e-5, e))
                 c_ms, _, _ = time_gpu(lambda: compiled(xt, wt, bt, rt), reps=10, warmup=2)
                 row["compile_ms"] = c_ms
                 row["compile_floor_pct"] = 100 * nbytes / (c_ms * 1e-3) / 1e9 / copy_bw
@@ -348,7 +348,7 @@ def bench_backward_case(name, op, shape, dtype, axis, target, copy_bw, with_comp
         # the timing loop reuses one graph (retain_graph), which a compiled
         # backward with donated buffers refuses
         importlib.import_module("torch._functorch.config").donated_buffer = False
-        for key, fn in (("torch", forward), ("compile", torch.compile(forward) if with_compile else None)):
+        for key, fn in (("torch", forward), ("compile", compile_static(forward) if with_compile else None)):
             if fn is None:
                 continue
             try:

@@ -9,7 +9,7 @@ import numpy as np
 import cunorm
 from .._engine import dtypes
 from ._cases import fewest_bytes
-from ._timing import single_columns, time_gpu, torch
+from ._timing import compile_static, single_columns, time_gpu, torch
 
 
 def _channel_call(op, x, groups, w, b, channel_axis, running, out=None, training=True):
@@ -84,8 +84,8 @@ def bench_channel_case(name, op, shape, dtype, groups, channel_axis, params, tar
         row["torch_floor_pct"] = 100 * nbytes / (t_ms * 1e-3) / 1e9 / copy_bw
         if with_compile:
             try:
-                compiled = torch.compile(lambda a, d, e: torch_channel_norm(op, a, groups, d, e, channel_axis, rt,
-                                                                            training))
+                compiled = compile_static(lambda a, d, e: torch_channel_norm(op, a, groups, d, e, channel_axis, rt,
+                                                                             training))
                 c_ms, _, _ = time_gpu(lambda: compiled(xt, wt, bt), reps=10, warmup=2)
                 row["compile_ms"] = c_ms
                 row["compile_floor_pct"] = 100 * nbytes / (c_ms * 1e-3) / 1e9 / copy_bw
