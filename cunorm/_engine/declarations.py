@@ -193,7 +193,7 @@ CHANNEL_FROM_RUNNING = KernelDecl("channels", "channel_from_running", ("A",),
 CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "STORE", "VEC", "LAYOUT"),
                            _args(f"x w b affine running_mean running_var:in y:out {_CHANNEL_DIMS} per_sample:i32 "
                                  f"chunks chunk_len:i64 eps:acc hints block_x:i32"))
-CHANNEL_STREAM = KernelDecl("channels", "channel_stream", ("NormT", "T", "STORE", "VEC"),
+CHANNEL_STREAM = KernelDecl("channel_stream", "channel_stream", ("NormT", "T", "STORE", "VEC"),
                             _args("x w b:in y partial affine mean_out rstd_out sync:out groups_total group_vecs "
                                   "spatial_vecs:i64 channels_per_group groups:i32 tile_vecs row_tiles slab_tiles "
                                   "lag_slabs:i64 hints:i32 eps:acc"))
@@ -217,15 +217,16 @@ ROWS_GRAD_CLUSTER = KernelDecl("backward", "rows_grad_cluster",
                                _ROWS_GRAD_CACHED_ARGS)
 COLUMN_SUM = KernelDecl("backward", "column_sum", ("A", "P", "C"),
                         _args("partial:in out_w out_b:out parts:i32 n:i64 block_x:i32"))
-ROWS_GRAD_CHUNKS = KernelDecl("backward", "rows_grad_chunks", ("Grad", "T", "P", "FLAGS", "VEC"),
+# backward_streamed.cu
+ROWS_GRAD_CHUNKS = KernelDecl("backward_streamed", "rows_grad_chunks", ("Grad", "T", "P", "FLAGS", "VEC"),
                               _args("dy x w center scale:in stat_partial:out rows n chunks chunk_len:i64"))
-ROWS_GRAD_SUMS = KernelDecl("backward", "rows_grad_sums", ("Grad", "T", "P", "FLAGS", "VEC"),
+ROWS_GRAD_SUMS = KernelDecl("backward_streamed", "rows_grad_sums", ("Grad", "T", "P", "FLAGS", "VEC"),
                             _args("dy x w center scale:in partial:out outer reduced inner chunks chunk_len:i64"))
-ROWS_GRAD_FINALIZE = KernelDecl("backward", "rows_grad_finalize", ("Grad", "A"),
+ROWS_GRAD_FINALIZE = KernelDecl("backward_streamed", "rows_grad_finalize", ("Grad", "A"),
                                 _args("partial center scale:in coeffs:out groups chunks n:i64 eps:acc"))
-ROWS_GRAD_FINALIZE_WIDE = KernelDecl("backward", "rows_grad_finalize_wide", ("Grad", "A"),
+ROWS_GRAD_FINALIZE_WIDE = KernelDecl("backward_streamed", "rows_grad_finalize_wide", ("Grad", "A"),
                                      _args("partial center scale:in coeffs:out chunks n:i64 eps:acc"))
-ROWS_GRAD_APPLY = KernelDecl("backward", "rows_grad_apply", ("Grad", "T", "P", "FLAGS", "VEC", "STRIDED"),
+ROWS_GRAD_APPLY = KernelDecl("backward_streamed", "rows_grad_apply", ("Grad", "T", "P", "FLAGS", "VEC", "STRIDED"),
                              _args("dy x dh w coeffs:in dx partial dw db:out outer reduced inner chunks "
                                    "chunk_len:i64"))
 # strided_grads.cu

@@ -3,7 +3,7 @@
 // with the same, bitwise reproducible, statistic. No atomics anywhere.
 #pragma once
 #include "norms.cuh"
-#include "stages.cuh"
+#include "quant_store.cuh"
 
 namespace cunorm {
 

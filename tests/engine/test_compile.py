@@ -109,7 +109,8 @@ def test_representative_set_covers_every_kernel_norm_and_dtype():
 
 
 def test_source_inlines_every_header():
-    for family in ("rows", "rows_streamed", "strided"):
+    for family in ("rows", "rows_streamed", "strided", "backward", "backward_streamed", "channels",
+                   "channel_stream"):
         src = loader.source(family)
         assert not re.search(r'#\s*include\s+"', src)
         for header in ("common.cuh", "norms.cuh", "reduce.cuh"):
