@@ -1,7 +1,8 @@
 """SyncBatchNorm's launches for a front end that runs its collectives
-(cunorm/torch/_sync.py): each phase one cached Program, run over the
-front end's raw pointers on its stream, so a training step costs a few
-launches beside the two collectives.
+(cunorm/torch/_sync.py): each phase one Program, built here and cached by
+the front end (one bounded cache, looked up outside the device scope that
+building needs), run over the front end's raw pointers on its stream, so a
+training step costs a few launches beside the two collectives.
 
 Forward:
   ``statistics_program``: this rank's per-channel mean and rstd with eps 0
@@ -25,7 +26,6 @@ rank forms the same statistics and coefficients.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 from . import channel_norms, declarations as K, dtypes, launches, plans
@@ -52,7 +52,6 @@ def dims(shape) -> tuple[int, int, int]:
     return shape[0], shape[1], math.prod(shape[2:])
 
 
-@functools.lru_cache(maxsize=256)
 def statistics_program(dtype, last: bool, shape: tuple, x_mod: int, device: int) -> launches.Program:
     """channel_norms.CHANNEL_SLOTS: x in, mean and rstd out (eps 0)."""
     batch, channels, spatial = dims(shape)
@@ -62,7 +61,6 @@ def statistics_program(dtype, last: bool, shape: tuple, x_mod: int, device: int)
     return channel_norms.channel_program(plan, alone, False, 0.0, 0.0, True, (False, False), device)
 
 
-@functools.lru_cache(maxsize=256)
 def combine_program(acc, ranks: int, channels: int, eps: float, momentum: float, device: int) -> launches.Program:
     pb = launches.ProgramBuilder(COMBINE_SLOTS, device)
     threads = 256
@@ -74,7 +72,6 @@ def combine_program(acc, ranks: int, channels: int, eps: float, momentum: float,
     return pb.build()
 
 
-@functools.lru_cache(maxsize=256)
 def apply_program(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: int, y_mod: int, eps: float,
                   device: int) -> launches.Program:
     """channel_norms.CHANNEL_SLOTS: x, w, b and the global mean and variance
@@ -85,7 +82,6 @@ def apply_program(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: in
     return channel_norms.channel_program(plan, launch, True, eps, 0.0, False, (True, True), device)
 
 
-@functools.lru_cache(maxsize=256)
 def grad_programs(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: int, dx_mod: int, ranks: int,
                   device: int) -> tuple[launches.Program, launches.Program]:
     """(before, after) the backward's collective, over GRAD_SLOTS: before
