@@ -31,6 +31,10 @@ from record_cases import CASES, CHANNEL_CASES, LP_CASES  # (this script's folder
 from tune.forward import CHANNEL_TUNE, TUNE, tune_case, tune_channel_case
 
 
+#: every case's name, in the order the run takes them (parts and merges follow it)
+NAMES = [c[0] for c in (*CASES, *CHANNEL_CASES, *LP_CASES, *BACKWARD_CASES)]
+
+
 def host_overhead(n_calls=2000) -> dict:
     """The host suite as {case: us} (bench/bench.py's table)."""
     out = {}
@@ -63,8 +67,7 @@ def main():
             for key in ("cases", "tuning"):
                 result[key] += part[key]
             result["host_overhead_us"].update(part["host_overhead_us"])
-        order = [c[0] for c in (*CASES, *CHANNEL_CASES, *LP_CASES, *BACKWARD_CASES)]
-        result["cases"].sort(key=lambda r: order.index(r["case"]) if r["case"] in order else len(order))
+        result["cases"].sort(key=lambda r: NAMES.index(r["case"]) if r["case"] in NAMES else len(NAMES))
         write(out_dir, result)
         return
     part, parts = (int(v) for v in args.part.split("/"))
@@ -83,10 +86,8 @@ def main():
     meta["copy_gbps"] = copy_bw
     print(f"{gpu}, {meta['date']}: copy bandwidth {copy_bw:.0f} GB/s (read + write)", flush=True)
 
-    every = [c[0] for c in (*CASES, *CHANNEL_CASES, *LP_CASES, *BACKWARD_CASES)]
-
     def mine(case):
-        return every.index(case[0]) % parts == part
+        return NAMES.index(case[0]) % parts == part
 
     rows = []
     for case in [c for c in CASES if args.only in c[0] and mine(c)]:

@@ -68,16 +68,6 @@ struct alignas(sizeof(T) * N) Vec {
     T v[N];
 };
 
-// Whether two types are one (NVRTC has no <type_traits>).
-template <class A, class B>
-struct SameType {
-    static constexpr bool value = false;
-};
-template <class A>
-struct SameType<A, A> {
-    static constexpr bool value = true;
-};
-
 // Element j of a vector in the accumulation type, as widen(v.v[j]). A
 // bfloat16 pair shares a 32-bit register, and its high element is the
 // register's high half as it stands: one AND, where widening the element
@@ -85,7 +75,7 @@ struct SameType<A, A> {
 // quarter of LayerNorm's bf16 instructions (docs/notes/rows.md).
 template <class T, int N>
 __device__ __forceinline__ auto widen_at(const Vec<T, N>& v, int j) {
-    if constexpr (SameType<T, bf16_t>::value && N % 2 == 0) {
+    if constexpr (same_type<T, bf16_t>::value && N % 2 == 0) {
         union {
             Vec<T, N> v;
             unsigned w[N / 2];

@@ -238,10 +238,10 @@ struct L2Norm : SumStatistic<A, SquareTerm> {
 
 // a^q for a >= 0 and an exponent q the compiler knows: a whole q from 2 to
 // 8 as the product of q factors (q - 1 roundings, within float's
-// accuracy here), any other q by pow, the accurate library function (a few
-// tens of instructions an element: the p=3 normalize of fp32 32768x4096
-// rows ran at 67% of copy bandwidth with pow, 0.379 against torch.compile's
-// 0.252 ms on an H200; docs/notes/rows.md).
+// accuracy here), any other q by pow, the accurate library function. pow
+// is a few tens of instructions an element: with it the p=3 normalize of
+// fp32 32768x4096 rows reads 67% of copy bandwidth, as a product 96%
+// (H200; docs/notes/rows.md).
 template <class A>
 __device__ __forceinline__ A power_of(A a, A q) {
     if (q >= A(2) && q <= A(8) && q == A(static_cast<int>(q))) {

@@ -310,7 +310,7 @@ struct AffineStore {
             v = v + s.b;
         }
         if constexpr (kGateAfter) {
-            if constexpr ((FLAGS & kRoundNormalized) != 0 && kHasWeight && SameType<P, Y>::value && sizeof(Y) == 2) {
+            if constexpr ((FLAGS & kRoundNormalized) != 0 && kHasWeight && same_type<P, Y>::value && sizeof(Y) == 2) {
                 v = rounded_to<Y>(v);
             }
             v = v * activate<kSilu>(s.gate);
@@ -483,7 +483,7 @@ struct WideResidualLoad {
     static constexpr bool kWide = true;
     using Gate = none_t;
     using Residual = R;
-    static_assert(SameType<R, typename AccOf<T>::type>::value, "r and h in x's accumulation type");
+    static_assert(same_type<R, typename AccOf<T>::type>::value, "r and h in x's accumulation type");
     template <int VEC>
     __device__ __forceinline__ static Vec<R, VEC> combine_wide(const Vec<T, VEC>& x, const Vec<R, VEC>& r) {
         Vec<R, VEC> h;
