@@ -131,6 +131,13 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
 // it): the resident rows tier and the cached backward fetch their next row
 // this way while working on the current one.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+// The number of SM identifiers of the device (at least its SM count).
+__device__ __forceinline__ unsigned int sm_ids() {
+    unsigned int n;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+    return n;
+}
 
 // Acquire load of an arrival counter (the partials it guards are then
 // visible).

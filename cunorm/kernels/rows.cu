@@ -56,6 +56,24 @@
 
 namespace cunorm {
 
+// A lane's parameters (STORE::Params of VEC elements, N vectors): held in
+// registers across the rows a block walks (HELD) or read for each row.
+template <class STORE, int VEC, int N, bool HELD>
+struct HeldParams {
+    template <class Row>
+    __device__ __forceinline__ auto of(int, const Row& ro, long long e) const {
+        return STORE::template params<VEC>(ro, e);
+    }
+};
+template <class STORE, int VEC, int N>
+struct HeldParams<STORE, VEC, N, true> {
+    typename STORE::template Params<VEC> p[N];
+    template <class Row>
+    __device__ __forceinline__ typename STORE::template Params<VEC> of(int k, const Row&, long long) const {
+        return p[k];
+    }
+};
+
 template <template <class> class NormT, class T, class STORE, class LOAD, int VEC, int VECS_PER_THREAD,
           bool BLOCK_PER_ROW>
 __global__ void __launch_bounds__(
@@ -87,11 +105,49 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
     const int row_threads = BLOCK_PER_ROW ? static_cast<int>(blockDim.x) : threads_per_row;
     const int lane = BLOCK_PER_ROW ? static_cast<int>(threadIdx.x)
                                    : static_cast<int>(threadIdx.x) & (threads_per_row - 1);
-    const int rows_per_block = BLOCK_PER_ROW ? 1 : static_cast<int>(blockDim.x) / threads_per_row;
-    const int group = BLOCK_PER_ROW ? 0 : static_cast<int>(threadIdx.x) / threads_per_row;
+    // threads_per_row is a power of two: shifts, not integer divisions
+    // (a block of short rows runs its prologue once)
+    const int row_shift = BLOCK_PER_ROW ? 0 : __popc(threads_per_row - 1);
+    const int rows_per_block = BLOCK_PER_ROW ? 1 : static_cast<int>(blockDim.x) >> row_shift;
+    const int group = BLOCK_PER_ROW ? 0 : static_cast<int>(threadIdx.x) >> row_shift;
     const long long step = static_cast<long long>(gridDim.x) * rows_per_block;
     // The caller's scale, where the store takes one (read once, not a row at a time).
     const typename STORE::Scale given_scale = STORE::static_scale(quant_scale);
+    // The parameters of this lane's vectors, read once where a block walks
+    // many rows and they are the same for each (loaded for every row, their
+    // loads, addresses and branches were a sixth of a short row's
+    // instructions); at most 64 bytes a thread, and not beside the float32
+    // residual stream's row (held in float32, it spilled at 128 registers).
+    constexpr bool kHeld = !BLOCK_PER_ROW && STORE::kWritesY && !STORE::kRowParams && STORE::kParamBytes > 0 &&
+                           !LOAD::kWide && VECS_PER_THREAD * VEC * STORE::kParamBytes <= 64;
+    HeldParams<STORE, VEC, VECS_PER_THREAD, kHeld> held;
+    if constexpr (kHeld) {
+        const typename STORE::Row ro = STORE::row(w, b, shift, mod_scale, 0, n, param_rows, mod_div, mod_count);
+#pragma unroll
+        for (int k = 0; k < VECS_PER_THREAD; ++k) {
+            const int v = lane + k * row_threads;
+            if (v < n_vec) held.p[k] = STORE::template params<VEC>(ro, static_cast<long long>(v) * VEC);
+        }
+    }
+
+    // A block per row reads the parameters after the reduction. With at
+    // most a row an SM (decode) each SM waits on memory, and their lines
+    // are fetched into L1 first: a row of 4096 bf16 6.5 -> 5.8 us
+    // (RMSNorm), 10.2 -> 8.6 (LayerNorm); prefetched at every row count,
+    // 1056 rows of 4096 took 11.5 -> 14.4 us (H100, docs/notes/rows.md
+    // "Decode"). Not for a modulation or per-head weights: there the
+    // prologue's prefetch cost the modulated RMSNorm 3-5% at 4096 rows
+    // and more, where it is skipped (H200).
+    if constexpr (BLOCK_PER_ROW && STORE::kWritesY && STORE::kParamBytes > 0 && !STORE::kRowParams) {
+        if (rows <= static_cast<long long>(sm_ids())) {
+            const typename STORE::Row ro = STORE::row(w, b, shift, mod_scale, 0, n, param_rows, mod_div, mod_count);
+#pragma unroll
+            for (int k = 0; k < VECS_PER_THREAD; ++k) {
+                const int v = lane + k * row_threads;
+                if (v < n_vec) STORE::prefetch_row(ro, static_cast<long long>(v) * VEC);
+            }
+        }
+    }
 
     // The loop bound is uniform across the block: the exchanges below need
     // every lane, so lanes past the last row ride along inactive.
@@ -181,7 +237,7 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
                 m[k] = 0.0f;
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
-                    m[k] = STORE::template amax<T>(cache[k], STORE::template params<VEC>(ro, e), f, pivot);
+                    m[k] = STORE::template amax<T>(cache[k], held.of(k, ro, e), f, pivot);
                 }
 #pragma unroll
                 for (int mask = kLanes / 2; mask > 0; mask /= 2) {
@@ -213,7 +269,7 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
                 const int v = lane + k * row_threads;
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
-                    const auto p = STORE::template params<VEC>(ro, e);
+                    const auto p = held.of(k, ro, e);
                     store_vec(yr + e, STORE::template apply<T>(cache[k], p, f, pivot, quant));
                     store_plain<STORE>(y_plain, row * n + e, cache[k], p, f, pivot);
                 }
@@ -230,7 +286,7 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
                     const int v = lane + k * row_threads;
                     if (active && v < n_vec) {
                         const long long e = static_cast<long long>(v) * VEC;
-                        m.v = fmax(m.v, STORE::template amax<T>(cache[k], STORE::template params<VEC>(ro, e), f,
+                        m.v = fmax(m.v, STORE::template amax<T>(cache[k], held.of(k, ro, e), f,
                                                                 pivot));
                     }
                 }
@@ -248,7 +304,7 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
                 const int v = lane + k * row_threads;
                 if (active && v < n_vec) {
                     const long long e = static_cast<long long>(v) * VEC;
-                    auto p = STORE::template params<VEC>(ro, e);
+                    auto p = held.of(k, ro, e);
                     if constexpr (kFormed) {
                         store_vec(yr + e, STORE::template apply_formed<T>(formed[k], p, f, pivot));
                     } else {

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from cunorm._engine import catalogue, dispatch_rows, dispatch_channels, dispatch_grad, dtypes, launches, tuning
+from cunorm._engine import catalogue, dispatch_rows, dispatch_channels, dispatch_grad, dtypes, launches, plans, tuning
 from cunorm._engine.plans import canonical_view, collapse, make_plan, normalize_axes, vector_width
 
 H200 = dispatch_rows.Device(sm_count=132)
@@ -59,13 +59,20 @@ def test_vector_width():
     assert vector_width(2, 1024, [1024], [(0, 2), (16, 4)]) == 4  # float32 weight aligned to 16 only
 
 
-def test_short_rows_halve_the_vectors_a_thread_only_when_plain():
-    """Half the target vectors a thread (within 16 lanes) is for plain rows:
-    a residual keeps the target; LayerNorm's heavier target halves too."""
+def test_short_rows_halve_the_vectors_a_thread_only_when_plain_or_gated():
+    """Half the target vectors a thread (within 16 lanes) is for plain rows
+    and the gated RMSNorm's: a residual or a modulation keeps the target;
+    LayerNorm's heavier target halves too."""
     bf16 = dtypes.bfloat16
     assert dispatch_rows.choose(plan_for((65536, 256), -1, bf16, residual=True), H200).threads_per_row == 8
     assert dispatch_rows.choose(plan_for((65536, 256), -1, bf16), H200).threads_per_row == 16
     assert dispatch_rows.choose(plan_for((65536, 256), -1, bf16, norm="ln"), H200).threads_per_row == 8
+    weight = plans.FLAG_WEIGHT
+    for gate in (plans.FLAG_GATE, plans.FLAG_GATE | plans.FLAG_GATE_INPUT):
+        gated = plan_for((131072, 128), -1, bf16, bf16, flags=weight | gate)
+        assert dispatch_rows.choose(gated, H200).threads_per_row == 8  # (4 at the target)
+    modulated = plan_for((131072, 128), -1, bf16, bf16, flags=weight | plans.FLAG_SCALE)
+    assert dispatch_rows.choose(modulated, H200).threads_per_row == 4
 
 
 def test_plan_problem_36():
