@@ -170,3 +170,37 @@ def test_each_command_has_its_own_help(command, says, capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: python -m cunorm {command}") and says in out
+
+
+def test_sass_mix_reads_nsight_computes_source_page(capsys, monkeypatch):
+    """bench/tools/sass_mix.py: opcodes with their predicates stripped,
+    counts with thousands separators, the all-samples stall columns only."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "tools" / "sass_mix.py"
+    spec = importlib.util.spec_from_file_location("sass_mix", path)
+    sass_mix = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "sass_mix", sass_mix)  # (its dataclass looks itself up there)
+    spec.loader.exec_module(sass_mix)
+    header = ('"Address","Source","Instructions Executed","stall_long_sb","stall_wait",'
+              '"stall_long_sb (Not Issued)"')
+    text = "\n".join([
+        '"Kernel Name","k1",',
+        header,
+        '"0x0","LDG.E.128 R4, desc[UR6][R2.64]","1,000","30","10","99"',
+        '"0x10","@!P0  FFMA R1, R2, R3, R4","3,000","0","20","99"',
+        '"0x20","FFMA R1, R2, R3, R4","1,000","20","20","99"',
+        '"Kernel Name","k2",',
+        header,
+        '"0x0","EXIT","5","0","0","0"',
+    ]).splitlines()
+    kernels = sass_mix.read_kernels(text)
+    assert [k.name for k in kernels] == ["k1", "k2"]
+    total, ops, stalls = sass_mix.mix(kernels[0])
+    assert total == 5000 and ops == {"FFMA": 4000, "LDG": 1000}
+    assert stalls == {"long_sb": 50, "wait": 50}
+    sass_mix.report(kernels, "k1")
+    out = capsys.readouterr().out
+    assert "== k1" in out and "k2" not in out and "FFMA 80.0%" in out and "long_sb 50.0%" in out
