@@ -218,9 +218,6 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-GATE_FLAGS = plans.FLAG_GATE | plans.FLAG_GATE_INPUT
-
-
 def cached_cost(vecs_per_thread: int, vec_bytes: int, residual: bool, heavy: bool) -> int:
     """The register cost of a rows_cached thread's cache: the cached bytes,
     x4 with a residual, x2 for a heavy statistic (LayerNorm) or float64.
@@ -347,7 +344,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         threads = min(next_pow2(_ceil_div(n_vec, target)), tune.preferred_max_row_threads)
         # (the gate z is held beside x; the other per-row operands and a
         # residual: not measured)
-        lean = not plan.residual and plan.quant is None and not plan.flags & plans.CONDITIONED_FLAGS & ~GATE_FLAGS
+        lean = not plan.residual and plan.quant is None and not plan.flags & plans.CONDITIONED_FLAGS & ~plans.GATE_FLAGS
         if lean and 1 < threads and next_pow2(_ceil_div(n_vec, target // 2)) <= tune.short_row_max_lanes:
             # short rows: half the vectors a thread where a group of at
             # most short_row_max_lanes lanes still holds the row (rows of

@@ -104,6 +104,8 @@ FLAG_GATE_INPUT = 4096
 FLAG_WIDE_RESIDUAL = 8192
 CONDITIONED_FLAGS = (FLAG_PARAM_ROWS | FLAG_SHIFT | FLAG_SCALE | FLAG_RESIDUAL_GATE | FLAG_GATE
                      | FLAG_WIDE_RESIDUAL)
+#: the gated RMSNorm's z (held beside x, as a residual is)
+GATE_FLAGS = FLAG_GATE | FLAG_GATE_INPUT
 #: what the store's FLAGS word holds of a plan's flags
 STORE_FLAGS = ~(FLAG_RESIDUAL_GATE | FLAG_WIDE_RESIDUAL)
 #: the flags that take a stored operand of the parameters' dtype

@@ -44,7 +44,7 @@ class Tuning:
     #: 200000x64 55.0 -> 63.5%, bf16 262144x128 79.0 -> 81.7%, LayerNorm
     #: bf16 131072x256 64.9 -> 69.6%, 262144x128 61.2 -> 71.3%; at 32 lanes
     #: RMSNorm bf16 65536x512 lost, 81.3 -> 79.9% (H200, docs/notes/rows.md
-    #: "Short rows"); the gated RMSNorm over heads of 128 2-4% faster (H100,
+    #: "Short rows"); the gated RMSNorm over heads of 128 1-4% faster (H100,
     #: docs/notes/conditioned.md "Heads of 128")
     short_row_max_lanes: int = 16
     #: the split tier takes rows of at least this many bytes ...

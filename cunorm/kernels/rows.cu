@@ -114,10 +114,10 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
     // The caller's scale, where the store takes one (read once, not a row at a time).
     const typename STORE::Scale given_scale = STORE::static_scale(quant_scale);
     // The parameters of this lane's vectors, read once where a block walks
-    // many rows and they are the same for each (loaded for every row, their
-    // loads, addresses and branches were a sixth of a short row's
+    // many rows and they are the same for each (read for every row, their
+    // loads, addresses and branches are a sixth of a short row's
     // instructions); at most 64 bytes a thread, and not beside the float32
-    // residual stream's row (held in float32, it spilled at 128 registers).
+    // residual stream's row (held in float32: 128 registers, spilled).
     constexpr bool kHeld = !BLOCK_PER_ROW && STORE::kWritesY && !STORE::kRowParams && STORE::kParamBytes > 0 &&
                            !LOAD::kWide && VECS_PER_THREAD * VEC * STORE::kParamBytes <= 64;
     HeldParams<STORE, VEC, VECS_PER_THREAD, kHeld> held;
@@ -140,11 +140,10 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
     // and more, where it is skipped (H200).
     if constexpr (BLOCK_PER_ROW && STORE::kWritesY && STORE::kParamBytes > 0 && !STORE::kRowParams) {
         if (rows <= static_cast<long long>(sm_ids())) {
-            const typename STORE::Row ro = STORE::row(w, b, shift, mod_scale, 0, n, param_rows, mod_div, mod_count);
 #pragma unroll
             for (int k = 0; k < VECS_PER_THREAD; ++k) {
                 const int v = lane + k * row_threads;
-                if (v < n_vec) STORE::prefetch_row(ro, static_cast<long long>(v) * VEC);
+                if (v < n_vec) STORE::template prefetch<true>(w, b, static_cast<long long>(v) * VEC);
             }
         }
     }

@@ -131,8 +131,8 @@ __device__ __forceinline__ A activate(A v) {
     } else if constexpr (ACT == kSilu) {
         // float: the division approximate (__fdividef, within 2 ulp; 0 past
         // a denominator of 2^126, where z / (1 + exp(-z)) is below 2^-119):
-        // the IEEE division's ten instructions an element were a quarter
-        // of the gated norm's over heads of 128 (docs/notes/conditioned.md)
+        // the IEEE division's ten instructions an element are a quarter of
+        // the gated norm's over heads of 128 (docs/notes/conditioned.md)
         if constexpr (same_type<A, float>::value) {
             return __fdividef(v, 1.0f + exp(-v));
         } else {
@@ -259,17 +259,11 @@ struct AffineStore {
         if constexpr (kHasBias) p.b = load_vec_hint<P, VEC>(b + e, policy);
         return p;
     }
-    // The lines of the row's operands at e into L1.
-    __device__ __forceinline__ static void prefetch_row(const Row& o, long long e) {
-        if constexpr (kHasWeight) prefetch_l1(o.w + e);
-        if constexpr (kHasBias) prefetch_l1(o.b + e);
-        if constexpr (kHasShift) prefetch_l1(o.shift + e);
-        if constexpr (kHasScale) prefetch_l1(o.scale + e);
-    }
-    // The 128-byte lines of the parameters at e into L2.
+    // The 128-byte lines of the parameters at e into L2 (or L1).
+    template <bool L1 = false>
     __device__ __forceinline__ static void prefetch(const P* w, const P* b, long long e) {
-        if constexpr (kHasWeight) prefetch_l2(w + e);
-        if constexpr (kHasBias) prefetch_l2(b + e);
+        if constexpr (kHasWeight) L1 ? prefetch_l1(w + e) : prefetch_l2(w + e);
+        if constexpr (kHasBias) L1 ? prefetch_l1(b + e) : prefetch_l2(b + e);
     }
     template <class A>
     __device__ __forceinline__ static Scalars<A> channel(const P* w, const P* b, long long c) {
