@@ -25,7 +25,7 @@ from ._engine import calls
 from ._engine.ops import DEFAULT_EPS, LP_EPS
 from ._engine.row_norms import lp_norm_name
 
-__all__ = ["rms_norm_backward", "layer_norm_backward", "rms_norm_modulated_backward",
+__all__ = ["rms_norm_backward", "layer_norm_backward", "rms_norm_gated_backward", "rms_norm_modulated_backward",
            "layer_norm_modulated_backward", "normalize_backward", "mean_abs_normalize_backward",
            "frobenius_normalize_backward", "group_norm_backward", "instance_norm_backward", "batch_norm_backward"]
 
@@ -104,6 +104,58 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, d
     {errors}
     """
     return calls.rows_grad("ln", dy, x, mean, rstd, weight, bias, dh, axis, 0.0)
+
+
+def rms_norm_gated_backward(dy, x, rstd, weight=None, *, gate, norm_before_gate=True, axis=-1):
+    """The gradients of the gated :func:`cunorm.rms_norm` (``gate=``), fused
+    (cunorm/kernels/backward.cu's rows_grad_gated).
+
+    With ``s = silu(z)`` and ``s' = sigmoid(z) * (1 + z * (1 - sigmoid(z)))``:
+    ``norm_before_gate=True`` (``y = xhat * weight * s``): dx and dweight
+    are :func:`rms_norm_backward`'s of ``dy * s``, and ``dgate = dy * xhat *
+    weight * s'``; ``norm_before_gate=False`` (``y = norm(u) * weight``, ``u
+    = x * s``): ``du`` is rms_norm_backward's of u, ``dx = du * s``,
+    ``dgate = du * x * s'``, ``dweight = sum(dy * u * rstd)``. Computed in
+    float32 (float64 for float64 x); the forward's roundings pass the
+    gradient unchanged, as autograd's casts do.
+
+    Parameters
+    ----------
+    dy : array
+        The gradient of y: x's shape and dtype.
+    x : array
+        The forward's input.
+    rstd : array
+        The forward's ``rstd`` (``return_stats=True``; of x * silu(z) where
+        the gate comes first).
+    weight : array, optional
+        The forward's weight, over the normalized axes. With the weight
+        offset, pass ``1 + weight``.
+    gate : array
+        The forward's gate z: x's shape and dtype.
+    norm_before_gate : bool, default True
+        The forward's.
+    axis : int or tuple of int, default -1
+        The forward's axes: trailing ones. For ``group_size``, pass the
+        arrays split into groups (a weight a group is per-head: not taken).
+
+    Returns
+    -------
+    grads : tuple
+        A named tuple (``GatedGrads``: x, weight, gate) of gradients in the
+        inputs' shapes and dtypes (weight None without one).
+
+    Raises
+    ------
+    TypeError
+        As :func:`rms_norm_backward`, for gate as for dy;
+        norm_before_gate not a bool.
+    ValueError
+        As :func:`rms_norm_backward`; axes that are not trailing; rows of
+        over 16384 16-bit, 8192 32-bit or 4096 64-bit elements on the GPU
+        (fewer where the row length leaves narrower vectors).
+    """
+    return calls.rows_grad_gated(dy, x, rstd, weight, gate, norm_before_gate, axis)
 
 
 _MODULATED = """The forward: ``h = residual + residual_gate * x`` (or ``x +

@@ -332,6 +332,33 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, axis=-1, dh=None, exact=False
     return (dx if exact else dx.astype(x.dtype)), dw
 
 
+def rms_norm_gated_backward(dy, x, rstd, weight=None, *, gate, norm_before_gate=True, axis=-1, exact=False):
+    """(dx, dweight, dgate) of the gated rms_norm, with ``s = silu(z)`` and
+    ``s' = sigmoid(z) * (1 + z * (1 - sigmoid(z)))``: norm_before_gate (y
+    = xhat * w * s): rms_norm_backward of ``dy * s``, ``dz = dy * xhat * w
+    * s'``; else (y = norm(u) * w, u = x * s): ``du`` rms_norm_backward's
+    of u, ``dx = du * s``, ``dz = du * x * s'``. rstd: the forward's (of u
+    for the gate before the norm)."""
+    x = np.asarray(x)
+    axes, last = _row_axes(x, axis)
+    xf, dyf, zf = x.astype(np.float64), np.asarray(dy).astype(np.float64), np.asarray(gate).astype(np.float64)
+    with np.errstate(over="ignore"):
+        sigmoid = 1.0 / (1.0 + np.exp(-zf))
+    s, slope = zf * sigmoid, sigmoid * (1.0 + zf * (1.0 - sigmoid))
+    tail = (1,) * (x.ndim - 1 - last)
+    w = 1.0 if weight is None else np.asarray(weight).astype(np.float64).reshape(np.shape(weight) + tail)
+    r = np.expand_dims(np.asarray(rstd).astype(np.float64), axes)
+    if norm_before_gate:
+        dx, dw = rms_norm_backward(dyf * s, xf, rstd, weight, axis=axis, exact=True)
+        dz = dyf * xf * r * w * slope
+    else:
+        du, dw = rms_norm_backward(dyf, xf * s, rstd, weight, axis=axis, exact=True)
+        dx, dz = du * s, du * xf * slope
+    if exact:
+        return dx, dw, dz
+    return dx.astype(x.dtype), None if dw is None else dw.astype(np.asarray(weight).dtype), dz.astype(x.dtype)
+
+
 def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None, *, axis=-1, dh=None, exact=False):
     """(dx, dweight, dbias) of layer_norm: ``dx = rstd * (g - mean(g) - xhat *
     mean(g * xhat))`` with ``xhat = (x - mean) * rstd``, ``g = dy * weight``."""

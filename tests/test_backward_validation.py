@@ -26,6 +26,26 @@ def test_backward_errors(xp):
         cunorm.layer_norm_backward(x, x, rstd, rstd, dh=x[:1])
 
 
+def test_gated_backward_errors(xp):
+    from cunorm.backward import rms_norm_gated_backward
+
+    x = xp.ones((4, 8), np.float32)
+    _, rstd = cunorm.rms_norm(x, gate=x, return_stats=True)
+    with pytest.raises(ValueError, match="gate must have x's shape"):
+        rms_norm_gated_backward(x, x, rstd, gate=x[:2])
+    with pytest.raises(TypeError, match="gate must have x's dtype"):
+        rms_norm_gated_backward(x, x, rstd, gate=x.astype(np.float64))
+    with pytest.raises(TypeError, match="gate is required"):
+        rms_norm_gated_backward(x, x, rstd, gate=None)
+    with pytest.raises(TypeError, match="norm_before_gate must be a bool"):
+        rms_norm_gated_backward(x, x, rstd, gate=x, norm_before_gate="yes")
+    with pytest.raises(ValueError, match="weight must have the shape"):
+        rms_norm_gated_backward(x, x, rstd, xp.ones((2, 8), np.float32), gate=x)
+    _, rstd0 = cunorm.rms_norm(x, axis=0, return_stats=True)
+    with pytest.raises(ValueError, match="trailing axes"):
+        rms_norm_gated_backward(x, x, rstd0, gate=x, axis=0)
+
+
 def test_channel_backward_errors(xp):
     x = xp.ones((2, 6, 5), np.float32)
     _, mean, rstd = cunorm.group_norm(x, 3, return_stats=True)

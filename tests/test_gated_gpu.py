@@ -141,12 +141,115 @@ def test_rows_past_the_register_tier_raise_a_value_error():
         cunorm.rms_norm(x, gate=x)
 
 
+# --- the fused backward (rows_grad_gated) -------------------------------------------------------------------------
+
+# name: (x shape, weight?): whole rows (no group_size)
+GRAD_CASES = {
+    "mamba-2 row": ((3, 17, 1152), True),
+    "qwen3-next heads": ((2, 9, 8, 128), True),
+    "short rows, no weight": ((37, 96), False),
+    "odd row": ((6, 1000), True),
+    "decode": ((1, 1, 4096), True),
+    "longest 16-bit row": ((3, 16384), True),
+}
+
+
+def _grad_arrays(rng, shape, weighted, dtype):
+    wdtype = np.float64 if dtype == dtypes.float64 else np.float32
+    return (random(rng, shape, dtype, 2.0, 0.3), random(rng, shape, dtype, 2.0),
+            random(rng, shape[-1:], wdtype, 0.5, 1.0) if weighted else None, random(rng, shape, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("before", [True, False], ids=["norm-then-gate", "gate-then-norm"])
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+def test_the_fused_backward_matches_the_reference(rng, poisoned, case, before, dtype):
+    from cunorm.backward import rms_norm_gated_backward
+
+    shape, weighted = GRAD_CASES[case]
+    if shape[-1] > {2: 16384, 4: 8192, 8: 2048}[dtype.itemsize]:
+        pytest.skip("past the forward's register budget (test_rows_past_the_register_tier_raise_a_value_error)")
+    x, z, w, dy = _grad_arrays(rng, shape, weighted, dtype)
+    dev = {k: None if v is None else cupy.asarray(v) for k, v in dict(x=x, z=z, w=w, dy=dy).items()}
+    _, rstd = cunorm.rms_norm(dev["x"], dev["w"], gate=dev["z"], norm_before_gate=before, return_stats=True)
+    kept = {k: v.copy() for k, v in dev.items() if v is not None}
+    got = rms_norm_gated_backward(dev["dy"], dev["x"], rstd, dev["w"], gate=dev["z"], norm_before_gate=before)
+    want = reference.rms_norm_gated_backward(dy, x, cupy.asnumpy(rstd), w, gate=z, norm_before_gate=before,
+                                             exact=True)
+    rtol = RTOL[np.dtype(dtype)]
+    for name, g, ref in zip(("dx", "dweight", "dgate"), got, want):
+        if ref is None:
+            assert g is None, name
+            continue
+        assert g.dtype == (w.dtype if name == "dweight" else dtype), name
+        # (dweight: float32 sums of at most 51 rows, rounded once to the weight's dtype)
+        tol = RTOL[np.dtype(w.dtype)] if name == "dweight" else rtol
+        assert_close(cupy.asnumpy(g), ref, w.dtype if name == "dweight" else dtype, rtol=tol,
+                     atol=tol * output_scale(ref), what=name)
+    for k, v in kept.items():  # inputs never written
+        assert cupy.array_equal(v, dev[k]), k
+
+
+def test_the_fused_backward_is_reproducible_and_batch_invariant(rng):
+    """Run twice, bitwise the same; each row's dx and dgate the same
+    bitwise whatever the rows beside it (dweight sums over all of them)."""
+    from cunorm.backward import rms_norm_gated_backward
+
+    bf16 = dtypes.bfloat16
+    for shape in ((4096, 1024), (2048, 128)):
+        x, z, w, dy = (None if a is None else cupy.asarray(a) for a in _grad_arrays(rng, shape, True, bf16))
+        for before in (True, False):
+            _, rstd = cunorm.rms_norm(x, w, gate=z, norm_before_gate=before, return_stats=True)
+            whole = rms_norm_gated_backward(dy, x, rstd, w, gate=z, norm_before_gate=before)
+            again = rms_norm_gated_backward(dy, x, rstd, w, gate=z, norm_before_gate=before)
+            for a, b in zip(whole, again):
+                assert cupy.array_equal(a, b)
+            for i in (0, 1234 % shape[0], shape[0] - 1):
+                part = rms_norm_gated_backward(dy[i:i + 1], x[i:i + 1], rstd[i:i + 1], w, gate=z[i:i + 1],
+                                               norm_before_gate=before)
+                assert cupy.array_equal(part.x.view(cupy.uint16), whole.x[i:i + 1].view(cupy.uint16))
+                assert cupy.array_equal(part.gate.view(cupy.uint16), whole.gate[i:i + 1].view(cupy.uint16))
+
+
+def test_a_cached_backward_replays_what_the_first_computed(rng):
+    from cunorm._engine import gated_grad, launch_cache
+    from cunorm.backward import rms_norm_gated_backward
+
+    x, z, w, dy = (None if a is None else cupy.asarray(a)
+                   for a in _grad_arrays(rng, (64, 1152), True, dtypes.bfloat16))
+    _, rstd = cunorm.rms_norm(x, w, gate=z, norm_before_gate=False, return_stats=True)
+    first = rms_norm_gated_backward(dy, x, rstd, w, gate=z, norm_before_gate=False)
+    key = gated_grad.key(dy, x, rstd, w, z, False, -1)
+    assert launch_cache.ROWS_GRAD.get(key) is not None
+    second = rms_norm_gated_backward(dy, x, rstd, w, gate=z, norm_before_gate=False)
+    assert type(second).__name__ == "GatedGrads"
+    for a, b in zip(first, second):
+        assert cupy.array_equal(a, b)
+    dy2 = cupy.asarray(random(rng, x.shape, dtypes.bfloat16))  # (new data through the replayed launcher)
+    got = rms_norm_gated_backward(dy2, x, rstd, w, gate=z, norm_before_gate=False)
+    want = reference.rms_norm_gated_backward(cupy.asnumpy(dy2), cupy.asnumpy(x), cupy.asnumpy(rstd),
+                                             cupy.asnumpy(w), gate=cupy.asnumpy(z), norm_before_gate=False,
+                                             exact=True)
+    assert_close(cupy.asnumpy(got.gate), want[2], dtypes.bfloat16, atol=8e-3 * output_scale(want[2]), what="dgate")
+
+
+def test_rows_past_one_block_raise_a_value_error():
+    from cunorm.backward import rms_norm_gated_backward
+
+    x = cupy.ones((2, 16386), cupy.float16)  # (a row of 16386 elements: vectors of 2, too many for one block)
+    _, rstd = cunorm.rms_norm(x[:, :16384], return_stats=True)
+    with pytest.raises(ValueError, match="rows one block holds"):
+        rms_norm_gated_backward(x, x, cupy.ones(2, cupy.float32), gate=x)
+
+
 # --- torch ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("before", [True, False])
 @pytest.mark.parametrize("case", ["mamba-2 row", "groups of a row"])
-def test_torch_runs_fused_and_differentiates_the_composition(rng, case, before):
+def test_torch_runs_fused_and_differentiates(rng, case, before):
+    """Whole rows: GatedRowNorm (the fused backward); groups with a weight
+    a group: the composition's gradients."""
     torch = torch_on_gpu()
     x, z, w, group = _arrays(rng, case, np.float32, np.float32)
     t = {k: torch.tensor(v, device="cuda") for k, v in dict(x=x, z=z, w=w).items()}
@@ -157,6 +260,7 @@ def test_torch_runs_fused_and_differentiates_the_composition(rng, case, before):
     leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
     y, rstd = cunorm.rms_norm(leaves["x"], leaves["w"], gate=leaves["z"], norm_before_gate=before,
                               group_size=group, return_stats=True)
+    assert ("GatedRowNorm" in type(y.grad_fn).__name__) == (group is None), type(y.grad_fn).__name__
     torch.testing.assert_close(y, fused, rtol=2e-6, atol=2e-6 * float(fused.abs().max()))
     dy = torch.randn_like(y)
     grads = torch.autograd.grad((y * dy).sum(), list(leaves.values()))
@@ -165,6 +269,30 @@ def test_torch_runs_fused_and_differentiates_the_composition(rng, case, before):
     ref_grads = torch.autograd.grad((ref * dy.double()).sum(), list(doubles.values()))
     for name, g, rg in zip(leaves, grads, ref_grads):
         torch.testing.assert_close(g.double(), rg, rtol=2e-4, atol=2e-4 * float(rg.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_torch_fused_backward_in_bf16_with_the_weight_offset(rng, before):
+    """bf16 Qwen3-Next-like heads, rounding="normalized", weight_offset=1:
+    the fused gradients against torch's autograd of the same call in
+    float64 (the kernel's weight 1 + w, dweight back in w's dtype)."""
+    torch = torch_on_gpu()
+    bf16 = dtypes.bfloat16
+    x, z, _, dy = _grad_arrays(rng, (4, 33, 4, 128), False, bf16)
+    w = random(rng, (128,), bf16, 0.3)
+    leaves = [torch.tensor(a.astype(np.float32), device="cuda").to(torch.bfloat16).requires_grad_() for a in (x, z, w)]
+    kw = dict(norm_before_gate=before, weight_offset=1, rounding="normalized", eps=1e-6)
+    y = cunorm.rms_norm(leaves[0], leaves[2], gate=leaves[1], **kw)
+    assert "GatedRowNorm" in type(y.grad_fn).__name__
+    t_dy = torch.tensor(dy.astype(np.float32), device="cuda").to(torch.bfloat16)
+    grads = torch.autograd.grad(y, leaves, t_dy)
+    doubles = [a.detach().double().requires_grad_() for a in leaves]
+    ref = cunorm.rms_norm(doubles[0], doubles[2], gate=doubles[1], **kw)
+    ref_grads = torch.autograd.grad(ref, doubles, t_dy.double())
+    for name, g, rg in zip(("dx", "dgate", "dweight"), grads, ref_grads):
+        assert g.dtype == torch.bfloat16, name
+        # (the float64 reference skips the forward's bf16 roundings: a few bf16 ulps apart)
+        torch.testing.assert_close(g.double(), rg, rtol=2e-2, atol=2e-2 * float(rg.abs().max()), msg=name)
 
 
 def test_torch_compile_runs_the_fused_operator(rng):

@@ -124,3 +124,18 @@ def test_channel_backward(rng, op, channel_axis):
         got = bwd()
     for g, n, name in zip(got, want, ("dx", "dweight", "dbias")):
         _close(g, n, f"{op} {name}")
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["norm-then-gate", "gate-then-norm"])
+@pytest.mark.parametrize("weighted", [True, False], ids=["weight", "no-weight"])
+def test_gated_rms_norm_backward(rng, before, weighted):
+    x, z = _data(rng, (3, 7)), rng.standard_normal((3, 7)) * 2.0
+    w = _data(rng, (7,)) if weighted else None
+    dy = rng.standard_normal((3, 7))
+    kw = dict(gate=z, norm_before_gate=before, eps=1e-5, exact=True)
+    want = _numeric(lambda: np.sum(dy * R.rms_norm(x, w, **kw)), [x, z] + ([w] if weighted else []))
+    _, rstd = R.rms_norm(x, w, return_stats=True, **kw)
+    dx, dw, dz = R.rms_norm_gated_backward(dy, x, rstd, w, gate=z, norm_before_gate=before, exact=True)
+    for g, n, name in zip((dx, dz, dw), want, ("dx", "dgate", "dweight")):
+        _close(g, n, f"gated {name}")
+    assert weighted or dw is None

@@ -14,7 +14,8 @@ caller that keeps the launcher a call ran (the torch layers' memo) passes
 """
 from __future__ import annotations
 
-from . import channel_norms, conditioning, dtypes, gradients, launch_cache, modulated_grad, ops, plans, row_norms
+from . import (channel_norms, conditioning, dtypes, gated_grad, gradients, launch_cache, modulated_grad, ops, plans,
+               row_norms)
 from .. import _interop, reference
 
 
@@ -147,6 +148,15 @@ def rows_grad_modulated(norm, dy, h, mean, rstd, weight, bias, dh, shift, scale,
     g = modulated_grad.ModulatedGradCall(norm, dy, h, mean=mean, rstd=rstd, weight=weight, bias=bias, dh=dh,
                                          shift=shift, scale=scale, residual_gate=residual_gate, x=x, axis=axis)
     return modulated_grad.run(g, key)
+
+
+def rows_grad_gated(dy, x, rstd, weight, gate, norm_before_gate, axis):
+    """The gated RMSNorm's backward (gated_grad.py): GatedGrads."""
+    key = gated_grad.key(dy, x, rstd, weight, gate, norm_before_gate, axis)
+    results = launch_cache.replay(launch_cache.ROWS_GRAD, key, dy, x, rstd, weight, gate)
+    if results is not None:
+        return gated_grad.GatedGrads(*results)
+    return gated_grad.run(gated_grad.GatedGradCall(dy, x, rstd, weight, gate, norm_before_gate, axis), key)
 
 
 def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from . import dtypes, quantize, tuning
+from . import dtypes, plans, quantize, tuning
 from . import declarations as K
 from .dispatch_rows import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
                             cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
-from .dispatch_grad import (GRAD_CACHED_MAX_THREADS, GRAD_NORMS, GRAD_STRIDED_MAX_CPT, _vpt_choices,
-                            column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes,
+from .dispatch_grad import (GATE_INPUT, GATE_OUTPUT, GRAD_CACHED_MAX_THREADS, GRAD_NORMS, GRAD_STRIDED_MAX_CPT,
+                            _vpt_choices, column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes,
                             grad_cached_multi_row_bounds, grad_onchip_items, grad_onchip_max_elements,
                             grad_onchip_shapes, grad_policy, strided_grad_cache_bytes, MOD_GATE, MOD_SCALE,
                             OUT_GATE, OUT_SCALE, OUT_SHIFT, modulated_shapes)
@@ -77,7 +77,8 @@ def all_kernels(norms=None) -> list[Kernel]:
         for vec in _vector_widths(dtype):
             out.append(K.RESIDUAL_ADD(dtypes.KERNEL_TYPE[dtype], vec))
     # (each once: the dtypes that share an accumulation type share its kernels)
-    return list(dict.fromkeys(out + channel_kernels() + backward_kernels() + modulated_grad_kernels()))
+    return list(dict.fromkeys(out + channel_kernels() + backward_kernels() + gated_grad_kernels() +
+                              modulated_grad_kernels()))
 
 
 def channel_kernels() -> list[Kernel]:
@@ -237,6 +238,30 @@ def _tunings() -> list[tuning.Tuning]:
     """The distinct Tunings of the architectures cunorm plans for: the
     catalogue holds what the dispatch picks under each."""
     return list({replace(t, name=""): t for t in tuning.BY_ARCH.values()}.values())
+
+
+def gated_grad_kernels() -> list[Kernel]:
+    """The gated RMSNorm's backward (rows_grad_gated): rows_grad_cached's
+    shapes for each gate placement, with and without a weight."""
+    out = []
+    tunes = _tunings()
+    for dtype in dtypes.SUPPORTED:
+        a, t = dtypes.KERNEL_TYPE[dtypes.accumulation(dtype)], dtypes.KERNEL_TYPE[dtype]
+        grad = grad_policy("rms", a)
+        for p, flags in [(dtypes.NO_PARAMS, 0)] + [(p, plans.FLAG_WEIGHT) for p in sorted({t, a})]:
+            for gate in (GATE_OUTPUT, GATE_INPUT):
+                for vec in _vector_widths(dtype):
+                    for vpt in _vpt_choices(vec, dtype.itemsize):
+                        for tune in tunes:
+                            for threads in (tune.grad_cached_target_threads, GRAD_CACHED_MAX_THREADS):
+                                out.append(K.ROWS_GRAD_GATED(grad, t, p, flags, gate, vec, vpt,
+                                                             *grad_cached_bounds(threads, vpt, tune), 0,
+                                                             cooperative=flags != 0, persistent=True))
+                            if vpt == 1:
+                                out.append(K.ROWS_GRAD_GATED(grad, t, p, flags, gate, vec, vpt,
+                                                             *grad_cached_multi_row_bounds(tune), 1,
+                                                             cooperative=flags != 0, persistent=True))
+    return list(dict.fromkeys(out))
 
 
 def backward_kernels() -> list[Kernel]:

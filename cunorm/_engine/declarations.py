@@ -212,6 +212,10 @@ _ROWS_GRAD_CACHED_ARGS = _args("dy x dh w center scale:in dx partial:out rows:i6
 ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
                               ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "MULTI_ROW"),
                               _ROWS_GRAD_CACHED_ARGS)
+ROWS_GRAD_GATED = KernelDecl("backward", "rows_grad_gated",
+                             ("Grad", "T", "P", "FLAGS", "GATE", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "MULTI_ROW"),
+                             _args("dy x z w scale:in dx dz partial:out rows:i64 n row_threads:i32 eps:acc "
+                                   "prefetch_next:i32 dw arrived:out"))
 ROWS_GRAD_CLUSTER = KernelDecl("backward", "rows_grad_cluster",
                                ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "CLUSTER"),
                                _ROWS_GRAD_CACHED_ARGS)

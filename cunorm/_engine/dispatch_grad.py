@@ -190,6 +190,60 @@ class GradLaunch:
     row_threads: int = 0  # cached: threads a row (the block's, or a part of it shared by several rows)
 
 
+def _cached_launch(decl, leading: tuple, dtype, flags: int, outer: int, n_vec: int, vec: int, device: Device,
+                   cooperative: bool, max_cluster: int) -> GradLaunch | None:
+    """rows_grad_cached's launch (``decl`` rows_grad_cached or
+    rows_grad_gated, ``leading`` its template arguments before VEC) for
+    ``outer`` rows of n_vec vectors, or rows_grad_cluster's where clusters
+    of up to ``max_cluster`` blocks hold the row and fill the SMs; None
+    where neither holds it."""
+    from .dtypes import accumulation
+
+    tune = tuning.of(device)
+    acc_bytes = accumulation(dtype).itemsize
+    shape = grad_cached_shape(n_vec, vec, dtype.itemsize, tune, max_cluster)
+    if shape is None:
+        return None
+    threads, vpt, cluster = shape
+    shared = grad_cached_shared_bytes(flags, vec, threads, vpt, acc_bytes)
+    if (cluster > 1 and outer * cluster < device.sm_count) or \
+            shared > device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
+        return None
+    row_threads, rows_a_block = grad_cached_rows_a_block(n_vec, threads, vpt, tune) if cluster == 1 else (threads, 1)
+    if rows_a_block > 1:
+        threads = row_threads * rows_a_block
+        shared = grad_cached_shared_bytes(flags, vec, threads, vpt, acc_bytes)
+    bounds = grad_cached_multi_row_bounds(tune) if rows_a_block > 1 else grad_cached_bounds(threads, vpt, tune)
+    if cluster == 1:
+        kernel = decl(*leading, vec, vpt, *bounds, int(rows_a_block > 1), cooperative=flags != 0 and cooperative,
+                      persistent=True)
+    else:  # (its partials go to column_sum: no cooperative launch)
+        kernel = K.ROWS_GRAD_CLUSTER(*leading, vec, vpt, *bounds, cluster, persistent=True)
+    blocks = min(_ceil_div(outer, rows_a_block), MAX_GRID_X // cluster) * cluster
+    return GradLaunch("cached", (Step(kernel, (blocks,), (threads,), shared),),
+                      prefetch_next=tune.grad_cached_prefetch_next, row_threads=row_threads)
+
+
+#: where the gated RMSNorm's silu(z) multiplies (rows_grad_gated's GATE, grads.cuh's GradGate)
+GATE_OUTPUT, GATE_INPUT = 1, 2
+
+
+def choose_rows_grad_gated(dtype, pdtype, flags: int, rows: int, n: int, vec: int, gate: int, device: Device,
+                           cooperative: bool = True) -> GradLaunch | None:
+    """The gated RMSNorm's backward (rows_grad_gated: GATE_OUTPUT or
+    GATE_INPUT) over ``rows`` C-contiguous rows of n elements: the
+    rows_grad_cached shape of the plain RMSNorm's rows, a block a row or
+    several rows a block; None where one block does not hold a row (rows of
+    over 16384 16-bit, 8192 32-bit or 4096 64-bit elements at the widest
+    vectors)."""
+    from .dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
+
+    a = KERNEL_TYPE[accumulation(dtype)]
+    p = NO_PARAMS if not flags else KERNEL_TYPE[pdtype]
+    return _cached_launch(K.ROWS_GRAD_GATED, (grad_policy("rms", a), KERNEL_TYPE[dtype], p, flags, gate), dtype, flags,
+                          rows, n // vec, vec, device, cooperative, 1)
+
+
 def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: int, inner: int, vec: int,
                      device: Device, cooperative: bool = True) -> GradLaunch:
     """The backward launch of a row norm over C-contiguous (outer, reduced,
@@ -209,26 +263,10 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
         n_vec = reduced // vec
         # clusters on sm_90 and later, where they fill the SMs
         max_cluster = GRAD_CACHED_MAX_CLUSTER if device.compute_capability >= 90 else 1
-        shape = grad_cached_shape(n_vec, vec, dtype.itemsize, tune, max_cluster)
-        shared = 0 if shape is None else grad_cached_shared_bytes(flags, vec, *shape[:2], accumulation(dtype).itemsize)
-        if shape is not None and (shape[2] == 1 or outer * shape[2] >= sm) and \
-                shared <= device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
-            threads, vpt, cluster = shape
-            row_threads, rows_a_block = grad_cached_rows_a_block(n_vec, threads, vpt, tune) if cluster == 1 else \
-                (threads, 1)
-            if rows_a_block > 1:
-                threads = row_threads * rows_a_block
-                shared = grad_cached_shared_bytes(flags, vec, threads, vpt, accumulation(dtype).itemsize)
-            bounds = grad_cached_multi_row_bounds(tune) if rows_a_block > 1 else grad_cached_bounds(threads, vpt, tune)
-            if cluster == 1:
-                kernel = K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt, *bounds, int(rows_a_block > 1),
-                                            cooperative=flags != 0 and cooperative, persistent=True)
-            else:  # (its partials go to column_sum: no cooperative launch)
-                kernel = K.ROWS_GRAD_CLUSTER(grad, t, p, flags, vec, vpt, *bounds, cluster, persistent=True)
-            blocks = min(_ceil_div(outer, rows_a_block), MAX_GRID_X // cluster) * cluster
-            step = Step(kernel, (blocks,), (threads,), shared)
-            return GradLaunch("cached", (step,), prefetch_next=tune.grad_cached_prefetch_next,
-                              row_threads=row_threads)
+        cached = _cached_launch(K.ROWS_GRAD_CACHED, (grad, t, p, flags), dtype, flags, outer, n_vec, vec, device,
+                                cooperative, max_cluster)
+        if cached is not None:
+            return cached
         # pass 1: chunks of each row, about tuning.grad_chunk_blocks_per_sm blocks an
         # SM; pass 2: column tiles down row chunks, tuning.grad_apply_blocks_per_sm
         want = max(1, _ceil_div(tune.grad_chunk_blocks_per_sm * sm, outer))

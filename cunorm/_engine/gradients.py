@@ -224,22 +224,8 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
     acc_bytes = dtypes.accumulation(dtype).itemsize
     wants = has["dw"] or has["db"]
     if launch.tier == "cached":
-        # the partials' rows are the grid's blocks or clusters (capped at the
-        # resident ones when the step is prepared); a cooperative grid adds
-        # them into dw/db itself
-        (step,) = launch.steps
-        grid = pb.persistent_grid(step)
-        parts = grid[0] // step.kernel.cluster  # a partial row a block, or a cluster
-        partial = pb.workspace(2 * parts * reduced * acc_bytes if wants else acc_bytes)
-        grid_sums = wants and step.kernel.cooperative
-        arrived = pb.workspace(4, zeroed=True) if grid_sums else None
-        dw, db = (pb[n] if has[n] and grid_sums else None for n in ("dw", "db"))
-        pb.launch(dataclasses.replace(step, grid=grid), dy=dy, x=x, dh=dh, dx=dx, w=w, center=center, scale=scale,
-                  partial=partial, rows=outer, n=reduced, row_threads=launch.row_threads, eps=eps,
-                  prefetch_next=int(launch.prefetch_next), dw=dw,
-                  db=db, arrived=arrived)
-        if wants and not grid_sums:
-            _column_sum(pb, dtype, pdtype, has, partial, parts, reduced)
+        launch_cached(pb, launch, dtype, pdtype, has, outer, reduced, eps, dy=dy, x=x, dh=dh, dx=dx, w=w,
+                      center=center, scale=scale)
         return pb
     if launch.tier == "strided_cached":
         (step,) = launch.steps
@@ -274,6 +260,30 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
     if wants and not direct:
         _column_sum(pb, dtype, pdtype, has, partial, parts, reduced)
     return pb
+
+
+def launch_cached(pb, launch, dtype, pdtype, has, rows, n, eps, **arrays):
+    """The cached tier's launch (rows_grad_cached, rows_grad_gated,
+    rows_grad_cluster) over ``rows`` rows of n elements into ``pb``:
+    ``arrays`` its data arguments, ``has`` whether the call has dw and db.
+    The partials' rows are the grid's blocks or clusters (capped at the
+    resident ones when the step is prepared); a cooperative grid adds them
+    into dw/db itself, else column_sum does (the jit path's launches)."""
+    acc_bytes = dtypes.accumulation(dtype).itemsize
+    wants = has["dw"] or has["db"]
+    (step,) = launch.steps
+    grid = pb.persistent_grid(step)
+    parts = grid[0] // step.kernel.cluster  # a partial row a block, or a cluster
+    partial = pb.workspace(2 * parts * n * acc_bytes if wants else acc_bytes)
+    grid_sums = wants and step.kernel.cooperative
+    arrived = pb.workspace(4, zeroed=True) if grid_sums else None
+    declared = {name for name, _ in step.kernel.signature}
+    sums = {name: pb[name] if has[name] and grid_sums else None for name in ("dw", "db") if name in declared}
+    pb.launch(dataclasses.replace(step, grid=grid), **arrays, partial=partial, rows=rows, n=n,
+              row_threads=launch.row_threads, eps=eps, prefetch_next=int(launch.prefetch_next), arrived=arrived,
+              **sums)
+    if wants and not grid_sums:
+        _column_sum(pb, dtype, pdtype, has, partial, parts, n)
 
 
 def _column_sum(pb, dtype, pdtype, has, partial, parts, reduced):

@@ -26,6 +26,8 @@
 //                      columns in every row); once all have written their
 //                      partials the grid adds them up (a cooperative
 //                      launch). One read of x and dy, one write of dx.
+//   rows_grad_gated    rows_grad_cached for the gated RMSNorm: the gate z
+//                      read beside x and dy, dz written beside dx.
 //   rows_grad_cluster  the same for rows one block cannot hold (sm_90): a
 //                      thread-block cluster a row, its partials added by
 //                      column_sum.
@@ -113,13 +115,15 @@ __device__ __forceinline__ typename Grad::Stats cluster_combine(typename Grad::S
 // rows at once, slot s (threads s x row_threads ...) taking rows b x slots
 // + s, + gridDim.x x slots, ...; the slots' column sums are added in slot
 // order before the block writes its one partial row.
-template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int CLUSTER, int MULTI_ROW>
+template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int CLUSTER, int MULTI_ROW,
+          int GATE>
 __device__ __forceinline__ void rows_grad_cached_body(
-    const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh, const P* __restrict__ w,
+    const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh, const T* __restrict__ z,
+    const P* __restrict__ w,
     const typename AccOf<T>::type* __restrict__ center, const typename AccOf<T>::type* __restrict__ scale,
     T* __restrict__ dx, typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
     typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
-    unsigned int* __restrict__ arrived) {
+    unsigned int* __restrict__ arrived, T* __restrict__ dz) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     static_assert(CLUSTER == 1, "thread-block clusters need sm_90");
 #endif
@@ -135,6 +139,7 @@ __device__ __forceinline__ void rows_grad_cached_body(
     const Sums dw_sums{sums_base};
     const Sums db_sums{sums_base + ((FLAGS & kWeight) ? VPT * VEC * blockDim.x : 0)};
     static_assert(!MULTI_ROW || CLUSTER == 1, "a row a block in a cluster");
+    static_assert(GATE == kGradUngated || CLUSTER == 1, "the gated backward runs a block a row or less");
     const int n_vec = n / VEC;
     const unsigned int rank = CLUSTER > 1 ? cluster_rank() : 0u;
     if constexpr (!MULTI_ROW) row_threads = static_cast<int>(blockDim.x);
@@ -178,12 +183,14 @@ __device__ __forceinline__ void rows_grad_cached_body(
         const long long base = row * n;
         Vec<T, VEC> xv[VPT];
         Vec<T, VEC> gv[VPT];
+        Vec<T, VEC> zv[GATE ? VPT : 1];
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             const int v = first_vec + k * row_threads;
             if (active && v < n_vec) {
                 xv[k] = load_vec<T, VEC>(x + base + static_cast<long long>(v) * VEC);
                 gv[k] = load_vec<T, VEC>(dy + base + static_cast<long long>(v) * VEC);
+                if constexpr (GATE != kGradUngated) zv[k] = load_vec<T, VEC>(z + base + static_cast<long long>(v) * VEC);
             }
         }
         // prefetch_next: the block's next row into L2 while this one is
@@ -200,6 +207,9 @@ __device__ __forceinline__ void rows_grad_cached_body(
             for (int offset = tid * 128; offset < bytes; offset += row_threads * 128) {
                 prefetch_l2(x_next + offset);
                 prefetch_l2(dy_next + offset);
+                if constexpr (GATE != kGradUngated) {
+                    prefetch_l2(reinterpret_cast<const char*>(z + (row + row_step) * n + first) + offset);
+                }
             }
         }
         A c0 = A(0), s0 = A(1);
@@ -215,8 +225,15 @@ __device__ __forceinline__ void rows_grad_cached_body(
             if (active && first_vec + k * row_threads < n_vec) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
-                    const A g = weighted<FLAGS>(static_cast<A>(widen(gv[k].v[j])), wf[k][j]);
-                    s = Grad::accumulate(s, static_cast<A>(widen(xv[k].v[j])), g, c0, s0);
+                    A dyj = static_cast<A>(widen(gv[k].v[j]));
+                    A xj = static_cast<A>(widen(xv[k].v[j]));
+                    if constexpr (GATE != kGradUngated) {
+                        const A zj = static_cast<A>(widen(zv[k].v[j]));
+                        const A silu = zj * sigmoid_of(zj);
+                        if constexpr (GATE == kGradGateOutput) dyj *= silu;  // silu(z) multiplies y
+                        else xj *= silu;  // the norm's input
+                    }
+                    s = Grad::accumulate(s, xj, weighted<FLAGS>(dyj, wf[k][j]), c0, s0);
                 }
             }
         }
@@ -241,6 +258,7 @@ __device__ __forceinline__ void rows_grad_cached_body(
                 Vec<T, VEC> hv;
                 if (dh != nullptr) hv = load_vec<T, VEC>(dh + e);
                 Vec<T, VEC> out;
+                Vec<T, VEC> dz_out;
 #pragma unroll
                 for (int g = 0; g < VEC / W; ++g) {
                     typename Sums::Group dw_group, db_group;
@@ -249,9 +267,30 @@ __device__ __forceinline__ void rows_grad_cached_body(
 #pragma unroll
                     for (int i = 0; i < W; ++i) {
                         const int j = g * W + i;
-                        const A xj = static_cast<A>(widen(xv[k].v[j]));
-                        const A dyj = static_cast<A>(widen(gv[k].v[j]));
-                        A d = grad_of<Grad>(xj, weighted<FLAGS>(dyj, wf[k][j]), c);
+                        A xj = static_cast<A>(widen(xv[k].v[j]));
+                        A dyj = static_cast<A>(widen(gv[k].v[j]));
+                        A d;
+                        if constexpr (GATE == kGradGateOutput) {
+                            // y = xhat * w * silu(z): dz = dy * xhat * w * silu'(z), and the
+                            // norm's gradient of dy * silu(z)
+                            const A zj = static_cast<A>(widen(zv[k].v[j]));
+                            const SiluGrad<A> sz = silu_grad(zj, sigmoid_of(zj));
+                            narrow(dyj * (xj * c.scale * wf[k][j]) * sz.slope, dz_out.v[j]);
+                            dyj *= sz.value;
+                            d = grad_of<Grad>(xj, weighted<FLAGS>(dyj, wf[k][j]), c);
+                        } else if constexpr (GATE == kGradGateInput) {
+                            // y = norm(u) * w with u = x * silu(z): du from the norm, dx = du *
+                            // silu(z), dz = du * x * silu'(z)
+                            const A zj = static_cast<A>(widen(zv[k].v[j]));
+                            const SiluGrad<A> sz = silu_grad(zj, sigmoid_of(zj));
+                            const A u = xj * sz.value;
+                            const A du = grad_of<Grad>(u, weighted<FLAGS>(dyj, wf[k][j]), c);
+                            narrow(du * xj * sz.slope, dz_out.v[j]);
+                            d = du * sz.value;
+                            xj = u;  // (dweight sums dy * norm(u))
+                        } else {
+                            d = grad_of<Grad>(xj, weighted<FLAGS>(dyj, wf[k][j]), c);
+                        }
                         if (dh != nullptr) d += static_cast<A>(widen(hv.v[j]));
                         narrow(d, out.v[j]);
                         if constexpr (FLAGS & kWeight) dw_group.v[i] = fma(dyj, (xj - c.center) * c.scale, dw_group.v[i]);
@@ -261,6 +300,7 @@ __device__ __forceinline__ void rows_grad_cached_body(
                     if constexpr (FLAGS & kBias) *db_sums.group(k, g) = db_group;
                 }
                 store_vec<T, VEC>(dx + e, out);
+                if constexpr (GATE != kGradUngated) store_vec<T, VEC>(dz + e, dz_out);
             }
         }
     }
@@ -338,8 +378,32 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
                      typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
                      unsigned int* __restrict__ arrived) {
-    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW>(
-        dy, x, dh, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived);
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, kGradUngated>(
+        dy, x, dh, nullptr, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived,
+        nullptr);
+}
+
+// The gated RMSNorm (Grad RmsGrad): rows_grad_cached reading the gate z
+// beside x and dy and writing dz beside dx. GATE kGradGateOutput (y =
+// xhat * w * silu(z)): the row's sum and dx take g = dy * silu(z) * w,
+// dweight sums dy * silu(z) * xhat, dz = dy * xhat * w * silu'(z).
+// kGradGateInput (y = norm(u) * w, u = x * silu(z) formed in A as the
+// forward formed it): the norm's gradient du of u, dx = du * silu(z), dz =
+// du * x * silu'(z), dweight sums dy * u * rstd. silu(z) is evaluated in
+// the reduction and again after it (not held: a thread's z vectors stay
+// 16-bit in registers).
+template <class Grad, class T, class P, int FLAGS, int GATE, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS,
+          int MULTI_ROW>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
+    rows_grad_gated(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ z,
+                    const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
+                    T* __restrict__ dz, typename AccOf<T>::type* __restrict__ partial, long long rows, int n,
+                    int row_threads, typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw,
+                    unsigned int* __restrict__ arrived) {
+    static_assert(GATE == kGradGateOutput || GATE == kGradGateInput, "a gated backward");
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, GATE>(
+        dy, x, nullptr, z, w, nullptr, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, nullptr,
+        arrived, dz);
 }
 
 // A cluster of CLUSTER blocks a row (sm_90; never cooperative).
@@ -351,8 +415,9 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(C
                       typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
                       typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
                       unsigned int* __restrict__ arrived) {
-    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER, 0>(
-        dy, x, dh, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived);
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER, 0, kGradUngated>(
+        dy, x, dh, nullptr, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived,
+        nullptr);
 }
 
 // --- column_sum ------------------------------------------------------------------

@@ -172,6 +172,31 @@ struct LinfGrad {
     }
 };
 
+// The gated RMSNorm's gate: silu(z) = z * sigmoid(z) and its derivative
+// sigmoid(z) * (1 + z * (1 - sigmoid(z))). float: the division
+// approximate (__fdividef, within 2 ulp; sigmoid 0 where 1 + exp(-z) passes
+// 2^126), as the forward's silu (stages.cuh).
+template <class A>
+struct SiluGrad {
+    A value;
+    A slope;
+};
+template <class A>
+__device__ __forceinline__ A sigmoid_of(A z) {
+    if constexpr (same_type<A, float>::value) {
+        return __fdividef(1.0f, 1.0f + exp(-z));
+    } else {
+        return A(1) / (A(1) + exp(-z));
+    }
+}
+template <class A>
+__device__ __forceinline__ SiluGrad<A> silu_grad(A z, A sigmoid) {
+    return SiluGrad<A>{z * sigmoid, sigmoid * fma(z, A(1) - sigmoid, A(1))};
+}
+// Where the gated RMSNorm's silu(z) multiplies (rows_grad_gated's GATE): y
+// = norm(x) * w * silu(z), or y = norm(x * silu(z)) * w.
+enum GradGate { kGradUngated = 0, kGradGateOutput = 1, kGradGateInput = 2 };
+
 // The gradient of one element: dx = scale * g + offset + slope * phi(x).
 template <class Grad, class A>
 __device__ __forceinline__ A grad_of(A x, A g, const GradCoeffs<A>& c) {

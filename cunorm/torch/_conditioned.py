@@ -8,7 +8,9 @@ layer_norm_conditioned). Where autograd records, shift=, scale= and
 residual_gate= of one per-sample (or one-for-all) pattern run fused
 forward and backward: ModulatedRowNorm in eager, the operator and its
 autograd formula (torch.ops.cunorm.*_modulated_backward) under dynamo
-(cunorm/_engine/modulated_grad.py). Otherwise the call is the plain norm
+(cunorm/_engine/modulated_grad.py); gate= over rows with a weight over
+the normalized axes (or none) in eager: GatedRowNorm
+(cunorm/_engine/gated_grad.py). Otherwise the call is the plain norm
 (cunorm's differentiable operator) followed by torch's elementwise ops,
 each formed in float32 and rounded once to x's dtype, so autograd and
 inductor see ordinary ops: the gated residual before the norm; the
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .._engine import calls, conditioning, ops, plans, row_norms
+from .._engine import calls, conditioning, gated_grad, ops, plans, row_norms
 from .._interop import torch as _adapter
 from ._autograd import TORCH_ACTIVATIONS, needs_grad, once_differentiable
 from ._operators import axes_span, modulated_fusable, operator_axes
@@ -59,6 +61,46 @@ class ModulatedRowNorm(torch.autograd.Function):
         return g.x, g.weight, g.bias, dres, g.shift, g.scale, g.residual_gate, None, None, None, None
 
 
+class GatedRowNorm(torch.autograd.Function):
+    """rms_norm with gate=, fused forward (rows_cached) and backward
+    (rows_grad_gated, cunorm/_engine/gated_grad.py): outputs y, then rstd
+    (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, gate, axis, eps, epilogue):
+        y, rstd = calls.rows("rms", x, weight, None, None, axis, eps, True, None, None, epilogue,
+                             conditioned={"gate": gate})
+        ctx.save_for_backward(x, weight, gate, rstd)
+        ctx.axis = axis
+        ctx.before = not epilogue & plans.FLAG_GATE_INPUT
+        ctx.offset = bool(epilogue & plans.FLAG_WEIGHT_OFFSET)
+        ctx.mark_non_differentiable(rstd)
+        ctx.set_materialize_grads(False)
+        return y, rstd
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, _):
+        if dy is None:
+            return None, None, None, None, None, None
+        x, weight, gate, rstd = ctx.saved_tensors
+        w = weight
+        if weight is not None and ctx.offset:  # (the kernel's weight is 1 + weight, formed in float32)
+            w = weight.to(_adapter.ACCUMULATION[x.dtype]) + 1
+        g = calls.rows_grad_gated(dy, x, rstd, w, gate, ctx.before, ctx.axis)
+        dw = None if g.weight is None else g.weight.to(weight.dtype)
+        return g.x, dw, g.gate, None, None, None
+
+
+def gated_fusable(x, weight, gate, axis) -> bool:
+    """Whether the fused gated backward (gated_grad.fusable) takes a call on
+    CUDA torch tensors."""
+    if not (isinstance(x, torch.Tensor) and x.device.type == "cuda" and isinstance(gate, torch.Tensor)):
+        return False
+    _, last = axes_span(axis, x.dim())
+    return gated_grad.fusable(tuple(x.shape), x.element_size(), last, conditioning.per_head(weight, axis))
+
+
 def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, return_stats, epilogue, activation,
                 shift, scale, residual_gate, gate=None, **options):
     """The row norm ``norm`` ("rms" or "ln") with per-row operands.
@@ -76,6 +118,9 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
     if compiling and (fused_backward or not grad):
         return _operator(norm, x, weight, bias, residual, shift, scale, residual_gate, gate, axis, eps, return_stats,
                          epilogue, grad)
+    if gate is not None and not compiling and residual is None and gated_fusable(x, weight, gate, axis):
+        y, rstd = GatedRowNorm.apply(x, weight, gate, axis, eps, epilogue)
+        return (y, rstd) if return_stats else y
     if fused_backward:
         results = ModulatedRowNorm.apply(x, weight, bias, residual, shift, scale, residual_gate, norm, axis, eps,
                                          epilogue)

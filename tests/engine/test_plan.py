@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from cunorm._engine import catalogue, dispatch_rows, dispatch_channels, dispatch_grad, dtypes, launches, plans, tuning
+from cunorm._engine import (catalogue, dispatch_rows, dispatch_channels, dispatch_grad, dtypes, gated_grad, launches,
+                            plans, tuning)
 from cunorm._engine.plans import canonical_view, collapse, make_plan, normalize_axes, vector_width
 
 H200 = dispatch_rows.Device(sm_count=132)
@@ -822,3 +823,35 @@ def test_every_modulated_backward_choice_is_compiled():
                                     continue
                                 for step in modulated_grad.steps(p, norm, dtype, pdtype, flags, modf, outs, 8 * 512, n):
                                     assert step.kernel.expression in compiled, step.kernel.expression
+
+
+def test_the_gated_backward_takes_the_plain_rows_shape_and_is_catalogued():
+    """rows_grad_gated takes rows_grad_cached's block for the same rows (a
+    block a row, or several short rows a block), never a cluster: None
+    past what one block holds. Every pick is in all_kernels()."""
+    compiled = {k.expression for k in catalogue.all_kernels()}
+    for device in (H200, A100):
+        for dtype in (np.dtype(dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
+            for weighted in (False, True):
+                pdtype, flags = (np.dtype(np.float32) if dtype.itemsize < 8 else dtype, 1) if weighted else (None, 0)
+                for n in (64, 100, 128, 1000, 1152, 4096, 8192, 16384, 32768):
+                    vec = plans.vector_width(dtype.itemsize, n, [], [])
+                    for rows in (1, 4096):
+                        plain = dispatch_grad.choose_rows_grad("rms", dtype, pdtype, flags, rows, n, 1, vec, device)
+                        for gate in (dispatch_grad.GATE_OUTPUT, dispatch_grad.GATE_INPUT):
+                            got = dispatch_grad.choose_rows_grad_gated(dtype, pdtype, flags, rows, n, vec, gate,
+                                                                       device)
+                            one_block = plain.tier == "cached" and plain.steps[0].kernel.cluster == 1
+                            assert (got is not None) == one_block, (dtype, n, rows)
+                            if got is None:
+                                continue
+                            (step,), (ref,) = got.steps, plain.steps
+                            assert (step.grid, step.block, step.shared_bytes, got.row_threads) == \
+                                (ref.grid, ref.block, ref.shared_bytes, plain.row_threads)
+                            assert step.kernel.name == "rows_grad_gated" and step.kernel.template_args[4] == gate
+                            assert step.kernel.template_args[5:] == ref.kernel.template_args[4:]
+                            assert step.kernel.cooperative == ref.kernel.cooperative
+                            assert step.kernel.expression in compiled, step.kernel.expression
+    assert gated_grad.fits(16384, 2) and not gated_grad.fits(16385, 2) and not gated_grad.fits(32768, 2)
+    assert gated_grad.fusable((4, 7, 1152), 2, 2, False) and not gated_grad.fusable((4, 7, 1152), 2, 1, False)
+    assert not gated_grad.fusable((4, 8, 128), 2, 2, True)
