@@ -344,6 +344,34 @@ def test_jax_eager_jit_and_grad(rng):
                                    atol=2e-3 * float(np.abs(np.asarray(rg)).max()))
 
 
+@pytest.mark.parametrize("before", [True, False], ids=["norm-then-gate", "gate-then-norm"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["weight", "1 + weight"])
+def test_jax_grad_runs_the_fused_backward(rng, before, offset):
+    """jax.grad of a gated call over whole rows binds rows_grad_gated's
+    primitive (eager and inside jit), its gradients the float64
+    reference's."""
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    import cunorm.jax as cj
+
+    jnp = jax.numpy
+    x, z, w, dy = _grad_arrays(rng, (3, 17, 1152), True, np.float32)
+    args = [jnp.asarray(a) for a in (x, z, w)]
+
+    def loss(x, z, w):
+        return jnp.sum(cj.rms_norm(x, w, gate=z, norm_before_gate=before, weight_offset=offset) * dy)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    assert "cunorm_rows_grad_gated" in str(jax.make_jaxpr(grad)(*args))
+    w_eff = w.astype(np.float64) + offset
+    _, rstd = reference.rms_norm(x, w_eff, gate=z, norm_before_gate=before, return_stats=True, exact=True)
+    want = reference.rms_norm_gated_backward(dy, x, rstd, w_eff, gate=z, norm_before_gate=before, exact=True)
+    for got in (grad(*args), jax.jit(grad)(*args)):
+        for name, g, ref in zip(("dx", "dgate", "dweight"), got, (want[0], want[2], want[1])):
+            assert_close(np.asarray(g), ref, np.float32, atol=2e-5 * output_scale(ref), what=name)
+
+
 # --- replace_norms -------------------------------------------------------------------------------------------------
 
 GATED = [("qwen3_next", "Qwen3NextRMSNormGated"), ("mamba2", "MambaRMSNormGated")]

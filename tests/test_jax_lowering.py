@@ -538,7 +538,11 @@ CONDITIONED_CASES = {
     "per-head weights": (lambda cj, x, r, w, m: cj.rms_norm(x.reshape(4, 64, 4, 16), w.reshape(4, 16)),
                          (4, 64, 64), BF16, (64,), "rows_grad_cached"),
     "gated": (lambda cj, x, r, w, m: cj.rms_norm(x, w, gate=r, norm_before_gate=False), (4, 64, 64), BF16, (64,),
-              "rows_grad_cached"),
+              "rows_grad_gated"),
+    "gated, weight offset": (lambda cj, x, r, w, m: cj.rms_norm(x, w, gate=r, weight_offset=1), (4, 64, 64), BF16,
+                             (64,), "rows_grad_gated"),
+    "gated groups with a weight": (lambda cj, x, r, w, m: cj.rms_norm(x, w, gate=r, group_size=16), (4, 64, 64),
+                                   BF16, (64,), "rows_grad_cached"),
     "float32 stream": (lambda cj, x, r, w, m: cj.rms_norm(x, w, residual=r.astype(jnp.float32))[0], (4, 64, 64),
                        BF16, (64,), "rows_grad_cached"),
 }
@@ -594,3 +598,24 @@ def test_conditioned_layouts_shard_the_operands_with_their_rows():
                        pdtype=np.dtype(np.float32), param_ndim=2)
     assert heads.param_rows == 4 and heads.conditioning == (4, 1, 1) and heads.param_shape == (4, 16)
     assert heads.localized((2, 5, 2, 16)).param_rows == 2
+
+
+def test_the_gated_backward_layout_sums_dweight_over_the_rows():
+    """rows_grad_gated's primitive: dy, x and z split with x, rstd with
+    its rows, dweight summed across the shards of the rows; the forms it
+    takes (fusable_backward): the gate alone, whole rows."""
+    from cunorm.jax import _gated, _jit as jj
+
+    spec = jj.RowSpec("rms", (8, 6, 64), np.dtype(BF16), 2, 2, 1e-5, weight=True, pdtype=np.dtype(np.float32),
+                      stats=True, operands=(("gate", (8, 6, 64)),))
+    grad = _gated.GatedGradSpec(spec, np.dtype(np.float32))
+    assert list(grad.outputs()) == ["dx", "dz", "dw"] and grad.inputs() == ("dy", "x", "z", "w", "scale")
+    layout = _gated._layout(grad)
+    assert layout.rule()[0] == "d0 d1 d2, d0 d1 d2, d0 d1 d2, d2, d0 d1 -> d0 d1 d2, d0 d1 d2, d2"
+    assert layout.summed == {2} and layout.whole == {"d2"}
+    assert _gated.fusable_backward(spec)
+    heads = dataclasses.replace(spec, shape=(8, 6, 4, 16), first=3, last=3, param_ndim=2,
+                                operands=(("gate", (8, 6, 4, 16)),))
+    assert not _gated.fusable_backward(heads)
+    shifted = dataclasses.replace(spec, operands=(("shift", (8, 1, 64)), ("gate", (8, 6, 64))))
+    assert not _gated.fusable_backward(shifted)

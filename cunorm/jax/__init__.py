@@ -255,7 +255,9 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
     checks it: one fused forward (the row primitive with its per-row
     operands, cunorm/jax/_modulated.py); under jax.grad, shift=, scale= and
     residual_gate= of one per-sample pattern run the fused modulated
-    backward, the other forms the gradient of _conditioned_composed. Rows
+    backward, gate= over whole rows the fused gated backward
+    (cunorm/jax/_gated.py), the other forms the gradient of
+    _conditioned_composed. Rows
     rows_cached does not take run _conditioned_composed. ``plain``: the
     traced call without the per-row operands."""
     arrays = {"shift": shift, "scale": scale, "residual_gate": residual_gate, "gate": gate}
@@ -272,6 +274,8 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
         return composed(*args)
     if jm.fusable_backward(spec):
         outs = jm.modulated_vjp(spec, jm.prepare(spec, *args))
+    elif gate is not None and _gated_module().fusable_backward(spec):
+        outs = _gated_module().gated_vjp(spec, jm.prepare(spec, *args))
     else:  # (the fused forward, differentiated as the composed formula)
         outs = _epilogue_vjp(lambda s, *a: jm.bind_forward(s, jm.prepare(s, *a)),
                              lambda s, *a: _as_tuple(composed(*a)), spec, args)
@@ -304,6 +308,13 @@ def _modulated_module():
     from . import _modulated
 
     return _modulated
+
+
+def _gated_module():
+    _modulated_module()
+    from . import _gated
+
+    return _gated
 
 
 def _astype(a, dtype):
