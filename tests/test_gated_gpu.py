@@ -151,6 +151,7 @@ GRAD_CASES = {
     "odd row": ((6, 1000), True),
     "decode": ((1, 1, 4096), True),
     "longest 16-bit row": ((3, 16384), True),
+    "8-byte vectors of 16-bit data": ((4, 8188), True),
 }
 
 

@@ -12,8 +12,8 @@ from .dispatch_rows import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES,
 from .dispatch_grad import (GATE_INPUT, GATE_OUTPUT, GRAD_CACHED_MAX_THREADS, GRAD_NORMS, GRAD_STRIDED_MAX_CPT,
                             _vpt_choices, column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes,
                             grad_cached_multi_row_bounds, grad_onchip_items, grad_onchip_max_elements,
-                            grad_onchip_shapes, grad_policy, strided_grad_cache_bytes, MOD_GATE, MOD_SCALE,
-                            OUT_GATE, OUT_SCALE, OUT_SHIFT, modulated_shapes)
+                            gated_max_vpt, grad_onchip_shapes, grad_policy, strided_grad_cache_bytes, MOD_GATE,
+                            MOD_SCALE, OUT_GATE, OUT_SCALE, OUT_SHIFT, modulated_shapes)
 from .dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
                                 ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from .declarations import Kernel
@@ -251,7 +251,8 @@ def gated_grad_kernels() -> list[Kernel]:
         for p, flags in [(dtypes.NO_PARAMS, 0)] + [(p, plans.FLAG_WEIGHT) for p in sorted({t, a})]:
             for gate in (GATE_OUTPUT, GATE_INPUT):
                 for vec in _vector_widths(dtype):
-                    for vpt in _vpt_choices(vec, dtype.itemsize):
+                    most = gated_max_vpt(vec, dtype.itemsize)
+                    for vpt in [v for v in _vpt_choices(vec, dtype.itemsize) if v <= most]:
                         for tune in tunes:
                             for threads in (tune.grad_cached_target_threads, GRAD_CACHED_MAX_THREADS):
                                 out.append(K.ROWS_GRAD_GATED(grad, t, p, flags, gate, vec, vpt,

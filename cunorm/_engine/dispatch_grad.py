@@ -191,7 +191,7 @@ class GradLaunch:
 
 
 def _cached_launch(decl, leading: tuple, dtype, flags: int, outer: int, n_vec: int, vec: int, device: Device,
-                   cooperative: bool, max_cluster: int) -> GradLaunch | None:
+                   cooperative: bool, max_cluster: int, max_vpt: int = 8) -> GradLaunch | None:
     """rows_grad_cached's launch (``decl`` rows_grad_cached or
     rows_grad_gated, ``leading`` its template arguments before VEC) for
     ``outer`` rows of n_vec vectors, or rows_grad_cluster's where clusters
@@ -201,7 +201,7 @@ def _cached_launch(decl, leading: tuple, dtype, flags: int, outer: int, n_vec: i
 
     tune = tuning.of(device)
     acc_bytes = accumulation(dtype).itemsize
-    shape = grad_cached_shape(n_vec, vec, dtype.itemsize, tune, max_cluster)
+    shape = grad_cached_shape(n_vec, vec, dtype.itemsize, tune, max_cluster, max_vpt)
     if shape is None:
         return None
     threads, vpt, cluster = shape
@@ -226,22 +226,33 @@ def _cached_launch(decl, leading: tuple, dtype, flags: int, outer: int, n_vec: i
 
 #: where the gated RMSNorm's silu(z) multiplies (rows_grad_gated's GATE, grads.cuh's GradGate)
 GATE_OUTPUT, GATE_INPUT = 1, 2
+#: rows_grad_gated holds at most this many elements a thread in vectors
+#: narrower than 16 bytes: 16-bit rows in 8-byte vectors, 8 of them a
+#: thread (32 elements), spilled 8 bytes at 128 registers with a weight
+#: (sm_90), where 16-byte vectors, 4 a thread, do not
+GATED_NARROW_MAX_ELEMS = 16
+
+
+def gated_max_vpt(vec: int, itemsize: int) -> int:
+    """The most vectors a rows_grad_gated thread takes (GATED_NARROW_MAX_ELEMS)."""
+    return 8 if vec * itemsize == 16 else max(1, GATED_NARROW_MAX_ELEMS // vec)
 
 
 def choose_rows_grad_gated(dtype, pdtype, flags: int, rows: int, n: int, vec: int, gate: int, device: Device,
                            cooperative: bool = True) -> GradLaunch | None:
     """The gated RMSNorm's backward (rows_grad_gated: GATE_OUTPUT or
     GATE_INPUT) over ``rows`` C-contiguous rows of n elements: the
-    rows_grad_cached shape of the plain RMSNorm's rows, a block a row or
-    several rows a block; None where one block does not hold a row (rows of
-    over 16384 16-bit, 8192 32-bit or 4096 64-bit elements at the widest
-    vectors)."""
+    rows_grad_cached shape of the plain RMSNorm's rows (at most
+    gated_max_vpt vectors a thread), a block a row or several rows a block;
+    None where one block does not hold a row (rows of over 16384 16-bit,
+    8192 32-bit or 4096 64-bit elements at the widest vectors, 8192 16-bit
+    in 8-byte vectors)."""
     from .dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     a = KERNEL_TYPE[accumulation(dtype)]
     p = NO_PARAMS if not flags else KERNEL_TYPE[pdtype]
     return _cached_launch(K.ROWS_GRAD_GATED, (grad_policy("rms", a), KERNEL_TYPE[dtype], p, flags, gate), dtype, flags,
-                          rows, n // vec, vec, device, cooperative, 1)
+                          rows, n // vec, vec, device, cooperative, 1, gated_max_vpt(vec, dtype.itemsize))
 
 
 def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: int, inner: int, vec: int,

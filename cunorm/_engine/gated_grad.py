@@ -39,7 +39,8 @@ def fits(n: int, itemsize: int) -> bool:
     a front end asks before its forward runs)."""
     vec = plans.vector_width(itemsize, n, [], [])
     tune = tuning.for_arch(90)
-    return n > 0 and dispatch_grad.grad_cached_shape(n // vec, vec, itemsize, tune) is not None
+    return n > 0 and dispatch_grad.grad_cached_shape(n // vec, vec, itemsize, tune,
+                                                     max_vpt=dispatch_grad.gated_max_vpt(vec, itemsize)) is not None
 
 
 def fusable(x_shape: tuple, itemsize: int, last: int, per_head: bool) -> bool:

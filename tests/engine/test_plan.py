@@ -825,26 +825,40 @@ def test_every_modulated_backward_choice_is_compiled():
                                     assert step.kernel.expression in compiled, step.kernel.expression
 
 
+def step_vpt(launch) -> int:
+    """The vectors a thread of a cached launch's kernel (its VPT)."""
+    kernel = launch.steps[0].kernel
+    decl = {d.name: d for d in (dispatch_grad.K.ROWS_GRAD_CACHED, dispatch_grad.K.ROWS_GRAD_GATED)}[kernel.name]
+    return kernel.template_args[decl.template.index("VPT")]
+
+
 def test_the_gated_backward_takes_the_plain_rows_shape_and_is_catalogued():
     """rows_grad_gated takes rows_grad_cached's block for the same rows (a
-    block a row, or several short rows a block), never a cluster: None
-    past what one block holds. Every pick is in all_kernels()."""
+    block a row, or several short rows a block) where that holds at most
+    gated_max_vpt vectors a thread, never a cluster: None past what one
+    block holds. Every pick is in all_kernels()."""
     compiled = {k.expression for k in catalogue.all_kernels()}
     for device in (H200, A100):
         for dtype in (np.dtype(dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
             for weighted in (False, True):
                 pdtype, flags = (np.dtype(np.float32) if dtype.itemsize < 8 else dtype, 1) if weighted else (None, 0)
-                for n in (64, 100, 128, 1000, 1152, 4096, 8192, 16384, 32768):
+                for n in (64, 100, 128, 1000, 1152, 4096, 8188, 8192, 8196, 16380, 16384, 32768):
                     vec = plans.vector_width(dtype.itemsize, n, [], [])
                     for rows in (1, 4096):
                         plain = dispatch_grad.choose_rows_grad("rms", dtype, pdtype, flags, rows, n, 1, vec, device)
+                        capped = dispatch_grad.gated_max_vpt(vec, dtype.itemsize)
                         for gate in (dispatch_grad.GATE_OUTPUT, dispatch_grad.GATE_INPUT):
                             got = dispatch_grad.choose_rows_grad_gated(dtype, pdtype, flags, rows, n, vec, gate,
                                                                        device)
-                            one_block = plain.tier == "cached" and plain.steps[0].kernel.cluster == 1
-                            assert (got is not None) == one_block, (dtype, n, rows)
+                            fits = dispatch_grad.grad_cached_shape(n // vec, vec, dtype.itemsize,
+                                                                   tuning.of(device), max_vpt=capped)
+                            assert (got is not None) == (fits is not None), (dtype, n, rows)
                             if got is None:
                                 continue
+                            assert step_vpt(got) <= capped and step_vpt(got) == fits[1], (dtype, n)
+                            assert got.steps[0].kernel.expression in compiled, got.steps[0].kernel.expression
+                            if plain.tier != "cached" or plain.steps[0].kernel.cluster > 1 or step_vpt(plain) > capped:
+                                continue  # (the plain backward streams, clusters or holds more a thread)
                             (step,), (ref,) = got.steps, plain.steps
                             assert (step.grid, step.block, step.shared_bytes, got.row_threads) == \
                                 (ref.grid, ref.block, ref.shared_bytes, plain.row_threads)
@@ -853,5 +867,6 @@ def test_the_gated_backward_takes_the_plain_rows_shape_and_is_catalogued():
                             assert step.kernel.cooperative == ref.kernel.cooperative
                             assert step.kernel.expression in compiled, step.kernel.expression
     assert gated_grad.fits(16384, 2) and not gated_grad.fits(16385, 2) and not gated_grad.fits(32768, 2)
+    assert gated_grad.fits(8188, 2) and not gated_grad.fits(16380, 2)  # (8-byte vectors: 16 elements a thread)
     assert gated_grad.fusable((4, 7, 1152), 2, 2, False) and not gated_grad.fusable((4, 7, 1152), 2, 1, False)
     assert not gated_grad.fusable((4, 8, 128), 2, 2, True)
