@@ -240,13 +240,10 @@ def gated_max_vpt(vec: int, itemsize: int) -> int:
 
 def choose_rows_grad_gated(dtype, pdtype, flags: int, rows: int, n: int, vec: int, gate: int, device: Device,
                            cooperative: bool = True) -> GradLaunch | None:
-    """The gated RMSNorm's backward (rows_grad_gated: GATE_OUTPUT or
-    GATE_INPUT) over ``rows`` C-contiguous rows of n elements: the
-    rows_grad_cached shape of the plain RMSNorm's rows (at most
-    gated_max_vpt vectors a thread), a block a row or several rows a block;
-    None where one block does not hold a row (rows of over 16384 16-bit,
-    8192 32-bit or 4096 64-bit elements at the widest vectors, 8192 16-bit
-    in 8-byte vectors)."""
+    """The gated RMSNorm's backward (rows_grad_gated, ``gate`` GATE_OUTPUT or
+    GATE_INPUT) over ``rows`` C-contiguous rows of n elements: the plain
+    rows' rows_grad_cached shape within gated_max_vpt vectors a thread;
+    None where one block does not hold a row."""
     from .dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     a = KERNEL_TYPE[accumulation(dtype)]
