@@ -43,11 +43,12 @@ def fits(n: int, itemsize: int) -> bool:
                                                      max_vpt=dispatch_grad.gated_max_vpt(vec, itemsize)) is not None
 
 
-def fusable(x_shape: tuple, itemsize: int, last: int, per_head: bool) -> bool:
+def fusable(x_shape: tuple, itemsize: int, first: int, last: int, per_head: bool) -> bool:
     """Whether the fused backward takes a gated call over x of ``x_shape``
-    normalized over axes ending at ``last`` (first: the weight's)."""
-    return last == len(x_shape) - 1 and not per_head and fits(int(x_shape[-1]) if x_shape else 0, itemsize) and \
-        all(type(s) is int for s in x_shape)
+    normalized over axes first..last (``per_head``: a weight over more
+    axes than those)."""
+    return (last == len(x_shape) - 1 and not per_head and all(type(s) is int for s in x_shape)
+            and fits(math.prod(x_shape[first:]), itemsize))
 
 
 class GatedGradCall:
@@ -128,16 +129,17 @@ def _launch(dtype, pdtype, flags, rows, n, vec, gate, device_id):
 def _gpu(g: GatedGradCall):
     import cupy
 
+    from .gradients import _contiguous, _param_grads
+
     call = g.call
-    cont = lambda a: a if a.flags.c_contiguous else cupy.ascontiguousarray(a)  # noqa: E731
-    x, dy, z, rstd = (cont(a) for a in (call.x, g.dy, g.gate, g.rstd))
+    x, dy, z, rstd = (_contiguous(a) for a in (call.x, g.dy, g.gate, g.rstd))
     n = math.prod(call.norm_shape)
     rows = x.size // n if n else 0
     flags, pdtype = row_norms.kernel_params(x.dtype, call.weight, None)
     dx, dz = cupy.empty(x.shape, x.dtype), cupy.empty(x.shape, x.dtype)
     dw = None if call.weight is None else cupy.empty(call.norm_shape, pdtype)
     if not x.size:
-        return (dx, None if dw is None else cupy.zeros(call.weight.shape, call.weight.dtype), dz), None
+        return (dx, _param_grads(call, dw, None, empty=True)[0], dz), None
     vec = plans.vector_width(x.itemsize, n, [], [])
     if plans.vector_width(x.itemsize, n, [], [(a.data.ptr, x.itemsize) for a in (x, dy, z)]) < vec:
         x, dy, z = (a.copy() for a in (x, dy, z))  # (fresh: aligned for vec)
@@ -154,9 +156,7 @@ def _gpu(g: GatedGradCall):
                    launches.cupy_stream(), launches.cupy_alloc)
     clean = (x is call.x and dy is g.dy and z is g.gate and rstd is g.rstd and w is call.weight)
     entry = _entry(g, prog, pdtype) if clean else None
-    if dw is not None and dw.dtype != call.weight.dtype:
-        dw = dw.astype(call.weight.dtype)
-    return (dx, dw, dz), entry
+    return (dx, _param_grads(call, dw, None, empty=False)[0], dz), entry
 
 
 #: the inputs of a launch cache entry, in the order calls.rows_grad_gated replays it

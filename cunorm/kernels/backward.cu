@@ -389,9 +389,9 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
 // dweight sums dy * silu(z) * xhat, dz = dy * xhat * w * silu'(z).
 // kGradGateInput (y = norm(u) * w, u = x * silu(z) formed in A as the
 // forward formed it): the norm's gradient du of u, dx = du * silu(z), dz =
-// du * x * silu'(z), dweight sums dy * u * rstd. silu(z) is evaluated in
-// the reduction and again after it (not held: a thread's z vectors stay
-// 16-bit in registers).
+// du * x * silu'(z), dweight sums dy * u * rstd. sigmoid(z) is evaluated
+// in the reduction and again after it, z held in x's dtype: held in A
+// across the reduction, it spilled (docs/notes/conditioned.md).
 template <class Grad, class T, class P, int FLAGS, int GATE, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS,
           int MULTI_ROW>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)

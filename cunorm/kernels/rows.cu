@@ -135,9 +135,8 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
     // are fetched into L1 first: a row of 4096 bf16 6.5 -> 5.8 us
     // (RMSNorm), 10.2 -> 8.6 (LayerNorm); prefetched at every row count,
     // 1056 rows of 4096 took 11.5 -> 14.4 us (H100, docs/notes/rows.md
-    // "Decode"). Not for a modulation or per-head weights: there the
-    // prologue's prefetch cost the modulated RMSNorm 3-5% at 4096 rows
-    // and more, where it is skipped (H200).
+    // "Decode"). Not for a modulation or per-head weights, where the
+    // prefetch cost the modulated RMSNorm 3-5% at 4096 rows.
     if constexpr (BLOCK_PER_ROW && STORE::kWritesY && STORE::kParamBytes > 0 && !STORE::kRowParams) {
         if (rows <= static_cast<long long>(sm_ids())) {
 #pragma unroll

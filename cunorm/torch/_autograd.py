@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .._engine import calls, ops, plans
 from .._engine.ops import DEFAULT_EPS
+from .._interop import torch as _adapter
 
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
@@ -34,6 +35,12 @@ def needs_grad(*tensors) -> bool:
         if t is not None and t.requires_grad:
             return True
     return False
+
+
+def offset_weight(x: Tensor, weight: Tensor) -> Tensor:
+    """``1 + weight`` in the accumulation dtype, as the kernel's weight
+    offset forms it (autograd then takes the offset's gradient)."""
+    return weight.to(_adapter.ACCUMULATION[x.dtype]) + 1
 
 
 def eager_autograd(*tensors) -> bool:

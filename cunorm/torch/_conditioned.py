@@ -23,7 +23,7 @@ import torch
 
 from .._engine import calls, conditioning, gated_grad, ops, plans, row_norms
 from .._interop import torch as _adapter
-from ._autograd import TORCH_ACTIVATIONS, needs_grad, once_differentiable
+from ._autograd import TORCH_ACTIVATIONS, needs_grad, offset_weight, once_differentiable
 from ._operators import axes_span, modulated_fusable, operator_axes
 
 
@@ -84,9 +84,7 @@ class GatedRowNorm(torch.autograd.Function):
         if dy is None:
             return None, None, None, None, None, None
         x, weight, gate, rstd = ctx.saved_tensors
-        w = weight
-        if weight is not None and ctx.offset:  # (the kernel's weight is 1 + weight, formed in float32)
-            w = weight.to(_adapter.ACCUMULATION[x.dtype]) + 1
+        w = offset_weight(x, weight) if weight is not None and ctx.offset else weight
         g = calls.rows_grad_gated(dy, x, rstd, w, gate, ctx.before, ctx.axis)
         dw = None if g.weight is None else g.weight.to(weight.dtype)
         return g.x, dw, g.gate, None, None, None
@@ -97,8 +95,8 @@ def gated_fusable(x, weight, gate, axis) -> bool:
     CUDA torch tensors."""
     if not (isinstance(x, torch.Tensor) and x.device.type == "cuda" and isinstance(gate, torch.Tensor)):
         return False
-    _, last = axes_span(axis, x.dim())
-    return gated_grad.fusable(tuple(x.shape), x.element_size(), last, conditioning.per_head(weight, axis))
+    first, last = axes_span(axis, x.dim())
+    return gated_grad.fusable(tuple(x.shape), x.element_size(), first, last, conditioning.per_head(weight, axis))
 
 
 def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, return_stats, epilogue, activation,

@@ -9,7 +9,6 @@ from torch import Tensor
 
 from .._engine import calls, channel_norms, conditioning, plans, row_norms
 from .._engine.ops import DEFAULT_EPS, LP_EPS
-from .._interop import torch as _adapter
 from . import _operators  # noqa: F401  (registers torch.ops.cunorm.*)
 from ._operators import operator_axes as _axes
 from ._conditioned import conditioned as _conditioned
@@ -18,6 +17,7 @@ from ._autograd import TORCH_ACTIVATIONS as _TORCH_ACTIVATIONS
 from ._autograd import channel_norm_apply as _channel_norm_apply
 from ._autograd import eager_autograd as _eager_autograd
 from ._autograd import needs_grad as _needs_grad  # (the forward operators then return the statistics)
+from ._autograd import offset_weight as _offset_weight
 from ._autograd import row_norm_apply as _row_norm_apply
 
 _NOT_QUANTIZED = conditioning.NOT_QUANTIZED
@@ -47,12 +47,6 @@ def _activated(results, activation):
     if isinstance(results, tuple):
         return (act(results[0]),) + results[1:]
     return act(results)
-
-
-def _offset_weight(x: Tensor, weight: Tensor) -> Tensor:
-    """``1 + weight`` in the accumulation dtype, as the kernel's weight
-    offset forms it (autograd then takes the offset's gradient)."""
-    return weight.to(_adapter.ACCUMULATION[x.dtype]) + 1
 
 
 def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_stats=False, weight_offset=0,
