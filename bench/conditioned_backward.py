@@ -14,9 +14,9 @@ and the per-sample arrays once. And the gated RMSNorm with a weight over
 whole rows (``norm(x) * w * silu(z)``, Qwen3-Next's form; ``norm(x *
 silu(z)) * w``, Mamba-2's with one group) and over heads of 128
 (Qwen3-Next's), counting dy, x and z read and dx and dz written: cunorm's
-eager route (GatedRowNorm, the fused backward) against torch eager and
-torch.compile of the formula (under torch.compile cunorm composes this
-backward from torch's ops, so it has no compiled column).
+fused route (GatedRowNorm in eager; under torch.compile the conditioned
+operator and rms_norm_gated_backward) against torch eager and
+torch.compile of the formula.
 
     PYTHONPATH=. python bench/conditioned_backward.py OUT.json [CASE,...]
 """
@@ -104,9 +104,8 @@ def main(out, only=None):
             for name in names:
                 inputs, grads, nbytes = cases[name]
                 ours, theirs = formulas[name]
-                fns = {"cunorm": ours, "eager": theirs, "compile": compile_static(theirs)}
-                if FUSED[name] == "ModulatedRowNorm":
-                    fns["cunorm_compile"] = compile_static(ours)
+                fns = {"cunorm": ours, "eager": theirs, "compile": compile_static(theirs),
+                       "cunorm_compile": compile_static(ours)}
                 runs = {label: _backward(fn, inputs, grads) for label, fn in fns.items()}
                 got, want = runs["cunorm"][0](), runs["eager"][0]()
                 node = runs["cunorm"][1][0].grad_fn
@@ -116,15 +115,14 @@ def main(out, only=None):
                 err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
                           for a, b in zip(got, want))
                 row = {"case": name, "shape": list(shape), "hidden": hidden, "tokens": tokens, "max_rel_err": err}
-                if "cunorm_compile" in runs:
-                    # (the compiled graph calls the same kernels: its gradients are the eager route's)
-                    row["compiled_equal"] = all(torch.equal(a, b) for a, b in zip(runs["cunorm_compile"][0](), got))
+                # (the compiled graph calls the same kernels: its gradients are the eager route's)
+                row["compiled_equal"] = all(torch.equal(a, b) for a, b in zip(runs["cunorm_compile"][0](), got))
                 for label, (fn, _, _) in runs.items():
                     row[f"{label}_gpu_ms"] = time_gpu(fn)[0]
                     row[f"{label}_cold_ms"] = cold(fn)
                 row["floor_pct"] = 100 * nbytes / (row["cunorm_gpu_ms"] * 1e-3) / 1e9 / copy
                 rows.append(row)
-                compiled = (f"compiled {row['cunorm_compile_gpu_ms']*1e3:8.1f} " if "cunorm_compile" in runs else "")
+                compiled = f"compiled {row['cunorm_compile_gpu_ms']*1e3:8.1f} "
                 print(f"{name:11s} {str(shape):18s} gpu {row['cunorm_gpu_ms']*1e3:8.1f} us ({row['floor_pct']:5.1f}%) "
                       f"{compiled}eager {row['eager_gpu_ms']*1e3:8.1f} compile {row['compile_gpu_ms']*1e3:8.1f} | "
                       f"cold {row['cunorm_cold_ms']*1e3:8.1f} eager {row['eager_cold_ms']*1e3:8.1f} compile "

@@ -192,6 +192,45 @@ def test_the_torch_composition_rounds_as_qwen3_next(rng):
     assert torch.equal(y.detach().view(torch.int16), want.detach().view(torch.int16))
 
 
+@pytest.mark.parametrize("offset", [False, True])
+def test_the_torch_operator_differentiates_through_the_gated_backward(offset):
+    """torch.ops.cunorm.rms_norm_conditioned with a gate, where autograd
+    records (as torch.compile traces it): its formula calls
+    rms_norm_gated_backward (the fakes on meta tensors: no GPU), each
+    gradient in its input's shape and dtype; a weight a head is refused
+    by name."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import cunorm.torch  # noqa: F401  (registers the operators)
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.called = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.called.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dtype).requires_grad_()
+
+    x, z, w = meta(3, 5, 256), meta(3, 5, 256), meta(256)
+    epilogue = plans.rms_epilogue(1 if offset else 0, "output", None, True, z, not offset)
+    y, rstd = torch.ops.cunorm.rms_norm_conditioned(x, w, None, None, None, None, z, [-1], 1e-5, True, epilogue)
+    with Recording() as recording:
+        grads = torch.autograd.grad(y, (x, w, z), torch.empty_like(y))
+    assert [str(f) for f in recording.called if "cunorm" in f] == ["cunorm.rms_norm_gated_backward.default"]
+    assert [(tuple(g.shape), g.dtype) for g in grads] == [((3, 5, 256), torch.bfloat16), ((256,), torch.bfloat16),
+                                                          ((3, 5, 256), torch.bfloat16)]
+    heads = meta(2, 128, dtype=torch.float32)
+    y, _ = torch.ops.cunorm.rms_norm_conditioned(x.view(3, 5, 2, 128), heads, None, None, None, None,
+                                                 z.view(3, 5, 2, 128), [-1], 1e-5, True, 0)
+    with pytest.raises(RuntimeError, match="a weight per group or head, which its backward \\(the fused gated"):
+        torch.autograd.grad(y, (x,), torch.empty_like(y))
+
+
 @pytest.mark.parametrize("before", [True, False])
 def test_the_jax_composition_is_the_reference(rng, before):
     jax = pytest.importorskip("jax")

@@ -311,6 +311,48 @@ def test_torch_compile_runs_the_fused_operator(rng):
     assert torch.equal(got, block(*t))
 
 
+@pytest.mark.parametrize("case, group, kw", [
+    ("mamba-2 row", None, dict(norm_before_gate=False)),
+    ("qwen3-next heads", None, dict(weight_offset=1, rounding="normalized", eps=1e-6)),
+    ("no weight, odd row", None, dict(norm_before_gate=True)),
+    ("groups of a row", 256, dict(norm_before_gate=False)),
+], ids=["gate-then-norm", "heads-offset", "no-weight", "groups-with-a-weight"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_compile_differentiates_through_the_fused_backward(rng, monkeypatch, case, group, kw, dtype):
+    """Where autograd records under torch.compile, whole rows run the
+    registered operator and its autograd formula (rms_norm_gated_backward):
+    the eager route's kernels, so its gradients bitwise; a weight a group
+    composes (no fused backward runs)."""
+    torch = torch_on_gpu()
+    from cunorm._engine import calls
+
+    ran = []
+    fused = calls.rows_grad_gated
+    monkeypatch.setattr(calls, "rows_grad_gated", lambda *a: ran.append(1) or fused(*a))
+    x, z, w, _ = _arrays(rng, case, np.float32, np.float32)
+    tdtype = getattr(torch, dtype)
+    leaves = {k: torch.tensor(v, device="cuda").to(tdtype).requires_grad_() for k, v in dict(x=x, z=z, w=w).items()
+              if v is not None}
+
+    def call(a):
+        return cunorm.torch.rms_norm(a["x"], a.get("w"), gate=a["z"], group_size=group, **kw)
+
+    traced = []
+    y = torch.compile(call, backend=recording_backend(traced), fullgraph=True)(leaves)
+    assert any("rms_norm_conditioned" in target for target in traced) == (group is None), traced
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, list(leaves.values()), dy)
+    assert bool(ran) == (group is None)
+    eager = call(leaves)
+    pairs = [("y", y, eager)] + list(zip(leaves, grads, torch.autograd.grad(eager, list(leaves.values()), dy)))
+    for name, got, want in pairs:
+        assert got.dtype == want.dtype, name
+        if group is None:
+            assert torch.equal(got, want), name
+        else:  # (inductor fuses the composition's elementwise ops its own way)
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()), msg=name)
+
+
 # --- JAX -----------------------------------------------------------------------------------------------------------
 
 

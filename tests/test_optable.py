@@ -38,6 +38,8 @@ SCHEMAS = {
                               "SymInt epilogue) -> Tensor[]",
     "rms_norm_modulated_backward": "(Tensor dy, Tensor x, Tensor rstd, Tensor? weight, Tensor? dh, Tensor? shift, "
                                    "Tensor? scale, Tensor? residual_gate, Tensor? gated_x, SymInt[] axes) -> Tensor[]",
+    "rms_norm_gated_backward": "(Tensor dy, Tensor x, Tensor rstd, Tensor? weight, Tensor? gate, "
+                               "bool norm_before_gate, SymInt[] axes) -> Tensor[]",
     "layer_norm_modulated_backward": "(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, "
                                      "Tensor? dh, Tensor? shift, Tensor? scale, Tensor? residual_gate, "
                                      "Tensor? gated_x, SymInt[] axes) -> Tensor[]",
@@ -173,10 +175,9 @@ def test_the_conditioned_operators_autograd_formula_on_meta_tensors(kind):
         1 if kind == "rms" else 2)
     grads = torch.autograd.grad(out[0].sum() + out[1].sum(), leaves)
     assert [(g.shape, g.dtype) for g in grads] == [(a.shape, a.dtype) for a in leaves]
-    with pytest.raises(RuntimeError, match="gate="):
-        z = meta(batch, tokens, n)
-        y = t.rms_norm_conditioned(x, w, None, None, None, None, z, [-1], 1e-6, True, 0)[0]
-        torch.autograd.grad(y.sum(), [x])
+    z = meta(batch, tokens, n)  # (the gated form: its own backward operator, test_gated.py)
+    y = t.rms_norm_conditioned(x, w, None, None, None, None, z, [-1], 1e-6, True, 0)[0]
+    assert [g.shape for g in torch.autograd.grad(y.sum(), [x, z])] == [x.shape, z.shape]
     with pytest.raises(RuntimeError, match="per-head weights"):
         heads = meta(tokens, n)
         y = t.rms_norm_conditioned(x, heads, None, shift, None, None, None, [-1], 1e-6, True, 0)[0]

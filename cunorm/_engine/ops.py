@@ -51,6 +51,7 @@ ARGUMENTS = {
     "channel_axis": "int",
     "training": "bool",
     "momentum": "float",
+    "norm_before_gate": "bool",        # the gated RMSNorm's order (norm(x) * w * silu(z), else norm(x * silu(z)) * w)
 }
 
 
@@ -90,8 +91,11 @@ class Op:
         op with parameters over rows takes through their shape).
     conditioned_operators: the forward operator that takes them and the
         backward operator of its modulated forms (modulated_grad.py); the
-        forward's autograd formula refuses the forms that backward does
-        not take (the front ends compose those where autograd records).
+        forward's autograd formula refuses the forms its backward operators
+        do not take (the front ends compose those where autograd records).
+    gated_backward: the backward operator of the conditioned forward's
+        gated form (gate= over rows, gated_grad.py), which its autograd
+        formula calls in place of the modulated one.
     """
 
     name: str
@@ -110,6 +114,7 @@ class Op:
     per_sample: bool = True
     conditioned: tuple[str, ...] = ()
     conditioned_operators: tuple[Operator, Operator] | None = None
+    gated_backward: Operator | None = None
 
     @property
     def pairs(self) -> tuple[tuple[Operator, Operator], ...]:
@@ -142,7 +147,9 @@ OPS = {op.name: op for op in (
        conditioned_operators=(
            Operator("rms_norm_conditioned", ("x", "weight", "residual") + _CONDITIONED + ("gate",)
                     + _CONDITIONED_FORWARD),
-           Operator("rms_norm_modulated_backward", _ROWS_BACKWARD + ("rstd", "weight") + _MODULATED_BACKWARD))),
+           Operator("rms_norm_modulated_backward", _ROWS_BACKWARD + ("rstd", "weight") + _MODULATED_BACKWARD)),
+       gated_backward=Operator("rms_norm_gated_backward",
+                               _ROWS_BACKWARD + ("rstd", "weight", "gate", "norm_before_gate", "axes"))),
     Op("layer_norm", "rows", "ln", ("weight", "bias"), True, False, ("mean", "rstd"), ("activation",),
        DEFAULT_EPS, reference.layer_norm, reference.layer_norm_backward,
        Operator("layer_norm", ("x", "weight", "bias", "residual", "axes", "eps", "return_stats", "epilogue")),
@@ -193,7 +200,6 @@ def operators() -> dict[str, Operator]:
     """Every operator of the table, forward and backward, by name (each once)."""
     found = {}
     for op in OPS.values():
-        for pair in op.pairs:
-            for operator in pair:
-                found.setdefault(operator.name, operator)
+        for operator in [o for pair in op.pairs for o in pair] + ([op.gated_backward] if op.gated_backward else []):
+            found.setdefault(operator.name, operator)
     return found

@@ -9,7 +9,8 @@ residual_gate= of one per-sample (or one-for-all) pattern run fused
 forward and backward: ModulatedRowNorm in eager, the operator and its
 autograd formula (torch.ops.cunorm.*_modulated_backward) under dynamo
 (cunorm/_engine/modulated_grad.py); gate= over rows with a weight over
-the normalized axes (or none) in eager: GatedRowNorm
+the normalized axes (or none) likewise: GatedRowNorm in eager, the
+operator and torch.ops.cunorm.rms_norm_gated_backward under dynamo
 (cunorm/_engine/gated_grad.py). Otherwise the call is the plain norm
 (cunorm's differentiable operator) followed by torch's elementwise ops,
 each formed in float32 and rounded once to x's dtype, so autograd and
@@ -92,8 +93,8 @@ class GatedRowNorm(torch.autograd.Function):
 
 def gated_fusable(x, weight, gate, axis) -> bool:
     """Whether the fused gated backward (gated_grad.fusable) takes a call on
-    CUDA torch tensors."""
-    if not (isinstance(x, torch.Tensor) and x.device.type == "cuda" and isinstance(gate, torch.Tensor)):
+    torch tensors (CUDA, or meta: the operators' fakes give their shapes)."""
+    if not (isinstance(x, torch.Tensor) and x.device.type in ("cuda", "meta") and isinstance(gate, torch.Tensor)):
         return False
     first, last = axes_span(axis, x.dim())
     return gated_grad.fusable(tuple(x.shape), x.element_size(), first, last, conditioning.per_head(weight, axis))
@@ -113,10 +114,11 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
                           conditioned={"shift": shift, "scale": scale, "residual_gate": residual_gate, "gate": gate})
     fused_backward = gate is None and modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, scale,
                                                         residual_gate)
-    if compiling and (fused_backward or not grad):
+    fused_gated = gate is not None and residual is None and gated_fusable(x, weight, gate, axis)
+    if compiling and (fused_backward or fused_gated or not grad):
         return _operator(norm, x, weight, bias, residual, shift, scale, residual_gate, gate, axis, eps, return_stats,
                          epilogue, grad)
-    if gate is not None and not compiling and residual is None and gated_fusable(x, weight, gate, axis):
+    if fused_gated:
         y, rstd = GatedRowNorm.apply(x, weight, gate, axis, eps, epilogue)
         return (y, rstd) if return_stats else y
     if fused_backward:

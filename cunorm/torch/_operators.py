@@ -19,11 +19,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._engine import calls, channel_norms, conditioning, dispatch_rows, plans, row_norms
-from .._engine import ops
+from .._engine import calls, channel_norms, conditioning, dispatch_rows, modulated_grad, ops, plans, row_norms
 from .._engine.ops import ARGUMENTS, OPS, Op, Operator
 from .._interop import torch as _adapter
-from .._engine import modulated_grad
+from ._autograd import offset_weight
 
 #: each argument kind of the table (ARGUMENTS) as a schema type
 TORCH_TYPES = {"array": "Tensor", "optional array": "Tensor?", "ints": "SymInt[]", "float": "float", "bool": "bool",
@@ -137,6 +136,10 @@ def _forward(op: Op, a: dict):
 def _backward(op: Op, a: dict):
     """A backward operator's implementation, its arguments by name:
     [dx, dweight?, dbias?] (dx alone for the Lp family)."""
+    if op.family == "rows" and "norm_before_gate" in a:  # the gated backward: [dx, dgate, dweight?]
+        g = calls.rows_grad_gated(a["dy"], a["x"], a["rstd"], a.get("weight"), a["gate"], a["norm_before_gate"],
+                                  _axis(a["axes"], op))
+        return [g.x, g.gate] + _present(g.weight)
     if op.family == "rows" and "gated_x" in a:  # the modulated backward
         g = calls.rows_grad_modulated(op.norm, a["dy"], a["x"], a.get("mean"), a["rstd"], a.get("weight"),
                                       a.get("bias"), a["dh"], a["shift"], a["scale"], a["residual_gate"],
@@ -199,6 +202,8 @@ def _backward_fake(op: Op, a: dict):
         dx = _channel_y(a["norm"], x, a["channel_axis"])
     if op.backward.single:
         return dx
+    if "norm_before_gate" in a:  # the gated backward: dgate like dx, dweight C-contiguous in its own dtype
+        return [dx, torch.empty_like(dx)] + [w.new_empty(w.shape) for w in _present(a.get("weight"))]
     if "gated_x" in a:  # the modulated backward: each gradient C-contiguous in its array's shape and dtype
         dres = [torch.empty_like(dx)] if a["residual_gate"] is not None else []
         arrays = _present(*(a.get(name) for name in op.params + ("shift", "scale", "residual_gate")))
@@ -234,18 +239,29 @@ def _setup(op: Op, operators: tuple, ctx, a: dict, output) -> None:
     the normalized input (h where the forward formed it), the parameters
     and the statistics (BatchNorm in eval: its running buffers), with the
     modulation arrays and the x residual_gate scaled for the conditioned
-    operator; for the Lp family, x."""
+    operator (x, the weight, the gate z and rstd for its gated form); for
+    the Lp family, x."""
     ctx.arguments, ctx.backward = operators[0].arguments, operators[1]
     if not op.statistics:
         ctx.save_for_backward(a["x"])
         ctx.norm, ctx.axes, ctx.eps = a["norm"], a["axes"], a["eps"]
         return
-    ctx.unfused = a["epilogue"] & plans.UNFUSED_IN_BACKWARD
+    ctx.gated = a.get("gate") is not None
+    # (the gated backward takes the weight offset: its formula passes 1 + w)
+    ctx.unfused = a["epilogue"] & (plans.ACTIVATION_BITS if ctx.gated else plans.UNFUSED_IN_BACKWARD)
     training = a.get("training", True)
     ctx.kept = a["return_stats"] or not training
     ctx.residual = a.get("residual") is not None
     ctx.composed = None
     if not ctx.kept:
+        return
+    if ctx.gated:
+        ctx.backward, ctx.axes = op.gated_backward, a["axes"]
+        ctx.before = not a["epilogue"] & plans.FLAG_GATE_INPUT
+        ctx.offset = bool(a["epilogue"] & plans.FLAG_WEIGHT_OFFSET)
+        if conditioning.per_head(a.get("weight"), _axis(a["axes"], op)):
+            ctx.composed = "a weight per group or head"
+        ctx.save_for_backward(a["x"], a.get("weight"), a["gate"], output[-1])
         return
     if op.family == "rows":
         h = output[1] if ctx.residual else a["x"]
@@ -265,9 +281,20 @@ def _setup(op: Op, operators: tuple, ctx, a: dict, output) -> None:
     ctx.eps = a["eps"] if op.running else 0.0
 
 
-_NOT_MODULATED = ("cunorm.{op}_conditioned: the operator was called while autograd recorded it with {what}, which its "
-                  "backward (the fused modulated backward) does not take. Call it through cunorm.torch.{op} (or "
-                  "cunorm.{op}), which composes the norm and torch's ops where autograd records.")
+_NOT_FUSED = ("cunorm.{op}_conditioned: the operator was called while autograd recorded it with {what}, which its "
+              "backward (the fused {form} backward) does not take. Call it through cunorm.torch.{op} (or "
+              "cunorm.{op}), which composes the norm and torch's ops where autograd records.")
+
+
+def _gated_gradients(ctx, grads, backward) -> dict:
+    """The gated form's gradients by argument name: x, the weight (of the
+    weight the caller gave, 1 + w's where the forward offset it) and the
+    gate z."""
+    x, weight, gate, rstd = ctx.saved_tensors
+    dy = grads[0] if grads[0] is not None else torch.zeros_like(x)
+    w = offset_weight(x, weight) if weight is not None and ctx.offset else weight
+    dx, dgate, *dweight = backward(dy, x, rstd, w, gate, ctx.before, ctx.axes)
+    return {"x": dx, "gate": dgate, "weight": dweight[0].to(weight.dtype) if dweight else None}
 
 
 def _gradients(op: Op, ctx, grads) -> tuple:
@@ -285,8 +312,11 @@ def _gradients(op: Op, ctx, grads) -> tuple:
     if not ctx.kept:
         raise RuntimeError(_NO_STATS.format(op=op.name))
     if ctx.composed:
-        raise RuntimeError(_NOT_MODULATED.format(op=op.name, what=ctx.composed))
+        raise RuntimeError(_NOT_FUSED.format(op=op.name, what=ctx.composed, form="gated" if ctx.gated else "modulated"))
     grads = _output_grads(grads)
+    if ctx.gated:
+        found = _gated_gradients(ctx, grads, backward)
+        return tuple(found.get(name) for name in forward_arguments)
     if op.family == "rows":
         h, weight, bias, *rest = ctx.saved_tensors
         modulated = "gated_x" in ctx.backward.arguments
@@ -333,16 +363,21 @@ def _register() -> dict:
     """Every operator of the table, registered once; the forward ones with
     their autograd formula. Returns {name: CustomOpDef}."""
     registered, differentiated = {}, set()
+
+    def register(op: Op, operator: Operator, impl, fake) -> None:
+        if operator.name not in registered:
+            custom = torch.library.custom_op(f"cunorm::{operator.name}",
+                                             _by_name(operator, lambda a, op=op, f=impl: f(op, a)),
+                                             mutates_args=(), schema=schema(operator))
+            custom.register_fake(_by_name(operator, lambda a, op=op, f=fake: f(op, a)))
+            registered[operator.name] = custom
+
     for op in OPS.values():
+        if op.gated_backward is not None:
+            register(op, op.gated_backward, _backward, _backward_fake)
         for pair in op.pairs:
             for operator, impl, fake in zip(pair, (_forward, _backward), (_forward_fake, _backward_fake)):
-                if operator.name in registered:
-                    continue
-                custom = torch.library.custom_op(f"cunorm::{operator.name}",
-                                                 _by_name(operator, lambda a, op=op, f=impl: f(op, a)),
-                                                 mutates_args=(), schema=schema(operator))
-                custom.register_fake(_by_name(operator, lambda a, op=op, f=fake: f(op, a)))
-                registered[operator.name] = custom
+                register(op, operator, impl, fake)
             forward = pair[0]
             if forward.name not in differentiated:
                 registered[forward.name].register_autograd(
