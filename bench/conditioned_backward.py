@@ -12,8 +12,9 @@ same run, counting dy, h, x and dh read, dx and the residual's gradient
 written (adaLN-Zero; the modulated RMSNorm: dy and x read, dx written),
 and the per-sample arrays once. And the gated RMSNorm with a weight over
 whole rows (``norm(x) * w * silu(z)``, Qwen3-Next's form; ``norm(x *
-silu(z)) * w``, Mamba-2's with one group) and over heads of 128
-(Qwen3-Next's), counting dy, x and z read and dx and dz written: cunorm's
+silu(z)) * w``, Mamba-2's with one group), over heads of 128
+(Qwen3-Next's) and over 8 groups with a weight a group (Mamba-2's with
+ngroups 8, the gate before the norm), counting dy, x and z read and dx and dz written: cunorm's
 fused route (GatedRowNorm in eager; under torch.compile the conditioned
 operator and rms_norm_gated_backward) against torch eager and
 torch.compile of the formula.
@@ -30,7 +31,7 @@ import cunorm.torch as ct
 from cunorm.bench._timing import compile_static, copy_bandwidth, time_gpu
 
 # the forward bench's formulas, cold-call timing and EPS (bench/ is on the path when run as a script)
-from conditioned import EPS, _rms, adaln_torch, cold, gated_torch, rms_mod_torch  # noqa: E402
+from conditioned import EPS, _rms, adaln_torch, cold, gated_groups_torch, gated_torch, rms_mod_torch  # noqa: E402
 
 # (the backward is timed repeatedly on one recorded graph: retain_graph, which
 # torch.compile's donated buffers refuse)
@@ -57,13 +58,17 @@ def gated_input_cunorm(x, z, w):
     return ct.rms_norm(x, w, gate=z, norm_before_gate=False, eps=EPS)
 
 
+def gated_groups_cunorm(x, z, w):
+    return ct.rms_norm(x, w, gate=z, norm_before_gate=False, group_size=x.shape[-1] // 8, eps=EPS)
+
+
 def _heads(fn):
     """fn over heads of 128: x and z viewed as (..., hidden / 128, 128), a weight of 128."""
     return lambda x, z, w: fn(x.unflatten(-1, (-1, 128)), z.unflatten(-1, (-1, 128)), w).flatten(-2)
 
 
 FUSED = {"adaln": "ModulatedRowNorm", "rms_mod": "ModulatedRowNorm", "gated": "GatedRowNorm",
-         "gated_input": "GatedRowNorm", "gated_heads": "GatedRowNorm"}
+         "gated_input": "GatedRowNorm", "gated_heads": "GatedRowNorm", "gated_groups": "GatedRowNorm"}
 
 
 def _backward(forward, inputs, grads):
@@ -80,7 +85,8 @@ def main(out, only=None):
     rows = []
     formulas = {"adaln": (adaln_cunorm, adaln_torch), "rms_mod": (rms_mod_cunorm, rms_mod_torch),
                 "gated": (gated_cunorm, gated_torch), "gated_input": (gated_input_cunorm, gated_input_torch),
-                "gated_heads": (_heads(gated_cunorm), _heads(gated_torch))}
+                "gated_heads": (_heads(gated_cunorm), _heads(gated_torch)),
+                "gated_groups": (gated_groups_cunorm, gated_groups_torch)}
     names = [n for n in formulas if only is None or n in only]
     for hidden in (1152, 3072, 4096, 8192):
         for tokens in (4096, 32768):
@@ -100,6 +106,7 @@ def main(out, only=None):
                 "gated": ((x, z, w), (dy,), 5 * x.numel() * 2 + 2 * hidden * 2),
                 "gated_input": ((x, z, w), (dy,), 5 * x.numel() * 2 + 2 * hidden * 2),
                 "gated_heads": ((x, z, w_head), (dy,), 5 * x.numel() * 2 + 2 * 128 * 2),
+                "gated_groups": ((x, z, w), (dy,), 5 * x.numel() * 2 + 2 * hidden * 2),
             }
             for name in names:
                 inputs, grads, nbytes = cases[name]

@@ -301,15 +301,16 @@ def _row_axes(x, axis):
 
 
 def _param_grads(dy, xhat, axes, weight, bias, exact):
-    """sum of dy * xhat and of dy over every axis but the normalized ones."""
-    others = tuple(a for a in range(dy.ndim) if a not in axes)
-    dw = db = None
-    if weight is not None:
-        dw = np.sum(dy * xhat, axis=others)
-        dw = dw if exact else dw.astype(np.asarray(weight).dtype)
-    if bias is not None:
-        db = np.sum(dy, axis=others)
-        db = db if exact else db.astype(np.asarray(bias).dtype)
+    """sum of dy * xhat and of dy over every axis but the parameter's own:
+    the normalized ones, and for per-head parameters the trailing axes
+    before them that the parameter spans too."""
+    def summed(a, p):
+        spanned = range(axes[-1] + 1 - np.ndim(p), axes[-1] + 1)
+        total = np.sum(a, axis=tuple(i for i in range(dy.ndim) if i not in spanned))
+        return total if exact else total.astype(np.asarray(p).dtype)
+
+    dw = None if weight is None else summed(dy * xhat, weight)
+    db = None if bias is None else summed(dy, bias)
     return dw, db
 
 

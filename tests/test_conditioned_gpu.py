@@ -121,6 +121,40 @@ def test_a_cached_call_replays_what_the_first_computed(rng, case):
         assert cupy.array_equal(other[0].view(cupy.uint16), first[0].view(cupy.uint16))
 
 
+# x shape, parameter shape: heads of a block a row; short rows (a block a row where the plain weight's rows share
+# one); more heads than blocks are resident (a grid run in turn, column_sum after it)
+PER_HEAD_GRADS = {"heads of 128": ((3, 7, 8, 128), (8, 128)), "groups of 1024": ((2, 9, 4, 1024), (4, 1024)),
+                  "short rows": ((5, 6, 64), (6, 64)), "more heads than resident blocks": ((2, 5000, 64), (5000, 64))}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, dtypes.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+@pytest.mark.parametrize("case", list(PER_HEAD_GRADS))
+def test_the_backward_takes_parameters_per_head(rng, case, kind, dtype):
+    """rms_norm_backward and layer_norm_backward with a weight (and bias)
+    per head: dweight and dbias in the parameters' shape, each head's own
+    sum, dx against the float64 reference."""
+    from cunorm.backward import layer_norm_backward, rms_norm_backward
+
+    shape, pshape = PER_HEAD_GRADS[case]
+    x, dy = random(rng, shape, dtype, 2.0, 0.5), random(rng, shape, dtype)
+    w, b = random(rng, pshape, np.float32, 0.5, 1.0), random(rng, pshape, np.float32)
+    dev = {k: cupy.asarray(v) for k, v in dict(x=x, dy=dy, w=w, b=b).items()}
+    if kind == "rms":
+        _, rstd = cunorm.rms_norm(dev["x"], dev["w"], return_stats=True)
+        got = rms_norm_backward(dev["dy"], dev["x"], rstd, dev["w"])
+        want = reference.rms_norm_backward(dy, x, cupy.asnumpy(rstd), w, exact=True)
+    else:
+        _, mean, rstd = cunorm.layer_norm(dev["x"], dev["w"], dev["b"], return_stats=True)
+        got = layer_norm_backward(dev["dy"], dev["x"], mean, rstd, dev["w"], dev["b"])
+        want = reference.layer_norm_backward(dy, x, cupy.asnumpy(mean), cupy.asnumpy(rstd), w, b, exact=True)
+    for name, g, ref in zip(("dx", "dweight", "dbias"), got, want):
+        assert g.shape == ref.shape, (name, g.shape)
+        tol = RTOL[np.dtype(dtype)] if name == "dx" else 1e-4
+        assert_close(cupy.asnumpy(g), ref, dtype if name == "dx" else np.float32, rtol=tol,
+                     atol=tol * output_scale(ref), what=name)
+
+
 def test_rows_past_the_register_tier_raise_a_value_error():
     x = cupy.ones((2, 65536), cupy.float32)
     with pytest.raises(ValueError, match="rows_cached"):

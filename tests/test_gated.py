@@ -197,8 +197,7 @@ def test_the_torch_operator_differentiates_through_the_gated_backward(offset):
     """torch.ops.cunorm.rms_norm_conditioned with a gate, where autograd
     records (as torch.compile traces it): its formula calls
     rms_norm_gated_backward (the fakes on meta tensors: no GPU), each
-    gradient in its input's shape and dtype; a weight a head is refused
-    by name."""
+    gradient in its input's shape and dtype, a weight a head's too."""
     torch = pytest.importorskip("torch")
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -224,11 +223,12 @@ def test_the_torch_operator_differentiates_through_the_gated_backward(offset):
     assert [str(f) for f in recording.called if "cunorm" in f] == ["cunorm.rms_norm_gated_backward.default"]
     assert [(tuple(g.shape), g.dtype) for g in grads] == [((3, 5, 256), torch.bfloat16), ((256,), torch.bfloat16),
                                                           ((3, 5, 256), torch.bfloat16)]
-    heads = meta(2, 128, dtype=torch.float32)
+    heads = meta(2, 128, dtype=torch.float32)  # (a weight a group of 128)
     y, _ = torch.ops.cunorm.rms_norm_conditioned(x.view(3, 5, 2, 128), heads, None, None, None, None,
-                                                 z.view(3, 5, 2, 128), [-1], 1e-5, True, 0)
-    with pytest.raises(RuntimeError, match="a weight per group or head, which its backward \\(the fused gated"):
-        torch.autograd.grad(y, (x,), torch.empty_like(y))
+                                                 z.view(3, 5, 2, 128), [-1], 1e-5, True, epilogue)
+    grads = torch.autograd.grad(y, (x, heads, z), torch.empty_like(y))
+    assert [(tuple(g.shape), g.dtype) for g in grads] == [((3, 5, 256), torch.bfloat16), ((2, 128), torch.float32),
+                                                          ((3, 5, 256), torch.bfloat16)]
 
 
 @pytest.mark.parametrize("before", [True, False])

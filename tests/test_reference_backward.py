@@ -139,3 +139,28 @@ def test_gated_rms_norm_backward(rng, before, weighted):
     for g, n, name in zip((dx, dz, dw), want, ("dx", "dgate", "dweight")):
         _close(g, n, f"gated {name}")
     assert weighted or dw is None
+
+
+@pytest.mark.parametrize("op", ["rms", "ln", "gated"])
+def test_parameters_per_head(rng, op):
+    """A weight (and bias) per head, (heads, n) over x of (B, heads, n):
+    their gradients in their own shape, each head's row summed over that
+    head's rows alone."""
+    x, z, dy = _data(rng, (3, 2, 5)), rng.standard_normal((3, 2, 5)) * 2.0, rng.standard_normal((3, 2, 5))
+    w, b = _data(rng, (2, 5)), _data(rng, (2, 5))
+    kw = dict(eps=1e-5, exact=True)
+    if op == "gated":
+        want = _numeric(lambda: np.sum(dy * R.rms_norm(x, w, gate=z, **kw)), [x, w])
+        _, rstd = R.rms_norm(x, w, gate=z, return_stats=True, **kw)
+        got = R.rms_norm_gated_backward(dy, x, rstd, w, gate=z, exact=True)[:2]
+    elif op == "rms":
+        want = _numeric(lambda: np.sum(dy * R.rms_norm(x, w, **kw)), [x, w])
+        _, rstd = R.rms_norm(x, w, return_stats=True, **kw)
+        got = R.rms_norm_backward(dy, x, rstd, w, exact=True)
+    else:
+        want = _numeric(lambda: np.sum(dy * R.layer_norm(x, w, b, **kw)), [x, w, b])
+        _, mean, rstd = R.layer_norm(x, w, b, return_stats=True, **kw)
+        got = R.layer_norm_backward(dy, x, mean, rstd, w, b, exact=True)
+    for g, n, name in zip(got, want, ("dx", "dweight", "dbias")):
+        assert np.shape(g) == n.shape, name
+        _close(g, n, f"{op} per head {name}")

@@ -207,18 +207,18 @@ CHANNEL_GRAD_ONCHIP = KernelDecl("onchip", "channel_grad_onchip",
                                  ("T", "P", "FLAGS", "VEC", "TRAINING", "THREADS", "ITEMS", "CLUSTER"),
                                  _args("dy x mean rstd w:in dx dw db:out batch plane_vecs channels:i32"))
 # backward.cu
-_ROWS_GRAD_CACHED_ARGS = _args("dy x dh w center scale:in dx partial:out rows:i64 n row_threads:i32 eps:acc "
-                               "prefetch_next:i32 dw db arrived:out")
+_ROWS_GRAD_CLUSTER_ARGS = _args("dy x dh w center scale:in dx partial:out rows:i64 n row_threads:i32 eps:acc "
+                                "prefetch_next:i32 dw db arrived:out")
 ROWS_GRAD_CACHED = KernelDecl("backward", "rows_grad_cached",
                               ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "MULTI_ROW"),
-                              _ROWS_GRAD_CACHED_ARGS)
+                              _ROWS_GRAD_CLUSTER_ARGS + _args("heads:i32"))
 ROWS_GRAD_GATED = KernelDecl("backward", "rows_grad_gated",
                              ("Grad", "T", "P", "FLAGS", "GATE", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "MULTI_ROW"),
                              _args("dy x z w scale:in dx dz partial:out rows:i64 n row_threads:i32 eps:acc "
-                                   "prefetch_next:i32 dw arrived:out"))
+                                   "prefetch_next:i32 dw arrived:out heads:i32"))
 ROWS_GRAD_CLUSTER = KernelDecl("backward", "rows_grad_cluster",
                                ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "CLUSTER"),
-                               _ROWS_GRAD_CACHED_ARGS)
+                               _ROWS_GRAD_CLUSTER_ARGS)
 COLUMN_SUM = KernelDecl("backward", "column_sum", ("A", "P", "C"),
                         _args("partial:in out_w out_b:out parts:i32 n:i64 block_x:i32"))
 # backward_streamed.cu

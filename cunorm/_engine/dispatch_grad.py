@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import declarations as K
-from . import tuning
+from . import dtypes, tuning
 from .dispatch_rows import (MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step, _ceil_div, next_pow2,
                             norm_info, plane_rows_block)
 from .dispatch_channels import first_holding
@@ -191,25 +191,24 @@ class GradLaunch:
 
 
 def _cached_launch(decl, leading: tuple, dtype, flags: int, outer: int, n_vec: int, vec: int, device: Device,
-                   cooperative: bool, max_cluster: int, max_vpt: int = 8) -> GradLaunch | None:
+                   cooperative: bool, max_cluster: int, max_vpt: int = 8, heads: int = 1) -> GradLaunch | None:
     """rows_grad_cached's launch (``decl`` rows_grad_cached or
     rows_grad_gated, ``leading`` its template arguments before VEC) for
     ``outer`` rows of n_vec vectors, or rows_grad_cluster's where clusters
     of up to ``max_cluster`` blocks hold the row and fill the SMs; None
-    where neither holds it."""
-    from .dtypes import accumulation
-
-    tune = tuning.of(device)
-    acc_bytes = accumulation(dtype).itemsize
+    where neither holds it. ``heads`` > 1 (parameters per head): a block a
+    row, no cluster (a block's rows are then of one head)."""
+    tune, acc_bytes = tuning.of(device), dtypes.accumulation(dtype).itemsize
     shape = grad_cached_shape(n_vec, vec, dtype.itemsize, tune, max_cluster, max_vpt)
     if shape is None:
         return None
     threads, vpt, cluster = shape
     shared = grad_cached_shared_bytes(flags, vec, threads, vpt, acc_bytes)
-    if (cluster > 1 and outer * cluster < device.sm_count) or \
+    if (cluster > 1 and (heads > 1 or outer * cluster < device.sm_count)) or \
             shared > device.max_shared_per_block - RESIDENT_SHARED_RESERVE:
         return None
-    row_threads, rows_a_block = grad_cached_rows_a_block(n_vec, threads, vpt, tune) if cluster == 1 else (threads, 1)
+    row_threads, rows_a_block = (grad_cached_rows_a_block(n_vec, threads, vpt, tune) if cluster == 1 and heads == 1
+                                 else (threads, 1))
     if rows_a_block > 1:
         threads = row_threads * rows_a_block
         shared = grad_cached_shared_bytes(flags, vec, threads, vpt, acc_bytes)
@@ -239,25 +238,26 @@ def gated_max_vpt(vec: int, itemsize: int) -> int:
 
 
 def choose_rows_grad_gated(dtype, pdtype, flags: int, rows: int, n: int, vec: int, gate: int, device: Device,
-                           cooperative: bool = True) -> GradLaunch | None:
+                           cooperative: bool = True, heads: int = 1) -> GradLaunch | None:
     """The gated RMSNorm's backward (rows_grad_gated, ``gate`` GATE_OUTPUT or
-    GATE_INPUT) over ``rows`` C-contiguous rows of n elements: the plain
-    rows' rows_grad_cached shape within gated_max_vpt vectors a thread;
-    None where one block does not hold a row."""
+    GATE_INPUT) over ``rows`` C-contiguous rows of n elements (``heads``
+    weight rows): rows_grad_cached's shape within gated_max_vpt vectors a
+    thread; None where one block does not hold a row."""
     from .dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
     a = KERNEL_TYPE[accumulation(dtype)]
     p = NO_PARAMS if not flags else KERNEL_TYPE[pdtype]
     return _cached_launch(K.ROWS_GRAD_GATED, (grad_policy("rms", a), KERNEL_TYPE[dtype], p, flags, gate), dtype, flags,
-                          rows, n // vec, vec, device, cooperative, 1, gated_max_vpt(vec, dtype.itemsize))
+                          rows, n // vec, vec, device, cooperative, 1, gated_max_vpt(vec, dtype.itemsize), heads)
 
 
 def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: int, inner: int, vec: int,
-                     device: Device, cooperative: bool = True) -> GradLaunch:
+                     device: Device, cooperative: bool = True, heads: int = 1) -> GradLaunch | None:
     """The backward launch of a row norm over C-contiguous (outer, reduced,
     inner) arrays, vec elements a vector along the contiguous axis.
     ``cooperative`` False (the jit path, whose launches cannot be): the
-    cached tier leaves dweight and dbias to a column_sum launch."""
+    cached tier leaves dweight and dbias to a column_sum launch. ``heads``
+    > 1 (parameters per head): the cached tier a block a row, or None."""
     tune = tuning.of(device)
     from .dtypes import KERNEL_TYPE, NO_PARAMS, accumulation
 
@@ -272,8 +272,8 @@ def choose_rows_grad(norm: str, dtype, pdtype, flags: int, outer: int, reduced: 
         # clusters on sm_90 and later, where they fill the SMs
         max_cluster = GRAD_CACHED_MAX_CLUSTER if device.compute_capability >= 90 else 1
         cached = _cached_launch(K.ROWS_GRAD_CACHED, (grad, t, p, flags), dtype, flags, outer, n_vec, vec, device,
-                                cooperative, max_cluster)
-        if cached is not None:
+                                cooperative, max_cluster, heads=heads)
+        if cached is not None or heads > 1:
             return cached
         # pass 1: chunks of each row, about tuning.grad_chunk_blocks_per_sm blocks an
         # SM; pass 2: column tiles down row chunks, tuning.grad_apply_blocks_per_sm

@@ -6,10 +6,11 @@ silu(z) where the gate comes before the norm), the weight and the gate z,
 normalized over the trailing axes. It returns the gradients of x, the
 weight and z (GatedGrads).
 
-What the fused kernel takes (``fusable``): a weight over the normalized
-axes (or none; a weight per group of ``group_size``, per-head, composes),
-rows one rows_grad_cached block holds (16384 16-bit, 8192 32-bit, 4096
-64-bit elements at the widest vectors). The roundings of the forward
+What the fused kernel takes (``fusable``): rows one rows_grad_cached block
+holds (16384 16-bit, 8192 32-bit, 4096 64-bit elements at the widest
+vectors), with a weight over the normalized axes, none, or a weight per
+head (more of x's trailing axes: a weight per group of ``group_size``),
+whose rows then run a block a row (dispatch_grad._cached_launch). The roundings of the forward
 (``rounding=``, a 16-bit weight's product) have the identity as their
 gradient, as autograd gives them: the kernel works in float32 (float64
 for float64 x) throughout.
@@ -43,11 +44,11 @@ def fits(n: int, itemsize: int) -> bool:
                                                      max_vpt=dispatch_grad.gated_max_vpt(vec, itemsize)) is not None
 
 
-def fusable(x_shape: tuple, itemsize: int, first: int, last: int, per_head: bool) -> bool:
+def fusable(x_shape: tuple, itemsize: int, first: int, last: int) -> bool:
     """Whether the fused backward takes a gated call over x of ``x_shape``
-    normalized over axes first..last (``per_head``: a weight over more
-    axes than those)."""
-    return (last == len(x_shape) - 1 and not per_head and all(type(s) is int for s in x_shape)
+    normalized over axes first..last (its weight over those axes, none, or
+    per head)."""
+    return (last == len(x_shape) - 1 and all(type(s) is int for s in x_shape)
             and fits(math.prod(x_shape[first:]), itemsize))
 
 
@@ -106,20 +107,21 @@ SLOTS = ("dy", "x", "z", "w", "scale", "dx", "dz", "dw")
 
 
 @functools.lru_cache(maxsize=256)
-def program(launch, dtype, pdtype, rows, n, weighted, device) -> launches.Program:
-    """The Program of one call signature (SLOTS)."""
+def program(launch, dtype, pdtype, rows, n, weighted, device, heads=1) -> launches.Program:
+    """The Program of one call signature (SLOTS); ``heads``: the weight's
+    rows (per head)."""
     from .gradients import launch_cached
 
     pb = launches.ProgramBuilder(SLOTS, device)
-    launch_cached(pb, launch, dtype, pdtype, {"dw": weighted, "db": False}, rows, n, 0.0, dy=pb["dy"], x=pb["x"],
-                  z=pb["z"], w=pb["w"] if weighted else None, scale=pb["scale"], dx=pb["dx"], dz=pb["dz"])
+    launch_cached(pb, launch, dtype, pdtype, {"dw": weighted, "db": False}, rows, n, 0.0, heads, dy=pb["dy"],
+                  x=pb["x"], z=pb["z"], w=pb["w"] if weighted else None, scale=pb["scale"], dx=pb["dx"], dz=pb["dz"])
     return pb.build()
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch(dtype, pdtype, flags, rows, n, vec, gate, device_id):
+def _launch(dtype, pdtype, flags, rows, n, vec, gate, device_id, heads=1):
     device = launches.device_info(device_id)
-    launch = dispatch_grad.choose_rows_grad_gated(dtype, pdtype, flags, rows, n, vec, gate, device)
+    launch = dispatch_grad.choose_rows_grad_gated(dtype, pdtype, flags, rows, n, vec, gate, device, heads=heads)
     if launch is not None:
         for step in launch.steps:
             launches.check_limits(step, device)
@@ -136,8 +138,9 @@ def _gpu(g: GatedGradCall):
     n = math.prod(call.norm_shape)
     rows = x.size // n if n else 0
     flags, pdtype = row_norms.kernel_params(x.dtype, call.weight, None)
+    heads = call.cond.param_rows
     dx, dz = cupy.empty(x.shape, x.dtype), cupy.empty(x.shape, x.dtype)
-    dw = None if call.weight is None else cupy.empty(call.norm_shape, pdtype)
+    dw = None if call.weight is None else cupy.empty(call.weight.shape, pdtype)
     if not x.size:
         return (dx, _param_grads(call, dw, None, empty=True)[0], dz), None
     vec = plans.vector_width(x.itemsize, n, [], [])
@@ -145,13 +148,13 @@ def _gpu(g: GatedGradCall):
         x, dy, z = (a.copy() for a in (x, dy, z))  # (fresh: aligned for vec)
     gate = dispatch_grad.GATE_OUTPUT if g.before else dispatch_grad.GATE_INPUT
     launch = _launch(np.dtype(x.dtype), None if pdtype is None else np.dtype(pdtype), flags, rows, n, vec, gate,
-                     x.data.device_id)
+                     x.data.device_id, heads)
     if launch is None:
         raise ValueError(f"the gated RMSNorm's fused backward takes rows one block holds (at most 16384 16-bit, "
                          f"8192 32-bit or 4096 64-bit elements), got rows of {n} {x.dtype} elements")
     w = row_norms._as_param(call.weight, pdtype)
     prog = program(launch, np.dtype(x.dtype), None if pdtype is None else np.dtype(pdtype), rows, n,
-                   w is not None, x.data.device_id)
+                   w is not None, x.data.device_id, heads)
     prog.run_named({"dy": dy, "x": x, "z": z, "w": w, "scale": rstd, "dx": dx, "dz": dz, "dw": dw},
                    launches.cupy_stream(), launches.cupy_alloc)
     clean = (x is call.x and dy is g.dy and z is g.gate and rstd is g.rstd and w is call.weight)

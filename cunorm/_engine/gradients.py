@@ -130,7 +130,8 @@ def _rows_gpu(g: RowGradCall):
     dx = cupy.empty(x.shape, dtype=x.dtype)
     flags, pdtype = row_norms.kernel_params(x.dtype, call.weight, call.bias)
     w = row_norms._as_param(call.weight, pdtype)  # the bias is not read: only dbias is wanted
-    dw, db = _param_grad_buffers(call, call.norm_shape, pdtype)
+    heads = call.cond.param_rows  # (parameters per head: one row of them a head, the heads trailing x's rows)
+    dw, db = (None if p is None else cupy.empty(p.shape, dtype=pdtype) for p in (call.weight, call.bias))
     center, scale = (_contiguous(s) for s in (g.center, g.scale))
     clean = clean and center is g.center and scale is g.scale and w is call.weight and x.size > 0
     program = None
@@ -143,8 +144,12 @@ def _rows_gpu(g: RowGradCall):
         if inner == 1 and w is not None:
             pointers.append((w.data.ptr, w.itemsize))
         vec = plans.vector_width(x.itemsize, extent, [], pointers)
-        launch = _rows_launch(g.norm, x.dtype, pdtype, flags, outer, reduced, inner, vec, x.data.device_id)
-        program = _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, call.eps)
+        launch = _rows_launch(g.norm, x.dtype, pdtype, flags, outer, reduced, inner, vec, x.data.device_id, heads)
+        if launch is None:
+            raise ValueError(f"the backward with parameters per head takes rows one block holds (at most "
+                             f"{CACHED_ROW_LIMITS}), got rows of {reduced} {x.dtype} elements")
+        program = _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, call.eps,
+                                heads)
     grads = _param_grads(call, dw, db, empty=not x.size)
     clean = clean and grads[0] is dw and grads[1] is db
     return (dx,) + grads, program if clean else None
@@ -180,11 +185,16 @@ def _param_grads(call, dw, db, *, empty: bool):
     return tuple(out)
 
 
+#: the rows rows_grad_cached's block holds, as its errors name them
+CACHED_ROW_LIMITS = "16384 16-bit, 8192 32-bit or 4096 64-bit elements"
+
+
 @functools.lru_cache(maxsize=1024)
-def _rows_launch(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device_id):
+def _rows_launch(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device_id, heads=1):
     device = launches.device_info(device_id)
-    launch = dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device)
-    for step in launch.steps:
+    launch = dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device,
+                                            heads=heads)
+    for step in () if launch is None else launch.steps:
         launches.check_limits(step, device)
     return launch
 
@@ -193,27 +203,29 @@ def _rows_launch(norm, dtype, pdtype, flags, outer, reduced, inner, vec, device_
 ROW_GRAD_SLOTS = ("dy", "x", "dh", "dx", "w", "center", "scale", "dw", "db")
 
 
-def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, eps):
+def _execute_rows(launch, x, dy, dh, dx, w, center, scale, dw, db, outer, reduced, inner, eps, heads=1):
     grads = [a for a in (dw, db) if a is not None]
     program = rows_grad_program(launch, x.dtype, grads[0].dtype if grads else None, outer, reduced, inner, float(eps),
-                                tuple(a is not None for a in (dh, w, center, scale, dw, db)), x.data.device_id)
+                                tuple(a is not None for a in (dh, w, center, scale, dw, db)), x.data.device_id,
+                                heads)
     program.run_named({"dy": dy, "x": x, "dh": dh, "dx": dx, "w": w, "center": center, "scale": scale, "dw": dw,
                        "db": db}, launches.cupy_stream(), launches.cupy_alloc)
     return program
 
 
 @functools.lru_cache(maxsize=1024)
-def rows_grad_program(launch, dtype, pdtype, outer, reduced, inner, eps, present, device) -> launches.Program:
+def rows_grad_program(launch, dtype, pdtype, outer, reduced, inner, eps, present, device,
+                      heads=1) -> launches.Program:
     """The Program of a row norm's backward (ROW_GRAD_SLOTS); ``present``
     says which of dh, w, center, scale, dw, db the call has, pdtype the
-    dtype dweight/dbias are written in. A weight
-    absent is passed as x; dh, the statistics, and for the cached tier
-    dweight/dbias, as null (for the others as x)."""
+    dtype dweight/dbias are written in, ``heads`` the parameters' rows. A
+    weight absent is passed as x; dh, the statistics, and for the cached
+    tier dweight/dbias, as null (for the others as x)."""
     return build_rows_grad(launches.ProgramBuilder(ROW_GRAD_SLOTS, device), launch, dtype, pdtype, outer, reduced,
-                           inner, eps, present).build()
+                           inner, eps, present, heads).build()
 
 
-def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, present):
+def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, present, heads=1):
     """rows_grad_program's launches into ``pb`` (a ProgramBuilder or a
     LaunchRecorder); returns pb. A cached step that is not cooperative
     leaves its partials to column_sum (the jit path's launches)."""
@@ -224,7 +236,7 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
     acc_bytes = dtypes.accumulation(dtype).itemsize
     wants = has["dw"] or has["db"]
     if launch.tier == "cached":
-        launch_cached(pb, launch, dtype, pdtype, has, outer, reduced, eps, dy=dy, x=x, dh=dh, dx=dx, w=w,
+        launch_cached(pb, launch, dtype, pdtype, has, outer, reduced, eps, heads, dy=dy, x=x, dh=dh, dx=dx, w=w,
                       center=center, scale=scale)
         return pb
     if launch.tier == "strided_cached":
@@ -262,28 +274,39 @@ def build_rows_grad(pb, launch, dtype, pdtype, outer, reduced, inner, eps, prese
     return pb
 
 
-def launch_cached(pb, launch, dtype, pdtype, has, rows, n, eps, **arrays):
+def launch_cached(pb, launch, dtype, pdtype, has, rows, n, eps, heads=1, **arrays):
     """The cached tier's launch (rows_grad_cached, rows_grad_gated,
     rows_grad_cluster) over ``rows`` rows of n elements into ``pb``:
     ``arrays`` its data arguments, ``has`` whether the call has dw and db.
     The partials' rows are the grid's blocks or clusters (capped at the
     resident ones when the step is prepared); a cooperative grid adds them
-    into dw/db itself, else column_sum does (the jit path's launches)."""
+    into dw/db itself, else column_sum does (the jit path's launches).
+    ``heads`` > 1 (parameters per head, a block a row): the grid is whole
+    heads, so a block's rows and its partial row are one head's, and
+    column_sum adds the partials up as grid / heads rows of heads x n
+    columns (never the grid itself); a grid of more blocks than are
+    resident runs them in turn."""
     acc_bytes = dtypes.accumulation(dtype).itemsize
     wants = has["dw"] or has["db"]
     (step,) = launch.steps
     grid = pb.persistent_grid(step)
-    parts = grid[0] // step.kernel.cluster  # a partial row a block, or a cluster
-    partial = pb.workspace(2 * parts * n * acc_bytes if wants else acc_bytes)
+    if heads > 1:
+        blocks = max(grid[0] // heads, 1) * heads
+        kernel = dataclasses.replace(step.kernel, cooperative=False, persistent=blocks <= grid[0])
+        step, grid = dataclasses.replace(step, kernel=kernel), (blocks,) + grid[1:]
+    parts = grid[0] // step.kernel.cluster // heads  # a partial row a block, or a cluster
+    partial = pb.workspace(2 * parts * heads * n * acc_bytes if wants else acc_bytes)
     grid_sums = wants and step.kernel.cooperative
     arrived = pb.workspace(4, zeroed=True) if grid_sums else None
     declared = {name for name, _ in step.kernel.signature}
     sums = {name: pb[name] if has[name] and grid_sums else None for name in ("dw", "db") if name in declared}
+    if "heads" in declared:
+        sums["heads"] = heads
     pb.launch(dataclasses.replace(step, grid=grid), **arrays, partial=partial, rows=rows, n=n,
               row_threads=launch.row_threads, eps=eps, prefetch_next=int(launch.prefetch_next), arrived=arrived,
               **sums)
     if wants and not grid_sums:
-        _column_sum(pb, dtype, pdtype, has, partial, parts, n)
+        _column_sum(pb, dtype, pdtype, has, partial, parts, n * heads)
 
 
 def _column_sum(pb, dtype, pdtype, has, partial, parts, reduced):

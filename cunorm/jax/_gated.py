@@ -28,7 +28,7 @@ def fusable_backward(spec: _jit.RowSpec) -> bool:
     if [slot for slot, _ in spec.operands] != ["gate"] or spec.param_ndim or spec.residual or \
             spec.epilogue & plans.ACTIVATION_BITS:
         return False
-    return gated_grad.fusable(spec.shape, spec.dtype.itemsize, spec.first, spec.last, False)
+    return gated_grad.fusable(spec.shape, spec.dtype.itemsize, spec.first, spec.last)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,10 @@ namespace cunorm {
 // - 1, then the next grid x slots. A block a row would run a barrier-bound
 // warp a row and write a partial row every 18 or so rows: 2.5-4x slower on
 // rows of 64-256 bf16 elements (H200, docs/notes/backward.md).
+// With parameters per head (heads > 1: a (heads, n) weight over rows whose
+// index mod heads is their head; MULTI_ROW 0), the grid is whole heads and
+// block b reads head b % heads's row of the weight (rows_grad_cached_body);
+// its partials go to column_sum (no cooperative launch).
 // partial (FLAGS: 2 x gridDim.x x n words) receives each block's sums of dy
 // * xhat (dweight) and dy (dbias) per column; the block then counts
 // in on `arrived` (zeroed by the caller) and waits for every block (the
@@ -123,7 +127,7 @@ __device__ __forceinline__ void rows_grad_cached_body(
     const typename AccOf<T>::type* __restrict__ center, const typename AccOf<T>::type* __restrict__ scale,
     T* __restrict__ dx, typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
     typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
-    unsigned int* __restrict__ arrived, T* __restrict__ dz) {
+    unsigned int* __restrict__ arrived, T* __restrict__ dz, int heads) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     static_assert(CLUSTER == 1, "thread-block clusters need sm_90");
 #endif
@@ -151,6 +155,14 @@ __device__ __forceinline__ void rows_grad_cached_body(
     const long long clusters = gridDim.x / CLUSTER;  // the partials' rows
     const long long cluster = blockIdx.x / CLUSTER;
     const long long row_step = clusters * slots;
+    // A weight per head (heads > 1: a block a row, the grid whole heads):
+    // block b's rows b, b + grid, ... are all of head b % heads, so its
+    // partial row is that head's, and the partials read as grid / heads rows
+    // of heads x n columns add up to dweight (heads, n): column_sum's launch
+    // after this one, never the grid sum below (whose general part count
+    // and width cost the short rows' kernels 4-6 registers, a block an SM).
+    // (unconditional: the select of w for heads == 1 cost registers)
+    const P* const w_head = w + static_cast<long long>(blockIdx.x % static_cast<unsigned int>(heads)) * n;
     // the weights widened once (not twice a row: 16-bit weights cost a
     // conversion an element a pass)
     A wf[VPT][VEC];
@@ -161,7 +173,7 @@ __device__ __forceinline__ void rows_grad_cached_body(
         for (int j = 0; j < VEC; ++j) wf[k][j] = A(1);
         if constexpr (FLAGS & kWeight) {
             if (v < n_vec) {
-                const Vec<P, VEC> wv = load_vec<P, VEC>(w + static_cast<long long>(v) * VEC);
+                const Vec<P, VEC> wv = load_vec<P, VEC>(w_head + static_cast<long long>(v) * VEC);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) wf[k][j] = static_cast<A>(widen(wv.v[j]));
             }
@@ -377,10 +389,10 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                      const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
                      typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
-                     unsigned int* __restrict__ arrived) {
+                     unsigned int* __restrict__ arrived, int heads) {
     rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, kGradUngated>(
         dy, x, dh, nullptr, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived,
-        nullptr);
+        nullptr, heads);
 }
 
 // The gated RMSNorm (Grad RmsGrad): rows_grad_cached reading the gate z
@@ -399,11 +411,11 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                     const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
                     T* __restrict__ dz, typename AccOf<T>::type* __restrict__ partial, long long rows, int n,
                     int row_threads, typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw,
-                    unsigned int* __restrict__ arrived) {
+                    unsigned int* __restrict__ arrived, int heads) {
     static_assert(GATE == kGradGateOutput || GATE == kGradGateInput, "a gated backward");
     rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, GATE>(
         dy, x, nullptr, z, w, nullptr, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, nullptr,
-        arrived, dz);
+        arrived, dz, heads);
 }
 
 // A cluster of CLUSTER blocks a row (sm_90; never cooperative).
@@ -417,7 +429,7 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(C
                       unsigned int* __restrict__ arrived) {
     rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER, 0, kGradUngated>(
         dy, x, dh, nullptr, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived,
-        nullptr);
+        nullptr, 1);
 }
 
 // --- column_sum ------------------------------------------------------------------

@@ -8,8 +8,8 @@ layer_norm_conditioned). Where autograd records, shift=, scale= and
 residual_gate= of one per-sample (or one-for-all) pattern run fused
 forward and backward: ModulatedRowNorm in eager, the operator and its
 autograd formula (torch.ops.cunorm.*_modulated_backward) under dynamo
-(cunorm/_engine/modulated_grad.py); gate= over rows with a weight over
-the normalized axes (or none) likewise: GatedRowNorm in eager, the
+(cunorm/_engine/modulated_grad.py); gate= over rows (a weight over the
+normalized axes, per head or group, or none) likewise: GatedRowNorm in eager, the
 operator and torch.ops.cunorm.rms_norm_gated_backward under dynamo
 (cunorm/_engine/gated_grad.py). Otherwise the call is the plain norm
 (cunorm's differentiable operator) followed by torch's elementwise ops,
@@ -91,13 +91,13 @@ class GatedRowNorm(torch.autograd.Function):
         return g.x, dw, g.gate, None, None, None
 
 
-def gated_fusable(x, weight, gate, axis) -> bool:
+def gated_fusable(x, gate, axis) -> bool:
     """Whether the fused gated backward (gated_grad.fusable) takes a call on
     torch tensors (CUDA, or meta: the operators' fakes give their shapes)."""
     if not (isinstance(x, torch.Tensor) and x.device.type in ("cuda", "meta") and isinstance(gate, torch.Tensor)):
         return False
     first, last = axes_span(axis, x.dim())
-    return gated_grad.fusable(tuple(x.shape), x.element_size(), first, last, conditioning.per_head(weight, axis))
+    return gated_grad.fusable(tuple(x.shape), x.element_size(), first, last)
 
 
 def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, return_stats, epilogue, activation,
@@ -114,7 +114,7 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
                           conditioned={"shift": shift, "scale": scale, "residual_gate": residual_gate, "gate": gate})
     fused_backward = gate is None and modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, scale,
                                                         residual_gate)
-    fused_gated = gate is not None and residual is None and gated_fusable(x, weight, gate, axis)
+    fused_gated = gate is not None and residual is None and gated_fusable(x, gate, axis)
     if compiling and (fused_backward or fused_gated or not grad):
         return _operator(norm, x, weight, bias, residual, shift, scale, residual_gate, gate, axis, eps, return_stats,
                          epilogue, grad)

@@ -259,8 +259,6 @@ def _setup(op: Op, operators: tuple, ctx, a: dict, output) -> None:
         ctx.backward, ctx.axes = op.gated_backward, a["axes"]
         ctx.before = not a["epilogue"] & plans.FLAG_GATE_INPUT
         ctx.offset = bool(a["epilogue"] & plans.FLAG_WEIGHT_OFFSET)
-        if conditioning.per_head(a.get("weight"), _axis(a["axes"], op)):
-            ctx.composed = "a weight per group or head"
         ctx.save_for_backward(a["x"], a.get("weight"), a["gate"], output[-1])
         return
     if op.family == "rows":

@@ -867,7 +867,33 @@ def test_the_gated_backward_takes_the_plain_rows_shape_and_is_catalogued():
                             assert step.kernel.cooperative == ref.kernel.cooperative
     assert gated_grad.fits(16384, 2) and not gated_grad.fits(16385, 2) and not gated_grad.fits(32768, 2)
     assert gated_grad.fits(8188, 2) and not gated_grad.fits(16380, 2)  # (8-byte vectors: 16 elements a thread)
-    assert gated_grad.fusable((4, 7, 1152), 2, 2, 2, False) and not gated_grad.fusable((4, 7, 1152), 2, 1, 1, False)
-    assert not gated_grad.fusable((4, 8, 128), 2, 2, 2, True)
+    assert gated_grad.fusable((4, 7, 1152), 2, 2, 2) and not gated_grad.fusable((4, 7, 1152), 2, 1, 1)
     # (the whole normalized span: 64 x 512 elements do not fit one block)
-    assert gated_grad.fusable((4, 64, 128), 2, 1, 2, False) and not gated_grad.fusable((4, 64, 512), 2, 1, 2, False)
+    assert gated_grad.fusable((4, 64, 128), 2, 1, 2) and not gated_grad.fusable((4, 64, 512), 2, 1, 2)
+
+
+def test_parameters_per_head_take_a_block_a_row():
+    """heads > 1 (a weight per head or group): rows_grad_cached's (and
+    rows_grad_gated's) block a row, never several rows a block or a cluster
+    (a block's rows must be of one head), the same kernel otherwise; None
+    where no block holds a row. Every pick is in all_kernels()."""
+    compiled = {k.expression for k in catalogue.all_kernels()}
+    bf16, f32 = np.dtype(dtypes.bfloat16), np.dtype(np.float32)
+    for device in (H200, A100):
+        for n in (64, 128, 512, 1024, 4096, 16384, 32768):
+            vec = plans.vector_width(2, n, [], [])
+            for heads in (2, 8, 1000):
+                got = dispatch_grad.choose_rows_grad("rms", bf16, f32, 1, 4096 * heads, n, 1, vec, device,
+                                                     heads=heads)
+                gated = dispatch_grad.choose_rows_grad_gated(bf16, f32, 1, 4096 * heads, n, vec,
+                                                             dispatch_grad.GATE_OUTPUT, device, heads=heads)
+                plain = dispatch_grad.choose_rows_grad("rms", bf16, f32, 1, 4096 * heads, n, 1, vec, device)
+                for launch in (got, gated):
+                    if launch is None:
+                        continue
+                    (step,) = launch.steps
+                    assert launch.tier == "cached" and step.kernel.cluster == 1, n
+                    assert step.kernel.template_args[-1] == 0 and launch.row_threads == step.block[0], n
+                    assert step.kernel.expression in compiled, step.kernel.expression
+                assert (got is None) == (plain.tier != "cached" or plain.steps[0].kernel.cluster > 1), n
+                assert (gated is None) == (n > 16384), n
