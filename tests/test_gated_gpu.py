@@ -403,7 +403,9 @@ def test_jax_eager_jit_and_grad(rng):
         y = (h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-5)).reshape(x.shape)
         return jnp.sum((y * w * jax.nn.silu(z)) ** 2)
 
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(block(*a) ** 2), argnums=(0, 1, 2)))(*args)
+    grad = jax.grad(lambda *a: jnp.sum(block(*a) ** 2), argnums=(0, 1, 2))
+    assert "cunorm_rows_grad_gated" in str(jax.make_jaxpr(grad)(*args))  # (a weight a group: the fused backward)
+    grads = jax.jit(grad)(*args)
     ref = jax.jit(jax.grad(loss_xla, argnums=(0, 1, 2)))(*args)
     for g, rg in zip(grads, ref):
         np.testing.assert_allclose(np.asarray(g), np.asarray(rg), rtol=2e-3,

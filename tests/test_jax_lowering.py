@@ -542,7 +542,7 @@ CONDITIONED_CASES = {
     "gated, weight offset": (lambda cj, x, r, w, m: cj.rms_norm(x, w, gate=r, weight_offset=1), (4, 64, 64), BF16,
                              (64,), "rows_grad_gated"),
     "gated groups with a weight": (lambda cj, x, r, w, m: cj.rms_norm(x, w, gate=r, group_size=16), (4, 64, 64),
-                                   BF16, (64,), "rows_grad_cached"),
+                                   BF16, (64,), "rows_grad_gated"),
     "float32 stream": (lambda cj, x, r, w, m: cj.rms_norm(x, w, residual=r.astype(jnp.float32))[0], (4, 64, 64),
                        BF16, (64,), "rows_grad_cached"),
 }
@@ -602,8 +602,9 @@ def test_conditioned_layouts_shard_the_operands_with_their_rows():
 
 def test_the_gated_backward_layout_sums_dweight_over_the_rows():
     """rows_grad_gated's primitive: dy, x and z split with x, rstd with
-    its rows, dweight summed across the shards of the rows; the forms it
-    takes (fusable_backward): the gate alone, whole rows."""
+    its rows, dweight summed across the shards of the rows (a weight a
+    head split with the heads); the forms it takes (fusable_backward): the
+    gate alone, whole rows or heads."""
     from cunorm.jax import _gated, _jit as jj
 
     spec = jj.RowSpec("rms", (8, 6, 64), np.dtype(BF16), 2, 2, 1e-5, weight=True, pdtype=np.dtype(np.float32),
@@ -616,6 +617,8 @@ def test_the_gated_backward_layout_sums_dweight_over_the_rows():
     assert _gated.fusable_backward(spec)
     heads = dataclasses.replace(spec, shape=(8, 6, 4, 16), first=3, last=3, param_ndim=2,
                                 operands=(("gate", (8, 6, 4, 16)),))
-    assert not _gated.fusable_backward(heads)
+    assert _gated.fusable_backward(heads)  # (a weight a head: its dweight split with the heads)
+    text, _ = _gated._layout(_gated.GatedGradSpec(heads, np.dtype(np.float32))).rule()
+    assert text == "d0 d1 d2 d3, d0 d1 d2 d3, d0 d1 d2 d3, d2 d3, d0 d1 d2 -> d0 d1 d2 d3, d0 d1 d2 d3, d2 d3"
     shifted = dataclasses.replace(spec, operands=(("shift", (8, 1, 64)), ("gate", (8, 6, 64))))
     assert not _gated.fusable_backward(shifted)

@@ -1,10 +1,10 @@
 """The gated RMSNorm (``gate=``) inside ``jax.jit`` under ``jax.grad``:
 the fused forward (the row primitive with the gate z, cunorm/jax/_jit.py)
 and the fused backward (rows_grad_gated, cunorm/_engine/gated_grad.py) as
-a primitive of its own, over whole rows with a weight over the normalized
-axes (or none). cunorm/jax/__init__.py sends the other gated forms (a
-weight a group) through the fused forward with the composed formula's
-gradient.
+a primitive of its own, over whole rows or groups with a weight over the
+normalized axes, per head (a weight a group) or none.
+cunorm/jax/__init__.py sends the other gated forms through the fused
+forward with the composed formula's gradient.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from ._modulated import bind_forward
 def fusable_backward(spec: _jit.RowSpec) -> bool:
     """Whether rows_grad_gated takes a prepared call: the gate z alone
     among the per-row operands, a weight over the normalized (trailing)
-    axes or none, no residual or activation, rows one block holds."""
-    if [slot for slot, _ in spec.operands] != ["gate"] or spec.param_ndim or spec.residual or \
-            spec.epilogue & plans.ACTIVATION_BITS:
+    axes, per head or none, no residual or activation, rows one block
+    holds."""
+    if [slot for slot, _ in spec.operands] != ["gate"] or spec.residual or spec.epilogue & plans.ACTIVATION_BITS:
         return False
     return gated_grad.fusable(spec.shape, spec.dtype.itemsize, spec.first, spec.last)
 
@@ -62,26 +62,27 @@ def _lowering(ctx, *args, spec: GatedGradSpec):
     flags = plans.FLAG_WEIGHT if f.weight else 0
     launch = dispatch_grad.choose_rows_grad_gated(f.dtype, spec.pdtype, flags, rows, n,
                                                   plans.vector_width(f.dtype.itemsize, n, [], []), gate, device,
-                                                  cooperative=False)
+                                                  cooperative=False, heads=f.param_rows)
     if launch is None:
         raise RuntimeError(f"cunorm inside jit: no fused gated backward for {f}")  # (fusable_backward said so)
     for step in launch.steps:
         launches.check_limits(step, device)
     pb = launches.LaunchRecorder(gated_grad.SLOTS, device_id)
     gradients.launch_cached(pb, launch, f.dtype, spec.pdtype, {"dw": f.weight, "db": False}, rows, n, 0.0,
-                            dy=pb["dy"], x=pb["x"], z=pb["z"], w=pb["w"] if f.weight else None, scale=pb["scale"],
-                            dx=pb["dx"], dz=pb["dz"])
+                            f.param_rows, dy=pb["dy"], x=pb["x"], z=pb["z"], w=pb["w"] if f.weight else None,
+                            scale=pb["scale"], dx=pb["dx"], dz=pb["dz"])
     outputs = spec.outputs()
     out = emit(pb, dict(zip(spec.inputs(), args)), outputs, arch)
     return [out[name] for name in outputs]
 
 
 def _layout(spec: GatedGradSpec) -> _sharding.Layout:
-    """The backward's: dweight summed across the shards of the rows."""
+    """The backward's: dweight summed across the shards of the rows (a
+    weight per head split with its heads)."""
     f = spec.forward
     x = _sharding.labels(len(f.shape))
-    norm = x[f.first:f.last + 1]
-    labels = {"dy": x, "x": x, "z": x, "w": norm, "scale": x[:f.first], "dx": x, "dz": x, "dw": norm}
+    norm, params = x[f.first:f.last + 1], _jit.operand_labels(f)["w"]
+    labels = {"dy": x, "x": x, "z": x, "w": params, "scale": x[:f.first], "dx": x, "dz": x, "dw": params}
     outputs = list(spec.outputs())
     return _sharding.Layout(tuple(labels[n] for n in spec.inputs()), tuple(labels[n] for n in outputs),
                             frozenset(norm), frozenset(i for i, n in enumerate(outputs) if n == "dw"))
