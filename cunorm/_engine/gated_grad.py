@@ -10,10 +10,10 @@ What the fused kernel takes (``fusable``): rows one rows_grad_cached block
 holds (16384 16-bit, 8192 32-bit, 4096 64-bit elements at the widest
 vectors), with a weight over the normalized axes, none, or a weight per
 head (more of x's trailing axes: a weight per group of ``group_size``),
-whose rows then run a block a row (dispatch_grad._cached_launch). The roundings of the forward
-(``rounding=``, a 16-bit weight's product) have the identity as their
-gradient, as autograd gives them: the kernel works in float32 (float64
-for float64 x) throughout.
+whose rows then run a block a row (dispatch_grad._cached_launch). The
+roundings of the forward (``rounding=``, a 16-bit weight's product) have
+the identity as their gradient, as autograd gives them: the kernel works
+in float32 (float64 for float64 x) throughout.
 """
 from __future__ import annotations
 
