@@ -7,7 +7,7 @@ import pytest
 
 import cunorm
 from cunorm import reference
-from cunorm._engine import conditioning, dispatch_rows, plans
+from cunorm._engine import conditioning, dispatch_grad, dispatch_rows, dtypes, plans
 from helpers import arr, random
 
 
@@ -199,6 +199,57 @@ def test_which_calls_ask_for_per_row_operands():
     assert conditioning.requested(None, heads, -1)
     assert not conditioning.requested(heads, heads, (2, 3))  # (both axes normalized: not per head)
     assert conditioning.requested(w, None, -1, None, np.ones(8), None)
+
+
+def test_per_head_parameters_alone_run_as_the_plain_norm():
+    """heads_alone: per-head parameters and no other per-row operand, over
+    rows the plain backward takes a block a row, run as the plain norm
+    (its autograd Function) in eager mode; anything else, and any call
+    under dynamo, keeps the conditioned route."""
+    torch = pytest.importorskip("torch")
+    from cunorm._engine import gradients
+    from cunorm.torch._conditioned import heads_alone
+
+    x, w = torch.empty(3, 7, 8, 128, dtype=torch.bfloat16), torch.empty(8, 128)
+    assert heads_alone("rms", x, w, None, -1, None, None, None, None, None)
+    assert heads_alone("ln", x, None, w, -1, x, None, None, None)  # (a bias per head, a residual)
+    assert not heads_alone("rms", x, w, None, -1, None, torch.empty(3, 1, 1, 128), None, None, None)  # (a shift)
+    assert not heads_alone("rms", x, w[0], None, -1, None, None, None, None, None)  # (not per head)
+    assert not heads_alone("rms", x, w, None, -1, x.float(), None, None, None, None)  # (the float32 stream)
+    long_rows = torch.empty(2, 4, 32768, dtype=torch.bfloat16)
+    assert not heads_alone("rms", long_rows, torch.empty(4, 32768), None, -1, None, None, None, None, None)
+    assert gradients.per_head_fits(16384, 2, True, True) and not gradients.per_head_fits(16392, 2, True, False)
+    assert gradients.per_head_fits(4096, 8, True, False) and not gradients.per_head_fits(8192, 8, True, False)
+    A100_LIKE = dispatch_rows.Device(sm_count=108, compute_capability=80, max_shared_per_block=166912)
+    for n in (64, 1000, 4096, 8188, 16380, 16384):  # (as the dispatch: a block a row where it fits)
+        plain = dispatch_grad.choose_rows_grad("ln", np.dtype(dtypes.bfloat16), np.dtype(np.float32), 3, 8, n, 1,
+                                               plans.vector_width(2, n, [], []), A100_LIKE, heads=2)
+        assert gradients.per_head_fits(n, 2, True, True) == (plain is not None), n
+
+    def traced(x, w):  # (under dynamo the conditioned route: fullgraph, no graph break)
+        return x + 1 if heads_alone("rms", x, w, None, -1, None, None, None, None, None) else x
+
+    x32 = torch.zeros(3, 7, 8, 128)
+    assert torch.equal(torch.compile(traced, backend="eager", fullgraph=True)(x32, w), x32)
+    # the whole route under dynamo and AOT autograd (meta tensors: the operators' fakes), LayerNorm with
+    # weight and bias per head and a residual: each gradient in its input's shape
+    import cunorm.torch as ct
+    from torch._dynamo.backends.debugging import aot_eager
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return aot_eager(gm, example_inputs)
+
+    meta = [torch.empty(s, device="meta", dtype=d).requires_grad_() for s, d in
+            (((3, 7, 8, 128), torch.bfloat16), ((8, 128), torch.float32), ((8, 128), torch.float32),
+             ((3, 7, 8, 128), torch.bfloat16))]
+    y, h = torch.compile(lambda x, w, b, r: ct.layer_norm(x, w, b, residual=r), backend=backend,
+                         fullgraph=True)(*meta)
+    grads = torch.autograd.grad(y.sum() + h.sum(), meta)
+    assert [g.shape for g in grads] == [a.shape for a in meta]
+    assert any("layer_norm" in t for t in seen), seen
 
 
 def test_dynamo_traces_without_lru_cache_warnings(monkeypatch):

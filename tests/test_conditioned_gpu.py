@@ -155,6 +155,42 @@ def test_the_backward_takes_parameters_per_head(rng, case, kind, dtype):
                      atol=tol * output_scale(ref), what=name)
 
 
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_torch_differentiates_per_head_parameters_fused(rng, kind, residual):
+    """Per-head parameters alone (QK-norm with a weight a head): where
+    eager autograd records, the plain norm's autograd Function, whose
+    backward takes them (a block a row); gradients against torch's
+    autograd of the same call in float64."""
+    torch = torch_on_gpu()
+    shape, pshape = (3, 7, 8, 128), (8, 128)
+    arrays = dict(x=random(rng, shape, np.float32, 2.0, 0.5), w=random(rng, pshape, np.float32, 0.5, 1.0),
+                  b=random(rng, pshape, np.float32) if kind == "ln" else None,
+                  r=random(rng, shape, np.float32) if residual else None)
+    leaves = {k: torch.tensor(v, device="cuda").requires_grad_() for k, v in arrays.items() if v is not None}
+
+    def call(a):
+        return _run(cunorm.torch, kind, a["x"], a["w"], a.get("b"), a.get("r"), {})
+
+    out = call(leaves)
+    y = out[0] if isinstance(out, tuple) else out
+    assert "RowNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    dy = torch.randn_like(y)
+    loss = (y * dy).sum() + (out[1].sum() if isinstance(out, tuple) else 0)
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    doubles = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+    h = doubles["x"] + doubles["r"] if residual else doubles["x"]
+    if kind == "rms":
+        ref_y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * doubles["w"]
+    else:
+        ref_y = torch.nn.functional.layer_norm(h, (128,), eps=1e-5) * doubles["w"] + doubles["b"]
+    ref_grads = torch.autograd.grad((ref_y * dy.double()).sum() + (h.sum() if residual else 0),
+                                    list(doubles.values()))
+    for name, g, rg in zip(leaves, grads, ref_grads):
+        assert g.shape == rg.shape, name
+        torch.testing.assert_close(g.double(), rg, rtol=2e-4, atol=2e-4 * float(rg.abs().max()), msg=name)
+
+
 def test_rows_past_the_register_tier_raise_a_value_error():
     x = cupy.ones((2, 65536), cupy.float32)
     with pytest.raises(ValueError, match="rows_cached"):

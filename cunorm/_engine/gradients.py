@@ -16,7 +16,8 @@ import math
 
 import numpy as np
 
-from . import channel_norms, dispatch_grad, dispatch_rows, dtypes, launch_cache, launches, ops, plans, row_norms
+from . import (channel_norms, dispatch_grad, dispatch_rows, dtypes, launch_cache, launches, ops, plans, row_norms,
+               tuning)
 from .. import reference
 
 
@@ -187,6 +188,22 @@ def _param_grads(call, dw, db, *, empty: bool):
 
 #: the rows rows_grad_cached's block holds, as its errors name them
 CACHED_ROW_LIMITS = "16384 16-bit, 8192 32-bit or 4096 64-bit elements"
+
+
+def per_head_fits(n: int, itemsize: int, weight: bool, bias: bool) -> bool:
+    """Whether the backward takes parameters per head over rows of n
+    elements of ``itemsize`` bytes: rows_grad_cached a block a row, its
+    column sums within the least shared memory cunorm plans for (sm_80's).
+    Plain arithmetic (no memo, no kernel objects), as dynamo traces it
+    when a front end asks before its forward runs."""
+    vec = plans.vector_width(itemsize, n, [], [])
+    shape = dispatch_grad.grad_cached_shape(n // vec, vec, itemsize, tuning.for_arch(80)) if n > 0 else None
+    if shape is None:
+        return False
+    threads, vpt, _ = shape
+    flags = (plans.FLAG_WEIGHT if weight else 0) | (plans.FLAG_BIAS if bias else 0)
+    shared = dispatch_grad.grad_cached_shared_bytes(flags, vec, threads, vpt, 8 if itemsize == 8 else 4)
+    return shared <= 166912 - dispatch_rows.RESIDENT_SHARED_RESERVE
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,5 +1,7 @@
 """Per-head weights, ``shift=``, ``scale=``, ``residual_gate=`` and
-``gate=`` on torch tensors (cunorm/_engine/conditioning.py).
+``gate=`` on torch tensors (cunorm/_engine/conditioning.py). Per-head
+parameters alone, over rows the plain backward takes, run as the plain
+norm instead in eager mode (heads_alone).
 
 Outside autograd and dynamo the engine runs them fused (one rows_cached
 pass); where dynamo traces a call autograd does not record, the fused
@@ -20,9 +22,11 @@ the gated RMSNorm's gate before or after (conditioning.gated).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .._engine import calls, conditioning, gated_grad, ops, plans, row_norms
+from .._engine import calls, conditioning, gated_grad, gradients, ops, plans, row_norms
 from .._interop import torch as _adapter
 from ._autograd import TORCH_ACTIVATIONS, needs_grad, offset_weight, once_differentiable
 from ._operators import axes_span, modulated_fusable, operator_axes
@@ -89,6 +93,23 @@ class GatedRowNorm(torch.autograd.Function):
         g = calls.rows_grad_gated(dy, x, rstd, w, gate, ctx.before, ctx.axis)
         dw = None if g.weight is None else g.weight.to(weight.dtype)
         return g.x, dw, g.gate, None, None, None
+
+
+def heads_alone(norm, x, weight, bias, axis, residual, *operands) -> bool:
+    """Whether a call's only per-row operands are parameters per head
+    that the plain backward takes (gradients.per_head_fits): such a call
+    runs as the plain norm (its autograd Function), which passes the
+    parameters through to the kernels. Not under dynamo, where the call
+    keeps the conditioned route (the plain operator's route there is not
+    yet verified on a GPU)."""
+    if (any(a is not None for a in operands) or not isinstance(x, torch.Tensor) or torch.compiler.is_compiling()
+            or not (conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis))
+            or conditioning.wide(x, residual)):
+        return False
+    first, last = axes_span(axis, x.dim())
+    return (last == x.dim() - 1 and all(type(s) is int for s in x.shape)
+            and gradients.per_head_fits(math.prod(x.shape[first:]), x.element_size(), weight is not None,
+                                        bias is not None))
 
 
 def gated_fusable(x, gate, axis) -> bool:

@@ -12,6 +12,7 @@ from .._engine.ops import DEFAULT_EPS, LP_EPS
 from . import _operators  # noqa: F401  (registers torch.ops.cunorm.*)
 from ._operators import operator_axes as _axes
 from ._conditioned import conditioned as _conditioned
+from ._conditioned import heads_alone as _heads_alone
 from ._quantized import quantized as _quantized
 from ._autograd import TORCH_ACTIVATIONS as _TORCH_ACTIVATIONS
 from ._autograd import channel_norm_apply as _channel_norm_apply
@@ -75,7 +76,10 @@ def rms_norm(x, weight=None, *, axis=-1, eps=DEFAULT_EPS, residual=None, return_
             residual_gate=residual_gate, norm_before_gate=norm_before_gate)
     stats = row_norms.check_flag(return_stats, "return_stats")
     epilogue = plans.rms_epilogue(weight_offset, rounding, activation, weight is not None, gate, norm_before_gate)
-    if conditioning.requested(weight, None, axis, shift, scale, residual_gate, gate) or conditioning.wide(x, residual):
+    heads_alone = not quantizing and _heads_alone("rms", x, weight, None, axis, residual, shift, scale, residual_gate,
+                                                  gate)  # (then the plain norm: its backward takes them)
+    if not heads_alone and (conditioning.requested(weight, None, axis, shift, scale, residual_gate, gate)
+                            or conditioning.wide(x, residual)):
         if quantize is not None:
             raise ValueError(_NOT_QUANTIZED)
         return _conditioned("rms", lambda x, w, b, **kw: rms_norm(x, w, **kw), x, weight, None, axis=axis,
@@ -107,14 +111,17 @@ def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=DEFAULT_EPS, residual=
     :func:`rms_norm`."""
     stats = row_norms.check_flag(return_stats, "return_stats")
     epilogue = plans.activation_flags(activation)
-    if conditioning.requested(weight, bias, axis, shift, scale, residual_gate) or conditioning.wide(x, residual):
+    quantizing = (quantize is not None or quant_scale is not None or quant_scale_ub is not None
+                  or quant_group is not None or quant_scale_layout is not None or return_unquantized is not False)
+    heads_alone = not quantizing and _heads_alone("ln", x, weight, bias, axis, residual, shift, scale, residual_gate)
+    if not heads_alone and (conditioning.requested(weight, bias, axis, shift, scale, residual_gate)
+                            or conditioning.wide(x, residual)):
         if quantize is not None:
             raise ValueError(_NOT_QUANTIZED)
         return _conditioned("ln", layer_norm, x, weight, bias, axis=axis, eps=eps, residual=residual,
                             return_stats=stats, epilogue=epilogue, activation=activation, shift=shift,
                             scale=scale, residual_gate=residual_gate)
-    if (quantize is not None or quant_scale is not None or quant_scale_ub is not None or quant_group is not None
-            or quant_scale_layout is not None or return_unquantized is not False):
+    if quantizing:
         return _quantized("ln", x, weight, bias, residual, _axes(axis), eps, stats, epilogue, quantize, quant_scale,
                           quant_scale_ub, quant_group, quant_scale_layout, return_unquantized,
                           _needs_grad(x, weight, bias, residual))
