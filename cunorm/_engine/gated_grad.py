@@ -131,7 +131,7 @@ def _launch(dtype, pdtype, flags, rows, n, vec, gate, device_id, heads=1):
 def _gpu(g: GatedGradCall):
     import cupy
 
-    from .gradients import _contiguous, _param_grads
+    from .gradients import CACHED_ROW_LIMITS, _contiguous, _param_grads
 
     call = g.call
     x, dy, z, rstd = (_contiguous(a) for a in (call.x, g.dy, g.gate, g.rstd))
@@ -150,8 +150,8 @@ def _gpu(g: GatedGradCall):
     launch = _launch(np.dtype(x.dtype), None if pdtype is None else np.dtype(pdtype), flags, rows, n, vec, gate,
                      x.data.device_id, heads)
     if launch is None:
-        raise ValueError(f"the gated RMSNorm's fused backward takes rows one block holds (at most 16384 16-bit, "
-                         f"8192 32-bit or 4096 64-bit elements), got rows of {n} {x.dtype} elements")
+        raise ValueError(f"the gated RMSNorm's fused backward takes rows one block holds (at most "
+                         f"{CACHED_ROW_LIMITS}), got rows of {n} {x.dtype} elements")
     w = row_norms._as_param(call.weight, pdtype)
     prog = program(launch, np.dtype(x.dtype), None if pdtype is None else np.dtype(pdtype), rows, n,
                    w is not None, x.data.device_id, heads)

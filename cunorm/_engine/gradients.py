@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from . import (channel_norms, dispatch_grad, dispatch_rows, dtypes, launch_cache, launches, ops, plans, row_norms,
-               tuning)
+               targets, tuning)
 from .. import reference
 
 
@@ -193,7 +193,8 @@ CACHED_ROW_LIMITS = "16384 16-bit, 8192 32-bit or 4096 64-bit elements"
 def per_head_fits(n: int, itemsize: int, weight: bool, bias: bool) -> bool:
     """Whether the backward takes parameters per head over rows of n
     elements of ``itemsize`` bytes: rows_grad_cached a block a row, its
-    column sums within the least shared memory cunorm plans for (sm_80's).
+    column sums within the least shared memory of the GPUs cunorm plans
+    rows_grad_cached for (sm_80's: targets.TARGETS).
     Plain arithmetic (no memo, no kernel objects), as dynamo traces it
     when a front end asks before its forward runs."""
     vec = plans.vector_width(itemsize, n, [], [])
@@ -203,7 +204,8 @@ def per_head_fits(n: int, itemsize: int, weight: bool, bias: bool) -> bool:
     threads, vpt, _ = shape
     flags = (plans.FLAG_WEIGHT if weight else 0) | (plans.FLAG_BIAS if bias else 0)
     shared = dispatch_grad.grad_cached_shared_bytes(flags, vec, threads, vpt, 8 if itemsize == 8 else 4)
-    return shared <= 166912 - dispatch_rows.RESIDENT_SHARED_RESERVE
+    least = targets.TARGETS["sm_80"].device.max_shared_per_block
+    return shared <= least - dispatch_rows.RESIDENT_SHARED_RESERVE
 
 
 @functools.lru_cache(maxsize=1024)

@@ -161,7 +161,8 @@ __device__ __forceinline__ void rows_grad_cached_body(
     // of heads x n columns add up to dweight (heads, n): column_sum's launch
     // after this one, never the grid sum below (whose general part count
     // and width cost the short rows' kernels 4-6 registers, a block an SM).
-    // (unconditional: the select of w for heads == 1 cost registers)
+    // (offset 0 where heads == 1, taken unconditionally: a select of w
+    // holds registers the short rows' kernels need for a block an SM)
     const P* const w_head = w + static_cast<long long>(blockIdx.x % static_cast<unsigned int>(heads)) * n;
     // the weights widened once (not twice a row: 16-bit weights cost a
     // conversion an element a pass)

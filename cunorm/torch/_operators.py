@@ -45,12 +45,11 @@ def operator_axes(axis) -> list[int]:
     return [row_norms.check_int(axis, "axis")]
 
 
-def unfused_form(x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate, gate=None) -> str | None:
-    """What in a conditioned call the fused modulated backward does not
-    take, by looking at no size (a traced size may be symbolic); None
-    where it may take it (modulated_fusable then asks of the shapes)."""
-    if gate is not None:
-        return "gate="
+def unfused_form(x, weight, bias, residual, axis, epilogue, shift, scale, residual_gate) -> str | None:
+    """What in a conditioned call without a gate (whose form has a backward
+    of its own) the fused modulated backward does not take, by looking at
+    no size (a traced size may be symbolic); None where it may take it
+    (modulated_fusable then asks of the shapes)."""
     if conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis):
         return "per-head weights"
     if conditioning.wide(x, residual):
@@ -268,7 +267,7 @@ def _setup(op: Op, operators: tuple, ctx, a: dict, output) -> None:
             # (the pattern of the arrays is not looked at: the backward's ValueError names one it does not take)
             ctx.composed = unfused_form(a["x"], a.get("weight"), a.get("bias"), a.get("residual"),
                                         _axis(a["axes"], op), a["epilogue"], a["shift"], a["scale"],
-                                        a["residual_gate"], a.get("gate"))
+                                        a["residual_gate"])
             conditioned.append(a["x"] if a["residual_gate"] is not None else None)
         ctx.save_for_backward(h, a.get("weight"), a.get("bias"), *conditioned, *output[-len(op.statistics):])
         ctx.axes = a["axes"]
