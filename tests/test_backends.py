@@ -84,7 +84,8 @@ def _first(results):
 
 
 def _reference(op, arrays, scalars, options):
-    wide = {k: None if v is None else v.astype(np.float64) for k, v in arrays.items()}
+    # (the residual keeps its dtype: the reference rounds h to it, as every backend does)
+    wide = {k: v if v is None or k == "residual" else v.astype(np.float64) for k, v in arrays.items()}
     # (group_size is the public function's view of x: its NumPy path on float64 is the reference)
     return _first(_call(cunorm if "group_size" in scalars else _Reference(op), op, wide, scalars, options))
 
