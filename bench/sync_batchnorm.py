@@ -2,9 +2,12 @@
 torch.nn.SyncBatchNorm, one training step per rank (forward, then backward
 of a fixed dy), float32 and bfloat16 under autocast (float32 parameters),
 channels-last and channels-first x, three ResNet shapes (x per rank).
-Each step is timed with CUDA events on every rank after a barrier, median
-of 20 after 5 warm-up steps; rank 0 reports the slower rank's time of
-each step. The two layers start from the same parameters
+Each step is timed with CUDA events on every rank after a barrier; the
+kinds (torch's layer, cunorm's, the skeleton) alternate, ROUNDS rounds of
+STEPS steps each after WARMUP warm-up steps, so a drift of the host's
+speed reaches every kind alike; a kind's time is the median of its
+rounds' medians, and rank 0 reports the slower rank's. The two layers
+start from the same parameters
 and buffers; after the timed steps their y, dx, dweight and running
 buffers are compared (max error relative to torch's largest value).
 A skeleton step is timed the same way: an autograd Function with the
@@ -36,7 +39,7 @@ import torch.distributed as dist
 import cunorm.torch as ct
 
 SHAPES = [(32, 256, 56, 56), (64, 64, 112, 112), (32, 2048, 7, 7)]
-STEPS, WARMUP = 20, 5
+ROUNDS, STEPS, WARMUP = 5, 10, 5
 
 
 class _SkeletonFunction(torch.autograd.Function):
@@ -65,26 +68,59 @@ class Skeleton(torch.nn.Module):
 HOST_AHEAD_CYCLES = 20_000_000
 
 
-def step_times(layer, x, dy, autocast, host_ahead=False):
-    times = []
-    for i in range(WARMUP + STEPS):
-        xi = x.detach().requires_grad_()
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if host_ahead:
-            torch.cuda._sleep(HOST_AHEAD_CYCLES)
-        start.record()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            y = layer(xi)
-        y.backward(dy)
-        stop.record()
-        torch.cuda.synchronize()
-        if i >= WARMUP:
-            times.append(start.elapsed_time(stop))
-    t = torch.tensor([statistics.median(times)], device="cuda")
+def _step(layer, x, dy, autocast, host_ahead):
+    """One timed step: (ms, y, dx)."""
+    xi = x.detach().requires_grad_()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if host_ahead:
+        torch.cuda._sleep(HOST_AHEAD_CYCLES)
+    start.record()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        y = layer(xi)
+    y.backward(dy)
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop), y, xi.grad
+
+
+def step_times(layers: dict, x, dy, autocast, host_ahead=False) -> dict:
+    """{name: (ms, y, dx)} of each layer's step, the layers alternating
+    (ROUNDS rounds of STEPS steps), ms the median of the rounds' medians on
+    the slower rank; y and dx of its last step."""
+    medians, last = {name: [] for name in layers}, {}
+    for name, layer in layers.items():
+        for _ in range(WARMUP):
+            _step(layer, x, dy, autocast, host_ahead)
+    for _ in range(ROUNDS):
+        for name, layer in layers.items():
+            times = []
+            for _ in range(STEPS):
+                ms, y, dx = _step(layer, x, dy, autocast, host_ahead)
+                times.append(ms)
+            medians[name].append(statistics.median(times))
+            last[name] = (y.detach(), dx)
+    t = torch.tensor([statistics.median(medians[name]) for name in layers], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t), y.detach(), xi.grad
+    return {name: (float(ms), *last[name]) for name, ms in zip(layers, t.tolist())}
+
+
+def communicator_bytes() -> int:
+    """The GPU memory cunorm's NCCL communicator over the default group
+    takes once made and connected for the statistics' all-gather (torch's
+    own communicator made first, by a barrier; 0 where torch.distributed's
+    collective serves)."""
+    from cunorm.torch import _collectives
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    free, reserved = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    block = torch.zeros(4 * 2048 * 3, device="cuda")
+    _collectives.all_gather(block, 0, 2048 * 3, 2048 * 3, dist.group.WORLD, dist.get_world_size())
+    torch.cuda.synchronize()
+    taken = free - torch.cuda.mem_get_info()[0] - (torch.cuda.memory_reserved() - reserved)  # (not torch's)
+    return taken if _collectives.communicator(dist.group.WORLD, torch.cuda.current_device()) else 0
 
 
 MODEL_STEPS, MODEL_WARMUP, MODEL_ROUNDS = 10, 3, 5
@@ -159,6 +195,7 @@ def main(out_path):
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
     rows = []
+    nccl_bytes = communicator_bytes()
     for shape in SHAPES:
         for dtype_name, autocast in (("fp32", False), ("bf16 autocast", True)):
             for layout in ("channels-last", "channels-first"):
@@ -178,13 +215,13 @@ def main(out_path):
                         layer.bias.uniform_(-0.5, 0.5)
                     layers[name] = layer
                 row = {"shape": list(shape), "dtype": dtype_name, "layout": layout, "world": dist.get_world_size()}
-                results = {}
-                for name, layer in layers.items():
-                    row[f"{name}_ms"], y, dx = step_times(layer, x, dy, autocast)
-                    results[name] = (y, dx, layer.weight.grad, layer.running_mean, layer.running_var)
-                for name, layer in layers.items():
-                    row[f"{name}_gpu_ms"] = step_times(layer, x, dy, autocast, host_ahead=True)[0]
-                row["skeleton_ms"] = step_times(Skeleton(), x, dy, autocast)[0]
+                timed = step_times({**layers, "skeleton": Skeleton()}, x, dy, autocast)
+                for name in ("torch", "cunorm", "skeleton"):
+                    row[f"{name}_ms"] = timed[name][0]
+                results = {name: (timed[name][1], timed[name][2], layer.weight.grad, layer.running_mean,
+                                  layer.running_var) for name, layer in layers.items()}
+                for name, (ms, _, _) in step_times(layers, x, dy, autocast, host_ahead=True).items():
+                    row[f"{name}_gpu_ms"] = ms
                 row["speedup"] = row["torch_ms"] / row["cunorm_ms"]
                 row["gpu_speedup"] = row["torch_gpu_ms"] / row["cunorm_gpu_ms"]
                 row["torch_over_skeleton"] = row["torch_ms"] / row["skeleton_ms"]
@@ -198,7 +235,9 @@ def main(out_path):
     models = model_rows(rank)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "models": models}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "nccl": ".".join(map(str, torch.cuda.nccl.version())), "communicator_bytes": nccl_bytes,
+                       "rows": rows, "models": models}, f, indent=1)
     dist.destroy_process_group()
 
 

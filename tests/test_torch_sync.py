@@ -49,6 +49,24 @@ def test_convert_keeps_parameters_buffers_and_settings():
     assert type(single) is ct.SyncBatchNorm and single.num_features == 4
 
 
+def test_a_group_that_is_not_ncclS_gathers_through_torch_distributed(tmp_path):
+    """No communicator of cunorm's outside NCCL (and no collective to agree
+    on one); the gather writes rank r's elements at target + r * count and
+    nothing else."""
+    from cunorm.torch import _collectives
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        assert _collectives.communicator(dist.group.WORLD, -1) is None
+        block = torch.full((10,), float("nan"))
+        block[2:5] = torch.tensor([1.0, 2.0, 3.0])
+        _collectives.all_gather(block, 2, 6, 3, dist.group.WORLD, 1)
+        assert torch.equal(block[6:9], block[2:5])
+        assert block[[0, 1, 5, 9]].isnan().all()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_without_a_process_group_it_is_torchs_fallback():
     """Not distributed: the layer is BatchNorm, as torch's SyncBatchNorm is."""
     ours, theirs = ct.SyncBatchNorm(6, momentum=0.3), torch.nn.SyncBatchNorm(6, momentum=0.3)
@@ -96,7 +114,8 @@ def one_rank_group(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape,layout", [((8, 16, 14, 14), "nchw"), ((8, 16, 14, 14), "nhwc"), ((5, 24, 7, 9), "odd"),
                                           ((33, 3), "2-d")], ids=["nchw", "nhwc", "odd", "2-d"])
-def test_synchronized_step_on_one_rank_matches_float64(one_rank_group, dtype, shape, layout):
+@pytest.mark.parametrize("own", [True, False], ids=["own communicator", "torch.distributed"])
+def test_synchronized_step_on_one_rank_matches_float64(one_rank_group, dtype, shape, layout, own):
     gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     x = torch.randn(shape, device="cuda", generator=gen) * 2 + 5
     if layout == "nhwc":
@@ -110,7 +129,7 @@ def test_synchronized_step_on_one_rank_matches_float64(one_rank_group, dtype, sh
     rm, rv = torch.randn(c, device="cuda", generator=gen), torch.rand(c, device="cuda", generator=gen) + 0.5
     rm0, rv0 = rm.clone(), rv.clone()
     x_before = x.detach().clone()
-    y = _torch_sync.SyncBatchNormFunction.apply(x, w, b, rm, rv, eps, momentum, one_rank_group, 1)
+    y = _torch_sync.SyncBatchNormFunction.apply(x, w, b, rm, rv, eps, momentum, one_rank_group, 1, own)
     y.backward(dy)
     assert torch.equal(x.detach(), x_before) and y.dtype == dtype and y.shape == x.shape
     want_y, mean, var, want_dx, want_dw, want_db = _reference(x_before, w, b, dy, eps)
@@ -132,11 +151,13 @@ def test_one_value_a_channel_is_refused_as_torch_refuses_it(one_rank_group):
     """One value a channel on one rank: torch's error (a rank's single value
     is valid where other ranks may add more)."""
     x = torch.randn(1, 4, device="cuda")
-    local = _torch_sync.local_statistics(x, False)
+    block = torch.full((_torch_sync.gathered_end(4, 1) + 16,), float("nan"), device="cuda")
+    _torch_sync.local_statistics(x, False, block)
+    local = block[:12].view(3, 4)
     assert torch.equal(local[1], x[0]) and torch.equal(local[0], torch.ones(4, device="cuda"))
     assert torch.isinf(local[2]).all()  # (rstd of no spread: M2 = 0)
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
-        _torch_sync.SyncBatchNormFunction.apply(x, None, None, None, None, 1e-5, 0.1, one_rank_group, 1)
+        _torch_sync.SyncBatchNormFunction.apply(x, None, None, None, None, 1e-5, 0.1, one_rank_group, 1, True)
 
 
 @pytest.mark.gpu
@@ -147,7 +168,9 @@ def test_the_combine_launch_is_chans_update_in_rank_order(dtype):
     without spread; the running buffers as torch updates them."""
     if not torch.cuda.is_available():
         pytest.skip("torch sees no GPU")
-    from cunorm._engine import sync_stats
+    import numpy as np
+
+    from cunorm._engine import sync_batch, sync_stats
 
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     ranks, channels = 5, 37
@@ -165,7 +188,12 @@ def test_the_combine_launch_is_chans_update_in_rank_order(dtype):
     rv = (torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5).to(dtype).cuda()
     rm0, rv0 = rm.double().cpu(), rv.double().cpu()
     eps, momentum = 1e-5, 0.3
-    mean, got_var, got_rstd, count = _torch_sync.combine(blocks, rm, rv, eps, momentum)  # (rows of a (4, C) block)
+    # the combine alone: the forward's second Program for an empty batch
+    program = sync_batch.apply_program(np.dtype("float32" if dtype == torch.float32 else "float64"), None, 0, False,
+                                       (0, channels), 0, 0, ranks, eps, momentum, True, torch.cuda.current_device())
+    mean, got_var, got_rstd, count = torch.full((4, channels), float("nan"), dtype=dtype, device="cuda")
+    _torch_sync._run(program, torch.cuda.current_device(), gathered=blocks, buffer_mean=rm, buffer_var=rv,
+                     running_mean=mean, running_var=got_var, global_rstd=got_rstd, count=count)
     count = count[0]
     b = blocks.double().cpu()
     m2 = torch.where(b[:, 0] > 0, b[:, 0] / b[:, 2] ** 2, torch.zeros(()))
@@ -193,15 +221,22 @@ def _rank(rank, world, store_path, sizes, dtype_name, out_dir):
     full = torch.randn(sum(sizes), 16, 6, 5, generator=gen) * 2 + 3
     dy_full = torch.randn(full.shape, generator=gen)
     lo = sum(sizes[:rank])
-    x = full[lo:lo + sizes[rank]].to("cuda", dtype).requires_grad_()
-    layer = ct.SyncBatchNorm(16, momentum=0.2).cuda()
-    with torch.no_grad():
-        layer.weight.uniform_(0.5, 1.5, generator=torch.Generator("cuda").manual_seed(7))
-    y = layer(x)
-    y.backward(dy_full[lo:lo + sizes[rank]].to("cuda", dtype))
-    torch.save({"y": y.detach().cpu(), "dx": x.grad.cpu(), "dw": layer.weight.grad.cpu(),
-                "db": layer.bias.grad.cpu(), "rm": layer.running_mean.cpu(), "rv": layer.running_var.cpu()},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    saved = {}
+    for own in (True, False):  # cunorm's own communicator, then torch.distributed's collectives
+        x = full[lo:lo + sizes[rank]].to("cuda", dtype).requires_grad_()
+        layer = ct.SyncBatchNorm(16, momentum=0.2).cuda()
+        layer.own_communicator = own
+        with torch.no_grad():
+            layer.weight.uniform_(0.5, 1.5, generator=torch.Generator("cuda").manual_seed(7))
+        y = layer(x)
+        y.backward(dy_full[lo:lo + sizes[rank]].to("cuda", dtype))
+        saved[own] = {"y": y.detach().cpu(), "dx": x.grad.cpu(), "dw": layer.weight.grad.cpu(),
+                      "db": layer.bias.grad.cpu(), "rm": layer.running_mean.cpu(), "rv": layer.running_var.cpu()}
+    from cunorm.torch import _collectives
+    saved[True]["own communicator made"] = _collectives.communicator(dist.group.WORLD, rank) is not None
+    for key, value in saved[False].items():  # (the same gathered bytes either way)
+        saved[True][f"{key} equal through torch.distributed"] = torch.equal(saved[True][key], value)
+    torch.save(saved[True], os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -214,6 +249,9 @@ def test_two_ranks_match_the_concatenated_batch(tmp_path, sizes):
 
     mp.spawn(_rank, args=(2, str(tmp_path / "store"), sizes, "float32", str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        assert r["own communicator made"]
+        assert all(r[f"{key} equal through torch.distributed"] for key in ("y", "dx", "dw", "db", "rm", "rv"))
     gen = torch.Generator().manual_seed(1234)
     full = torch.randn(sum(sizes), 16, 6, 5, generator=gen) * 2 + 3
     dy = torch.randn(full.shape, generator=gen)

@@ -309,6 +309,7 @@ def backward_kernels() -> list[Kernel]:
                         out.append(K.STRIDED_GRAD_CACHED(grad, t, p, flags, vec, cpt))
         out.append(K.CHANNEL_GRAD_COMBINE(a))
         out.append(K.CHANNEL_SYNC_COMBINE(a))
+        out.append(K.CHANNEL_SYNC_COUNT(a))
         onchip_most = max(grad_onchip_max_elements(dtype.itemsize, tune) for tune in tunes)
         for p, flags in [(dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]:
             for training in (False, True):

@@ -262,5 +262,6 @@ CHANNEL_GRAD_APPLY = KernelDecl("channel_grads", "channel_grad_apply", ("T", "VE
 CHANNEL_SYNC_COMBINE = KernelDecl("sync", "channel_sync_combine", ("A",),
                                   _args("gathered:in running_mean running_var:io mean var rstd count:out "
                                         "ranks channels:i32 eps momentum:acc"))
+CHANNEL_SYNC_COUNT = KernelDecl("sync", "channel_sync_count", ("A",), _args("count:out channels:i32 value:acc"))
 
 DECLARATIONS = tuple(v for v in dict(globals()).values() if isinstance(v, KernelDecl))

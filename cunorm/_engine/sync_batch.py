@@ -4,16 +4,15 @@ the front end (one bounded cache, looked up outside the device scope that
 building needs), run over the front end's raw pointers on its stream, so a
 training step costs a few launches beside the two collectives.
 
-Forward:
-  ``statistics_program``: this rank's per-channel mean and rstd with eps 0
-  (channel_partial and channel_finalize, x read once), written into rows 1
-  and 2 of the (3, channels) block the collective gathers (row 0: the
-  count, filled by the front end);
-  ``combine_program``: channel_sync_combine over the gathered (ranks, 3,
-  channels) blocks, in rank order: the global mean, variance, rstd and
-  count, the running buffers updated;
-  ``apply_program``: y, BatchNorm's eval-form apply with that mean and
-  variance in the running buffers' slots (one launch).
+Forward, around its collective:
+  ``statistics_program``: the rank's count written into its block's count
+  row (channel_sync_count), then its per-channel mean and rstd with eps 0
+  (channel_partial and channel_finalize, x read once) into the block's
+  mean and rstd rows: the (3, channels) block the collective gathers;
+  ``apply_program``: channel_sync_combine over the gathered (ranks, 3,
+  channels) blocks, in rank order (the global mean, variance, rstd and
+  count, the running buffers updated), then y, BatchNorm's eval-form apply
+  reading that mean and variance.
 Backward (``grad_programs``), around its collective:
   before it, channel_grad_sums, combine and finalize: the rank's
   (channels, 2) totals of dy and dy * (x - mean), and its own dweight and
@@ -32,8 +31,17 @@ from . import channel_norms, declarations as K, dtypes, launches, plans
 from .dispatch_rows import Step
 from .gradients import _channel_launch, build_channel_grad_sums, channel_grad_dims
 
-#: the combine's slots
-COMBINE_SLOTS = ("gathered", "running_mean", "running_var", "mean", "var", "rstd", "count")
+#: threads a block of the one-thread-a-channel launches
+_THREADS = 256
+
+#: the statistics' slots: channel_norms.CHANNEL_SLOTS (mean and rstd: the
+#: block's rows) and the block's count row
+STATISTICS_SLOTS = channel_norms.CHANNEL_SLOTS + ("count_row",)
+#: the apply's slots: channel_norms.CHANNEL_SLOTS, whose running_mean and
+#: running_var are where the combine writes the global mean and variance
+#: for the apply to read, and the combine's own: the gathered blocks, the
+#: layer's running buffers (absent: not tracked), the global rstd and count
+APPLY_SLOTS = channel_norms.CHANNEL_SLOTS + ("gathered", "buffer_mean", "buffer_var", "global_rstd", "count")
 #: the backward's slots (both Programs)
 GRAD_SLOTS = ("dy", "x", "dx", "mean", "rstd", "w", "dw", "db", "totals", "gathered", "count")
 #: the split walk: the one-launch channel_grad_onchip backward has no point
@@ -53,33 +61,41 @@ def dims(shape) -> tuple[int, int, int]:
 
 
 def statistics_program(dtype, last: bool, shape: tuple, x_mod: int, device: int) -> launches.Program:
-    """channel_norms.CHANNEL_SLOTS: x in, mean and rstd out (eps 0)."""
+    """STATISTICS_SLOTS: x in; count_row, mean and rstd (eps 0) out."""
     batch, channels, spatial = dims(shape)
     plan, launch = channel_norms._planned("batch", dtype, None, 0, last, batch, channels, spatial, 1, False, x_mod,
                                           x_mod, False, True, device, _SPLIT)
+    pb = launches.ProgramBuilder(STATISTICS_SLOTS, device)
+    acc = dtypes.accumulation(dtype)
+    _launch_checked(pb, Step(K.CHANNEL_SYNC_COUNT(dtypes.KERNEL_TYPE[acc]), (-(-channels // _THREADS),), (_THREADS,)),
+                    device, count=pb["count_row"], channels=channels, value=float(batch * spatial))
     alone = dataclasses.replace(launch, tier="channel_statistics", steps=launch.steps[:2])
-    return channel_norms.channel_program(plan, alone, False, 0.0, 0.0, True, (False, False), device)
+    return channel_norms.build_channels(pb, plan, alone, False, 0.0, 0.0, True, (False, False)).build()
 
 
-def combine_program(acc, ranks: int, channels: int, eps: float, momentum: float, device: int) -> launches.Program:
-    pb = launches.ProgramBuilder(COMBINE_SLOTS, device)
-    threads = 256
-    step = Step(K.CHANNEL_SYNC_COMBINE(dtypes.KERNEL_TYPE[acc]), (-(-channels // threads),), (threads,))
-    launches.check_limits(step, launches.device_info(device))
-    pb.launch(step, gathered=pb["gathered"], running_mean=pb["running_mean"], running_var=pb["running_var"],
-              mean=pb["mean"], var=pb["var"], rstd=pb["rstd"], count=pb["count"], ranks=ranks, channels=channels,
-              eps=eps, momentum=momentum)
+def apply_program(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: int, y_mod: int, ranks: int,
+                  eps: float, momentum: float, tracked: bool, device: int) -> launches.Program:
+    """APPLY_SLOTS: the gathered blocks, x, w, b in; the global statistics
+    and y out, the running buffers (``tracked``) updated."""
+    batch, channels, spatial = dims(shape)
+    acc = dtypes.accumulation(dtype)
+    pb = launches.ProgramBuilder(APPLY_SLOTS, device)
+    buffers = (pb["buffer_mean"], pb["buffer_var"]) if tracked else (None, None)
+    _launch_checked(pb, Step(K.CHANNEL_SYNC_COMBINE(dtypes.KERNEL_TYPE[acc]), (-(-channels // _THREADS),),
+                             (_THREADS,)), device,
+                    gathered=pb["gathered"], running_mean=buffers[0], running_var=buffers[1],
+                    mean=pb["running_mean"], var=pb["running_var"], rstd=pb["global_rstd"], count=pb["count"],
+                    ranks=ranks, channels=channels, eps=eps, momentum=momentum)
+    if batch * spatial:
+        plan, launch = channel_norms._planned("batch", dtype, pdtype, flags, last, batch, channels, spatial, 1,
+                                              False, x_mod, y_mod, True, False, device)
+        channel_norms.build_channels(pb, plan, launch, True, eps, 0.0, False, (True, True))
     return pb.build()
 
 
-def apply_program(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: int, y_mod: int, eps: float,
-                  device: int) -> launches.Program:
-    """channel_norms.CHANNEL_SLOTS: x, w, b and the global mean and variance
-    (running_mean, running_var) in, y out."""
-    batch, channels, spatial = dims(shape)
-    plan, launch = channel_norms._planned("batch", dtype, pdtype, flags, last, batch, channels, spatial, 1, False,
-                                          x_mod, y_mod, True, False, device)
-    return channel_norms.channel_program(plan, launch, True, eps, 0.0, False, (True, True), device)
+def _launch_checked(pb, step: Step, device: int, **args) -> None:
+    launches.check_limits(step, launches.device_info(device))
+    pb.launch(step, **args)
 
 
 def grad_programs(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: int, dx_mod: int, ranks: int,

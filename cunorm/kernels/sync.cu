@@ -8,6 +8,10 @@
 //                          unbiased variance over the global count), the
 //                          global mean, biased variance, rstd and count
 //                          written for y and the backward.
+//   channel_sync_count     one thread a channel: the rank's count written
+//                          into its block's count row before the
+//                          collective (a launch of the statistics' Program,
+//                          where a fill would cost a framework call).
 #include "common.cuh"
 
 namespace cunorm {
@@ -48,6 +52,13 @@ __global__ void __launch_bounds__(256)
         running_mean[c] = (A(1) - momentum) * running_mean[c] + momentum * mu;
         running_var[c] = (A(1) - momentum) * running_var[c] + momentum * (m2 / (n - A(1)));
     }
+}
+
+// count: the rank's (channels) count row, every entry ``value``.
+template <class A>
+__global__ void __launch_bounds__(256) channel_sync_count(A* __restrict__ count, int channels, A value) {
+    const int c = static_cast<int>(blockIdx.x) * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+    if (c < channels) count[c] = value;
 }
 
 }  // namespace cunorm

@@ -3,13 +3,15 @@ statistics are those of the batch of every rank of a process group.
 
 Forward, per rank (the launches: cunorm/_engine/sync_batch.py):
   1. its per-channel count, mean and rstd with eps 0 (x read once), into a
-     (3, C) block;
-  2. one collective: every rank's block gathered;
-  3. one launch combines them in rank order (Chan's pairwise update), so
-     every rank holds the same bits, run to run, and updates the running
-     buffers as torch does (the unbiased variance over the global count);
-  4. y: BatchNorm's eval-form apply with the global mean and variance as
-     its statistics (one launch).
+     (3, C) block (one Program);
+  2. one collective: every rank's block gathered (cunorm/torch/_collectives.py);
+  3. one Program: a launch combines the blocks in rank order (Chan's
+     pairwise update), so every rank holds the same bits, run to run, and
+     updates the running buffers as torch does (the unbiased variance over
+     the global count); then y, BatchNorm's eval-form apply with the
+     global mean and variance as its statistics.
+The rank's block, the gathered blocks and the global statistics are one
+allocation, which the backward keeps.
 Backward, per rank: the per-channel sums of dy and dy * (x - mean) over
 its own batch (dy and x read once), one collective for every rank's sums,
 then dx from the ranks' sums added in rank order (dy and x read once
@@ -31,6 +33,7 @@ from torch import Tensor
 from .._engine import dtypes, plans, sync_batch
 from .._engine.caches import BoundedCache
 from .._interop import torch as interop
+from . import _collectives
 from ._layers import batch_forward
 
 #: what torch raises for a training step of one value a channel
@@ -55,9 +58,7 @@ def _run(program, device: int, **arrays) -> None:
     """program over the arrays by slot name (a tensor, a raw pointer, or
     absent: null), on torch's current stream, its workspaces from torch's
     allocator."""
-    pointers = tuple(0 if a is None else a if type(a) is int else a.data_ptr()
-                     for a in map(arrays.get, program.slots))
-    program.run(pointers, interop.stream(device), interop.workspace_allocator(device))
+    program.run(_pointers(program, arrays), interop.stream(device), interop.workspace_allocator(device))
 
 
 def _dense(x: Tensor) -> tuple[Tensor, bool]:
@@ -72,100 +73,100 @@ def _dense(x: Tensor) -> tuple[Tensor, bool]:
 
 def _kernel_params(x_dtype, weight, bias):
     """(flags, parameter dtype, w, b): the parameters as the kernels read
-    them (one dtype, contiguous; absent: None)."""
+    them (one dtype, contiguous; absent: None): the parameters themselves
+    where they already are."""
     params = [p for p in (weight, bias) if p is not None]
     if not params:
         return 0, None, None, None
     pdtype = dtypes.param_storage(x_dtype, [interop.NUMPY_DTYPE[p.dtype] for p in params])
     kind = interop.TORCH_DTYPE[pdtype]
-    w, b = (None if p is None else p.detach().to(kind).contiguous() for p in (weight, bias))
+    w, b = (p if p is None or (p.dtype == kind and p.is_contiguous()) else p.detach().to(kind).contiguous()
+            for p in (weight, bias))
     flags = (plans.FLAG_WEIGHT if weight is not None else 0) | (plans.FLAG_BIAS if bias is not None else 0)
     return flags, pdtype, w, b
 
 
-def _row(block: Tensor, row: int) -> int:
-    """The address of row ``row`` of a C-contiguous 2-D block."""
-    return block.data_ptr() + row * block.stride(0) * block.element_size()
+def forward_block(channels: int, world: int, dtype, device) -> Tensor:
+    """The forward's statistics, one 1-D allocation of the statistics'
+    dtype: this rank's (3, C) block (count, mean, rstd) at 0, the gathered
+    (world, 3, C) blocks at 3C, the global (4, C) mean, variance, rstd and
+    count at gathered_end(...)."""
+    return torch.empty((3 + 3 * world + 4) * channels, dtype=dtype, device=device)
 
 
-def local_statistics(x: Tensor, last: bool) -> Tensor:
-    """(3, C): this rank's count, mean and rstd with eps 0 per channel, in
-    the statistics' dtype (zeros for an empty batch; a channel without
-    spread has rstd inf). x dense (``last``: channels-last)."""
+def gathered_end(channels: int, world: int) -> int:
+    return (3 + 3 * world) * channels
+
+
+def local_statistics(x: Tensor, last: bool, block: Tensor) -> None:
+    """This rank's count, mean and rstd with eps 0 per channel into the
+    first 3C elements of ``block`` (an empty batch: zeros; a channel
+    without spread: rstd inf). x dense (``last``: channels-last)."""
     channels = x.shape[1]
-    acc = interop.ACCUMULATION[x.dtype]
     count = x.numel() // channels
-    out = torch.full((3, channels), float(count), dtype=acc, device=x.device)
-    if count == 1:  # (valid here: the global count decides)
-        out[1] = x.reshape(channels)
-        out[2] = float("inf")
-    if count <= 1:  # (an empty batch: all zeros)
-        return out
+    if count <= 1:  # (valid here: the global count decides)
+        local = block[:3 * channels].view(3, channels)
+        local.zero_()
+        if count == 1:
+            local[0] = 1.0
+            local[1] = x.reshape(channels)
+            local[2] = float("inf")
+        return
     device = x.get_device()
     program = _program(sync_batch.statistics_program, interop.NUMPY_DTYPE[x.dtype], last, tuple(x.shape),
                        x.data_ptr() % 32, device)
-    _run(program, device, x=x, mean=_row(out, 1), rstd=_row(out, 2))
-    return out
-
-
-def gathered(t: Tensor, group, world: int) -> Tensor:
-    """(world, *t.shape): every rank's ``t``, row r rank r's."""
-    out = torch.empty((world,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-    return out
-
-
-def combine(blocks: Tensor, running_mean, running_var, eps: float, momentum: float) -> Tensor:
-    """(4, C): the mean, variance and rstd of every rank's batch and (at
-    [3, 0]) its count, from the gathered (ranks, 3, C) blocks in rank
-    order; the running buffers (when given) updated in place."""
-    ranks, _, channels = blocks.shape
-    device = blocks.get_device()
-    acc = blocks.dtype
-    out = torch.empty(4, channels, dtype=acc, device=blocks.device)
-    running = [running_mean, running_var] if running_mean is not None and running_var is not None else [None, None]
-    held = [b if b is None or (b.dtype == acc and b.is_contiguous()) else b.to(acc).contiguous() for b in running]
-    program = _program(sync_batch.combine_program, interop.NUMPY_DTYPE[acc], ranks, channels, float(eps),
-                       float(momentum), device)
-    _run(program, device, gathered=blocks, running_mean=held[0], running_var=held[1], mean=out, var=_row(out, 1),
-         rstd=_row(out, 2), count=_row(out, 3))
-    for buf, h in zip(running, held):
-        if h is not buf:
-            buf.copy_(h)
-    return out
+    base, size = block.data_ptr(), block.element_size()
+    _run(program, device, x=x, count_row=base, mean=base + channels * size, rstd=base + 2 * channels * size)
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
     """y of SyncBatchNorm in training over ``world`` ranks of ``group``;
-    updates the running buffers (when given) in place."""
+    updates the running buffers (when given) in place. ``own``: the
+    collectives through cunorm's own NCCL communicator where it can
+    (cunorm/torch/_collectives.py), else torch.distributed's."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world):
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world, own):
         if x.numel() // x.shape[1] == 1 and world < 2:  # (as torch: ranks that may add values are not waited for)
             raise ValueError(_ONE_VALUE.format(list(x.shape)))
         x, last = _dense(x) if x.numel() else (x, False)
-        stats = combine(gathered(local_statistics(x, last), group, world), running_mean, running_var, eps, momentum)
+        channels = x.shape[1]
+        device = x.get_device()
+        block = forward_block(channels, world, interop.ACCUMULATION[x.dtype], x.device)
+        local_statistics(x, last, block)
+        _collectives.all_gather(block, 0, 3 * channels, 3 * channels, group, world, own)
         x_dtype = interop.NUMPY_DTYPE[x.dtype]
         flags, pdtype, w, b = _kernel_params(x_dtype, weight, bias)
+        running = [running_mean, running_var] if running_mean is not None and running_var is not None else []
+        held = [r if r.dtype == block.dtype and r.is_contiguous() else r.to(block.dtype).contiguous()
+                for r in running]
         y = torch.empty_like(x)
-        if x.numel():
-            device = x.get_device()
-            program = _program(sync_batch.apply_program, x_dtype, pdtype, flags, last, tuple(x.shape),
-                               x.data_ptr() % 32, y.data_ptr() % 32, float(eps), device)
-            _run(program, device, x=x, y=y, w=w, b=b, running_mean=stats, running_var=_row(stats, 1))
-        ctx.save_for_backward(x, w, stats)
-        ctx.group, ctx.world, ctx.last, ctx.flags, ctx.pdtype = group, world, last, flags, pdtype
+        program = _program(sync_batch.apply_program, x_dtype, pdtype, flags, last, tuple(x.shape),
+                           x.data_ptr() % 32, y.data_ptr() % 32, world, float(eps), float(momentum), bool(held),
+                           device)
+        base, size = block.data_ptr(), block.element_size()
+        stats = base + gathered_end(channels, world) * size
+        _run(program, device, x=x, y=y, w=w, b=b, gathered=base + 3 * channels * size,
+             buffer_mean=held[0] if held else None, buffer_var=held[1] if held else None, running_mean=stats,
+             running_var=stats + channels * size, global_rstd=stats + 2 * channels * size,
+             count=stats + 3 * channels * size)
+        for buf, h in zip(running, held):
+            if h is not buf:
+                buf.copy_(h)
+        ctx.save_for_backward(x, w, block)
+        ctx.group, ctx.world, ctx.own, ctx.last, ctx.flags, ctx.pdtype = group, world, own, last, flags, pdtype
         ctx.param_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, stats = ctx.saved_tensors
-        channels = x.shape[1]
+        x, w, block = ctx.saved_tensors
+        channels, world = x.shape[1], ctx.world
         weight_dtype, bias_dtype = ctx.param_dtypes
+        acc_size = block.element_size()
         if not x.numel():
-            local = torch.zeros(channels, 2, dtype=stats.dtype, device=x.device)
-            gathered(local, ctx.group, ctx.world)
+            totals = torch.zeros((1 + world) * channels * 2, dtype=block.dtype, device=x.device)
+            _collectives.all_gather(totals, 0, 2 * channels, 2 * channels, ctx.group, world, ctx.own)
             dw = None if weight_dtype is None else torch.zeros(channels, dtype=weight_dtype, device=x.device)
             db = None if bias_dtype is None else torch.zeros(channels, dtype=bias_dtype, device=x.device)
             return _grads(ctx, torch.zeros_like(x), dw, db)
@@ -176,20 +177,40 @@ class SyncBatchNormFunction(torch.autograd.Function):
         kind = None if ctx.pdtype is None else interop.TORCH_DTYPE[ctx.pdtype]
         dw = None if weight_dtype is None else torch.empty(channels, dtype=kind, device=x.device)
         db = None if bias_dtype is None else torch.empty(channels, dtype=kind, device=x.device)
-        local = torch.empty(channels, 2, dtype=stats.dtype, device=x.device)
         before, after = _program(sync_batch.grad_programs, interop.NUMPY_DTYPE[x.dtype], ctx.pdtype, ctx.flags,
-                                 ctx.last, tuple(x.shape), x.data_ptr() % 32, dx.data_ptr() % 32, ctx.world, device)
-        arrays = dict(dy=dy, x=x, dx=dx, mean=stats, rstd=_row(stats, 2), w=w, dw=dw, db=db)
-        _run(before, device, totals=local, **arrays)
-        _run(after, device, gathered=gathered(local, ctx.group, ctx.world), count=_row(stats, 3), **arrays)
+                                 ctx.last, tuple(x.shape), x.data_ptr() % 32, dx.data_ptr() % 32, world, device)
+        # one allocation: the rank's (C, 2) totals, the gathered (world, C,
+        # 2) totals, then the Programs' workspaces (one after the other on
+        # the stream, so they share it)
+        sums = (1 + world) * channels * 2
+        workspace_at = -(-sums * acc_size // 256) * 256
+        nbytes = workspace_at + max(before.workspace_bytes, after.workspace_bytes)
+        scratch = torch.empty(-(-nbytes // acc_size), dtype=block.dtype, device=x.device)
+        base = scratch.data_ptr()
+        stats = block.data_ptr() + gathered_end(channels, world) * acc_size
+        arrays = dict(dy=dy, x=x, dx=dx, mean=stats, rstd=stats + 2 * channels * acc_size, w=w, dw=dw, db=db)
+
+        def workspace(nbytes):
+            return None, base + workspace_at
+        before.run(_pointers(before, arrays, totals=base), interop.stream(device), workspace)
+        _collectives.all_gather(scratch, 0, 2 * channels, 2 * channels, ctx.group, world, ctx.own)
+        after.run(_pointers(after, arrays, gathered=base + 2 * channels * acc_size,
+                            count=stats + 3 * channels * acc_size), interop.stream(device), workspace)
         dw = None if dw is None else dw.to(weight_dtype)
         db = None if db is None else db.to(bias_dtype)
         return _grads(ctx, dx, dw, db)
 
 
+def _pointers(program, arrays: dict, **more) -> tuple:
+    """program's slot pointers from ``arrays`` and ``more`` by slot name (a
+    tensor, a raw pointer, or absent: null)."""
+    arrays = {**arrays, **more} if more else arrays
+    return tuple(0 if a is None else a if type(a) is int else a.data_ptr() for a in map(arrays.get, program.slots))
+
+
 def _grads(ctx, dx, dw, db):
     return (dx, dw if ctx.needs_input_grad[1] else None, db if ctx.needs_input_grad[2] else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 class SyncBatchNorm(torch.nn.SyncBatchNorm):
@@ -197,7 +218,19 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     parameters, buffers, state_dict and ``process_group``). In training
     under an initialized process group of more than one rank, the statistics
     are those of every rank's batch (one collective forward, one backward);
-    otherwise it is cunorm's BatchNorm, as torch's falls back to its own."""
+    otherwise it is cunorm's BatchNorm, as torch's falls back to its own.
+
+    The two collectives go through a NCCL communicator of cunorm's own for
+    the group (made by the first synchronized forward, where the group is
+    NCCL's and CuPy loads NCCL), whose host calls cost a fraction of
+    torch.distributed's; it takes GPU memory of its own (about 0.5 GB a
+    GPU on two H200s, docs/torch.md). Set ``own_communicator`` False, on
+    the class or a layer and alike on every rank, for torch.distributed's
+    collectives instead."""
+
+    #: the collectives through cunorm's own NCCL communicator (True) or
+    #: torch.distributed's (False); the same on every rank
+    own_communicator = True
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input_dim(x)
@@ -214,7 +247,8 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             if self.momentum is None:  # the cumulative average
                 factor = 1.0 / float(self.num_batches_tracked)
         running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
-        return SyncBatchNormFunction.apply(x, self.weight, self.bias, *running, self.eps, factor, group, world)
+        return SyncBatchNormFunction.apply(x, self.weight, self.bias, *running, self.eps, factor, group, world,
+                                           bool(self.own_communicator))
 
 
 SyncBatchNorm.__module__ = "cunorm.torch"
