@@ -95,6 +95,7 @@ def forward_block(channels: int, world: int, dtype, device) -> Tensor:
 
 
 def gathered_end(channels: int, world: int) -> int:
+    """Where the global statistics start in the forward's block (elements)."""
     return (3 + 3 * world) * channels
 
 
