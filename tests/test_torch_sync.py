@@ -49,7 +49,7 @@ def test_convert_keeps_parameters_buffers_and_settings():
     assert type(single) is ct.SyncBatchNorm and single.num_features == 4
 
 
-def test_a_group_that_is_not_ncclS_gathers_through_torch_distributed(tmp_path):
+def test_a_group_not_on_nccl_gathers_through_torch_distributed(tmp_path):
     """No communicator of cunorm's outside NCCL (and no collective to agree
     on one); the gather writes rank r's elements at target + r * count and
     nothing else."""

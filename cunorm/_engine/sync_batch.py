@@ -66,9 +66,8 @@ def statistics_program(dtype, last: bool, shape: tuple, x_mod: int, device: int)
     plan, launch = channel_norms._planned("batch", dtype, None, 0, last, batch, channels, spatial, 1, False, x_mod,
                                           x_mod, False, True, device, _SPLIT)
     pb = launches.ProgramBuilder(STATISTICS_SLOTS, device)
-    acc = dtypes.accumulation(dtype)
-    _launch_checked(pb, Step(K.CHANNEL_SYNC_COUNT(dtypes.KERNEL_TYPE[acc]), (-(-channels // _THREADS),), (_THREADS,)),
-                    device, count=pb["count_row"], channels=channels, value=float(batch * spatial))
+    acc = dtypes.KERNEL_TYPE[dtypes.accumulation(dtype)]
+    _per_channel(pb, K.CHANNEL_SYNC_COUNT(acc), channels, device, count=pb["count_row"], value=float(batch * spatial))
     alone = dataclasses.replace(launch, tier="channel_statistics", steps=launch.steps[:2])
     return channel_norms.build_channels(pb, plan, alone, False, 0.0, 0.0, True, (False, False)).build()
 
@@ -78,14 +77,12 @@ def apply_program(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: in
     """APPLY_SLOTS: the gathered blocks, x, w, b in; the global statistics
     and y out, the running buffers (``tracked``) updated."""
     batch, channels, spatial = dims(shape)
-    acc = dtypes.accumulation(dtype)
+    acc = dtypes.KERNEL_TYPE[dtypes.accumulation(dtype)]
     pb = launches.ProgramBuilder(APPLY_SLOTS, device)
     buffers = (pb["buffer_mean"], pb["buffer_var"]) if tracked else (None, None)
-    _launch_checked(pb, Step(K.CHANNEL_SYNC_COMBINE(dtypes.KERNEL_TYPE[acc]), (-(-channels // _THREADS),),
-                             (_THREADS,)), device,
-                    gathered=pb["gathered"], running_mean=buffers[0], running_var=buffers[1],
-                    mean=pb["running_mean"], var=pb["running_var"], rstd=pb["global_rstd"], count=pb["count"],
-                    ranks=ranks, channels=channels, eps=eps, momentum=momentum)
+    _per_channel(pb, K.CHANNEL_SYNC_COMBINE(acc), channels, device, gathered=pb["gathered"],
+                 running_mean=buffers[0], running_var=buffers[1], mean=pb["running_mean"], var=pb["running_var"],
+                 rstd=pb["global_rstd"], count=pb["count"], ranks=ranks, eps=eps, momentum=momentum)
     if batch * spatial:
         plan, launch = channel_norms._planned("batch", dtype, pdtype, flags, last, batch, channels, spatial, 1,
                                               False, x_mod, y_mod, True, False, device)
@@ -93,9 +90,12 @@ def apply_program(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: in
     return pb.build()
 
 
-def _launch_checked(pb, step: Step, device: int, **args) -> None:
+def _per_channel(pb, kernel, channels: int, device: int, **args) -> None:
+    """``kernel``'s launch a thread a channel (_THREADS a block) into pb,
+    its limits checked."""
+    step = Step(kernel, (-(-channels // _THREADS),), (_THREADS,))
     launches.check_limits(step, launches.device_info(device))
-    pb.launch(step, **args)
+    pb.launch(step, channels=channels, **args)
 
 
 def grad_programs(dtype, pdtype, flags: int, last: bool, shape: tuple, x_mod: int, dx_mod: int, ranks: int,

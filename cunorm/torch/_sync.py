@@ -191,12 +191,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
         stats = block.data_ptr() + gathered_end(channels, world) * acc_size
         arrays = dict(dy=dy, x=x, dx=dx, mean=stats, rstd=stats + 2 * channels * acc_size, w=w, dw=dw, db=db)
 
+        stream = interop.stream(device)
+
         def workspace(nbytes):
             return None, base + workspace_at
-        before.run(_pointers(before, arrays, totals=base), interop.stream(device), workspace)
+        before.run(_pointers(before, arrays, totals=base), stream, workspace)
         _collectives.all_gather(scratch, 0, 2 * channels, 2 * channels, ctx.group, world, ctx.own)
         after.run(_pointers(after, arrays, gathered=base + 2 * channels * acc_size,
-                            count=stats + 3 * channels * acc_size), interop.stream(device), workspace)
+                            count=stats + 3 * channels * acc_size), stream, workspace)
         dw = None if dw is None else dw.to(weight_dtype)
         db = None if db is None else db.to(bias_dtype)
         return _grads(ctx, dx, dw, db)
