@@ -157,11 +157,14 @@ def test_the_backward_takes_parameters_per_head(rng, case, kind, dtype):
 
 @pytest.mark.parametrize("kind", ["rms", "ln"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-def test_torch_differentiates_per_head_parameters_fused(rng, kind, residual):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_torch_differentiates_per_head_parameters_fused(rng, kind, residual, compiled):
     """Per-head parameters alone (QK-norm with a weight a head): where
     eager autograd records, the plain norm's autograd Function, whose
-    backward takes them (a block a row); gradients against torch's
-    autograd of the same call in float64."""
+    backward takes them (a block a row); under torch.compile the plain
+    operator, whose autograd formula runs the same kernels (bitwise the
+    eager results); gradients against torch's autograd of the same call in
+    float64."""
     torch = torch_on_gpu()
     shape, pshape = (3, 7, 8, 128), (8, 128)
     arrays = dict(x=random(rng, shape, np.float32, 2.0, 0.5), w=random(rng, pshape, np.float32, 0.5, 1.0),
@@ -172,12 +175,27 @@ def test_torch_differentiates_per_head_parameters_fused(rng, kind, residual):
     def call(a):
         return _run(cunorm.torch, kind, a["x"], a["w"], a.get("b"), a.get("r"), {})
 
-    out = call(leaves)
+    def forward_and_grads(fn):
+        out = fn(leaves)
+        y = out[0] if isinstance(out, tuple) else out
+        loss = (y * dy).sum() + (out[1].sum() if isinstance(out, tuple) else 0)
+        return out, torch.autograd.grad(loss, list(leaves.values()))
+
+    dy = torch.randn(shape, device="cuda")
+    out, grads = forward_and_grads(call)
     y = out[0] if isinstance(out, tuple) else out
     assert "RowNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
-    dy = torch.randn_like(y)
-    loss = (y * dy).sum() + (out[1].sum() if isinstance(out, tuple) else 0)
-    grads = torch.autograd.grad(loss, list(leaves.values()))
+    if compiled:
+        traced = []
+        eager_out, eager_grads = out, grads
+        out, grads = forward_and_grads(torch.compile(call, backend=recording_backend(traced), fullgraph=True))
+        want = "cunorm.rms_norm" if kind == "rms" else "cunorm.layer_norm"
+        assert want in traced and not any("conditioned" in t for t in traced), traced
+        for got, eager in zip(out if isinstance(out, tuple) else (out,),
+                              eager_out if isinstance(eager_out, tuple) else (eager_out,)):
+            assert torch.equal(got, eager)
+        for name, g, e in zip(leaves, grads, eager_grads):
+            assert torch.equal(g, e), name
     doubles = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
     h = doubles["x"] + doubles["r"] if residual else doubles["x"]
     if kind == "rms":
@@ -247,7 +265,10 @@ def test_torch_compile_runs_the_fused_operator(rng, case):
 
     traced = []
     got = torch.compile(block, backend=recording_backend(traced), fullgraph=True)(t)
-    assert any("layer_norm_conditioned" in target for target in traced), traced
+    if case == "per-head weights":  # (parameters per head alone: the plain norm's operator, heads_alone)
+        assert "cunorm.layer_norm" in traced and not any("conditioned" in name for name in traced), traced
+    else:
+        assert any("layer_norm_conditioned" in target for target in traced), traced
     want = block(t)
     for g, e in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         assert torch.equal(g, e)
@@ -293,3 +314,46 @@ def test_jax_eager_jit_and_grad(rng):
     for g, rg in zip(grads, ref):
         np.testing.assert_allclose(np.asarray(g), np.asarray(rg), rtol=2e-3,
                                    atol=2e-3 * float(np.abs(np.asarray(rg)).max()))
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_jax_grad_takes_per_head_parameters_fused(rng, kind, residual):
+    """jax.grad of per-head parameters alone binds the plain row backward
+    (cunorm_rows_grad, over the heads), eager and inside jit; gradients
+    against the float64 reference with dh (the cotangent of h) added."""
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    import cunorm.jax as cj
+
+    jnp = jax.numpy
+    shape, pshape = (3, 7, 8, 128), (8, 128)
+    x, w, b = (random(rng, shape, np.float32, 2.0, 0.5), random(rng, pshape, np.float32, 0.5, 1.0),
+               random(rng, pshape, np.float32))
+    r, dy, dh = (random(rng, shape, np.float32) for _ in range(3))
+    args = [jnp.asarray(a) for a in ((x, w, b, r) if kind == "ln" else (x, w, r))]
+
+    def loss(*a):
+        out = (cj.layer_norm(a[0], a[1], a[2], residual=a[3] if residual else None) if kind == "ln"
+               else cj.rms_norm(a[0], a[1], residual=a[2] if residual else None))
+        y, h = out if residual else (out, None)
+        return jnp.sum(y * dy) + (jnp.sum(h * dh) if residual else 0)
+
+    grad = jax.grad(loss, argnums=tuple(range(len(args))))
+    assert "cunorm_rows_grad" in str(jax.make_jaxpr(grad)(*args))
+    h = x + r if residual else x  # (h rounded to float32, as the kernel stores it)
+    extra = dict(dh=dh) if residual else {}
+    if kind == "rms":
+        _, rstd = reference.rms_norm(h, w, return_stats=True, exact=True)
+        want = reference.rms_norm_backward(dy, h, rstd, w, exact=True, **extra)
+    else:
+        _, mean, rstd = reference.layer_norm(h, w, b, return_stats=True, exact=True)
+        want = reference.layer_norm_backward(dy, h, mean, rstd, w, b, exact=True, **extra)
+    for got in (grad(*args), jax.jit(grad)(*args)):
+        got = got[:-1] if not residual else got  # (the residual's gradient is dx: checked as dx)
+        for name, g, ref in zip(("dx", "dweight", "dbias"), got, want):
+            assert g.shape == ref.shape, (name, g.shape)
+            assert_close(np.asarray(g), ref, np.float32, atol=2e-5 * output_scale(ref), what=name)
+        if residual:
+            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(got[-1]))

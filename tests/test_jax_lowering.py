@@ -571,6 +571,27 @@ def test_conditioned_forms_fuse_forward_and_backward(lowering, case):
     assert backward in names and (backward == "rows_grad_modulated") == ("modulated_grad_sums" in names), names
 
 
+def test_per_head_parameters_alone_take_the_plain_backward(lowering):
+    """Under jax.grad, per-head parameters alone (QK-norm's layout) run
+    the row primitive's own vjp: the plain backward over the heads
+    (rows_grad_cached, its partials summed by column_sum into each head's
+    row), no composed formula (no XLA reduction beside the loss's)."""
+    jj, lower = lowering
+    import cunorm.jax as cj
+
+    f = lambda x, w, b: cj.layer_norm(x, w, b)  # noqa: E731
+    specs = (((2, 5, 4, 16), BF16), ((4, 16), jnp.float32), ((4, 16), jnp.float32))
+    grad = gradients(f, (0, 1, 2))
+    jaxpr = jax.make_jaxpr(grad)(*[jnp.zeros(s, d) for s, d in specs])
+    kinds = [e.primitive.name for e in jaxpr.eqns]
+    assert kinds.count("cunorm_rows_grad") == 1 and kinds.count("reduce_sum") == 1, kinds
+    assert [v.aval.shape for v in jaxpr.jaxpr.outvars] == [(2, 5, 4, 16), (4, 16), (4, 16)]
+    _, configs = lower(grad, *specs)
+    names = [re.match(r"cunorm::(\w+)<", c["kernel"]).group(1) for c in configs]
+    assert names == ["rows_cached", "rows_grad_cached", "column_sum"], names
+    assert configs[1]["params"][-1] == ["scalar", 4, "i32"]  # (heads)
+
+
 def test_conditioned_layouts_shard_the_operands_with_their_rows():
     """A per-sample shift of (B, 1, H) against x of (B, T, H) shares x's
     batch label and keeps its own along T; a shard's spec reads its own

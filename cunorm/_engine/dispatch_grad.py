@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import declarations as K
-from . import dtypes, tuning
+from . import dtypes, plans, tuning
 from .dispatch_rows import (MAX_GRID_X, MAX_GRID_Y, RESIDENT_SHARED_RESERVE, Device, Step, _ceil_div, next_pow2,
                             norm_info, plane_rows_block)
 from .dispatch_channels import first_holding
@@ -166,7 +166,8 @@ def grad_cached_cluster_shapes(vec: int, itemsize: int, tune: tuning.Tuning) -> 
 def grad_cached_shared_bytes(flags: int, vec: int, threads: int, vpt: int, acc_itemsize: int) -> int:
     """rows_grad_cached's dynamic shared memory: a column sum a thread's
     element for dweight and for dbias, each where flags ask for it."""
-    return bin(flags & 3).count("1") * vpt * vec * threads * acc_itemsize
+    sums = (flags & plans.FLAG_WEIGHT != 0) + (flags & plans.FLAG_BIAS != 0)  # (no bin(): dynamo traces this)
+    return sums * vpt * vec * threads * acc_itemsize
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 try:
     import jax
@@ -44,7 +45,7 @@ except ModuleNotFoundError as err:
 import jax.numpy as jnp
 import numpy as np
 
-from .._engine import channel_norms, conditioning, dtypes, row_norms, plans
+from .._engine import channel_norms, conditioning, dtypes, gradients, row_norms, plans
 from .. import norms
 from .._engine.ops import DEFAULT_EPS, LP_EPS
 
@@ -256,7 +257,8 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
     operands, cunorm/jax/_modulated.py); under jax.grad, shift=, scale= and
     residual_gate= of one per-sample pattern run the fused modulated
     backward, gate= over whole rows the fused gated backward
-    (cunorm/jax/_gated.py), the other forms the gradient of
+    (cunorm/jax/_gated.py), per-head parameters alone the plain row
+    norm's vjp (its backward over the heads), the other forms the gradient of
     _conditioned_composed. Rows
     rows_cached does not take run _conditioned_composed. ``plain``: the
     traced call without the per-row operands."""
@@ -272,7 +274,12 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
     spec = jm.forward_spec(call, x, weight, bias, residual, arrays, epilogue, return_stats)
     if spec is None:
         return composed(*args)
-    if jm.fusable_backward(spec):
+    if _heads_alone(spec):  # (the plain row norm's vjp: its backward takes them)
+        given = jm.prepare(spec, *args)
+        plain = (given["x"], given.get("r"), given.get("w"), given.get("b"))
+        outs = (_epilogue_vjp(_row_vjp, _rows_unfused, spec, plain) if epilogue & plans.UNFUSED_IN_BACKWARD
+                else _row_vjp(spec, *plain))
+    elif jm.fusable_backward(spec):
         outs = jm.modulated_vjp(spec, jm.prepare(spec, *args))
     elif gate is not None and _gated_module().fusable_backward(spec):
         outs = _gated_module().gated_vjp(spec, jm.prepare(spec, *args))
@@ -280,6 +287,16 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
         outs = _epilogue_vjp(lambda s, *a: jm.bind_forward(s, jm.prepare(s, *a)),
                              lambda s, *a: _as_tuple(composed(*a)), spec, args)
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _heads_alone(spec) -> bool:
+    """Whether a prepared conditioned call's only per-row operands are
+    parameters per head that the plain backward takes
+    (gradients.per_head_fits), as cunorm.torch's heads_alone asks."""
+    if spec.operands or spec.rdtype is not None or not spec.param_ndim or spec.last != len(spec.shape) - 1:
+        return False
+    n = math.prod(spec.shape[spec.first:])
+    return gradients.per_head_fits(n, spec.dtype.itemsize, spec.weight, spec.bias)
 
 
 def _conditioned_composed(plain, x, weight, bias, residual, shift, scale, residual_gate, gate, *, axis, eps,

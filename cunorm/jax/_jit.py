@@ -281,8 +281,7 @@ class RowGradSpec:
             {"center": "center", "scale": "scale"}[n] for n in f.stat_names())
 
     def outputs(self) -> dict:
-        f = self.forward
-        return _grad_outputs(f, f.shape[f.first:f.last + 1])
+        return _grad_outputs(self.forward, self.forward.param_shape)
 
 
 rows_grad_p = _primitive("cunorm_rows_grad", lambda spec: spec.outputs())
@@ -297,32 +296,37 @@ def _rows_grad_lowering(ctx, *args, spec: RowGradSpec):
     itemsize = np.dtype(f.dtype).itemsize
     vec = plans.vector_width(itemsize, reduced if inner == 1 else inner, [], [])
     launch = dispatch_grad.choose_rows_grad(f.norm, np.dtype(f.dtype), f.pdtype, f.flags & plans.PARAM_FLAGS,
-                                            outer, reduced, inner, vec, device, cooperative=False)
+                                            outer, reduced, inner, vec, device, cooperative=False,
+                                            heads=f.param_rows)
+    if launch is None:  # (parameters per head over rows the cached tier does not take: the wrappers compose)
+        raise RuntimeError(f"cunorm inside jit: no backward for {f}")
     for step in launch.steps:
         launches.check_limits(step, device)
     names = set(spec.inputs())
     present = ("dh" in names, f.weight, "center" in names, "scale" in names, f.weight, f.bias)
     recorder = launches.LaunchRecorder(gradients.ROW_GRAD_SLOTS, device_id)
-    gradients.build_rows_grad(recorder, launch, np.dtype(f.dtype), f.pdtype, outer, reduced, inner, f.eps, present)
+    gradients.build_rows_grad(recorder, launch, np.dtype(f.dtype), f.pdtype, outer, reduced, inner, f.eps, present,
+                              f.param_rows)
     out = emit(recorder, dict(zip(spec.inputs(), args)), spec.outputs(), arch)
     return [out[name] for name in spec.outputs()]
 
 
 def _rows_grad_layout(spec: RowGradSpec) -> _sharding.Layout:
     """The backward's: dweight and dbias summed across the shards of the
-    other axes."""
+    other axes (per-head parameters split with their heads)."""
     f = spec.forward
     x = _sharding.labels(len(f.shape))
     norm, stats = x[f.first:f.last + 1], x[:f.first] + x[f.last + 1:]
-    operands = {"dy": x, "x": x, "dh": x, "w": norm, "center": stats, "scale": stats}
+    params = operand_labels(f)["w"]  # (the normalized axes; per head, the heads' too: split with them)
+    operands = {"dy": x, "x": x, "dh": x, "w": params, "center": stats, "scale": stats}
     outputs = list(spec.outputs())
     return _sharding.Layout(tuple(operands[n] for n in spec.inputs()),
-                            tuple(x if n == "dx" else norm for n in outputs), frozenset(norm),
+                            tuple(x if n == "dx" else params for n in outputs), frozenset(norm),
                             frozenset(i for i, n in enumerate(outputs) if n != "dx"))
 
 
 _sharding.register(rows_grad_p, _rows_grad_lowering, _rows_grad_layout,
-                   lambda spec, shape: RowGradSpec(dataclasses.replace(spec.forward, shape=shape), spec.dh))
+                   lambda spec, shape: RowGradSpec(spec.forward.localized(shape), spec.dh))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Per-head weights, ``shift=``, ``scale=``, ``residual_gate=`` and
 ``gate=`` on torch tensors (cunorm/_engine/conditioning.py). Per-head
 parameters alone, over rows the plain backward takes, run as the plain
-norm instead in eager mode (heads_alone).
+norm instead (heads_alone): its autograd Function in eager mode, its
+operator under dynamo.
 
 Outside autograd and dynamo the engine runs them fused (one rows_cached
 pass); where dynamo traces a call autograd does not record, the fused
@@ -99,10 +100,9 @@ def heads_alone(norm, x, weight, bias, axis, residual, *operands) -> bool:
     """Whether a call's only per-row operands are parameters per head
     that the plain backward takes (gradients.per_head_fits): such a call
     runs as the plain norm (its autograd Function), which passes the
-    parameters through to the kernels. Not under dynamo, where the call
-    keeps the conditioned route (the plain operator's route there is not
-    yet verified on a GPU)."""
-    if (any(a is not None for a in operands) or not isinstance(x, torch.Tensor) or torch.compiler.is_compiling()
+    parameters through to the kernels; under dynamo, the plain operator,
+    whose autograd formula runs the same backward."""
+    if (any(a is not None for a in operands) or not isinstance(x, torch.Tensor)
             or not (conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis))
             or conditioning.wide(x, residual)):
         return False
