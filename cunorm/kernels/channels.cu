@@ -25,7 +25,9 @@
 //                     (pivot, center, scale) for channel_apply, writes the
 //                     returned statistics and updates BatchNorm's running
 //                     estimates;
-//   channel_apply     y = (x - pivot - center) * scale [* w[c]] [+ b[c]].
+//   channel_apply     y = (x - pivot - center) * scale [* w[c]] [+ b[c]],
+//                     walked in the reverse of channel_partial's order, so
+//                     that what channel_partial read last is re-read from L2.
 // channel_from_running replaces the first two for BatchNorm in eval mode.
 // Groups that fit on chip take channel_onchip instead (onchip.cu: one read),
 // and GroupNorm/InstanceNorm with parameters on x larger than L2
@@ -383,9 +385,17 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
         }
         p = STORE::template channel<A>(w, b, c);
     };
+    // The work in the reverse of channel_partial's order: the blocks from
+    // the last (sample, channel, chunk), each walking its chunk from the
+    // end, so the first x read is what channel_partial read last, still in
+    // L2 (1-4% of the GPU time where x is a few times L2's size:
+    // docs/notes/channel-norms.md).
     if constexpr (LAYOUT == kChannelsFirst) {
         const long long spatial_vecs = spatial / VEC;
-        for_each_channel_chunk(batch, channels, chunks, bl.by, [&](long long n, int c0, long long chunk) {
+        const int last_c0 = (channels - 1) / bl.by * bl.by;
+        for_each_channel_chunk(batch, channels, chunks, bl.by, [&](long long n_, int c0_, long long chunk_) {
+            const long long n = batch - 1 - n_, chunk = chunks - 1 - chunk_;
+            const int c0 = last_c0 - c0_;
             const int c = c0 + bl.ty;
             if (c >= channels) return;  // no barrier below
             Affine<A> f;
@@ -395,10 +405,12 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
             const long long offset = (n * channels + c) * spatial;
             const long long begin = chunk * chunk_len;
             const long long end = min(begin + chunk_len, spatial_vecs);
+            const long long mirror = begin + end - 1;  // (v = mirror - u walks the chunk from its end)
             for_each_batched<4>(
                 begin + bl.tx, end, bl.bx,
-                [&](long long v) { return load_vec_hinted<T, VEC>(x + offset + v * VEC, hints); },
-                [&](long long v, const Vec<T, VEC>& in) {
+                [&](long long u) { return load_vec_hinted<T, VEC>(x + offset + (mirror - u) * VEC, hints); },
+                [&](long long u, const Vec<T, VEC>& in) {
+                    const long long v = mirror - u;
                     Vec<Y, VEC> o;
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
@@ -410,10 +422,13 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
     } else {
         const int tx = bl.tx, ty = bl.ty, bx = bl.bx, by = bl.by;
         const int channel_vecs = channels / VEC;
+        const int last_tile = (channel_vecs - 1) / bx;
 #pragma unroll 1
-        for (long long n = blockIdx.z; n < batch; n += gridDim.z)
+        for (long long n_ = blockIdx.z; n_ < batch; n_ += gridDim.z)
 #pragma unroll 1
-        for (int tile = blockIdx.y; tile * bx < channel_vecs; tile += gridDim.y) {
+        for (int tile_ = blockIdx.y; tile_ * bx < channel_vecs; tile_ += gridDim.y) {
+            const long long n = batch - 1 - n_;
+            const int tile = last_tile - tile_;
             const int cv = tile * bx + tx;
             if (cv >= channel_vecs || ty >= by) continue;  // (ty >= by: a padding thread) no barrier below
             // grouped (per-sample statistics, no running buffers): one
@@ -437,12 +452,16 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
             const T* xs = x + offset;
             Y* ys = y + offset;
 #pragma unroll 1
-            for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+            for (long long chunk_ = blockIdx.x; chunk_ < chunks; chunk_ += gridDim.x) {
+                const long long chunk = chunks - 1 - chunk_;
                 const long long begin = chunk * chunk_len;
                 const long long end = min(begin + chunk_len, spatial);
+                const long long mirror = begin + end - 1;  // (p = mirror - u walks the chunk from its end)
                 for_each_batched<4>(
-                    begin + ty, end, by, [&](long long p) { return load_vec_hinted<T, VEC>(xs + p * channels, hints); },
-                    [&](long long p, const Vec<T, VEC>& in) {
+                    begin + ty, end, by,
+                    [&](long long u) { return load_vec_hinted<T, VEC>(xs + (mirror - u) * channels, hints); },
+                    [&](long long u, const Vec<T, VEC>& in) {
+                        const long long p = mirror - u;
                         Vec<Y, VEC> o;
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
