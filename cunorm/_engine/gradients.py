@@ -506,13 +506,18 @@ def build_channel_grad(pb, plan, launch):
 
 def build_channel_grad_sums(pb, plan, launch):
     """The backward's first pass and its combine into ``pb`` (slots dy, x,
-    mean): returns the workspace of the (sample, channel) sums."""
+    mean): returns the workspace of the (sample, channel) sums. With one
+    chunk a (sample, channel) the first pass's partials are the sums (no
+    combine launch: 6.5-6.8 us of BatchNorm (64,256,56,56)'s backward on an
+    H200, docs/notes/backward.md)."""
     acc_bytes = dtypes.accumulation(plan.dtype).itemsize
     members = plan.batch * plan.channels
     ws = pb.workspace(members * launch.chunks * 2 * acc_bytes)  # the partial sums
-    sums = pb.workspace(members * 2 * acc_bytes)  # combined
     pb.launch(launch.steps[0], dy=pb["dy"], x=pb["x"], mean=pb["mean"], partial=ws, **channel_grad_dims(plan),
               chunks=launch.chunks, chunk_len=launch.chunk_len)
+    if launch.chunks == 1:
+        return ws
+    sums = pb.workspace(members * 2 * acc_bytes)  # combined
     pb.launch(launch.steps[1], partial=ws, sums=sums, members=members, chunks=launch.chunks)
     return sums
 
