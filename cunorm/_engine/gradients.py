@@ -508,7 +508,7 @@ def build_channel_grad_sums(pb, plan, launch):
     """The backward's first pass and its combine into ``pb`` (slots dy, x,
     mean): returns the workspace of the (sample, channel) sums. With one
     chunk a (sample, channel) the first pass's partials are the sums (no
-    combine launch: 6.5-6.8 us of BatchNorm (64,256,56,56)'s backward on an
+    combine launch: 6.5-6.7 us of BatchNorm (64,256,56,56)'s backward on an
     H200, docs/notes/backward.md)."""
     acc_bytes = dtypes.accumulation(plan.dtype).itemsize
     members = plan.batch * plan.channels
