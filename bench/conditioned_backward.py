@@ -17,7 +17,11 @@ silu(z)) * w``, Mamba-2's with one group), over heads of 128
 ngroups 8, the gate before the norm), counting dy, x and z read and dx and dz written: cunorm's
 fused route (GatedRowNorm in eager; under torch.compile the conditioned
 operator and rms_norm_gated_backward) against torch eager and
-torch.compile of the formula.
+torch.compile of the formula. And the float32 residual stream (bf16 x, a
+float32 residual, RMSNorm with a weight; y in bf16, h float32 returned,
+dh in float32), counting dy, h and dh read, dx (bf16) and the residual's
+gradient (float32) written: WideRowNorm in eager, under torch.compile the
+plain operator and rms_norm_float32_residual_backward.
 
     PYTHONPATH=. python bench/conditioned_backward.py OUT.json [CASE,...]
 """
@@ -31,7 +35,8 @@ import cunorm.torch as ct
 from cunorm.bench._timing import compile_static, copy_bandwidth, time_gpu
 
 # the forward bench's formulas, cold-call timing and EPS (bench/ is on the path when run as a script)
-from conditioned import EPS, _rms, adaln_torch, cold, gated_groups_torch, gated_torch, rms_mod_torch  # noqa: E402
+from conditioned import (EPS, _rms, adaln_torch, cold, gated_groups_torch, gated_torch, rms_mod_torch,  # noqa: E402
+                         rms_res32_torch)
 
 # (the backward is timed repeatedly on one recorded graph: retain_graph, which
 # torch.compile's donated buffers refuse)
@@ -62,13 +67,18 @@ def gated_groups_cunorm(x, z, w):
     return ct.rms_norm(x, w, gate=z, norm_before_gate=False, group_size=x.shape[-1] // 8, eps=EPS)
 
 
+def rms_res32_cunorm(x, r, w):
+    return ct.rms_norm(x, w, residual=r, eps=EPS)
+
+
 def _heads(fn):
     """fn over heads of 128: x and z viewed as (..., hidden / 128, 128), a weight of 128."""
     return lambda x, z, w: fn(x.unflatten(-1, (-1, 128)), z.unflatten(-1, (-1, 128)), w).flatten(-2)
 
 
 FUSED = {"adaln": "ModulatedRowNorm", "rms_mod": "ModulatedRowNorm", "gated": "GatedRowNorm",
-         "gated_input": "GatedRowNorm", "gated_heads": "GatedRowNorm", "gated_groups": "GatedRowNorm"}
+         "gated_input": "GatedRowNorm", "gated_heads": "GatedRowNorm", "gated_groups": "GatedRowNorm",
+         "res32": "WideRowNorm"}
 
 
 def _backward(forward, inputs, grads):
@@ -86,7 +96,7 @@ def main(out, only=None):
     formulas = {"adaln": (adaln_cunorm, adaln_torch), "rms_mod": (rms_mod_cunorm, rms_mod_torch),
                 "gated": (gated_cunorm, gated_torch), "gated_input": (gated_input_cunorm, gated_input_torch),
                 "gated_heads": (_heads(gated_cunorm), _heads(gated_torch)),
-                "gated_groups": (gated_groups_cunorm, gated_groups_torch)}
+                "gated_groups": (gated_groups_cunorm, gated_groups_torch), "res32": (rms_res32_cunorm, rms_res32_torch)}
     names = [n for n in formulas if only is None or n in only]
     for hidden in (1152, 3072, 4096, 8192):
         for tokens in (4096, 32768):
@@ -99,6 +109,7 @@ def main(out, only=None):
                                               dtype=torch.bfloat16) * 0.5 for _ in range(3))
             w = torch.randn(hidden, device="cuda", generator=g, dtype=torch.bfloat16)
             w_head = w[:128].clone()
+            r32, dh32 = r.float() * 8, dh.float()
             per_sample = batch * hidden * 2  # (one array of them)
             cases = {  # name: (inputs, output gradients, bytes counted)
                 "adaln": ((x, r, shift, scale, gate), (dy, dh), 6 * x.numel() * 2 + 5 * per_sample),
@@ -107,6 +118,7 @@ def main(out, only=None):
                 "gated_input": ((x, z, w), (dy,), 5 * x.numel() * 2 + 2 * hidden * 2),
                 "gated_heads": ((x, z, w_head), (dy,), 5 * x.numel() * 2 + 2 * 128 * 2),
                 "gated_groups": ((x, z, w), (dy,), 5 * x.numel() * 2 + 2 * hidden * 2),
+                "res32": ((x, r32, w), (dy, dh32), 16 * x.numel() + 2 * hidden * 2),
             }
             for name in names:
                 inputs, grads, nbytes = cases[name]

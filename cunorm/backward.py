@@ -26,7 +26,8 @@ from ._engine.ops import DEFAULT_EPS, LP_EPS
 from ._engine.row_norms import lp_norm_name
 
 __all__ = ["rms_norm_backward", "layer_norm_backward", "rms_norm_gated_backward", "rms_norm_modulated_backward",
-           "layer_norm_modulated_backward", "normalize_backward", "mean_abs_normalize_backward",
+           "layer_norm_modulated_backward", "rms_norm_float32_residual_backward",
+           "layer_norm_float32_residual_backward", "normalize_backward", "mean_abs_normalize_backward",
            "frobenius_normalize_backward", "group_norm_backward", "instance_norm_backward", "batch_norm_backward"]
 
 _DY_X = """dy : array
@@ -226,6 +227,62 @@ def layer_norm_modulated_backward(dy, h, mean, rstd, weight=None, bias=None, *, 
     return calls.rows_grad_modulated("ln", dy, h, mean, rstd, weight, bias, dh, shift, scale, residual_gate, x, axis)
 
 
+_FLOAT32_RESIDUAL = """The forward took 16-bit x and a float32 residual:
+    ``h = float32(x) + residual`` in float32, returned as float32 and
+    normalized, y rounded once to x's dtype. The backward forms the gradient
+    of h, the norm's of dy plus dh, in float32, and returns it twice: as x's
+    gradient rounded once to x's dtype and as the residual's in float32,
+    from one pass (cunorm/kernels/backward.cu's rows_grad_wide) that reads
+    dy, h and dh once. dweight and dbias as :func:`{plain}`.
+
+    Parameters
+    ----------
+    dy : array
+        The gradient of y: h's shape, x's dtype (float16 or bfloat16).
+    h : array
+        The float32 h the forward returned.
+    {stats}
+    axis : int or tuple of int, default -1
+        The forward's axes: trailing ones.
+    dh : array, optional
+        The float32 gradient that reached the returned h.
+
+    Returns
+    -------
+    grads : tuple
+        A named tuple (``WideResidualGrads``: x, residual, weight, bias):
+        x's gradient in dy's dtype, the residual's in float32 (the same
+        values before the rounding), weight and bias in their shapes and
+        dtypes (None where the forward had none).
+
+    Raises
+    ------
+    TypeError
+        h not float32, dy not 16-bit, dh not float32; as :func:`{plain}`
+        otherwise.
+    ValueError
+        Axes that are not trailing, rows of over 8192 elements on the GPU;
+        as :func:`{plain}` otherwise."""
+
+
+def rms_norm_float32_residual_backward(dy, h, rstd, weight=None, *, axis=-1, dh=None):
+    """The gradients of :func:`cunorm.rms_norm` with 16-bit x and a float32
+    ``residual=``, fused.
+
+    {body}
+    """
+    return calls.rows_grad_wide("rms", dy, h, None, rstd, weight, None, dh, axis)
+
+
+def layer_norm_float32_residual_backward(dy, h, mean, rstd, weight=None, bias=None, *, axis=-1, dh=None):
+    """The gradients of :func:`cunorm.layer_norm` with 16-bit x and a
+    float32 ``residual=``, fused.
+
+    {body}
+    """
+    return calls.rows_grad_wide("ln", dy, h, mean, rstd, weight, bias, dh, axis)
+
+
 def normalize_backward(dy, x, p=2.0, *, axis=-1, eps=LP_EPS):
     """The gradient of :func:`cunorm.normalize`, the norm recomputed from x.
 
@@ -334,4 +391,14 @@ for _f, _stats in ((rms_norm_modulated_backward, """rstd : array
     weight, bias : array, optional
         The forward's parameters.""")):
     _f.__doc__ = _f.__doc__.replace("{body}", _MODULATED.replace("{stats}", _stats))
-del _f, _stats
+for _f, _plain, _stats in (
+        (rms_norm_float32_residual_backward, "rms_norm_backward", """rstd : array
+        The forward's ``rstd`` (``return_stats=True``; float32).
+    weight : array, optional
+        The forward's weight (over the normalized axes, or per head)."""),
+        (layer_norm_float32_residual_backward, "layer_norm_backward", """mean, rstd : array
+        The forward's statistics (``return_stats=True``; float32).
+    weight, bias : array, optional
+        The forward's parameters (over the normalized axes, or per head).""")):
+    _f.__doc__ = _f.__doc__.replace("{body}", _FLOAT32_RESIDUAL.replace("{stats}", _stats).replace("{plain}", _plain))
+del _f, _stats, _plain

@@ -115,3 +115,20 @@ def recording_backend(traced: list):
         return compile_fx(gm, example_inputs)
 
     return backend
+
+
+def dispatch_recorder():
+    """A torch dispatch mode (a context manager) that appends each
+    operator dispatched inside it to its ``called``, as ``str(op)``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.called = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.called.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return Recording()

@@ -9,7 +9,7 @@ import pytest
 import cunorm
 from cunorm import reference
 from cunorm._engine import conditioning, dispatch_rows, dtypes, plans
-from helpers import arr, random
+from helpers import arr, dispatch_recorder, random
 
 
 def _silu(z):
@@ -199,18 +199,7 @@ def test_the_torch_operator_differentiates_through_the_gated_backward(offset):
     rms_norm_gated_backward (the fakes on meta tensors: no GPU), each
     gradient in its input's shape and dtype, a weight a head's too."""
     torch = pytest.importorskip("torch")
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import cunorm.torch  # noqa: F401  (registers the operators)
-
-    class Recording(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.called = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.called.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     def meta(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, device="meta", dtype=dtype).requires_grad_()
@@ -218,7 +207,7 @@ def test_the_torch_operator_differentiates_through_the_gated_backward(offset):
     x, z, w = meta(3, 5, 256), meta(3, 5, 256), meta(256)
     epilogue = plans.rms_epilogue(1 if offset else 0, "output", None, True, z, not offset)
     y, rstd = torch.ops.cunorm.rms_norm_conditioned(x, w, None, None, None, None, z, [-1], 1e-5, True, epilogue)
-    with Recording() as recording:
+    with dispatch_recorder() as recording:
         grads = torch.autograd.grad(y, (x, w, z), torch.empty_like(y))
     assert [str(f) for f in recording.called if "cunorm" in f] == ["cunorm.rms_norm_gated_backward.default"]
     assert [(tuple(g.shape), g.dtype) for g in grads] == [((3, 5, 256), torch.bfloat16), ((256,), torch.bfloat16),

@@ -544,7 +544,12 @@ CONDITIONED_CASES = {
     "gated groups with a weight": (lambda cj, x, r, w, m: cj.rms_norm(x, w, gate=r, group_size=16), (4, 64, 64),
                                    BF16, (64,), "rows_grad_gated"),
     "float32 stream": (lambda cj, x, r, w, m: cj.rms_norm(x, w, residual=r.astype(jnp.float32))[0], (4, 64, 64),
-                       BF16, (64,), "rows_grad_cached"),
+                       BF16, (64,), "rows_grad_wide"),
+    "float32 stream, LayerNorm": (lambda cj, x, r, w, m: cj.layer_norm(x, w, w, residual=r.astype(jnp.float32))[1],
+                                  (4, 64, 64), BF16, (64,), "rows_grad_wide"),
+    "float32 stream with a shift": (lambda cj, x, r, w, m: cj.rms_norm(x, w, residual=r.astype(jnp.float32),
+                                                                       shift=m[:, None, :64])[0],
+                                    (4, 64, 64), BF16, (64,), "rows_grad_cached"),
 }
 
 
@@ -553,8 +558,9 @@ def test_conditioned_forms_fuse_forward_and_backward(lowering, case):
     """Inside jit, a conditioned call is one rows_cached launch with its
     per-row operands' FLAGS; under jax.grad shift=, scale= and
     residual_gate= of one per-sample pattern run the fused modulated
-    backward (rows_grad_modulated, its sums, column_sum), the other forms
-    the composed formula's (the plain backward kernels)."""
+    backward (rows_grad_modulated, its sums, column_sum), the gate and
+    the float32 residual alone their own (rows_grad_gated, rows_grad_wide),
+    the other forms the composed formula's (the plain backward kernels)."""
     jj, lower = lowering
     import cunorm.jax as cj
 
@@ -643,3 +649,26 @@ def test_the_gated_backward_layout_sums_dweight_over_the_rows():
     assert text == "d0 d1 d2 d3, d0 d1 d2 d3, d0 d1 d2 d3, d2 d3, d0 d1 d2 -> d0 d1 d2 d3, d0 d1 d2 d3, d2 d3"
     shifted = dataclasses.replace(spec, operands=(("shift", (8, 1, 64)), ("gate", (8, 6, 64))))
     assert not _gated.fusable_backward(shifted)
+
+
+def test_the_float32_residual_backward_layout_sums_the_parameters_over_the_rows():
+    """rows_grad_wide's primitive: dy, h, dh, dx and dresidual split with
+    x, the statistics with its rows, dweight and dbias summed across the
+    shards of the rows; the forms it takes (fusable_backward): the float32
+    residual alone, parameters over the normalized axes."""
+    from cunorm.jax import _jit as jj, _wide
+
+    spec = jj.RowSpec("ln", (8, 6, 64), np.dtype(BF16), 2, 2, 1e-5, residual=True, weight=True, bias=True,
+                      pdtype=np.dtype(np.float32), stats=True, rdtype=np.dtype(np.float32))
+    grad = _wide.WideGradSpec(spec)
+    assert list(grad.outputs()) == ["dx", "dres", "dw", "db"]
+    assert grad.inputs() == ("dy", "x", "dh", "w", "center", "scale")
+    assert grad.outputs()["dres"] == ((8, 6, 64), np.dtype(np.float32)) and grad.outputs()["dx"][1] == BF16
+    layout = _wide._layout(grad)
+    assert layout.rule()[0] == ("d0 d1 d2, d0 d1 d2, d0 d1 d2, d2, d0 d1, d0 d1 -> d0 d1 d2, d0 d1 d2, d2, d2")
+    assert layout.summed == {2, 3} and layout.whole == {"d2"}
+    assert _wide.fusable_backward(spec)
+    for other in (dataclasses.replace(spec, rdtype=None), dataclasses.replace(spec, operands=(("shift", (8, 1, 64)),)),
+                  dataclasses.replace(spec, epilogue=plans.activation_flags("silu")),
+                  dataclasses.replace(spec, shape=(8, 6, 16384))):
+        assert not _wide.fusable_backward(other)

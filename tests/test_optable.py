@@ -43,6 +43,10 @@ SCHEMAS = {
     "layer_norm_modulated_backward": "(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, "
                                      "Tensor? dh, Tensor? shift, Tensor? scale, Tensor? residual_gate, "
                                      "Tensor? gated_x, SymInt[] axes) -> Tensor[]",
+    "rms_norm_float32_residual_backward": "(Tensor dy, Tensor x, Tensor rstd, Tensor? weight, Tensor? dh, "
+                                          "SymInt[] axes) -> Tensor[]",
+    "layer_norm_float32_residual_backward": "(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, "
+                                            "Tensor? bias, Tensor? dh, SymInt[] axes) -> Tensor[]",
 }
 
 

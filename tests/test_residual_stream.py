@@ -7,8 +7,8 @@ import pytest
 
 import cunorm
 from cunorm import reference
-from cunorm._engine import dispatch_rows, dtypes, plans
-from helpers import arr, random
+from cunorm._engine import catalogue, dispatch_rows, dtypes, plans
+from helpers import arr, dispatch_recorder, random
 
 BF16 = dtypes.bfloat16
 
@@ -121,3 +121,106 @@ def test_the_jax_composition_is_the_reference(rng):
     assert y.dtype == jnp.bfloat16 and h.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(h), want_h)
     np.testing.assert_allclose(np.asarray(y).astype(np.float64), want_y, rtol=8e-3, atol=8e-3)
+
+
+# -- the fused backward (wide_grad.py, rows_grad_wide) --------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+@pytest.mark.parametrize("with_dh", [True, False])
+def test_the_backward_is_the_norms_gradient_of_h_twice(rng, kind, with_dh):
+    """NumPy arrays: the float64 gradient of h (the norm's of dy, plus dh),
+    x's rounded once to x's dtype, the residual's to float32."""
+    from cunorm import backward
+
+    x, r = random(rng, (4, 3, 96), BF16), random(rng, (4, 3, 96), np.float32, 20.0)
+    w, b = random(rng, (96,), BF16, 0.5, 1.0), random(rng, (96,), np.float32)
+    dy = random(rng, (4, 3, 96), BF16)
+    dh = random(rng, (4, 3, 96), np.float32) if with_dh else None
+    if kind == "rms":
+        _, h, rstd = cunorm.rms_norm(x, w, residual=r, return_stats=True)
+        got = backward.rms_norm_float32_residual_backward(dy, h, rstd, w, dh=dh)
+        want, dw = reference.rms_norm_backward(dy, h, rstd, w, dh=dh, exact=True)
+        db = None
+    else:
+        _, h, mean, rstd = cunorm.layer_norm(x, w, b, residual=r, return_stats=True)
+        got = backward.layer_norm_float32_residual_backward(dy, h, mean, rstd, w, b, dh=dh)
+        want, dw, db = reference.layer_norm_backward(dy, h, mean, rstd, w, b, dh=dh, exact=True)
+    assert got.x.dtype == BF16 and got.residual.dtype == np.float32
+    np.testing.assert_array_equal(got.x.view(np.uint16), want.astype(BF16).view(np.uint16))
+    np.testing.assert_array_equal(got.residual, want.astype(np.float32))
+    np.testing.assert_array_equal(got.weight.view(np.uint16), dw.astype(BF16).view(np.uint16))
+    if kind == "ln":
+        np.testing.assert_array_equal(got.bias, db.astype(np.float32))
+    else:
+        assert got.bias is None
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"h": BF16}, TypeError, "h must be float32"),
+    ({"dy": np.float32}, TypeError, "dy must have x's 16-bit dtype"),
+    ({"dh": BF16}, TypeError, "dh must have h's dtype float32"),
+    ({"dh_shape": (2, 5, 8)}, ValueError, r"dh must have h's shape \(2, 5, 16\)"),
+    ({"dy_shape": (2, 16)}, ValueError, r"dy must have h's shape \(2, 5, 16\)"),
+    ({"axis": (0, 1)}, ValueError, "normalize over the trailing axes"),
+    ({"rstd": np.float64}, TypeError, "rstd must have dtype float32"),
+])
+def test_bad_backward_arguments_are_refused(xp, change, error, match):
+    from cunorm import backward
+
+    shape = (2, 5, 16)
+    h = arr(xp, shape, change.get("h", np.float32))
+    dy = arr(xp, change.get("dy_shape", shape), change.get("dy", BF16))
+    dh = arr(xp, change.get("dh_shape", shape), change.get("dh", np.float32))
+    axis = change.get("axis", -1)
+    rstd = arr(xp, (16,) if axis == (0, 1) else (2, 5), change.get("rstd", np.float32))
+    with pytest.raises(error, match=match):
+        backward.rms_norm_float32_residual_backward(dy, h, rstd, axis=axis, dh=dh)
+
+
+def test_the_backward_runs_rows_grad_wide_whatever_the_batch():
+    """rows_grad_wide over rows of up to 8192 elements (16 float32 h a
+    thread), the same kernel for any number of rows; None past them."""
+    from cunorm._engine import wide_grad
+
+    for n in (64, 1000, 1152, 4096, 8192):
+        vec = plans.vector_width(2, n, [], [])
+        kernels = {wide_grad.choose("ln", BF16, BF16, plans.FLAG_WEIGHT | plans.FLAG_BIAS, rows, n, vec,
+                                    H100).steps[0].kernel for rows in (1, 7, 4096)}
+        (kernel,) = kernels
+        assert kernel.name == "rows_grad_wide" and kernel.cooperative
+        assert kernel in set(catalogue.wide_grad_kernels())
+        assert wide_grad.fits(n)
+    assert wide_grad.choose("rms", BF16, None, 0, 64, 16384, 8, H100) is None and not wide_grad.fits(16384)
+    # the next row fetched into L2 for one vector a thread or a block alone on its SM only
+    fetched = {n: wide_grad.choose("rms", BF16, BF16, plans.FLAG_WEIGHT, 32768, n, 8, H100).prefetch_next
+               for n in (1152, 3072, 4096, 8192)}
+    assert fetched == {1152: True, 3072: False, 4096: False, 8192: True}
+    assert not wide_grad.fusable((4, 8192), 0, 0) and wide_grad.fusable((4, 3, 8192), 2, 2)
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+def test_the_torch_operator_differentiates_through_the_stream_backward(kind):
+    """torch.ops.cunorm.{rms,layer}_norm with a float32 residual under bf16
+    x, where autograd records (as torch.compile traces it): its formula
+    calls the stream's backward operator (the fakes on meta tensors: no
+    GPU), dx in bf16, dresidual in float32."""
+    torch = pytest.importorskip("torch")
+    import cunorm.torch  # noqa: F401  (registers the operators)
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dtype).requires_grad_()
+
+    x, r, w, b = meta(3, 5, 256), meta(3, 5, 256, dtype=torch.float32), meta(256), meta(256)
+    if kind == "rms":
+        y, h, _ = torch.ops.cunorm.rms_norm(x, w, r, [-1], 1e-5, True, 0)
+        leaves = (x, r, w)
+    else:
+        y, h, _, _ = torch.ops.cunorm.layer_norm(x, w, b, r, [-1], 1e-5, True, 0)
+        leaves = (x, r, w, b)
+    assert h.dtype == torch.float32
+    with dispatch_recorder() as recording:
+        grads = torch.autograd.grad((y, h), leaves, (torch.empty_like(y), torch.empty_like(h)))
+    name = "rms_norm" if kind == "rms" else "layer_norm"
+    assert [str(f) for f in recording.called if "cunorm" in f] == [f"cunorm.{name}_float32_residual_backward.default"]
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32] + [torch.bfloat16] * (len(leaves) - 2)
+    assert all(tuple(g.shape) == tuple(a.shape) for g, a in zip(grads, leaves))

@@ -15,7 +15,7 @@ caller that keeps the launcher a call ran (the torch layers' memo) passes
 from __future__ import annotations
 
 from . import (channel_norms, conditioning, dtypes, gated_grad, gradients, launch_cache, modulated_grad, ops, plans,
-               row_norms)
+               row_norms, wide_grad)
 from .. import _interop, reference
 
 
@@ -157,6 +157,15 @@ def rows_grad_gated(dy, x, rstd, weight, gate, norm_before_gate, axis):
     if results is not None:
         return gated_grad.GatedGrads(*results)
     return gated_grad.run(gated_grad.GatedGradCall(dy, x, rstd, weight, gate, norm_before_gate, axis), key)
+
+
+def rows_grad_wide(norm, dy, h, mean, rstd, weight, bias, dh, axis):
+    """The float32 residual stream's backward (wide_grad.py): WideResidualGrads."""
+    key = wide_grad.key(norm, dy, h, mean, rstd, weight, bias, dh, axis)
+    results = launch_cache.replay(launch_cache.ROWS_GRAD, key, dy, h, mean, rstd, weight, bias, dh)
+    if results is not None:
+        return wide_grad.WideResidualGrads(*results)
+    return wide_grad.run(wide_grad.WideGradCall(norm, dy, h, mean, rstd, weight, bias, dh, axis), key)
 
 
 def channel_grad(norm, dy, x, mean, rstd, num_groups, weight, bias, channel_axis, training, eps,

@@ -78,7 +78,7 @@ def all_kernels(norms=None) -> list[Kernel]:
             out.append(K.RESIDUAL_ADD(dtypes.KERNEL_TYPE[dtype], vec))
     # (each once: the dtypes that share an accumulation type share its kernels)
     return list(dict.fromkeys(out + channel_kernels() + backward_kernels() + gated_grad_kernels() +
-                              modulated_grad_kernels()))
+                              wide_grad_kernels() + modulated_grad_kernels()))
 
 
 def channel_kernels() -> list[Kernel]:
@@ -262,6 +262,32 @@ def gated_grad_kernels() -> list[Kernel]:
                                 out.append(K.ROWS_GRAD_GATED(grad, t, p, flags, gate, vec, vpt,
                                                              *grad_cached_multi_row_bounds(tune), 1,
                                                              cooperative=flags != 0, persistent=True))
+    return list(dict.fromkeys(out))
+
+
+def wide_grad_kernels() -> list[Kernel]:
+    """The float32 residual stream's backward (rows_grad_wide, 16-bit dy
+    over float32 h): rows_grad_cached's shapes for 32-bit data."""
+    out = []
+    tunes = _tunings()
+    a = dtypes.KERNEL_TYPE[dtypes.float32]
+    for dtype in [d for d in dtypes.SUPPORTED if d.itemsize == 2]:
+        t = dtypes.KERNEL_TYPE[dtype]
+        for norm in ("rms", "ln"):
+            grad = grad_policy(norm, a)
+            affine = [(dtypes.NO_PARAMS, 0)] + [(p, f) for f in norm_info(norm).flags if f for p in sorted({t, a})]
+            for p, flags in affine:
+                for vec in _vector_widths(dtype):
+                    for vpt in _vpt_choices(vec, 4):
+                        for tune in tunes:
+                            for threads in (tune.grad_cached_target_threads, GRAD_CACHED_MAX_THREADS):
+                                out.append(K.ROWS_GRAD_WIDE(grad, t, p, flags, vec, vpt,
+                                                            *grad_cached_bounds(threads, vpt, tune), 0,
+                                                            cooperative=flags != 0, persistent=True))
+                            if vpt == 1:
+                                out.append(K.ROWS_GRAD_WIDE(grad, t, p, flags, vec, vpt,
+                                                            *grad_cached_multi_row_bounds(tune), 1,
+                                                            cooperative=flags != 0, persistent=True))
     return list(dict.fromkeys(out))
 
 

@@ -216,6 +216,10 @@ ROWS_GRAD_GATED = KernelDecl("backward", "rows_grad_gated",
                              ("Grad", "T", "P", "FLAGS", "GATE", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "MULTI_ROW"),
                              _args("dy x z w scale:in dx dz partial:out rows:i64 n row_threads:i32 eps:acc "
                                    "prefetch_next:i32 dw arrived:out heads:i32"))
+ROWS_GRAD_WIDE = KernelDecl("backward", "rows_grad_wide",
+                            ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "MULTI_ROW"),
+                            _args("dy x dh w center scale:in dx dres partial:out rows:i64 n row_threads:i32 eps:acc "
+                                  "prefetch_next:i32 dw db arrived:out heads:i32"))
 ROWS_GRAD_CLUSTER = KernelDecl("backward", "rows_grad_cluster",
                                ("Grad", "T", "P", "FLAGS", "VEC", "VPT", "MAX_THREADS", "MIN_BLOCKS", "CLUSTER"),
                                _ROWS_GRAD_CLUSTER_ARGS)

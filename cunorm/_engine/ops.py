@@ -96,6 +96,10 @@ class Op:
     gated_backward: the backward operator of the conditioned forward's
         gated form (gate= over rows, gated_grad.py), which its autograd
         formula calls in place of the modulated one.
+    wide_backward: the backward operator of the plain forward with a
+        float32 residual under 16-bit x (the float32 residual stream,
+        wide_grad.py), which its autograd formula calls in place of the
+        plain one: [dx, dresidual, dweight?, dbias?].
     """
 
     name: str
@@ -115,6 +119,7 @@ class Op:
     conditioned: tuple[str, ...] = ()
     conditioned_operators: tuple[Operator, Operator] | None = None
     gated_backward: Operator | None = None
+    wide_backward: Operator | None = None
 
     @property
     def pairs(self) -> tuple[tuple[Operator, Operator], ...]:
@@ -149,7 +154,9 @@ OPS = {op.name: op for op in (
                     + _CONDITIONED_FORWARD),
            Operator("rms_norm_modulated_backward", _ROWS_BACKWARD + ("rstd", "weight") + _MODULATED_BACKWARD)),
        gated_backward=Operator("rms_norm_gated_backward",
-                               _ROWS_BACKWARD + ("rstd", "weight", "gate", "norm_before_gate", "axes"))),
+                               _ROWS_BACKWARD + ("rstd", "weight", "gate", "norm_before_gate", "axes")),
+       wide_backward=Operator("rms_norm_float32_residual_backward",
+                              _ROWS_BACKWARD + ("rstd", "weight", "dh", "axes"))),
     Op("layer_norm", "rows", "ln", ("weight", "bias"), True, False, ("mean", "rstd"), ("activation",),
        DEFAULT_EPS, reference.layer_norm, reference.layer_norm_backward,
        Operator("layer_norm", ("x", "weight", "bias", "residual", "axes", "eps", "return_stats", "epilogue")),
@@ -159,7 +166,9 @@ OPS = {op.name: op for op in (
            Operator("layer_norm_conditioned", ("x", "weight", "bias", "residual") + _CONDITIONED
                     + _CONDITIONED_FORWARD),
            Operator("layer_norm_modulated_backward", _ROWS_BACKWARD + ("mean", "rstd", "weight", "bias")
-                    + _MODULATED_BACKWARD))),
+                    + _MODULATED_BACKWARD)),
+       wide_backward=Operator("layer_norm_float32_residual_backward",
+                              _ROWS_BACKWARD + ("mean", "rstd", "weight", "bias", "dh", "axes"))),
     Op("normalize", "rows", None, (), False, False, (), (), LP_EPS, reference.normalize,
        reference.normalize_backward, _NORMALIZE, _NORMALIZE_BACKWARD),
     Op("mean_abs_normalize", "rows", "mean_abs", (), False, False, (), (), LP_EPS, reference.mean_abs_normalize,
@@ -200,6 +209,7 @@ def operators() -> dict[str, Operator]:
     """Every operator of the table, forward and backward, by name (each once)."""
     found = {}
     for op in OPS.values():
-        for operator in [o for pair in op.pairs for o in pair] + ([op.gated_backward] if op.gated_backward else []):
+        extra = [o for o in (op.gated_backward, op.wide_backward) if o is not None]
+        for operator in [o for pair in op.pairs for o in pair] + extra:
             found.setdefault(operator.name, operator)
     return found

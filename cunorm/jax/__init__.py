@@ -257,7 +257,8 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
     operands, cunorm/jax/_modulated.py); under jax.grad, shift=, scale= and
     residual_gate= of one per-sample pattern run the fused modulated
     backward, gate= over whole rows the fused gated backward
-    (cunorm/jax/_gated.py), per-head parameters alone the plain row
+    (cunorm/jax/_gated.py), the float32 residual alone its fused backward
+    (cunorm/jax/_wide.py), per-head parameters alone the plain row
     norm's vjp (its backward over the heads), the other forms the gradient of
     _conditioned_composed. Rows
     rows_cached does not take run _conditioned_composed. ``plain``: the
@@ -283,6 +284,8 @@ def _conditioned_traced(plain, norm, x, weight, bias, *, axis, eps, residual, re
         outs = jm.modulated_vjp(spec, jm.prepare(spec, *args))
     elif gate is not None and _gated_module().fusable_backward(spec):
         outs = _gated_module().gated_vjp(spec, jm.prepare(spec, *args))
+    elif spec.rdtype is not None and _wide_module().fusable_backward(spec):
+        outs = _wide_module().wide_vjp(spec, jm.prepare(spec, *args))
     else:  # (the fused forward, differentiated as the composed formula)
         outs = _epilogue_vjp(lambda s, *a: jm.bind_forward(s, jm.prepare(s, *a)),
                              lambda s, *a: _as_tuple(composed(*a)), spec, args)
@@ -332,6 +335,13 @@ def _gated_module():
     from . import _gated
 
     return _gated
+
+
+def _wide_module():
+    _modulated_module()
+    from . import _wide
+
+    return _wide
 
 
 def _astype(a, dtype):

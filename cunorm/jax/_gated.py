@@ -88,10 +88,8 @@ def _layout(spec: GatedGradSpec) -> _sharding.Layout:
                             frozenset(norm), frozenset(i for i, n in enumerate(outputs) if n == "dw"))
 
 
-_sharding.register(gated_grad_p, _lowering, _layout,
-                   lambda spec, shape: GatedGradSpec(spec.forward.localized(shape), spec.pdtype))
-_jit.batching.primitive_batchers[gated_grad_p] = lambda args, dims, *, spec: _jit._unrolled(
-    gated_grad_p, args, dims, spec=spec)
+_jit.register_unbatched(gated_grad_p, _lowering, _layout,
+                        lambda spec, shape: GatedGradSpec(spec.forward.localized(shape), spec.pdtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -507,6 +507,13 @@ def _unrolled(prim, args, dims, **params):
     return [jax.numpy.stack(o) for o in zip(*outs)], [0] * len(outs[0])
 
 
+def register_unbatched(prim, lowering, layout_of, localize) -> None:
+    """_sharding.register of a fused backward's primitive, batched by
+    _unrolled (one call per mapped index)."""
+    _sharding.register(prim, lowering, layout_of, localize)
+    batching.primitive_batchers[prim] = lambda args, dims, *, spec: _unrolled(prim, args, dims, spec=spec)
+
+
 def _fold(spec, shape):
     return dataclasses.replace(spec, shape=shape)
 

@@ -181,10 +181,8 @@ def _layout(spec: ModulatedGradSpec) -> _sharding.Layout:
                             frozenset(i for i, n in enumerate(outputs) if n in named))
 
 
-_sharding.register(modulated_grad_p, _lowering, _layout,
-                   lambda spec, shape: ModulatedGradSpec(spec.forward.localized(shape), spec.dh))
-_jit.batching.primitive_batchers[modulated_grad_p] = lambda args, dims, *, spec: _jit._unrolled(
-    modulated_grad_p, args, dims, spec=spec)
+_jit.register_unbatched(modulated_grad_p, _lowering, _layout,
+                        lambda spec, shape: ModulatedGradSpec(spec.forward.localized(shape), spec.dh))
 
 
 # --- forward and backward fused -------------------------------------------------------------------

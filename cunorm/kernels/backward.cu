@@ -28,6 +28,9 @@
 //                      launch). One read of x and dy, one write of dx.
 //   rows_grad_gated    rows_grad_cached for the gated RMSNorm: the gate z
 //                      read beside x and dy, dz written beside dx.
+//   rows_grad_wide     rows_grad_cached for the float32 residual stream: h
+//                      and dh float32 under 16-bit dy, dx written in dy's
+//                      type and the residual's gradient in float32.
 //   rows_grad_cluster  the same for rows one block cannot hold (sm_90): a
 //                      thread-block cluster a row, its partials added by
 //                      column_sum.
@@ -119,21 +122,26 @@ __device__ __forceinline__ typename Grad::Stats cluster_combine(typename Grad::S
 // rows at once, slot s (threads s x row_threads ...) taking rows b x slots
 // + s, + gridDim.x x slots, ...; the slots' column sums are added in slot
 // order before the block writes its one partial row.
+// X: the storage type of x and dh (T, or float32 for the float32 residual
+// stream's h under 16-bit dy), whose gradient is then also written to
+// dres as X beside dx in T.
 template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int CLUSTER, int MULTI_ROW,
-          int GATE>
+          int GATE, class X>
 __device__ __forceinline__ void rows_grad_cached_body(
-    const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ dh, const T* __restrict__ z,
+    const T* __restrict__ dy, const X* __restrict__ x, const X* __restrict__ dh, const T* __restrict__ z,
     const P* __restrict__ w,
     const typename AccOf<T>::type* __restrict__ center, const typename AccOf<T>::type* __restrict__ scale,
     T* __restrict__ dx, typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
     typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
-    unsigned int* __restrict__ arrived, T* __restrict__ dz, int heads) {
+    unsigned int* __restrict__ arrived, T* __restrict__ dz, int heads, X* __restrict__ dres) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     static_assert(CLUSTER == 1, "thread-block clusters need sm_90");
 #endif
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
     using Sums = ColumnSums<A, VEC>;
+    constexpr bool kWide = !same_type<X, T>::value;  // dx in T and dres in X
+    static_assert(!kWide || (same_type<X, A>::value && GATE == kGradUngated), "a wide x is the float32 stream's h");
     constexpr int W = Sums::kWidth;
     __shared__ Stats scratch[33];
     __shared__ Stats cluster_slots[CLUSTER > 1 ? 2 : 1];
@@ -194,14 +202,14 @@ __device__ __forceinline__ void rows_grad_cached_body(
         const long long row = first_row + slot;
         const bool active = !MULTI_ROW || row < rows;  // (a slot past the end still meets the barriers)
         const long long base = row * n;
-        Vec<T, VEC> xv[VPT];
+        Vec<X, VEC> xv[VPT];
         Vec<T, VEC> gv[VPT];
         Vec<T, VEC> zv[GATE ? VPT : 1];
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             const int v = first_vec + k * row_threads;
             if (active && v < n_vec) {
-                xv[k] = load_vec<T, VEC>(x + base + static_cast<long long>(v) * VEC);
+                xv[k] = load_vec<X, VEC>(x + base + static_cast<long long>(v) * VEC);
                 gv[k] = load_vec<T, VEC>(dy + base + static_cast<long long>(v) * VEC);
                 if constexpr (GATE != kGradUngated) zv[k] = load_vec<T, VEC>(z + base + static_cast<long long>(v) * VEC);
             }
@@ -219,6 +227,7 @@ __device__ __forceinline__ void rows_grad_cached_body(
             const int bytes = min(n - first, row_threads * VPT * VEC) * static_cast<int>(sizeof(T));
             for (int offset = tid * 128; offset < bytes; offset += row_threads * 128) {
                 prefetch_l2(x_next + offset);
+                if constexpr (kWide) prefetch_l2(x_next + bytes + offset);  // (x twice dy's bytes)
                 prefetch_l2(dy_next + offset);
                 if constexpr (GATE != kGradUngated) {
                     prefetch_l2(reinterpret_cast<const char*>(z + (row + row_step) * n + first) + offset);
@@ -268,9 +277,10 @@ __device__ __forceinline__ void rows_grad_cached_body(
             const int v = first_vec + k * row_threads;
             if (active && v < n_vec) {
                 const long long e = base + static_cast<long long>(v) * VEC;
-                Vec<T, VEC> hv;
-                if (dh != nullptr) hv = load_vec<T, VEC>(dh + e);
+                Vec<X, VEC> hv;
+                if (dh != nullptr) hv = load_vec<X, VEC>(dh + e);
                 Vec<T, VEC> out;
+                Vec<X, VEC> wide_out;
                 Vec<T, VEC> dz_out;
 #pragma unroll
                 for (int g = 0; g < VEC / W; ++g) {
@@ -306,6 +316,7 @@ __device__ __forceinline__ void rows_grad_cached_body(
                         }
                         if (dh != nullptr) d += static_cast<A>(widen(hv.v[j]));
                         narrow(d, out.v[j]);
+                        if constexpr (kWide) wide_out.v[j] = d;
                         if constexpr (FLAGS & kWeight) dw_group.v[i] = fma(dyj, (xj - c.center) * c.scale, dw_group.v[i]);
                         if constexpr (FLAGS & kBias) db_group.v[i] += dyj;
                     }
@@ -313,6 +324,7 @@ __device__ __forceinline__ void rows_grad_cached_body(
                     if constexpr (FLAGS & kBias) *db_sums.group(k, g) = db_group;
                 }
                 store_vec<T, VEC>(dx + e, out);
+                if constexpr (kWide) store_vec<X, VEC>(dres + e, wide_out);
                 if constexpr (GATE != kGradUngated) store_vec<T, VEC>(dz + e, dz_out);
             }
         }
@@ -391,9 +403,9 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
                      typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
                      unsigned int* __restrict__ arrived, int heads) {
-    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, kGradUngated>(
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, kGradUngated, T>(
         dy, x, dh, nullptr, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived,
-        nullptr, heads);
+        nullptr, heads, nullptr);
 }
 
 // The gated RMSNorm (Grad RmsGrad): rows_grad_cached reading the gate z
@@ -414,9 +426,31 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                     int row_threads, typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw,
                     unsigned int* __restrict__ arrived, int heads) {
     static_assert(GATE == kGradGateOutput || GATE == kGradGateInput, "a gated backward");
-    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, GATE>(
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, GATE, T>(
         dy, x, nullptr, z, w, nullptr, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, nullptr,
-        arrived, dz, heads);
+        arrived, dz, heads, nullptr);
+}
+
+// The float32 residual stream's backward (T 16-bit; the forward formed h =
+// x + r in float32 and normalized it): rows_grad_cached over h (float32)
+// with dy in T; dh (the float32 gradient that reached h, or null) is added
+// in float32, and the sum, the gradient of both x and the residual, is
+// written twice: dx rounded once to T, dres as float32. Per element: dy
+// and dx 2 bytes each, h, dh and dres 4.
+template <class Grad, class T, class P, int FLAGS, int VEC, int VPT, int MAX_THREADS, int MIN_BLOCKS, int MULTI_ROW>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
+    rows_grad_wide(const T* __restrict__ dy, const typename AccOf<T>::type* __restrict__ x,
+                   const typename AccOf<T>::type* __restrict__ dh, const P* __restrict__ w,
+                   const typename AccOf<T>::type* __restrict__ center,
+                   const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
+                   typename AccOf<T>::type* __restrict__ dres, typename AccOf<T>::type* __restrict__ partial,
+                   long long rows, int n, int row_threads, typename AccOf<T>::type eps, int prefetch_next,
+                   P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived, int heads) {
+    static_assert(sizeof(T) == 2, "the float32 stream runs under 16-bit x");
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, kGradUngated,
+                          typename AccOf<T>::type>(
+        dy, x, dh, nullptr, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived,
+        nullptr, heads, dres);
 }
 
 // A cluster of CLUSTER blocks a row (sm_90; never cooperative).
@@ -428,9 +462,9 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(C
                       typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
                       typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
                       unsigned int* __restrict__ arrived) {
-    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER, 0, kGradUngated>(
+    rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER, 0, kGradUngated, T>(
         dy, x, dh, nullptr, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived,
-        nullptr, 1);
+        nullptr, 1, nullptr);
 }
 
 // --- column_sum ------------------------------------------------------------------

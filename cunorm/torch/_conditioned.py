@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from .._engine import calls, conditioning, gated_grad, gradients, ops, plans, row_norms
+from .._engine import calls, conditioning, gated_grad, gradients, ops, plans, row_norms, wide_grad
 from .._interop import torch as _adapter
 from ._autograd import TORCH_ACTIVATIONS, needs_grad, offset_weight, once_differentiable
 from ._operators import axes_span, modulated_fusable, operator_axes
@@ -96,6 +96,46 @@ class GatedRowNorm(torch.autograd.Function):
         return g.x, dw, g.gate, None, None, None
 
 
+class WideRowNorm(torch.autograd.Function):
+    """rms_norm / layer_norm of 16-bit x with a float32 residual (the
+    float32 residual stream), fused forward (rows_cached's float32 h) and
+    backward (rows_grad_wide, cunorm/_engine/wide_grad.py): outputs y, h,
+    then the statistics (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, norm, axis, eps, epilogue):
+        results = calls.rows(norm, x, weight, bias, residual, axis, eps, True, None, None, epilogue)
+        statistics = results[2:]
+        ctx.save_for_backward(results[1], weight, bias, *statistics)
+        ctx.norm, ctx.axis, ctx.dtype = norm, axis, x.dtype
+        ctx.mark_non_differentiable(*statistics)
+        ctx.set_materialize_grads(False)
+        return tuple(results)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dh, *_):
+        h, weight, bias, *statistics = ctx.saved_tensors
+        if dy is None:  # only h was used
+            dy = torch.zeros(h.shape, dtype=ctx.dtype, device=h.device)
+        mean, rstd = statistics if ctx.norm == "ln" else (None, statistics[0])
+        g = calls.rows_grad_wide(ctx.norm, dy, h, mean, rstd, weight, bias, dh, ctx.axis)
+        return g.x, g.weight, g.bias, g.residual, None, None, None, None
+
+
+def wide_fusable(x, weight, bias, axis, epilogue) -> bool:
+    """Whether the float32 residual stream's fused backward
+    (wide_grad.fusable) takes a call on torch tensors (CUDA, or meta: the
+    operators' fakes give their shapes): parameters over the normalized
+    axes or none, no activation or weight offset."""
+    if (not isinstance(x, torch.Tensor) or x.device.type not in ("cuda", "meta")
+            or epilogue & plans.UNFUSED_IN_BACKWARD
+            or conditioning.per_head(weight, axis) or conditioning.per_head(bias, axis)):
+        return False
+    first, last = axes_span(axis, x.dim())
+    return wide_grad.fusable(tuple(x.shape), first, last)
+
+
 def heads_alone(norm, x, weight, bias, axis, residual, *operands) -> bool:
     """Whether a call's only per-row operands are parameters per head
     that the plain backward takes (gradients.per_head_fits): such a call
@@ -136,6 +176,11 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
     fused_backward = gate is None and modulated_fusable(norm, x, weight, bias, residual, axis, epilogue, shift, scale,
                                                         residual_gate)
     fused_gated = gate is not None and residual is None and gated_fusable(x, gate, axis)
+    fused_wide = (grad and all(a is None for a in (shift, scale, residual_gate, gate))
+                  and conditioning.wide(x, residual) and _checked_wide(x, residual, axis)
+                  and wide_fusable(x, weight, bias, axis, epilogue))
+    if fused_wide:
+        return _wide(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, compiling)
     if compiling and (fused_backward or fused_gated or not grad):
         return _operator(norm, x, weight, bias, residual, shift, scale, residual_gate, gate, axis, eps, return_stats,
                          epilogue, grad)
@@ -174,6 +219,29 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
 
 def _to(t, dtype):
     return t.to(dtype)
+
+
+def _checked_wide(x, residual, axis) -> bool:
+    """conditioning.check_wide of a torch call (its TypeError or
+    ValueError); True where the residual is the float32 stream."""
+    _, last = axes_span(axis, x.dim())
+    return conditioning.check_wide(x.dtype, residual.dtype, x.element_size(), residual.dtype == torch.float32, last,
+                                   x.dim(), False)
+
+
+def _wide(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, compiling):
+    """The float32 residual stream where autograd records: WideRowNorm in
+    eager mode; under dynamo the plain operator, whose autograd formula
+    calls the stream's backward operator (torch.ops.cunorm.*_float32_residual_backward)."""
+    if compiling:
+        axes, eps = operator_axes(axis), row_norms.check_eps(eps)
+        if norm == "rms":
+            results = torch.ops.cunorm.rms_norm(x, weight, residual, axes, eps, True, epilogue)
+        else:
+            results = torch.ops.cunorm.layer_norm(x, weight, bias, residual, axes, eps, True, epilogue)
+    else:
+        results = WideRowNorm.apply(x, weight, bias, residual, norm, axis, eps, epilogue)
+    return tuple(results) if return_stats else (results[0], results[1])
 
 
 def _operator(norm, x, weight, bias, residual, shift, scale, residual_gate, gate, axis, eps, return_stats, epilogue,

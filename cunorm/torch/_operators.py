@@ -193,6 +193,23 @@ def _forward_fake(op: Op, a: dict):
     return outputs
 
 
+def _wide_backward(op: Op, a: dict):
+    """The float32 residual stream's backward operator: [dx, dresidual,
+    dweight?, dbias?]."""
+    g = calls.rows_grad_wide(op.norm, a["dy"], a["x"], a.get("mean"), a["rstd"], a.get("weight"), a.get("bias"),
+                             a["dh"], _axis(a["axes"], op))
+    return [g.x, g.residual] + _present(g.weight, g.bias)
+
+
+def _wide_backward_fake(op: Op, a: dict):
+    """dx C-contiguous in dy's dtype, dresidual in h's float32, the
+    parameters' gradients in their own."""
+    h = a["x"]
+    dx = torch.empty(h.shape, dtype=a["dy"].dtype, device=h.device)
+    return [dx, torch.empty_like(h, memory_format=torch.contiguous_format)] + [
+        p.new_empty(p.shape) for p in _present(a.get("weight"), a.get("bias"))]
+
+
 def _backward_fake(op: Op, a: dict):
     x = a["x"]
     if op.family == "rows":
@@ -251,7 +268,7 @@ def _setup(op: Op, operators: tuple, ctx, a: dict, output) -> None:
     training = a.get("training", True)
     ctx.kept = a["return_stats"] or not training
     ctx.residual = a.get("residual") is not None
-    ctx.composed = None
+    ctx.composed, ctx.wide, ctx.dtype = None, False, a["x"].dtype
     if not ctx.kept:
         return
     if ctx.gated:
@@ -262,6 +279,9 @@ def _setup(op: Op, operators: tuple, ctx, a: dict, output) -> None:
         return
     if op.family == "rows":
         h = output[1] if ctx.residual else a["x"]
+        ctx.wide = ctx.residual and h.dtype != a["x"].dtype  # (the float32 residual stream)
+        if ctx.wide:
+            ctx.backward = op.wide_backward
         conditioned = [a[name] for name in ("shift", "scale", "residual_gate") if name in a]
         if conditioned:
             # (the pattern of the arrays is not looked at: the backward's ValueError names one it does not take)
@@ -320,11 +340,12 @@ def _gradients(op: Op, ctx, grads) -> tuple:
         shift = scale = residual_gate = gated_x = None
         if modulated:
             shift, scale, residual_gate, gated_x, *rest = rest
-        values = dict(zip(op.statistics, rest), dy=grads[0] if grads[0] is not None else torch.zeros_like(h), x=h,
-                      weight=weight, bias=bias, dh=grads[1] if ctx.residual else None, shift=shift, scale=scale,
-                      residual_gate=residual_gate, gated_x=gated_x, axes=ctx.axes)
+        dy = grads[0] if grads[0] is not None else torch.zeros_like(h, dtype=ctx.dtype)
+        values = dict(zip(op.statistics, rest), dy=dy, x=h, weight=weight, bias=bias,
+                      dh=grads[1] if ctx.residual else None, shift=shift, scale=scale, residual_gate=residual_gate,
+                      gated_x=gated_x, axes=ctx.axes)
         results = backward(*(values[name] for name in ctx.backward.arguments))
-        dres = results[1] if residual_gate is not None else None
+        dres = results[1] if residual_gate is not None or ctx.wide else None
         rest = iter(results[1 + (dres is not None):])
         found = {"x": results[0], "residual": dres if dres is not None else (results[0] if ctx.residual else None)}
         for name, given in (("weight", weight), ("bias", bias), ("shift", shift), ("scale", scale),
@@ -372,6 +393,8 @@ def _register() -> dict:
     for op in OPS.values():
         if op.gated_backward is not None:
             register(op, op.gated_backward, _backward, _backward_fake)
+        if op.wide_backward is not None:
+            register(op, op.wide_backward, _wide_backward, _wide_backward_fake)
         for pair in op.pairs:
             for operator, impl, fake in zip(pair, (_forward, _backward), (_forward_fake, _backward_fake)):
                 register(op, operator, impl, fake)

@@ -89,6 +89,22 @@ def test_conditioned_and_gated_rows_compile_without_spills():
 
 
 @pytest.mark.parametrize("arch", [80, 90])
+def test_the_float32_residual_backward_compiles_without_spills(arch):
+    """rows_grad_wide (float32 h and dh in registers beside 16-bit dy): the
+    heaviest parameters of each norm and block shape at 16-byte vectors."""
+    heaviest = {}
+    for k in catalogue.wide_grad_kernels():
+        grad, t, p, flags, vec, vpt, most, fewest, multi = k.template_args
+        if t == "cunorm::bf16_t" and vec == 8:
+            group = (grad, vpt, most, fewest, multi)
+            if group not in heaviest or (flags, p == "float") > heaviest[group][0]:
+                heaviest[group] = ((flags, p == "float"), k)
+    kernels = [k for _, k in heaviest.values()]
+    assert len(kernels) >= 10
+    _check(f"sm_{arch}", kernels)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
 def test_representative_set_compiles_without_spills(arch):
     _check(f"sm_{arch}", catalogue.representative_kernels([k for k in _all() if k.min_arch <= arch]))
 
