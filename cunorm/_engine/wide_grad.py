@@ -40,8 +40,9 @@ class WideResidualGrads(NamedTuple):
     bias: object
 
 
-#: the rows rows_grad_wide holds, as its errors name them
-ROW_LIMIT = 8192
+#: the longest row rows_grad_wide holds, as its errors name it: h's float32
+#: elements within rows_grad_cached's bytes a thread, in its largest block
+ROW_LIMIT = dispatch_grad.GRAD_CACHED_MAX_BYTES // 4 * dispatch_grad.GRAD_CACHED_MAX_THREADS
 
 
 def choose(norm: str, dtype, pdtype, flags: int, rows: int, n: int, vec: int, device, cooperative: bool = True,
@@ -58,7 +59,9 @@ def choose(norm: str, dtype, pdtype, flags: int, rows: int, n: int, vec: int, de
         dtypes.float32, flags, rows, n // vec, vec, device, cooperative, 1, heads=heads)
     if launch is None:
         return None
-    vpt, min_blocks = launch.steps[0].kernel.template_args[5], launch.steps[0].kernel.template_args[7]
+    kernel = launch.steps[0].kernel
+    shape = dict(zip(K.ROWS_GRAD_WIDE.template, kernel.template_args))
+    vpt, min_blocks = shape["VPT"], shape["MIN_BLOCKS"]
     # The next row's fetch into L2 pays where a thread has one vector in
     # flight or its block is alone on the SM; blocks of two vectors a
     # thread, several an SM, keep enough of h and dy in flight without it,

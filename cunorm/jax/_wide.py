@@ -105,21 +105,20 @@ def wide_vjp(spec: _jit.RowSpec, given: dict):
 def _fwd(spec, given):
     full = dataclasses.replace(spec, stats=True)
     named = dict(zip(_jit._rows_outputs(full), bind_forward(full, given)))
+    # (h, the statistics and the weight: not x or the residual, which the backward never reads)
     saved = {name: named[name] for name in ("h",) + full.stat_names()}
-    return tuple(named[n] for n in _jit._rows_outputs(spec)), (given, saved)
+    return tuple(named[n] for n in _jit._rows_outputs(spec)), (given.get("w"), saved)
 
 
 def _bwd(spec, saved, cotangents):
-    given, kept = saved
+    w, kept = saved
     ct = dict(zip(_jit._rows_outputs(spec), cotangents))
     grad = WideGradSpec(dataclasses.replace(spec, stats=True))
-    values = {"dy": ct["y"], "x": kept["h"], "dh": ct["h"], "w": given.get("w"), **kept}
+    values = {"dy": ct["y"], "x": kept["h"], "dh": ct["h"], "w": w, **kept}
     grads = dict(zip(grad.outputs(), wide_grad_p.bind(*[values[n] for n in grad.inputs()], spec=grad)))
-    found = {"x": grads["dx"], "r": grads["dres"]}
-    for slot, name in (("w", "dw"), ("b", "db")):
-        if slot in given:
-            found[slot] = grads[name].astype(given[slot].dtype)
-    return ({name: found[name] for name in given},)
+    # (prepare's arrays: x, the residual, the parameters in spec.pdtype)
+    found = {"x": grads["dx"], "r": grads["dres"], "w": grads.get("dw"), "b": grads.get("db")}
+    return ({name: found[name] for name in _jit._rows_inputs(spec)},)
 
 
 wide_vjp.defvjp(_fwd, _bwd)

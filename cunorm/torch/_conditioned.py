@@ -1,5 +1,5 @@
-"""Per-head weights, ``shift=``, ``scale=``, ``residual_gate=`` and
-``gate=`` on torch tensors (cunorm/_engine/conditioning.py). Per-head
+"""Per-head weights, ``shift=``, ``scale=``, ``residual_gate=``,
+``gate=`` and a float32 residual under 16-bit x on torch tensors (cunorm/_engine/conditioning.py). Per-head
 parameters alone, over rows the plain backward takes, run as the plain
 norm instead (heads_alone): its autograd Function in eager mode, its
 operator under dynamo.
@@ -14,7 +14,10 @@ autograd formula (torch.ops.cunorm.*_modulated_backward) under dynamo
 (cunorm/_engine/modulated_grad.py); gate= over rows (a weight over the
 normalized axes, per head or group, or none) likewise: GatedRowNorm in eager, the
 operator and torch.ops.cunorm.rms_norm_gated_backward under dynamo
-(cunorm/_engine/gated_grad.py). Otherwise the call is the plain norm
+(cunorm/_engine/gated_grad.py); the float32 residual alone likewise:
+WideRowNorm in eager, the plain operator and its formula's
+torch.ops.cunorm.*_float32_residual_backward under dynamo
+(cunorm/_engine/wide_grad.py). Otherwise the call is the plain norm
 (cunorm's differentiable operator) followed by torch's elementwise ops,
 each formed in float32 and rounded once to x's dtype, so autograd and
 inductor see ordinary ops: the gated residual before the norm; the
@@ -209,9 +212,7 @@ def conditioned(norm: str, plain, x, weight, bias, *, axis, eps, residual, retur
             round_weighted=weight is not None and weight.dtype == x.dtype and x.element_size() == 2,
             to=_to, acc=acc, silu=torch.nn.functional.silu, return_stats=return_stats, axis=axis, eps=eps)
     if conditioning.wide(x, residual):
-        _, last = axes_span(axis, x.dim())
-        conditioning.check_wide(x.dtype, residual.dtype, x.element_size(), residual.dtype == torch.float32, last,
-                                x.dim(), residual_gate is not None)
+        _checked_wide(x, residual, axis, residual_gate is not None)
     return conditioning.composed(plain, x, weight, bias, to=_to, acc=acc, activate=TORCH_ACTIVATIONS.get(activation),
                                  axis=axis, eps=eps, residual=residual, residual_gate=residual_gate, shift=shift,
                                  scale=scale, return_stats=return_stats, activation=activation, **options)
@@ -221,12 +222,12 @@ def _to(t, dtype):
     return t.to(dtype)
 
 
-def _checked_wide(x, residual, axis) -> bool:
+def _checked_wide(x, residual, axis, residual_gate: bool = False) -> bool:
     """conditioning.check_wide of a torch call (its TypeError or
     ValueError); True where the residual is the float32 stream."""
     _, last = axes_span(axis, x.dim())
     return conditioning.check_wide(x.dtype, residual.dtype, x.element_size(), residual.dtype == torch.float32, last,
-                                   x.dim(), False)
+                                   x.dim(), residual_gate)
 
 
 def _wide(norm, x, weight, bias, residual, axis, eps, return_stats, epilogue, compiling):
@@ -255,8 +256,7 @@ def _operator(norm, x, weight, bias, residual, shift, scale, residual_gate, gate
             raise TypeError(f"{name} must be a torch tensor as x is, got {type(a).__name__}")
     first, last = axes_span(axis, x.dim())
     if conditioning.wide(x, residual):
-        conditioning.check_wide(x.dtype, residual.dtype, x.element_size(), residual.dtype == torch.float32, last,
-                                x.dim(), residual_gate is not None)
+        _checked_wide(x, residual, axis, residual_gate is not None)
     shape_of = lambda a: None if a is None else tuple(a.shape)  # noqa: E731
     # (shapes and dtypes only, in plain values dynamo traces: the engine checks the rest when it runs)
     conditioning.check_shapes(norm, tuple(x.shape), x.dtype, first, last, shape_of(weight), shape_of(bias),
