@@ -668,8 +668,50 @@ def test_opcheck():
         (torch.ops.cunorm.batch_norm.default, (x, w, w, torch.zeros(8, device="cuda"), torch.ones(8, device="cuda"),
                                                True, 0.1, 1e-5, 1, True, 0)),
     ]
+    y, rstd = torch.ops.cunorm.rms_norm.default(x, w[:5], None, [-1], 1e-5, True, 0)
+    samples += [
+        (torch.ops.cunorm.rms_norm_backward.default, (torch.randn_like(y), x, rstd, w[:5], None, [-1])),
+        (torch.ops.cunorm.row_norm_quantized.default, (x, None, None, None, [-1], 1e-5, False, 0, "rms", "int8",
+                                                       None, None, None, None, False)),
+    ]
     for op, args in samples:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_an_operator_without_a_formula_refuses_a_recorded_call(gen):
+    """A backward operator (or the quantized one) called where autograd
+    would record its outputs raises, naming the fix; under no_grad it runs."""
+    x, w = randn(gen, 6, 40), randn(gen, 40)
+    y, rstd = torch.ops.cunorm.rms_norm(x, w, None, [-1], 1e-5, True, 0)
+    dy = torch.randn_like(y).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"cunorm::rms_norm_backward has no gradient.*torch.no_grad\(\)"):
+        torch.ops.cunorm.rms_norm_backward(dy, x, rstd, w, None, [-1])
+    with pytest.raises(RuntimeError, match="cunorm::row_norm_quantized has no gradient"):
+        torch.ops.cunorm.row_norm_quantized(x.requires_grad_(), w, None, None, [-1], 1e-5, False, 0, "rms", "int8",
+                                            None, None, None, None, False)
+    with torch.no_grad():
+        dx, dw = torch.ops.cunorm.rms_norm_backward(dy, x, rstd, w, None, [-1])
+    xd, wd = x.detach().double().requires_grad_(), w.double().requires_grad_()
+    want_dx, want_dw = torch.autograd.grad(torch.nn.functional.rms_norm(xd, (40,), wd, eps=1e-5), (xd, wd),
+                                           dy.detach().double())
+    torch.testing.assert_close(dx.double(), want_dx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.double(), want_dw, rtol=1e-5, atol=1e-5)
+
+
+def test_the_operators_formula_under_create_graph(gen):
+    """A backward with create_graph=True through a forward operator gives the
+    first-order gradients (the plain backward's, bitwise) and a second
+    backward through them raises, as torch's once_differentiable (dy
+    requiring grad: otherwise the gradients require none)."""
+    x, w = randn(gen, 5, 72).requires_grad_(), randn(gen, 72).requires_grad_()
+    dy = randn(gen, 5, 72).requires_grad_()
+    y = torch.ops.cunorm.layer_norm(x, w, None, None, [-1], 1e-5, True, 0)[0]
+    plain = torch.autograd.grad(y, (x, w), dy, retain_graph=True)
+    first = torch.autograd.grad(y, (x, w), dy, create_graph=True)
+    for a, b in zip(first, plain):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        first[0].sum().backward()
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------

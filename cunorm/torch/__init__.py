@@ -2,13 +2,13 @@
 drop-in ``torch.nn`` norm layers.
 
 The functions here take and return torch tensors and run as operators of
-the ``cunorm`` torch library (``torch.ops.cunorm.*``), registered with
-``torch.library.custom_op``: ``torch.compile`` treats them as opaque ops
+the ``cunorm`` torch library (``torch.ops.cunorm.*``, defined in
+cunorm/torch/_library.py): ``torch.compile`` treats them as opaque ops
 (described to it by their fake implementations, which give each output's
 shape, dtype and strides) instead of tracing into CuPy or breaking the graph.
 The top-level ``cunorm.*`` ops (and the modules below) route torch tensors
 here by themselves when autograd or dynamo needs it; in plain eager
-inference they take the shorter direct path, without torch's custom-op
+inference they take the shorter direct path, without torch's operator
 dispatch (docs/torch.md, "Cost per call").
 
 The modules (cunorm/torch/_layers.py) subclass their ``torch.nn``

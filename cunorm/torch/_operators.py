@@ -23,6 +23,7 @@ from .._engine import calls, channel_norms, conditioning, dispatch_rows, modulat
 from .._engine.ops import ARGUMENTS, OPS, Op, Operator
 from .._interop import torch as _adapter
 from ._autograd import offset_weight
+from ._library import define
 
 #: each argument kind of the table (ARGUMENTS) as a schema type
 TORCH_TYPES = {"array": "Tensor", "optional array": "Tensor?", "ints": "SymInt[]", "float": "float", "bool": "bool",
@@ -378,17 +379,21 @@ def _by_name(operator: Operator, fn):
 
 
 def _register() -> dict:
-    """Every operator of the table, registered once; the forward ones with
-    their autograd formula. Returns {name: CustomOpDef}."""
-    registered, differentiated = {}, set()
+    """Every operator of the table, defined once (cunorm/torch/_library.py);
+    the forward ones with their autograd formula. Returns {name:
+    Operator}."""
+    registered = {}
 
-    def register(op: Op, operator: Operator, impl, fake) -> None:
-        if operator.name not in registered:
-            custom = torch.library.custom_op(f"cunorm::{operator.name}",
-                                             _by_name(operator, lambda a, op=op, f=impl: f(op, a)),
-                                             mutates_args=(), schema=schema(operator))
-            custom.register_fake(_by_name(operator, lambda a, op=op, f=fake: f(op, a)))
-            registered[operator.name] = custom
+    def register(op: Op, operator: Operator, impl, fake, pair=None) -> None:
+        if operator.name in registered:
+            return
+        formula = ()
+        if pair is not None and operator is pair[0]:  # (a forward operator: its autograd formula)
+            formula = (lambda ctx, *grads: _gradients(op, ctx, grads),
+                       lambda ctx, inputs, output: _setup(op, pair, ctx, dict(zip(pair[0].arguments, inputs)), output))
+        define(operator.name, schema(operator), _by_name(operator, lambda a, f=impl: f(op, a)),
+               _by_name(operator, lambda a, f=fake: f(op, a)), *formula)
+        registered[operator.name] = operator
 
     for op in OPS.values():
         if op.gated_backward is not None:
@@ -397,14 +402,7 @@ def _register() -> dict:
             register(op, op.wide_backward, _wide_backward, _wide_backward_fake)
         for pair in op.pairs:
             for operator, impl, fake in zip(pair, (_forward, _backward), (_forward_fake, _backward_fake)):
-                register(op, operator, impl, fake)
-            forward = pair[0]
-            if forward.name not in differentiated:
-                registered[forward.name].register_autograd(
-                    lambda ctx, *grads, op=op: _gradients(op, ctx, grads),
-                    setup_context=lambda ctx, inputs, output, op=op, pair=pair: _setup(
-                        op, pair, ctx, dict(zip(pair[0].arguments, inputs)), output))
-                differentiated.add(forward.name)
+                register(op, operator, impl, fake, pair)
     return registered
 
 

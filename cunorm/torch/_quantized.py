@@ -1,7 +1,7 @@
 """quantize= (cunorm/_engine/quantize.py) as a registered torch operator,
 ``torch.ops.cunorm.row_norm_quantized``, so that torch.compile takes a
 quantized rms_norm or layer_norm as one opaque op. Inference only: the
-operator has no autograd formula (a quantized y has no gradient), and
+operator has no autograd formula (a quantized y has no gradient); it and
 cunorm.torch's functions refuse a call that autograd would record."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import Tensor
 from .._engine import calls, ops, row_norms
 from .._engine.quantize import check, scales_shape, scales_strided
 from .._interop import torch as _adapter
+from ._library import define
 
 SCHEMA = ("(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, SymInt[] axes, float eps, bool return_stats, "
           "int epilogue, str norm, str quantize, Tensor? quant_scale, Tensor? quant_scale_ub, int? quant_group, "
@@ -24,9 +25,8 @@ def _check_norm(norm: str) -> None:
         raise ValueError(f"row_norm_quantized: norm must be one of {sorted(NORMS)}, got {norm!r}")
 
 
-@torch.library.custom_op("cunorm::row_norm_quantized", mutates_args=(), schema=SCHEMA)
-def row_norm_quantized(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, quantize, quant_scale,
-                       quant_scale_ub, quant_group, quant_scale_layout, return_unquantized):
+def _row_norm_quantized(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, quantize, quant_scale,
+                        quant_scale_ub, quant_group, quant_scale_layout, return_unquantized):
     _check_norm(norm)
     results = calls.rows(norm, x, weight, bias, residual, tuple(axes), eps, return_stats, None, None,
                          epilogue=epilogue,
@@ -35,7 +35,6 @@ def row_norm_quantized(x, weight, bias, residual, axes, eps, return_stats, epilo
     return list(results) if isinstance(results, tuple) else [results]
 
 
-@row_norm_quantized.register_fake
 def _fake(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, quantize, quant_scale, quant_scale_ub,
           quant_group, quant_scale_layout, return_unquantized):
     _check_norm(norm)
@@ -56,6 +55,9 @@ def _fake(x, weight, bias, residual, axes, eps, return_stats, epilogue, norm, qu
         shape = row_norms.stats_shape(tuple(x.shape), first, last)
         outputs += [x.new_empty(shape, dtype=_adapter.ACCUMULATION[x.dtype]) for _ in ops.statistics_of(norm)]
     return outputs
+
+
+define("row_norm_quantized", SCHEMA, _row_norm_quantized, _fake)
 
 
 def quantized(norm: str, x: Tensor, weight, bias, residual, axes, eps, return_stats, epilogue, quantize, quant_scale,
