@@ -104,6 +104,36 @@ def test_the_torch_schemas_are_built_from_the_table():
         assert registered == f"cunorm::{name}{expected}"
 
 
+def test_each_operator_is_defined_with_its_kernels():
+    """Every operator of the table (and the quantized one) has a kernel for
+    every device and a fake; the forward operators an autograd kernel (their
+    formula), the backward and quantized ones none (their kernel refuses a
+    recorded call: test_torch_gpu.py)."""
+    torch = _torch_ops()
+    forward = {pair[0].name for op in ops.OPS.values() for pair in op.pairs}
+    names = set(ops.operators()) | {"row_norm_quantized"}
+    assert forward < names
+    for name in names:
+        qualname = f"cunorm::{name}"
+        has = lambda key: torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)  # noqa: E731
+        assert has("CompositeExplicitAutograd") and has("Meta"), name
+        assert has("Autograd") == (name in forward), name
+
+
+def test_a_backward_that_records_runs_once_differentiable():
+    """create_graph=True through a forward operator (meta tensors): the
+    gradients' shapes as without it, and a second backward raises."""
+    torch = _torch_ops()
+    x = torch.empty(3, 40, device="meta", requires_grad=True)
+    w = torch.empty(40, device="meta", requires_grad=True)
+    dy = torch.empty(3, 40, device="meta", requires_grad=True)
+    y = torch.ops.cunorm.rms_norm(x, w, None, [-1], 1e-6, True, 0)[0]
+    dx, dw = torch.autograd.grad(y, (x, w), dy, create_graph=True)
+    assert (dx.shape, dw.shape) == (x.shape, w.shape)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.sum().backward()
+
+
 def _meta(torch, array):
     return torch.empty_strided(array.shape, [s // array.itemsize for s in array.strides], device="meta",
                                dtype=getattr(torch, str(array.dtype)))
