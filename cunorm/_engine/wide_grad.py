@@ -40,6 +40,8 @@ class WideResidualGrads(NamedTuple):
     bias: object
 
 
+#: x, dy and dx are 16-bit in the float32 stream: the vector width's element size
+ITEMSIZE = 2
 #: the longest row rows_grad_wide holds, as its errors name it: h's float32
 #: elements within rows_grad_cached's bytes a thread, in its largest block
 ROW_LIMIT = dispatch_grad.GRAD_CACHED_MAX_BYTES // 4 * dispatch_grad.GRAD_CACHED_MAX_THREADS
@@ -73,7 +75,7 @@ def choose(norm: str, dtype, pdtype, flags: int, rows: int, n: int, vec: int, de
 def fits(n: int) -> bool:
     """Whether one rows_grad_wide block holds a row of n elements (plain
     values: a front end asks before its forward runs)."""
-    vec = plans.vector_width(2, n, [], [])
+    vec = plans.vector_width(ITEMSIZE, n, [], [])
     return n > 0 and dispatch_grad.grad_cached_shape(n // vec, vec, 4, tuning.for_arch(90)) is not None
 
 
@@ -196,9 +198,9 @@ def _gpu(g: WideGradCall):
     dw, db = (None if p is None else cupy.empty(p.shape, pdtype) for p in (call.weight, call.bias))
     if not h.size:
         return (dx, dres) + _param_grads(call, dw, db, empty=True), None
-    vec = plans.vector_width(2, n, [], [])
+    vec = plans.vector_width(ITEMSIZE, n, [], [])
     pointers = [(a.data.ptr, a.itemsize) for a in (h, dy, dh) if a is not None]
-    if plans.vector_width(2, n, [], pointers) < vec:
+    if plans.vector_width(ITEMSIZE, n, [], pointers) < vec:
         h, dy, dh = (None if a is None else a.copy() for a in (h, dy, dh))  # (fresh: aligned for vec)
     launch = _launch(g.norm, np.dtype(dy.dtype), None if pdtype is None else np.dtype(pdtype), flags, rows, n, vec,
                      h.data.device_id, heads)

@@ -63,8 +63,8 @@ def _lowering(ctx, *args, spec: WideGradSpec):
     f = spec.forward
     rows, n = math.prod(f.shape[:f.first]), math.prod(f.shape[f.first:])
     flags = (plans.FLAG_WEIGHT if f.weight else 0) | (plans.FLAG_BIAS if f.bias else 0)
-    launch = wide_grad.choose(f.norm, f.dtype, f.pdtype, flags, rows, n, plans.vector_width(2, n, [], []), device,
-                              cooperative=False)
+    vec = plans.vector_width(wide_grad.ITEMSIZE, n, [], [])
+    launch = wide_grad.choose(f.norm, f.dtype, f.pdtype, flags, rows, n, vec, device, cooperative=False)
     if launch is None:
         raise RuntimeError(f"cunorm inside jit: no fused float32-residual backward for {f}")  # (fusable_backward)
     for step in launch.steps:

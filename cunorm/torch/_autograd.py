@@ -52,13 +52,17 @@ def once_differentiable(backward_fn):
     """torch's once_differentiable, which runs the backward under no_grad
     and marks its outputs so a double backward raises: needed only where
     the backward runs with grad enabled (create_graph=True); in the usual
-    backward grad is already off and the wrapper's scope is pure cost."""
-    guarded = torch.autograd.function.once_differentiable(backward_fn)
+    backward grad is already off and the wrapper's scope is pure cost.
+    torch's wrapper looks among its arguments for a gradient that requires
+    grad, and a list-returning operator's formula gets its gradients as one
+    list: the wrapper is given them flattened."""
 
     def backward_once(ctx, *grads):
-        if _grad_enabled():
-            return guarded(ctx, *grads)
-        return backward_fn(ctx, *grads)
+        if not _grad_enabled():
+            return backward_fn(ctx, *grads)
+        flat = grads[0] if len(grads) == 1 and isinstance(grads[0], (list, tuple)) else grads
+        guarded = torch.autograd.function.once_differentiable(lambda ctx, *_: backward_fn(ctx, *grads))
+        return guarded(ctx, *flat)
 
     return backward_once
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._autograd import once_differentiable
+
 NAMESPACE = "cunorm"
 LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 
@@ -38,23 +40,6 @@ def _refusing_recorded(name: str, kernel):
     return call
 
 
-def _once_differentiable(backward):
-    """backward under torch's once_differentiable where the backward itself
-    records (create_graph=True): run without recording, its gradients
-    marked so that differentiating them raises. torch's wrapper looks for a
-    gradient that requires grad among its arguments, and a list-returning
-    operator's gradients come as one list: it is given them flattened."""
-
-    def formula(ctx, *grads):
-        if not torch.is_grad_enabled():
-            return backward(ctx, *grads)
-        flat = grads[0] if len(grads) == 1 and isinstance(grads[0], (list, tuple)) else grads
-        guarded = torch.autograd.function.once_differentiable(lambda ctx, *_: backward(ctx, *grads))
-        return guarded(ctx, *flat)
-
-    return formula
-
-
 def define(name: str, schema: str, kernel, fake, backward=None, setup_context=None) -> None:
     """Define ``torch.ops.cunorm.<name>``: ``schema`` its arguments and
     returns ("(Tensor x, ...) -> Tensor[]"), ``kernel`` and ``fake`` its
@@ -70,5 +55,5 @@ def define(name: str, schema: str, kernel, fake, backward=None, setup_context=No
     qualname = f"{NAMESPACE}::{name}"
     torch.library.register_fake(qualname, fake, lib=LIBRARY)
     if backward is not None:
-        torch.library.register_autograd(qualname, _once_differentiable(backward), setup_context=setup_context,
+        torch.library.register_autograd(qualname, once_differentiable(backward), setup_context=setup_context,
                                         lib=LIBRARY)

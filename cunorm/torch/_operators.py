@@ -378,11 +378,10 @@ def _by_name(operator: Operator, fn):
     return call
 
 
-def _register() -> dict:
+def _register() -> None:
     """Every operator of the table, defined once (cunorm/torch/_library.py);
-    the forward ones with their autograd formula. Returns {name:
-    Operator}."""
-    registered = {}
+    the forward ones with their autograd formula."""
+    registered = set()
 
     def register(op: Op, operator: Operator, impl, fake, pair=None) -> None:
         if operator.name in registered:
@@ -393,7 +392,7 @@ def _register() -> dict:
                        lambda ctx, inputs, output: _setup(op, pair, ctx, dict(zip(pair[0].arguments, inputs)), output))
         define(operator.name, schema(operator), _by_name(operator, lambda a, f=impl: f(op, a)),
                _by_name(operator, lambda a, f=fake: f(op, a)), *formula)
-        registered[operator.name] = operator
+        registered.add(operator.name)
 
     for op in OPS.values():
         if op.gated_backward is not None:
@@ -403,7 +402,6 @@ def _register() -> dict:
         for pair in op.pairs:
             for operator, impl, fake in zip(pair, (_forward, _backward), (_forward_fake, _backward_fake)):
                 register(op, operator, impl, fake, pair)
-    return registered
 
 
-OPERATORS = _register()
+_register()
