@@ -10,7 +10,9 @@ torch.compile of the same formula. GPU time (busy fill), one
 call with L2 flushed (cold), floor% of copy bandwidth measured in the
 same run, counting dy, h, x and dh read, dx and the residual's gradient
 written (adaLN-Zero; the modulated RMSNorm: dy and x read, dx written),
-and the per-sample arrays once. And the gated RMSNorm with a weight over
+and the per-sample arrays once; beside it the floor% of a bare copy of
+the same bytes timed the same way (the bound at that size: at 4096 tokens
+a kernel's launch and ramp weigh). And the gated RMSNorm with a weight over
 whole rows (``norm(x) * w * silu(z)``, Qwen3-Next's form; ``norm(x *
 silu(z)) * w``, Mamba-2's with one group), over heads of 128
 (Qwen3-Next's) and over 8 groups with a weight a group (Mamba-2's with
@@ -140,9 +142,16 @@ def main(out, only=None):
                     row[f"{label}_gpu_ms"] = time_gpu(fn)[0]
                     row[f"{label}_cold_ms"] = cold(fn)
                 row["floor_pct"] = 100 * nbytes / (row["cunorm_gpu_ms"] * 1e-3) / 1e9 / copy
+                # the bound at this size: a bare copy of the same bytes, timed the same way
+                src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+                dst = torch.empty_like(src)
+                row["copy_gpu_ms"] = time_gpu(lambda: dst.copy_(src))[0]
+                row["copy_floor_pct"] = 100 * nbytes / (row["copy_gpu_ms"] * 1e-3) / 1e9 / copy
+                del src, dst
                 rows.append(row)
                 compiled = f"compiled {row['cunorm_compile_gpu_ms']*1e3:8.1f} "
-                print(f"{name:11s} {str(shape):18s} gpu {row['cunorm_gpu_ms']*1e3:8.1f} us ({row['floor_pct']:5.1f}%) "
+                print(f"{name:11s} {str(shape):18s} gpu {row['cunorm_gpu_ms']*1e3:8.1f} us ({row['floor_pct']:5.1f}%; "
+                      f"copy {row['copy_floor_pct']:5.1f}%) "
                       f"{compiled}eager {row['eager_gpu_ms']*1e3:8.1f} compile {row['compile_gpu_ms']*1e3:8.1f} | "
                       f"cold {row['cunorm_cold_ms']*1e3:8.1f} eager {row['eager_cold_ms']*1e3:8.1f} compile "
                       f"{row['compile_cold_ms']*1e3:8.1f} | err {err:.1e}", flush=True)
