@@ -32,6 +32,9 @@ CASES = {
     "long rows": ((2, 24, 8192), True, True, {"shift": (2, 1, 8192), "scale": (2, 1, 8192)}, False),
     "long gated rows": ((2, 20, 6144), True, True, {"shift": (2, 1, 6144), "scale": (2, 1, 6144),
                                                     "residual_gate": (2, 1, 6144)}, True),
+    # (runs of 36 units: more partial rows a modulation row than the sums' 32 threads a column)
+    "long runs": ((2, 600, 72), True, True, {"shift": (2, 1, 72), "scale": (2, 1, 72),
+                                             "residual_gate": (2, 1, 72)}, True),
 }
 
 
