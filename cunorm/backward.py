@@ -200,8 +200,8 @@ _MODULATED = """The forward: ``h = residual + residual_gate * x`` (or ``x +
     TypeError, ValueError
         As the forward's, for the arrays and their shapes; ValueError for
         a call the fused kernels do not take on the GPU: modulation arrays
-        of different broadcast patterns, per token (runs of under 16 rows
-        of one modulation row), per-head weights, rows of over 8192
+        of different broadcast patterns, runs of under 16 rows of one
+        modulation row (per token, or under 16 rows in all), per-head weights, rows of over 8192
         elements (4096 for float64; with residual_gate 4096 float32,
         2048 float64). cunorm.torch's autograd composes
         those from torch's ops."""

@@ -183,6 +183,10 @@ def test_calls_the_fused_kernels_do_not_take_raise_value_errors(rng):
     y, rstd = cunorm.rms_norm(x, shift=per_token, return_stats=True)
     with pytest.raises(ValueError, match="per token"):
         backward.rms_norm_modulated_backward(x, x, rstd, shift=per_token)
+    one = cupy.asarray(random(rng, (1, 1, 64), np.float32))
+    _, rstd_one = cunorm.rms_norm(one, shift=one, return_stats=True)
+    with pytest.raises(ValueError, match="one modulation row over 1 row$"):
+        backward.rms_norm_modulated_backward(one, one, rstd_one, shift=one)
     with pytest.raises(TypeError, match="needs x"):
         backward.rms_norm_modulated_backward(x, x, rstd, residual_gate=cupy.ones((4, 1, 64), cupy.float32))
     with pytest.raises(ValueError, match="broadcast against x"):

@@ -218,6 +218,7 @@ def launcher(e: Entry):
              "empty_strided": getattr(e.ad, "empty_strided", None),
              "alloc": e.alloc, "lock": program.lock, "memset_async": launches.memset_async,
              "launch_kernel": launches.launch_kernel, "launch_cooperative_kernel": launches.launch_cooperative_kernel,
+             "launch_dependent_kernel": launches.launch_dependent_kernel,
              "CUDADriverError": launches.CUDADriverError, "INVALID_CONTEXT": launches.INVALID_CONTEXT,
              "make_current": launches.make_current}
     code = [f"def launch({args}):",
@@ -264,6 +265,9 @@ def launcher(e: Entry):
         head = ", ".join(str(int(v)) for v in step.head)
         if step.cooperative:
             code.append(f"            launch_cooperative_kernel({head}, stream, {int(step.params_ptr)})")
+        elif step.dependent is not None:
+            scope[f"dependent{j}"] = step.dependent
+            code.append(f"            launch_dependent_kernel(dependent{j}, stream, {int(step.params_ptr)})")
         else:
             code.append(f"            launch_kernel({head}, stream, {int(step.params_ptr)}, 0)")
     code += ["    except CUDADriverError as err:",

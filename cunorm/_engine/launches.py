@@ -8,7 +8,13 @@ packed into a buffer once, in the order and C kinds of the kernel's
 declaration (cunorm/_engine/declarations.py). Running a Program writes the call's
 pointers (its slots) into those buffers and launches each step through the
 driver (cuLaunchKernel, or cuLaunchCooperativeKernel) on the caller's
-stream: no CuPy array, argument conversion or per-launch lookup.
+stream: no CuPy array, argument conversion or per-launch lookup. On sm_90
+and later each step after a Program's first is launched with programmatic
+stream serialization (cuLaunchKernelEx through ctypes: CuPy has no binding
+of it), so its blocks are placed while the step before it finishes instead
+of after; every kernel opens by waiting for the grid before it
+(grid_dependency_sync, cunorm/kernels/common.cuh), so the order of their
+memory accesses is the stream's.
 
 A Program's buffers are shared by every call with its signature; a lock per
 Program makes filling and launching one unit, so threads calling the same
@@ -17,6 +23,7 @@ arguments at launch).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import threading
@@ -52,12 +59,14 @@ class PreparedStep:
     """One launch: ``launcher(*head, stream, params_ptr[, 0])`` with
     ``head`` = (function, grid x/y/z, block x/y/z, shared bytes)."""
 
-    __slots__ = ("step", "device", "fn", "grid", "block", "shared", "cooperative", "buf", "words", "params",
-                 "params_ptr", "fills", "head")
+    __slots__ = ("step", "device", "fn", "grid", "block", "shared", "cooperative", "dependent", "buf", "words",
+                 "params", "params_ptr", "fills", "head")
 
     def launch(self, stream: int) -> None:
         if self.cooperative:
             launch_cooperative_kernel(*self.head, stream, self.params_ptr)
+        elif self.dependent is not None:
+            launch_dependent_kernel(self.dependent, stream, self.params_ptr)
         else:
             launch_kernel(*self.head, stream, self.params_ptr, 0)
 
@@ -70,11 +79,75 @@ def make_current(device: int) -> None:
     runtime.setDevice(device)
 
 
+# --- programmatic dependent launch --------------------------------------------
+
+#: whether Programs built from now on launch their later steps as dependent
+#: launches where the GPU and driver allow it (the bench's A/B switch)
+dependent_launch = True
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union
+    whose first int is programmaticStreamSerializationAllowed."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class DependentLaunch(ctypes.Structure):
+    """CUlaunchConfig of one step (its grid, block, shared memory and the
+    programmatic serialization attribute), with the step's function; the
+    stream is written at each launch, under the Program's lock."""
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+    def __init__(self, fn: int, grid, block, shared: int):
+        self.attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        super().__init__(*grid, *block, shared, None, ctypes.pointer(self.attribute), 1)
+        self.fn = fn
+        self.address = ctypes.addressof(self)
+        self.call = driver_launch_kernel_ex()
+
+
+@functools.lru_cache(maxsize=1)
+def driver_launch_kernel_ex():
+    """cuLaunchKernelEx from the driver CuPy has loaded, or None where the
+    driver has none (before CUDA 12) or is not libcuda.so.1."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    fn = getattr(lib, "cuLaunchKernelEx", None)
+    if fn is not None:
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def dependent_launch_on(device: int) -> bool:
+    """Whether steps after a Program's first launch as dependent launches
+    on ``device``: compute capability 9.0 or newer (griddepcontrol) and a
+    driver with cuLaunchKernelEx; never on a target planned ahead of time."""
+    return (dependent_launch and device >= 0 and device_info(device).compute_capability >= 90
+            and driver_launch_kernel_ex() is not None)
+
+
+def _launch_dependent_kernel(config: DependentLaunch, stream: int, params_ptr: int) -> None:
+    config.stream = stream
+    status = config.call(config.address, config.fn, params_ptr, None)
+    if status:
+        raise CUDADriverError(status)
+
+
 # The driver calls a run makes, by name: the launch cache's generated
 # launchers (cunorm/_engine/launch_cache.py) bind them when they are built, and the CPU
 # tests replace them.
 launch_kernel = driver.launchKernel
 launch_cooperative_kernel = driver.launchCooperativeKernel
+launch_dependent_kernel = _launch_dependent_kernel
 memset_async = runtime.memsetAsync
 CUDADriverError = driver.CUDADriverError
 
@@ -187,6 +260,11 @@ class ProgramBuilder:
         s.block = (step.threads, 1, 1)
         s.shared = step.shared_bytes
         s.cooperative = kernel.cooperative
+        # a step after the first may start while the one before it finishes
+        # (its kernel waits for that grid first); a cooperative launch takes
+        # no launch attribute here
+        s.dependent = (DependentLaunch(s.fn, s.grid, s.block, s.shared)
+                       if self.steps and not kernel.cooperative and dependent_launch_on(self.device) else None)
         s.buf = np.zeros(len(names), dtype=np.uint64)
         fills = []
         for i, (name, kind) in enumerate(kernel.signature):

@@ -316,6 +316,9 @@ def unfused_reason(cond, rows: int, n: int, itemsize: int) -> str:
     if cond.mod_count > 1 and cond.mod_div < UNIT_MIN_ROWS:
         return (f"the fused modulated backward takes modulation rows shared by runs of at least {UNIT_MIN_ROWS} "
                 f"rows (per sample), got runs of {cond.mod_div} (per token: its gradients are elementwise)")
+    if cond.mod_count == 1 and rows < UNIT_MIN_ROWS:
+        return (f"the fused modulated backward takes modulation rows shared by runs of at least {UNIT_MIN_ROWS} "
+                f"rows, got one modulation row over {rows} {'row' if rows == 1 else 'rows'}")
     most = max(k for k in range(16 // itemsize, 32769, 16 // itemsize)
                if plan(UNIT_MIN_ROWS, k, 16 // itemsize, itemsize, UNIT_MIN_ROWS, 1, 1,
                        cond.residual_gate is not None) is not None)

@@ -403,6 +403,7 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                      typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
                      typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
                      unsigned int* __restrict__ arrived, int heads) {
+    grid_dependency_sync();
     rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, kGradUngated, T>(
         dy, x, dh, nullptr, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived,
         nullptr, heads, nullptr);
@@ -425,6 +426,7 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                     T* __restrict__ dz, typename AccOf<T>::type* __restrict__ partial, long long rows, int n,
                     int row_threads, typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw,
                     unsigned int* __restrict__ arrived, int heads) {
+    grid_dependency_sync();
     static_assert(GATE == kGradGateOutput || GATE == kGradGateInput, "a gated backward");
     rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, GATE, T>(
         dy, x, nullptr, z, w, nullptr, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, nullptr,
@@ -446,6 +448,7 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                    typename AccOf<T>::type* __restrict__ dres, typename AccOf<T>::type* __restrict__ partial,
                    long long rows, int n, int row_threads, typename AccOf<T>::type eps, int prefetch_next,
                    P* __restrict__ dw, P* __restrict__ db, unsigned int* __restrict__ arrived, int heads) {
+    grid_dependency_sync();
     static_assert(sizeof(T) == 2, "the float32 stream runs under 16-bit x");
     rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, 1, MULTI_ROW, kGradUngated,
                           typename AccOf<T>::type>(
@@ -462,6 +465,7 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) CUNORM_CLUSTER_DIMS(C
                       typename AccOf<T>::type* __restrict__ partial, long long rows, int n, int row_threads,
                       typename AccOf<T>::type eps, int prefetch_next, P* __restrict__ dw, P* __restrict__ db,
                       unsigned int* __restrict__ arrived) {
+    grid_dependency_sync();
     rows_grad_cached_body<Grad, T, P, FLAGS, VEC, VPT, MAX_THREADS, CLUSTER, 0, kGradUngated, T>(
         dy, x, dh, nullptr, w, center, scale, dx, partial, rows, n, row_threads, eps, prefetch_next, dw, db, arrived,
         nullptr, 1, nullptr);
@@ -486,6 +490,7 @@ template <class A, class P, int C>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     column_sum(const A* __restrict__ partial, P* __restrict__ out_w, P* __restrict__ out_b, int parts, long long n,
                int block_x) {
+    grid_dependency_sync();
     const BlockLayout bl = block_layout(block_x);
     __shared__ A tile[kGradBlockThreads * C];
     if ((blockIdx.y == 0 ? out_w : out_b) == nullptr) return;

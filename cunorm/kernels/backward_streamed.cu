@@ -50,6 +50,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                      const typename AccOf<T>::type* __restrict__ scale,
                      typename AccOf<T>::type* __restrict__ stat_partial, long long rows, long long n, long long chunks,
                      long long chunk_len) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
     __shared__ Stats scratch[33];
@@ -93,6 +94,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                    const typename AccOf<T>::type* __restrict__ center,
                    const typename AccOf<T>::type* __restrict__ scale, typename AccOf<T>::type* __restrict__ partial,
                    long long outer, long long reduced, long long inner, long long chunks, long long chunk_len) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
     const long long inner_vec = inner / VEC;
@@ -161,6 +163,7 @@ template <class Grad, class A>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     rows_grad_finalize(const A* __restrict__ partial, const A* __restrict__ center, const A* __restrict__ scale,
                        A* __restrict__ coeffs, long long groups, long long chunks, long long n, A eps) {
+    grid_dependency_sync();
     const long long group = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (group >= groups) return;
     typename Grad::Stats s = Grad::init();
@@ -180,6 +183,7 @@ __global__ void __launch_bounds__(kGradFinalizeThreads, 1)
     rows_grad_finalize_wide(const A* __restrict__ partial, const A* __restrict__ center,
                             const A* __restrict__ scale, A* __restrict__ coeffs, long long chunks, long long n,
                             A eps) {
+    grid_dependency_sync();
     __shared__ typename Grad::Stats scratch[33];
     const long long group = blockIdx.x;
     typename Grad::Stats s = Grad::init();
@@ -213,6 +217,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, kApplyMinBlocks<T>)
                     const P* __restrict__ w, const typename AccOf<T>::type* __restrict__ coeffs, T* __restrict__ dx,
                     typename AccOf<T>::type* __restrict__ partial, P* __restrict__ dw, P* __restrict__ db,
                     long long outer, long long reduced, long long inner, long long chunks, long long chunk_len) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     if constexpr (!STRIDED) {
         const long long n_vec = reduced / VEC;

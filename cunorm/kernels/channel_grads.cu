@@ -42,6 +42,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                       const typename AccOf<T>::type* __restrict__ mean, typename AccOf<T>::type* __restrict__ partial,
                       long long batch, long long spatial, int channels, int channels_per_group, int stat_batch,
                       long long chunks, long long chunk_len, int block_x) {
+    grid_dependency_sync();
     const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
     using Sums = PairSum<A>;
@@ -130,6 +131,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
 template <class A>
 __global__ void __launch_bounds__(kGradBlockThreads, 1)
     channel_grad_combine(const A* __restrict__ partial, A* __restrict__ sums, long long members, long long chunks) {
+    grid_dependency_sync();
     const long long m = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x & 31;
     if (m >= members) return;  // (whole warps: the block is a multiple of 32)
@@ -176,6 +178,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                           P* __restrict__ dw, P* __restrict__ db,
                           A* __restrict__ totals, long long batch, long long spatial, int channels,
                           int channels_per_group, int stat_batch, long long sums_batch, A count) {
+    grid_dependency_sync();
     using Out = typename AccOf<P>::type;
     const long long m = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if constexpr (TRAINING) {
@@ -270,6 +273,7 @@ __global__ void __launch_bounds__(kGradBlockThreads, 1)
                        const typename AccOf<T>::type* __restrict__ coeffs, T* __restrict__ dx, long long batch,
                        long long spatial, int channels, int channels_per_group, int stat_batch, long long chunks,
                        long long chunk_len, int block_x) {
+    grid_dependency_sync();
     const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
     const long long chunk = gridDim.x - 1 - blockIdx.x;

@@ -64,6 +64,7 @@ channel_stream(const T* __restrict__ x, const typename STORE::Param* __restrict_
                typename AccOf<T>::type* rstd_out, unsigned int* sync, long long groups_total, long long group_vecs,
                long long spatial_vecs, int channels_per_group, int groups, long long tile_vecs, long long row_tiles,
                long long slab_tiles, long long lag_slabs, int hints, typename AccOf<T>::type eps) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;

@@ -124,6 +124,7 @@ __global__ void __launch_bounds__(256, 2)
 channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ partial, long long batch,
                 long long spatial, int channels, int channels_per_group, int per_sample, long long chunks,
                 long long chunk_len, int block_x) {
+    grid_dependency_sync();
     const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
@@ -267,6 +268,7 @@ channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restr
                  typename AccOf<T>::type* rstd_out, long long batch, long long spatial, int channels,
                  int channels_per_group, int per_sample, long long chunks, typename AccOf<T>::type eps,
                  typename AccOf<T>::type momentum, int block_x) {
+    grid_dependency_sync();
     const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
@@ -340,6 +342,7 @@ template <class A>
 __global__ void __launch_bounds__(256, 2)
 channel_from_running(const A* __restrict__ running_mean, const A* __restrict__ running_var, A* __restrict__ affine,
                      A* mean_out, A* rstd_out, int channels, A eps) {
+    grid_dependency_sync();
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < channels; c += gridDim.x * blockDim.x) {
         const Affine<A> f{running_mean[c], rsqrt(running_var[c] + eps)};
         affine[3 * c] = A(0);
@@ -369,6 +372,7 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
               long long batch,
               long long spatial, int channels, int channels_per_group, int per_sample, long long chunks,
               long long chunk_len, typename AccOf<T>::type eps, int hints, int block_x) {
+    grid_dependency_sync();
     const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
     using Y = typename STORE::Out;

@@ -139,6 +139,21 @@ __device__ __forceinline__ unsigned int sm_ids() {
     return n;
 }
 
+// Programmatic dependent launch (sm_90). A Program launches each step after
+// its first with programmatic stream serialization (cunorm/_engine/launches.py),
+// so the step's blocks may be placed while the step before it finishes. Every
+// kernel opens with this: the wait returns once the grid before it on the
+// stream has completed and its writes are visible, so nothing is read or
+// written early; the trigger then lets the grid after it be placed, once
+// every block of this one has passed here. Without the launch attribute, and
+// before sm_90, it does nothing.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Acquire load of an arrival counter (the partials it guards are then
 // visible).
 __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {

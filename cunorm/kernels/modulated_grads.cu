@@ -56,6 +56,7 @@ rows_grad_modulated(const T* __restrict__ dy, const T* __restrict__ h, const T* 
                     const typename AccOf<T>::type* __restrict__ rstd, T* __restrict__ dx, T* __restrict__ dres,
                     typename AccOf<T>::type* __restrict__ partial, long long rows, int n, long long mod_div,
                     long long mod_count, int units_per_run, int unit_rows, typename AccOf<T>::type eps) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
     using Sums = ColumnSums<A, VEC>;
@@ -241,6 +242,7 @@ modulated_grad_sums(const A* __restrict__ partial, const P* __restrict__ w, cons
                     const P* __restrict__ mod_scale, P* __restrict__ dshift, P* __restrict__ dscale,
                     P* __restrict__ dgate, A* __restrict__ weighted, long long units, int n, int units_per_run,
                     long long runs, long long mod_count, int block_x) {
+    grid_dependency_sync();
     using PA = typename AccOf<P>::type;
     constexpr int kSums = (MODF & kModGate) ? 3 : 2;
     __shared__ Vec<A, C> tile[kSums][256];

@@ -81,6 +81,7 @@ channel_onchip(const T* __restrict__ x, const typename STORE::Param* __restrict_
                typename AccOf<T>::type* mean_out, typename AccOf<T>::type* rstd_out, int rows, int row_vecs,
                long long row_stride, long long sample_stride, long long group_stride, int spatial_vecs,
                int channels_per_group, int groups, typename AccOf<T>::type eps, typename AccOf<T>::type momentum) {
+    grid_dependency_sync();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     static_assert(CLUSTER == 1, "thread-block clusters need sm_90");
 #endif
@@ -182,6 +183,7 @@ __global__ void __launch_bounds__(THREADS, 1) CUNORM_CLUSTER_DIMS(CLUSTER)
 channel_grad_onchip(const T* __restrict__ dy, const T* __restrict__ x, const typename AccOf<T>::type* __restrict__ mean,
                     const typename AccOf<T>::type* __restrict__ rstd, const P* __restrict__ w, T* __restrict__ dx,
                     P* __restrict__ dw, P* __restrict__ db, int batch, int plane_vecs, int channels) {
+    grid_dependency_sync();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     static_assert(CLUSTER == 1, "thread-block clusters need sm_90");
 #endif

@@ -90,6 +90,7 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
             float* __restrict__ y_scale, T* __restrict__ y_plain, long long rows, int n, long long x_row_stride,
             typename AccOf<T>::type eps, int threads_per_row, long long scale_row_stride,
             long long scale_group_stride, long long param_rows, long long mod_div, long long mod_count) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;

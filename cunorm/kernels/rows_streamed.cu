@@ -164,6 +164,7 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const typename S
               typename AccOf<T>::type* scale_out, float* __restrict__ y_scale, T* __restrict__ y_plain,
               long long rows, long long n, long long x_row_stride, typename AccOf<T>::type eps, long long stash_vecs,
               long long scale_row_stride, long long scale_group_stride) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -319,6 +320,7 @@ __global__ void __launch_bounds__(256, 2)
 rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ h,
                    typename AccOf<T>::type* __restrict__ partial, long long rows, long long n,
                    long long x_row_stride, long long chunks) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -355,6 +357,7 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, const typenam
                  const typename AccOf<T>::type* __restrict__ partial, typename STORE::Out* __restrict__ y,
                  typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out, long long rows, long long n,
                  long long x_row_stride, long long chunks, typename AccOf<T>::type eps) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -411,6 +414,7 @@ rows_resident(const T* __restrict__ x, const T* __restrict__ r, const typename S
               typename STORE::Out* __restrict__ y, T* __restrict__ h, typename AccOf<T>::type* center_out,
               typename AccOf<T>::type* scale_out, typename AccOf<T>::type* partial, unsigned int* arrived,
               long long rows, long long n, long long x_row_stride, long long chunk_vecs, typename AccOf<T>::type eps) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;

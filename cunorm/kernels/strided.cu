@@ -40,6 +40,7 @@ strided_norm(const T* __restrict__ x, const typename STORE::Param* __restrict__ 
              typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out, long long outer, int reduced,
              long long inner, long long x_outer_stride, long long x_reduced_stride, typename AccOf<T>::type eps,
              int block_x) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
@@ -168,6 +169,7 @@ strided_norm(const T* __restrict__ x, const typename STORE::Param* __restrict__ 
 template <class T, int VEC>
 __global__ void __launch_bounds__(256, 4)
 residual_add(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ h, long long n_vec) {
+    grid_dependency_sync();
 #pragma unroll 1
     for (long long v = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vec;
          v += static_cast<long long>(gridDim.x) * blockDim.x) {

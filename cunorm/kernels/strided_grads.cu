@@ -39,6 +39,7 @@ strided_grad_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* 
                     const typename AccOf<T>::type* __restrict__ scale, T* __restrict__ dx,
                     typename AccOf<T>::type* __restrict__ partial, long long outer, int reduced, long long inner,
                     typename AccOf<T>::type eps, int block_x) {
+    grid_dependency_sync();
     using A = typename AccOf<T>::type;
     using Stats = typename Grad::Stats;
     extern __shared__ __align__(16) unsigned char shared_raw[];

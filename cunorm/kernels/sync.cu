@@ -27,6 +27,7 @@ __global__ void __launch_bounds__(256)
                          A* __restrict__ running_var, A* __restrict__ mean, A* __restrict__ var,
                          A* __restrict__ rstd, A* __restrict__ count, int ranks, int channels, A eps,
                          A momentum) {
+    grid_dependency_sync();
     const int c = static_cast<int>(blockIdx.x) * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
     if (c >= channels) return;
     A n = A(0), mu = A(0), m2 = A(0);
@@ -57,6 +58,7 @@ __global__ void __launch_bounds__(256)
 // count: the rank's (channels) count row, every entry ``value``.
 template <class A>
 __global__ void __launch_bounds__(256) channel_sync_count(A* __restrict__ count, int channels, A value) {
+    grid_dependency_sync();
     const int c = static_cast<int>(blockIdx.x) * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
     if (c < channels) count[c] = value;
 }

@@ -158,17 +158,19 @@ def test_entry_allocates_from_the_adapters_template(monkeypatch):
             assert made == [first, ("like", (4,), (0,))]
 
 
-def _program_of_two_steps():
-    """A Program of a plain step and a cooperative one over slots (x, w, y,
-    rstd) and two workspaces (the second zeroed), built by hand: fake
-    kernels, real argument buffers."""
+def _program_of_three_steps():
+    """A Program of a plain step, a cooperative one and a dependent one
+    over slots (x, w, y, rstd) and two workspaces (the second zeroed),
+    built by hand: fake kernels, real argument buffers."""
     from cunorm._engine import launches
 
     steps = []
-    for j, (cooperative, fills) in enumerate(((False, ((0, 0, 0), (1, 2, 0), (2, 1, 0), (3, 4, 16))),
-                                              (True, ((1, 3, 0), (2, 5, 0), (3, 0, 8))))):
+    for j, (kind, fills) in enumerate((("plain", ((0, 0, 0), (1, 2, 0), (2, 1, 0), (3, 4, 16))),
+                                       ("cooperative", ((1, 3, 0), (2, 5, 0), (3, 0, 8))),
+                                       ("dependent", ((0, 2, 0), (2, 0, 0))))):
         s = launches.PreparedStep()
-        s.step, s.device, s.cooperative, s.fills = f"step {j}", 0, cooperative, fills
+        s.step, s.device, s.cooperative, s.fills = f"step {j}", 0, kind == "cooperative", fills
+        s.dependent = f"config {j}" if kind == "dependent" else None  # what the driver call is handed
         s.buf = np.full(5, 99, dtype=np.uint64)
         s.words = memoryview(s.buf).cast("B").cast("Q")
         s.params_ptr = 1000 + j
@@ -216,9 +218,11 @@ def _recording(monkeypatch):
 
     monkeypatch.setattr(launches, "launch_kernel", record("plain"))
     monkeypatch.setattr(launches, "launch_cooperative_kernel", record("cooperative"))
+    monkeypatch.setattr(launches, "launch_dependent_kernel", lambda config, stream, params: calls.append(
+        ("dependent", config, stream, params, list(program_words[params]))))
     monkeypatch.setattr(launches, "memset_async", lambda ptr, value, nbytes, stream: calls.append(
         ("memset", value, nbytes, stream)))
-    program = _program_of_two_steps()
+    program = _program_of_three_steps()
     for s in program.steps:
         program_words[s.params_ptr] = s.words
     return calls, program
@@ -245,7 +249,7 @@ def test_generated_launcher_runs_what_the_entry_runs(monkeypatch):
     y2, _, rstd2 = fn.entry(x, None)
     generic = list(calls)
     # the two runs differ only in the addresses of their new arrays
-    assert [c[0] for c in generated] == [c[0] for c in generic] == ["memset", "plain", "cooperative"]
+    assert [c[0] for c in generated] == [c[0] for c in generic] == ["memset", "plain", "cooperative", "dependent"]
     assert generated[0][1:] == generic[0][1:] == (0, 8, 5)
     plain, cooperative = generated[1], generated[2]
     assert plain[1] == (77, 3, 1, 1, 128, 1, 1, 0) and plain[2] == 5 and plain[3] == 1000
@@ -255,6 +259,10 @@ def test_generated_launcher_runs_what_the_entry_runs(monkeypatch):
     # the workspaces: one allocation, the second 256 bytes in (16 bytes past the first's start in step 0)
     assert cooperative[4][2] - plain[4][3] == 256 - 16
     assert generic[2][4][1] == rstd2.ctypes.data and generic[1][4][1] == y2.ctypes.data
+    # the dependent step: its own launch configuration, the stream, its words
+    for run, out in ((generated, y), (generic, y2)):
+        assert run[3][1:4] == ("config 2", 5, 1002)
+        assert run[3][4][0] == out.ctypes.data and run[3][4][2] == x.ctypes.data and run[3][4][1] == 99
     assert "for " not in fn.source and "a0" in fn.source  # straight-line code
 
 
@@ -270,7 +278,7 @@ def test_generated_launcher_declines_another_device_and_defers_to_hooks(monkeypa
     hooked = []
     monkeypatch.setattr(launches, "step_hook", lambda step, launch: (hooked.append(step), launch()))
     y = fn(x, None)
-    assert y.shape == x.shape and len(hooked) == 2
+    assert y.shape == x.shape and len(hooked) == 3
 
 
 def test_generated_launcher_makes_a_context_current_and_retries(monkeypatch):
@@ -303,3 +311,34 @@ def test_generated_launcher_makes_a_context_current_and_retries(monkeypatch):
     failures.append(700)  # an illegal address: not the launcher's to handle
     with pytest.raises(DriverError):
         fn(x, None)
+
+
+def test_dependent_launch_configuration_has_the_drivers_layout(monkeypatch):
+    """DependentLaunch is CUlaunchConfig as cuda.h lays it out on 64-bit
+    hosts (hStream at 32, attrs at 40, numAttrs at 48; CUlaunchAttribute of
+    72 bytes, its value at 8), holding the programmatic serialization
+    attribute; dependent launches are chosen for sm_90 and later only,
+    never for a target planned ahead of time."""
+    import ctypes
+
+    from cunorm._engine import dispatch_rows, launches
+
+    monkeypatch.setattr(launches, "driver_launch_kernel_ex", lambda: "cuLaunchKernelEx")
+    config = launches.DependentLaunch(77, (3, 2, 1), (128, 1, 1), 4096)
+    assert ctypes.sizeof(launches._LaunchAttribute) == 72 and launches._LaunchAttribute.value.offset == 8
+    assert (launches.DependentLaunch.stream.offset, launches.DependentLaunch.attrs.offset,
+            launches.DependentLaunch.num_attrs.offset, ctypes.sizeof(launches.DependentLaunch)) == (32, 40, 48, 56)
+    assert (config.grid_x, config.grid_y, config.grid_z, config.block_x, config.shared) == (3, 2, 1, 128, 4096)
+    assert config.num_attrs == 1 and config.attrs[0].id == 6 and config.attrs[0].value == 1
+    assert config.fn == 77 and config.address == ctypes.addressof(config)
+    for cc, expected in ((80, False), (89, False), (90, True), (100, True)):
+        device = dispatch_rows.Device(sm_count=132, compute_capability=cc, max_shared_per_block=227 * 1024,
+                                      l2_bytes=50 << 20)
+        monkeypatch.setattr(launches, "device_info", lambda _, device=device: device)
+        assert launches.dependent_launch_on(0) is expected
+    assert launches.dependent_launch_on(-1) is False
+    monkeypatch.setattr(launches, "dependent_launch", False)
+    assert launches.dependent_launch_on(0) is False
+    monkeypatch.setattr(launches, "dependent_launch", True)
+    monkeypatch.setattr(launches, "driver_launch_kernel_ex", lambda: None)
+    assert launches.dependent_launch_on(0) is False

@@ -150,3 +150,16 @@ def test_template_arguments_from_closed_sets_only(bad):
         declarations.RESIDUAL_ADD(bad, 4)
     with pytest.raises(TypeError):  # a stage's own arguments too
         declarations.ROWS_SPLIT_PARTIAL("cunorm::RmsNorm", "float", declarations.row_load(bad, False), 4)
+
+
+def test_every_kernel_first_waits_for_the_grid_before_it():
+    """A Program launches its later steps as programmatic dependent launches
+    (cunorm/_engine/launches.py), which is safe only because every kernel's
+    first statement waits for the grid before it (grid_dependency_sync)."""
+    for path in sorted(KERNEL_DIR.glob("*.cu")):
+        source = re.sub(r"//[^\n]*", "", path.read_text())
+        starts = [source.index("{", m.end()) for m in re.finditer(r"__global__", source)]
+        assert starts, path.name
+        for start in starts:
+            first = source[start + 1:].lstrip()
+            assert first.startswith("grid_dependency_sync();"), f"{path.name}: {first[:60]!r}"

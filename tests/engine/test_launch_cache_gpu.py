@@ -364,3 +364,64 @@ def test_torch_layer_memo(layer, monkeypatch):
         assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 3
         torch.testing.assert_close(ours.running_mean, theirs.running_mean)
         torch.testing.assert_close(ours.running_var, theirs.running_var)
+
+
+def _clear_programs():
+    """Every cached Program: the launch cache's entries and the builders'
+    lru caches (a Program's launches are chosen when it is built)."""
+    import sys
+
+    launch_cache.clear()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("cunorm._engine"):
+            for value in vars(module).values():
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+
+
+def test_dependent_launches_give_the_plain_launches_bits(rng, monkeypatch):
+    """On sm_90 and later every step after a Program's first (not
+    cooperative) launches dependent on the one before it; the results,
+    forward and backward, of Programs of two and three steps are bitwise
+    those of the same Programs launched plainly, on fresh data."""
+    torch = _torch()
+    from cunorm._engine import launches
+    import cunorm.torch as ct
+
+    def t(*shape):
+        return torch.from_numpy(random(rng, shape, np.float32)).cuda().to(torch.bfloat16)
+
+    x, w, b, dy = t(2, 1280, 32, 32), t(1280), t(1280), t(2, 1280, 32, 32)
+    xm, wm, dym = t(8, 512, 1152), t(1152), t(8, 512, 1152)
+    shift, scale = t(8, 1, 1152), t(8, 1, 1152)
+
+    def grads(f, *inputs, dy):
+        leaves = [a.detach().requires_grad_() for a in inputs]
+        out = f(*leaves)
+        return [out.detach()] + list(torch.autograd.grad(out, leaves, dy))
+
+    def run():
+        return {"group_norm": grads(lambda x, w, b: ct.group_norm(x, 32, w, b), x, w, b, dy=dy),
+                "modulated": grads(lambda x, w, s, c: ct.rms_norm(x, w, shift=s, scale=c), xm, wm, shift, scale,
+                                   dy=dym)}
+
+    built = []
+    build = launches.ProgramBuilder.build
+    monkeypatch.setattr(launches.ProgramBuilder, "build", lambda self: built.append(build(self)) or built[-1])
+    results = {}
+    for dependent in (True, False):
+        monkeypatch.setattr(launches, "dependent_launch", dependent)
+        _clear_programs()
+        built.clear()
+        results[dependent] = run()
+        torch.cuda.synchronize()
+        on_sm90 = dependent and torch.cuda.get_device_capability() >= (9, 0)
+        assert max(len(p.steps) for p in built) >= 3
+        for p in built:
+            assert p.steps[0].dependent is None
+            for s in p.steps[1:]:
+                assert (s.dependent is not None) == (on_sm90 and not s.cooperative), s.step
+    _clear_programs()
+    for case, got in results[True].items():
+        assert all(torch.equal(a, b) for a, b in zip(got, results[False][case])), case
+        assert all(bool(torch.isfinite(a.float()).all()) for a in got), case
