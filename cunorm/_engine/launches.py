@@ -82,7 +82,8 @@ def make_current(device: int) -> None:
 # --- programmatic dependent launch --------------------------------------------
 
 #: whether Programs built from now on launch their later steps as dependent
-#: launches where the GPU and driver allow it (the bench's A/B switch)
+#: launches where the GPU and driver allow it (bench/tools/dependent_launch.py
+#: times the two)
 dependent_launch = True
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -112,10 +113,16 @@ class DependentLaunch(ctypes.Structure):
         self.call = driver_launch_kernel_ex()
 
 
-@functools.lru_cache(maxsize=1)
-def driver_launch_kernel_ex():
+#: the first driver whose CUDA graphs hold programmatic dependencies (stream
+#: capture of a dependent launch, as torch.cuda.graph captures cunorm's calls)
+_DEPENDENT_LAUNCH_DRIVER = 12030
+
+
+def _launch_kernel_ex_of_driver():
     """cuLaunchKernelEx from the driver CuPy has loaded, or None where the
-    driver has none (before CUDA 12) or is not libcuda.so.1."""
+    driver is older than CUDA 12.3 or is not libcuda.so.1."""
+    if runtime.driverGetVersion() < _DEPENDENT_LAUNCH_DRIVER:
+        return None
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -125,6 +132,10 @@ def driver_launch_kernel_ex():
         fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
         fn.restype = ctypes.c_int
     return fn
+
+
+#: the driver's cuLaunchKernelEx (or None), looked up once
+driver_launch_kernel_ex = functools.lru_cache(maxsize=1)(_launch_kernel_ex_of_driver)
 
 
 def dependent_launch_on(device: int) -> bool:

@@ -342,3 +342,6 @@ def test_dependent_launch_configuration_has_the_drivers_layout(monkeypatch):
     monkeypatch.setattr(launches, "dependent_launch", True)
     monkeypatch.setattr(launches, "driver_launch_kernel_ex", lambda: None)
     assert launches.dependent_launch_on(0) is False
+    # a driver before CUDA 12.3 (no programmatic edges in captured graphs): none
+    monkeypatch.setattr(launches.runtime, "driverGetVersion", lambda: 12020)
+    assert launches._launch_kernel_ex_of_driver() is None
