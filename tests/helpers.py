@@ -132,3 +132,19 @@ def dispatch_recorder():
             return func(*args, **(kwargs or {}))
 
     return Recording()
+
+
+def clear_cunorm_caches():
+    """Every lru_cache of cunorm's modules and the launch cache's entries:
+    what a fake device planned must not reach a GPU test in the same
+    process, and a Program's launches are chosen when it is built."""
+    import sys
+
+    from cunorm._engine import launch_cache
+
+    launch_cache.clear()
+    for name, module in list(sys.modules.items()):
+        if name == "cunorm" or name.startswith("cunorm."):
+            for value in vars(module).values():
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import json
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -18,20 +17,11 @@ jax_export = pytest.importorskip("jax.export")
 
 from cunorm._engine import dispatch_rows, declarations, launches, loader, plans  # noqa: E402
 from cunorm.jax import _custom_call as cc  # noqa: E402
+from helpers import clear_cunorm_caches  # noqa: E402
 
 H100 = dispatch_rows.Device(sm_count=132, compute_capability=90, max_shared_per_block=227 * 1024,
                             l2_bytes=50 * 1024 * 1024)
 BF16 = jnp.bfloat16
-
-
-def _clear_caches():
-    """Every lru_cache of cunorm's modules: what the fake device planned
-    must not reach a GPU test in the same process."""
-    for name, module in list(sys.modules.items()):
-        if name == "cunorm" or name.startswith("cunorm."):
-            for value in vars(module).values():
-                if callable(getattr(value, "cache_clear", None)):
-                    value.cache_clear()
 
 
 @pytest.fixture
@@ -39,7 +29,7 @@ def lowering(monkeypatch):
     """The jit module with the target GPU faked and the proto stubbed:
     (jit module, lower(f, *shape_dtypes) -> the custom calls' configs)."""
     from cunorm.jax import _jit as jj
-    _clear_caches()
+    clear_cunorm_caches()
     monkeypatch.setattr(launches, "device_info", lambda device_id: H100)
     monkeypatch.setattr(launches, "_persistent_grid", lambda step, device: (2 * H100.sm_count,))
     monkeypatch.setattr(jj, "target", lambda: (0, H100, 90))
@@ -64,7 +54,7 @@ def lowering(monkeypatch):
 
     yield jj, lower
     jax.config.update("jax_enable_x64", x64)
-    _clear_caches()
+    clear_cunorm_caches()
 
 
 def _mlir_string(s):
@@ -333,7 +323,7 @@ def named_target(monkeypatch):
     set_lowering_target, and nothing may ask the driver (gpu_name raises)."""
     import cunorm.jax as cj
 
-    _clear_caches()
+    clear_cunorm_caches()
 
     def no_driver():
         raise AssertionError("asked the CUDA driver while lowering for a named target")
@@ -344,7 +334,7 @@ def named_target(monkeypatch):
          "shared": call.launch.shared, "arch": arch}).encode())
     yield cj
     cj.set_lowering_target(None)
-    _clear_caches()
+    clear_cunorm_caches()
 
 
 def _lowered_configs(f, *shape_dtypes):

@@ -118,9 +118,10 @@ class DependentLaunch(ctypes.Structure):
 _DEPENDENT_LAUNCH_DRIVER = 12030
 
 
-def _launch_kernel_ex_of_driver():
-    """cuLaunchKernelEx from the driver CuPy has loaded, or None where the
-    driver is older than CUDA 12.3 or is not libcuda.so.1."""
+@functools.lru_cache(maxsize=1)
+def driver_launch_kernel_ex():
+    """cuLaunchKernelEx from the driver CuPy has loaded (looked up once), or
+    None where the driver is older than CUDA 12.3 or is not libcuda.so.1."""
     if runtime.driverGetVersion() < _DEPENDENT_LAUNCH_DRIVER:
         return None
     try:
@@ -134,31 +135,26 @@ def _launch_kernel_ex_of_driver():
     return fn
 
 
-#: the driver's cuLaunchKernelEx (or None), looked up once
-driver_launch_kernel_ex = functools.lru_cache(maxsize=1)(_launch_kernel_ex_of_driver)
-
-
 def dependent_launch_on(device: int) -> bool:
     """Whether steps after a Program's first launch as dependent launches
-    on ``device``: compute capability 9.0 or newer (griddepcontrol) and a
-    driver with cuLaunchKernelEx; never on a target planned ahead of time."""
+    on ``device``: compute capability 9.0 or newer (griddepcontrol) and
+    driver_launch_kernel_ex; never on a target planned ahead of time."""
     return (dependent_launch and device >= 0 and device_info(device).compute_capability >= 90
             and driver_launch_kernel_ex() is not None)
 
 
-def _launch_dependent_kernel(config: DependentLaunch, stream: int, params_ptr: int) -> None:
+def launch_dependent_kernel(config: DependentLaunch, stream: int, params_ptr: int) -> None:
     config.stream = stream
     status = config.call(config.address, config.fn, params_ptr, None)
     if status:
         raise CUDADriverError(status)
 
 
-# The driver calls a run makes, by name: the launch cache's generated
-# launchers (cunorm/_engine/launch_cache.py) bind them when they are built, and the CPU
-# tests replace them.
+# The driver calls a run makes, by name (launch_dependent_kernel above too):
+# the launch cache's generated launchers (cunorm/_engine/launch_cache.py) bind
+# them when they are built, and the CPU tests replace them.
 launch_kernel = driver.launchKernel
 launch_cooperative_kernel = driver.launchCooperativeKernel
-launch_dependent_kernel = _launch_dependent_kernel
 memset_async = runtime.memsetAsync
 CUDADriverError = driver.CUDADriverError
 

@@ -323,6 +323,7 @@ def test_dependent_launch_configuration_has_the_drivers_layout(monkeypatch):
 
     from cunorm._engine import dispatch_rows, launches
 
+    looked_up = launches.driver_launch_kernel_ex
     monkeypatch.setattr(launches, "driver_launch_kernel_ex", lambda: "cuLaunchKernelEx")
     config = launches.DependentLaunch(77, (3, 2, 1), (128, 1, 1), 4096)
     assert ctypes.sizeof(launches._LaunchAttribute) == 72 and launches._LaunchAttribute.value.offset == 8
@@ -344,4 +345,4 @@ def test_dependent_launch_configuration_has_the_drivers_layout(monkeypatch):
     assert launches.dependent_launch_on(0) is False
     # a driver before CUDA 12.3 (no programmatic edges in captured graphs): none
     monkeypatch.setattr(launches.runtime, "driverGetVersion", lambda: 12020)
-    assert launches._launch_kernel_ex_of_driver() is None
+    assert looked_up.__wrapped__() is None

@@ -13,7 +13,7 @@ import pytest
 import cunorm
 from cunorm._engine import launch_cache
 from cunorm import reference
-from helpers import assert_close, random
+from helpers import assert_close, clear_cunorm_caches, random
 
 pytestmark = pytest.mark.gpu
 
@@ -366,19 +366,6 @@ def test_torch_layer_memo(layer, monkeypatch):
         torch.testing.assert_close(ours.running_var, theirs.running_var)
 
 
-def _clear_programs():
-    """Every cached Program: the launch cache's entries and the builders'
-    lru caches (a Program's launches are chosen when it is built)."""
-    import sys
-
-    launch_cache.clear()
-    for name, module in list(sys.modules.items()):
-        if name.startswith("cunorm._engine"):
-            for value in vars(module).values():
-                if callable(getattr(value, "cache_clear", None)):
-                    value.cache_clear()
-
-
 def test_dependent_launches_give_the_plain_launches_bits(rng, monkeypatch):
     """On sm_90 and later every step after a Program's first (not
     cooperative) launches dependent on the one before it; the results,
@@ -411,7 +398,7 @@ def test_dependent_launches_give_the_plain_launches_bits(rng, monkeypatch):
     results = {}
     for dependent in (True, False):
         monkeypatch.setattr(launches, "dependent_launch", dependent)
-        _clear_programs()
+        clear_cunorm_caches()
         built.clear()
         results[dependent] = run()
         torch.cuda.synchronize()
@@ -421,7 +408,7 @@ def test_dependent_launches_give_the_plain_launches_bits(rng, monkeypatch):
             assert p.steps[0].dependent is None
             for s in p.steps[1:]:
                 assert (s.dependent is not None) == (on_sm90 and not s.cooperative), s.step
-    _clear_programs()
+    clear_cunorm_caches()
     for case, got in results[True].items():
         assert all(torch.equal(a, b) for a, b in zip(got, results[False][case])), case
         assert all(bool(torch.isfinite(a.float()).all()) for a in got), case
