@@ -44,6 +44,10 @@ CASES = [
      -1),
     ("group_norm(32) channels-last (8,32,32,640) bf16 +w+b", "group_norm", (8, 32, 32, 640), "bfloat16", 32, "wb",
      -1),
+    ("group_norm(32) channels-last (16,64,64,320) bf16 +w+b", "group_norm", (16, 64, 64, 320), "bfloat16", 32, "wb",
+     -1),
+    ("group_norm(32) channels-last (8,64,64,640) bf16 +w+b", "group_norm", (8, 64, 64, 640), "bfloat16", 32, "wb",
+     -1),
     ("instance_norm (16,64,256,256) fp32 +w+b", "instance_norm", (16, 64, 256, 256), "float32", None, "wb"),
     ("instance_norm (4,128,512,512) fp32 +w+b", "instance_norm", (4, 128, 512, 512), "float32", None, "wb"),
     ("instance_norm (4,64,128,128) fp32 +w+b", "instance_norm", (4, 64, 128, 128), "float32", None, "wb"),
@@ -65,9 +69,9 @@ STREAM_VARIANTS = [{}, {"hints": 0}, {"tile_bytes": 16 * KB}, {"tile_bytes": 8 *
 SPLIT_VARIANTS = [{"hints": 0}, {"hints": 1}, {"hints": 2}, {"hints": 3}]
 #: channels-last: tiles of a power of two (against the position's vectors
 #: exactly), the chunks a sample's positions are cut into, a statistic per
-#: channel
+#: channel, narrower vectors, the blocks a pass aims for an SM
 TILE_VARIANTS = [{}, {"exact_tile": False}, {"chunks": 66}, {"chunks": 132}, {"chunks": 16}, {"grouped": False},
-                 {"grouped": False, "exact_tile": False}]
+                 {"grouped": False, "exact_tile": False}, {"vec": 4}] + [{"blocks_per_sm": k} for k in (1, 2, 3, 4, 6)]
 ONCHIP_VARIANTS = [{}] + [{"threads": t, "elements": e, "cluster": k}
                           for t, e, k in ((256, 16, 1), (256, 32, 1), (512, 32, 1), (1024, 32, 1), (256, 32, 2),
                                           (512, 32, 2), (1024, 32, 2), (256, 32, 4), (512, 32, 4), (1024, 32, 4),

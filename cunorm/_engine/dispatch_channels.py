@@ -219,7 +219,8 @@ def channels_last_walk(plan: ChannelPlan, override: dict, tune: tuning.Tuning) -
     256 of them; the block is CHANNEL_BLOCK_THREADS // tile rows of a tile,
     launched as whole warps (the threads past the rows idle).
     ``override`` {"grouped": False} forces a statistic per channel,
-    {"exact_tile": False} tiles of a power of two (the tuning script)."""
+    {"exact_tile": False} tiles of a power of two, {"vec": v} a statistic
+    per channel at vectors of v (the tuning script)."""
     def tiling(vec):
         vecs = plan.channels // vec
         # Exactly the position's vectors, not the next power of two: 6 rows
@@ -232,6 +233,10 @@ def channels_last_walk(plan: ChannelPlan, override: dict, tune: tuning.Tuning) -
         bx = min(CHANNEL_BLOCK_THREADS, next_pow2(vecs))
         return bx, _ceil_div(vecs, bx)
 
+    if "vec" in override:
+        if plan.vec % override["vec"]:
+            raise ValueError(f"vectors of {override['vec']} do not divide the plan's {plan.vec}")
+        return (override["vec"], CHANNELS_LAST) + tiling(override["vec"])
     vec = plan.vec
     while plan.channels_per_group % vec:
         vec //= 2
@@ -240,6 +245,26 @@ def channels_last_walk(plan: ChannelPlan, override: dict, tune: tuning.Tuning) -
         if tiles == 1 or bx % (plan.channels_per_group // vec) == 0:
             return vec, CHANNELS_LAST_GROUPED, bx, tiles
     return (plan.vec, CHANNELS_LAST) + tiling(plan.vec)
+
+
+def channels_last_blocks(layout: int, threads: int, vec_bytes: int, device: Device, override: dict) -> int:
+    """The blocks a channels-last pass of the three launches aims for: at
+    most those resident at once, a whole wave (blocks past a wave run as a
+    second, whose tail doubled a pass). A statistic a channel
+    (CHANNELS_LAST, 126-127 registers a thread in 16-bit) keeps
+    tune.channel_last_blocks_per_sm blocks an SM; a statistic a thread
+    (grouped) threads whose vectors come to
+    tune.channel_last_grouped_bytes_per_sm (more blocks of narrower vectors).
+    Measurements: docs/notes/channel-norms.md."""
+    tune = tuning.of(device)
+    if "blocks_per_sm" in override:
+        per_sm = override["blocks_per_sm"]
+    elif layout == CHANNELS_LAST_GROUPED:
+        # (grouped vectors are at least 8 bytes: at most 1024 threads an SM)
+        per_sm = max(1, tune.channel_last_grouped_bytes_per_sm // (threads * vec_bytes))
+    else:
+        per_sm = tune.channel_last_blocks_per_sm
+    return per_sm * device.sm_count
 
 
 def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = False, returns_stats: bool = True,
@@ -251,7 +276,8 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     launch that reads the running buffers itself, or, where the call
     returns its statistics, channel_from_running first (it writes them).
     ``override`` {"chunks": n} forces the chunks a channel's positions are
-    cut into (the tuning script)."""
+    cut into, {"blocks_per_sm": k} the blocks a channels-last pass aims for
+    (the tuning script)."""
     tune = tuning.of(device)
     from .dtypes import KERNEL_TYPE, accumulation
 
@@ -270,9 +296,9 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         padded = -(-bx * by // 32) * 32
         padded = 0 if padded == bx * by else padded
         block = (bx, by)
-        want_chunks = max(1, _ceil_div(tune.channel_last_blocks_per_sm * device.sm_count, plan.batch * tiles))
-        # at least 4 positions a thread row per chunk (for_each_batched's batch)
-        chunk_len = max(4 * by, _ceil_div(plan.spatial, want_chunks))
+        blocks = channels_last_blocks(layout, bx * by, vec * plan.dtype.itemsize, device, override)
+        want_chunks = max(1, blocks // (plan.batch * tiles))
+        chunk_len = max(tune.channel_last_min_chunk_rows * by, _ceil_div(plan.spatial, want_chunks))
         if "chunks" in override:
             chunk_len = _ceil_div(plan.spatial, override["chunks"])
         chunks = _ceil_div(plan.spatial, chunk_len)

@@ -64,8 +64,15 @@ class Tuning:
     channel_blocks_per_sm: int = 8
     #: ... channels-first chunks of at most this many bytes ...
     channel_max_chunk_bytes: int = 256 * 1024
-    #: ... and channels-last tiles aiming for this many blocks an SM
+    #: ... channels-last passes of a statistic a channel aiming for this
+    #: many blocks an SM (those resident: one wave) ...
     channel_last_blocks_per_sm: int = 2
+    #: ... those of a statistic a thread (grouped) for threads whose
+    #: vectors come to this many bytes an SM ...
+    channel_last_grouped_bytes_per_sm: int = 8192
+    #: ... and a channels-last chunk at least this many positions a row of
+    #: threads
+    channel_last_min_chunk_rows: int = 8
     #: channels-last groups go grouped (a statistic a thread) with vectors
     #: of at least this many bytes
     grouped_min_vec_bytes: int = 8

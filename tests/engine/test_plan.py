@@ -623,6 +623,41 @@ def test_channel_stream_schedule():
     assert (forced.chunk_vecs, forced.chunks, s.slab_tiles, s.lag, forced.hints) == (3, 43, 43, 5, 0)
 
 
+def test_channels_last_passes_are_one_wave():
+    """The three launches on channels-last x cut a sample's positions into
+    chunks whose blocks fill one wave at most: two blocks an SM for a
+    statistic a channel, and for a statistic a thread as many as bring the
+    block's vectors to channel_last_grouped_bytes_per_sm (a block of 160
+    threads of 8-byte vectors: six); chunks of at least
+    channel_last_min_chunk_rows positions a row of threads."""
+    tune = tuning.SM90
+    bf16 = dtypes.bfloat16
+    cases = {  # (batch, spatial, channels) -> (grid, chunk positions) of GroupNorm(32) bf16 on H200
+        (16, 64 * 64, 320): ((16, 1, 16), 256),  # 10 channels a group: a statistic a channel, 40 x 6 threads
+        (8, 64 * 64, 320): ((33, 1, 8), 125),
+        (2, 64 * 64, 320): ((86, 1, 2), 48),  # (not 132 chunks: at least 8 positions a row of 6)
+        (8, 64 * 64, 640): ((98, 1, 8), 42),  # 8-byte vectors, 160 x 1 threads: 6 blocks an SM
+        (8, 128 * 128, 512): ((33, 1, 8), 497),  # 16-byte vectors, 64 x 4 threads: 2 blocks an SM
+        (2, 32 * 32, 1280): ((128, 1, 2), 8)}  # 16-byte vectors, 160 threads: 3 an SM, chunks of 8 positions
+    for (batch, spatial, channels), (grid, chunk) in cases.items():
+        p = channel_plan(dtype=bf16, flags=3, last=True, batch=batch, channels=channels, spatial=spatial,
+                         cpg=channels // 32)
+        launch = dispatch_channels.choose_channels(p, H200)
+        assert (launch.steps[0].grid, launch.chunk_vecs) == (grid, chunk), (batch, spatial, channels)
+        assert launch.steps[-1].grid == grid
+        blocks = grid[0] * grid[1] * grid[2]
+        threads = launch.steps[0].threads
+        assert blocks * threads <= 2048 * 132
+        assert chunk >= tune.channel_last_min_chunk_rows * launch.steps[0].block[1]
+    forced = dispatch_channels.choose_channels(
+        channel_plan(dtype=bf16, flags=3, last=True, batch=8, channels=640, spatial=64 * 64, cpg=20), H200,
+        override={"blocks_per_sm": 2, "vec": 4})
+    assert forced.steps[0].grid == (33, 1, 8) and forced.steps[0].kernel.template_args[2:] == (4, 1)
+    with pytest.raises(ValueError, match="do not divide"):
+        dispatch_channels.choose_channels(channel_plan(dtype=bf16, flags=3, last=True, channels=320, cpg=10),
+                                          H200, override={"vec": 3})
+
+
 def test_channel_apply_hints():
     """Streaming stores always; last-use re-reads for x of L2's size to 8x."""
     def hints(batch):
