@@ -1,9 +1,9 @@
 """GroupNorm(32) on a diffusion UNet's shapes, bf16 with weight and bias, with
 and without a fused SiLU, x channels-last (torch's channels_last memory) and
 channels-first: cunorm.torch against torch eager and torch.compile (each
-case compiled afresh, static shapes) of F.silu(F.group_norm(...)), GPU time (busy fill) in us, the walk cunorm took,
-and cunorm's largest error against torch in float32, relative to the
-output's largest magnitude.
+case compiled afresh, static shapes) of F.silu(F.group_norm(...)), GPU time
+(busy fill) in us, the walk cunorm took, and cunorm's largest error against
+torch in float32, relative to the output's largest magnitude.
 
 PYTHONPATH=. python bench/group_norm_unet.py [--only TEXT]"""
 import argparse
