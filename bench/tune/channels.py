@@ -9,8 +9,9 @@ timed call, as in the benchmark):
   each stream variant's output is checked against the split walk's and
   its bytes against a second run;
 - the L2 hints of the three launches' epilogue (channel_apply:
-  tuning.channel_apply_hints_max_x_l2_share), and the time of each launch of
-  problems 33 and 37 (the two-read walks);
+  tuning.channel_apply_hints_max_x_l2_share), the finalize launched or done
+  by the apply (tuning.channel_apply_finalize_max_members), and the time of
+  each launch of problems 33 and 37 (the two-read walks);
 - on channels-last x, the three launches' tiles, chunks and grouping
   (TILE_VARIANTS), with the time of each launch.
 
@@ -66,7 +67,7 @@ STREAM_VARIANTS = [{}, {"hints": 0}, {"tile_bytes": 16 * KB}, {"tile_bytes": 8 *
                    {"slab_bytes": 16 * MB, "tile_bytes": 16 * KB}, {"slab_bytes": 24 * MB, "tile_bytes": 16 * KB},
                    {"lag": 2, "tile_bytes": 16 * KB}, {"lag": 2, "slab_bytes": 8 * MB, "tile_bytes": 16 * KB},
                    {"lag": 3, "slab_bytes": 6 * MB, "tile_bytes": 16 * KB}]
-SPLIT_VARIANTS = [{"hints": 0}, {"hints": 1}, {"hints": 2}, {"hints": 3}]
+SPLIT_VARIANTS = [{"hints": 0}, {"hints": 1}, {"hints": 2}, {"hints": 3}, {"fold": False}, {"fold": True}]
 #: channels-last: tiles of a power of two (against the position's vectors
 #: exactly), the chunks a sample's positions are cut into, a statistic per
 #: channel, narrower vectors, the blocks a pass aims for an SM

@@ -286,7 +286,8 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     ``override`` (tests and the tuning script): {"walk": "split", "stream"
     or "rows"} forces a walk (dispatch_channels.choose_channel_walk); {"chunks": n}
     cuts the three launches as told, {"hints": h} sets their L2 hints
-    (dispatch_channels.choose_channels); "tile_vecs", "slab_bytes", "lag" and
+    (dispatch_channels.choose_channels), {"fold": bool} whether the apply
+    finalizes each group (dispatch_channels.apply_finalizes); "tile_vecs", "slab_bytes", "lag" and
     "hints" set channel_stream's schedule (dispatch_channels.choose_channel_stream)."""
     import cupy
 
@@ -371,13 +372,14 @@ def build_channels(pb, plan, launch, from_running: bool, eps: float, momentum: f
                   group_stride=group_stride, spatial_vecs=vecs, channels_per_group=plan.channels_per_group,
                   groups=plan.groups, eps=eps, momentum=momentum)
         return pb
+    none = {"partial": None, "mean_out": None, "rstd_out": None}
     if not launch.workspace_words:  # eval mode in one launch: the epilogue reads the running buffers
-        pb.launch(launch.steps[0], affine=None, running_mean=rm, running_var=rv, **apply)
+        pb.launch(launch.steps[0], affine=None, running_mean=rm, running_var=rv, **none, **apply)
         return pb
     # the partials, then the (pivot, center, scale) of each statistic group
-    affine_words = 3 * plan.statistic_groups
+    affine_words = 0 if launch.tier == "channel_folded" else 3 * plan.statistic_groups
     ws = pb.workspace((launch.workspace_words - affine_words) * acc_bytes)
-    affine = pb.workspace(affine_words * acc_bytes)
+    affine = pb.workspace(affine_words * acc_bytes) if affine_words else None
     if launch.stream is not None:
         sync = pb.workspace(4 * (1 + 2 * plan.statistic_groups), zeroed=True)
         pb.launch(launch.steps[0], x=x, y=pb["y"], w=w, b=b, partial=ws, affine=affine, mean_out=mean, rstd_out=rstd,
@@ -392,11 +394,15 @@ def build_channels(pb, plan, launch, from_running: bool, eps: float, momentum: f
                   channels=plan.channels, eps=eps)
     else:
         pb.launch(launch.steps[0], x=x, partial=ws, **dims, chunks=launch.chunks, chunk_len=launch.chunk_vecs)
+        if launch.tier == "channel_folded":  # the apply finalizes each group itself
+            pb.launch(launch.steps[1], affine=None, running_mean=None, running_var=None, partial=ws, mean_out=mean,
+                      rstd_out=rstd, **apply)
+            return pb
         pb.launch(launch.steps[1], x=x, partial=ws, affine=affine, mean_out=mean, rstd_out=rstd, running_mean=rm,
                   running_var=rv, **dims, chunks=launch.chunks, eps=eps, momentum=momentum)
     if launch.tier == "channel_statistics":  # (SyncBatchNorm's per-rank statistics alone, no y: sync_batch.py)
         return pb
-    pb.launch(launch.steps[-1], affine=affine, running_mean=None, running_var=None, **apply)
+    pb.launch(launch.steps[-1], affine=affine, running_mean=None, running_var=None, **none, **apply)
     return pb
 
 

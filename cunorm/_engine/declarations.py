@@ -191,8 +191,8 @@ CHANNEL_FROM_RUNNING = KernelDecl("channels", "channel_from_running", ("A",),
                                   _args("running_mean running_var:in affine mean_out rstd_out:out channels:i32 "
                                         "eps:acc"))
 CHANNEL_APPLY = KernelDecl("channels", "channel_apply", ("T", "STORE", "VEC", "LAYOUT"),
-                           _args(f"x w b affine running_mean running_var:in y:out {_CHANNEL_DIMS} per_sample:i32 "
-                                 f"chunks chunk_len:i64 eps:acc hints block_x:i32"))
+                           _args(f"x w b affine running_mean running_var partial:in y mean_out rstd_out:out "
+                                 f"{_CHANNEL_DIMS} per_sample:i32 chunks chunk_len:i64 eps:acc hints block_x:i32"))
 CHANNEL_STREAM = KernelDecl("channel_stream", "channel_stream", ("NormT", "T", "STORE", "VEC"),
                             _args("x w b:in y partial affine mean_out rstd_out sync:out groups_total group_vecs "
                                   "spatial_vecs:i64 channels_per_group groups:i32 tile_vecs row_tiles slab_tiles "

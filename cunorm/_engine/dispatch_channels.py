@@ -6,7 +6,8 @@ row family.
 Channel norms (GroupNorm, InstanceNorm, BatchNorm; a ChannelPlan): groups
 of whole channels without parameters on channels-first memory are rows and
 go to the rows tiers as LayerNorm (channel_rows_fast); the rest run the
-channel family's three launches (choose_channels), chunked so each pass has at least
+channel family's three launches, or two where the apply finalizes each
+group itself (choose_channels, apply_finalizes), chunked so each pass has at least
 tuning.channel_blocks_per_sm blocks an SM (channels-first, chunks of at most
 tuning.channel_max_chunk_bytes) or tuning.channel_last_blocks_per_sm (channels-last).
 
@@ -247,6 +248,24 @@ def channels_last_walk(plan: ChannelPlan, override: dict, tune: tuning.Tuning) -
     return (plan.vec, CHANNELS_LAST) + tiling(plan.vec)
 
 
+def apply_finalizes(plan: ChannelPlan, layout: int, block: tuple, group_partials: int, device: Device,
+                    override: dict) -> bool:
+    """Whether channel_apply combines each group's partials itself, the
+    finalize launch skipped ("channel_folded"): channels-first per-sample
+    groups in plane rows (``block`` 2-D) of at most
+    tune.channel_apply_finalize_max_members partials. Each row of the
+    apply combines its group's, by shuffles; a 256-thread block's combine
+    (barriers) at the start of every chunk cost more than the launch it
+    saves, and BatchNorm's running estimates need the one finalize.
+    ``override``'s "fold" (True or False) decides instead where the layout
+    allows it."""
+    if layout != CHANNELS_FIRST or not plan.per_sample:
+        return False
+    if "fold" in override:
+        return bool(override["fold"])
+    return len(block) == 2 and group_partials <= tuning.of(device).channel_apply_finalize_max_members
+
+
 def channels_last_blocks(layout: int, threads: int, vec_bytes: int, device: Device, override: dict) -> int:
     """The blocks a channels-last pass of the three launches aims for: at
     most those resident at once, a whole wave (blocks past a wave run as a
@@ -271,13 +290,14 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
                     override: dict | None = None) -> Launch:
     """The three-launch walk of cunorm/kernels/channels.cu for ``plan``:
     partial statistics over chunks of the positions, a block per statistic
-    group to combine them, then the elementwise epilogue (x read twice).
+    group to combine them, then the elementwise epilogue (x read twice);
+    the middle launch skipped where apply_finalizes ("channel_folded").
     BatchNorm in eval mode (from_running) needs only the epilogue: one
     launch that reads the running buffers itself, or, where the call
     returns its statistics, channel_from_running first (it writes them).
     ``override`` {"chunks": n} forces the chunks a channel's positions are
-    cut into, {"blocks_per_sm": k} the blocks a channels-last pass aims for
-    (the tuning script)."""
+    cut into, {"blocks_per_sm": k} the blocks a channels-last pass aims for,
+    {"fold": bool} whether the apply finalizes (the tuning script)."""
     tune = tuning.of(device)
     from .dtypes import KERNEL_TYPE, accumulation
 
@@ -346,12 +366,15 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     group_partials = (1 if plan.per_sample else plan.batch) * chunks
     if layout != CHANNELS_LAST_GROUPED:
         group_partials *= plan.channels_per_group
+    members = plan.batch * plan.channels * chunks
+    if apply_finalizes(plan, layout, block, group_partials, device, override):
+        return Launch("channel_folded", (partial, apply), chunks=chunks, chunk_vecs=chunk_len,
+                      workspace_words=3 * members, hints=hints)
     finalize_block, groups_a_block = (CHANNEL_BLOCK_THREADS,), 1
     if group_partials <= tune.channel_finalize_rows_max_members:
         finalize_block = plane_rows_block(group_partials, CHANNEL_BLOCK_THREADS)
         groups_a_block = finalize_block[1]
     finalize = Step(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, layout),
                     (min(_ceil_div(groups, groups_a_block), MAX_GRID_X),), finalize_block)
-    members = plan.batch * plan.channels * chunks
     return Launch("channel_split", (partial, finalize, apply), chunks=chunks, chunk_vecs=chunk_len,
                   workspace_words=3 * (members + groups), hints=hints)

@@ -80,6 +80,10 @@ class Tuning:
     channel_plane_rows_max_vecs: int = 1024
     #: statistic groups of at most this many partials finalize as rows
     channel_finalize_rows_max_members: int = 256
+    #: channels-first per-sample groups in plane rows of at most this many
+    #: partials are finalized by channel_apply's rows, the finalize launch
+    #: skipped
+    channel_apply_finalize_max_members: int = 128
     #: channel_apply re-reads x with last-use hints for x up to this many
     #: times L2's size (from L2's size on)
     channel_apply_hints_max_x_l2_share: int = 8

@@ -28,6 +28,9 @@
 //   channel_apply     y = (x - pivot - center) * scale [* w[c]] [+ b[c]],
 //                     walked in the reverse of channel_partial's order, so
 //                     that what channel_partial read last is re-read from L2.
+// Channels-first per-sample groups of few partials in plane rows skip
+// channel_finalize: channel_apply's rows combine their group's partials
+// themselves (two launches; the dispatch's apply_finalizes).
 // channel_from_running replaces the first two for BatchNorm in eval mode.
 // Groups that fit on chip take channel_onchip instead (onchip.cu: one read),
 // and GroupNorm/InstanceNorm with parameters on x larger than L2
@@ -119,8 +122,16 @@ __device__ __forceinline__ ChannelShape channel_shape(long long batch, long long
 // grouped: partial[(n * chunks + chunk) * groups + g]. A chunk is chunk_len
 // positions (vectors of VEC positions when channels-first). Dynamic shared
 // memory (channels-last): by * bx * (grouped ? 1 : VEC) Stats.
+// Five blocks an SM channels-first (48 registers, no spills): GroupNorm(32)
+// bf16 (16,320,64,64) is 640 plane-row blocks, one wave at five, 1.21 at
+// the four that 62 registers allowed (docs/notes/channel-norms.md).
+template <int LAYOUT>
+__host__ __device__ constexpr int partial_min_blocks() {
+    return LAYOUT == kChannelsFirst ? 5 : 2;
+}
+
 template <template <class> class NormT, class T, int VEC, int LAYOUT>
-__global__ void __launch_bounds__(256, 2)
+__global__ void __launch_bounds__(256, partial_min_blocks<LAYOUT>())
 channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ partial, long long batch,
                 long long spatial, int channels, int channels_per_group, int per_sample, long long chunks,
                 long long chunk_len, int block_x) {
@@ -252,6 +263,40 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
     }
 }
 
+// The partials of statistic group g of sample n0 (and of the samples after
+// it, samples_in_group of them: BatchNorm's groups span the batch) that
+// lane `lane` of `width` combines: members lane, lane + width, ... of the
+// (sample, member) order, in that order. The lanes' results combined
+// across them (group_reduce, block_reduce) are the group's statistic, the
+// same wherever the same width combines them.
+template <class Norm, int LAYOUT>
+__device__ __forceinline__ typename Norm::Stats lane_partials(const typename Norm::Stats* parts,
+                                                              const ChannelShape& cs, long long n0, int g,
+                                                              long long samples_in_group, int per_sample_members,
+                                                              long long chunks, int lane, int width) {
+    typename Norm::Stats s = Norm::init();
+    const int c0 = g * cs.channels_per_group;
+    const long long members = samples_in_group * per_sample_members;
+#pragma unroll 1
+    for (long long i = lane; i < members; i += width) {
+        const long long k = i / per_sample_members;
+        const int m = static_cast<int>(i - k * per_sample_members);
+        const long long n = n0 + k;
+        if constexpr (LAYOUT == kChannelsFirst) {
+            // contiguous: (n, c0 .. c0 + cpg, every chunk)
+            s = Norm::combine(s, parts[(n * cs.channels + c0) * chunks + m]);
+        } else if constexpr (LAYOUT == kChannelsLastGrouped) {
+            s = Norm::combine(s, parts[(n * chunks + m) * cs.groups + g]);
+        } else {
+            // chunk by chunk, the group's channels contiguous in each
+            const int chunk = m / cs.channels_per_group;
+            const int c = m - chunk * cs.channels_per_group;
+            s = Norm::combine(s, parts[(n * chunks + chunk) * cs.channels + c0 + c]);
+        }
+    }
+    return s;
+}
+
 // A block, or a row of bx <= 32 threads of a 2-D layout (groups of
 // few partials), per statistic group: combine its partials (for each
 // sample of the group, its channels and chunks) in a fixed order, then
@@ -297,25 +342,8 @@ channel_finalize(const T* __restrict__ x, const typename AccOf<T>::type* __restr
         // the threads (BatchNorm's 64 samples of one partial each: one
         // thread walking the samples in turn spent 28-36 us on ResNet-50's
         // activations, a chain of dependent loads).
-        Stats s = Norm::init();
-        const long long members = samples_in_group * per_sample_members;
-#pragma unroll 1
-        for (long long i = bl.tx; i < members; i += bl.bx) {
-            const long long k = i / per_sample_members;
-            const int m = static_cast<int>(i - k * per_sample_members);
-            const long long n = n0 + k;
-            if constexpr (LAYOUT == kChannelsFirst) {
-                // contiguous: (n, c0 .. c0 + cpg, every chunk)
-                s = Norm::combine(s, parts[(n * channels + c0) * chunks + m]);
-            } else if constexpr (LAYOUT == kChannelsLastGrouped) {
-                s = Norm::combine(s, parts[(n * chunks + m) * cs.groups + g]);
-            } else {
-                // chunk by chunk, the group's channels contiguous in each
-                const int chunk = m / channels_per_group;
-                const int c = m - chunk * channels_per_group;
-                s = Norm::combine(s, parts[(n * chunks + chunk) * channels + c0 + c]);
-            }
-        }
+        Stats s = lane_partials<Norm, LAYOUT>(parts, cs, n0, g, samples_in_group, per_sample_members, chunks, bl.tx,
+                                              bl.bx);
         s = rows == 1 ? block_reduce<Norm>(s, scratch) : group_reduce<Norm>(s, bl.bx);
         if (active && bl.tx == 0) {
             const long long count = samples_in_group * channels_per_group * spatial;
@@ -363,15 +391,30 @@ channel_from_running(const A* __restrict__ running_mean, const A* __restrict__ r
 // returned: one launch, no workspace), a channel's (0, center, scale) is
 // (0, running_mean[c], rsqrt(running_var[c] + eps)), as
 // channel_from_running writes it, and affine is not read.
+// With partial not null (channels-first, per-sample groups: the dispatch's
+// choice), channel_finalize's work is done here and that launch skipped:
+// each row of threads combines its channel's group's partials in a fixed
+// order (lane_partials over the row's lanes, then across them: every row
+// of a group gets the same bits), and the row of the group's first channel
+// and first chunk writes mean_out and rstd_out; affine is not read.
+// Three blocks an SM channels-first (80 registers, 32-bit indices within a
+// chunk): at two, GroupNorm(32) + SiLU bf16 (16,320,64,64) spent 42 us in
+// this launch against 33 (docs/notes/channel-norms.md).
+template <int LAYOUT>
+__host__ __device__ constexpr int apply_min_blocks() {
+    return LAYOUT == kChannelsFirst ? 3 : 2;
+}
+
 template <class T, class STORE, int VEC, int LAYOUT>
-__global__ void __launch_bounds__(256, 2)
+__global__ void __launch_bounds__(256, apply_min_blocks<LAYOUT>())
 channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__ w,
               const typename STORE::Param* __restrict__ b, const typename AccOf<T>::type* __restrict__ affine,
               const typename AccOf<T>::type* __restrict__ running_mean,
-              const typename AccOf<T>::type* __restrict__ running_var, typename STORE::Out* __restrict__ y,
-              long long batch,
-              long long spatial, int channels, int channels_per_group, int per_sample, long long chunks,
-              long long chunk_len, typename AccOf<T>::type eps, int hints, int block_x) {
+              const typename AccOf<T>::type* __restrict__ running_var,
+              const typename AccOf<T>::type* __restrict__ partial, typename STORE::Out* __restrict__ y,
+              typename AccOf<T>::type* __restrict__ mean_out, typename AccOf<T>::type* __restrict__ rstd_out,
+              long long batch, long long spatial, int channels, int channels_per_group, int per_sample,
+              long long chunks, long long chunk_len, typename AccOf<T>::type eps, int hints, int block_x) {
     grid_dependency_sync();
     const BlockLayout bl = block_layout(block_x);
     using A = typename AccOf<T>::type;
@@ -401,27 +444,59 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
             const long long n = batch - 1 - n_, chunk = chunks - 1 - chunk_;
             const int c0 = last_c0 - c0_;
             const int c = c0 + bl.ty;
-            if (c >= channels) return;  // no barrier below
             Affine<A> f;
             A pivot;
             Scalars p;
-            params_of(n, c, f, pivot, p);
-            const long long offset = (n * channels + c) * spatial;
+            if (partial != nullptr) {
+                // the finalize's work for this row's group (every lane of
+                // the block reaches the reduction: the bounds are uniform)
+                using Norm = LayerNorm<A>;  // (the channel family's statistic: CHANNEL_NORM)
+                __shared__ typename Norm::Stats scratch[33];
+                const ChannelShape cs = channel_shape(batch, spatial, channels, channels_per_group, 1);
+                const int g = min(c, channels - 1) / channels_per_group;
+                auto s = lane_partials<Norm, kChannelsFirst>(reinterpret_cast<const typename Norm::Stats*>(partial),
+                                                             cs, n, g, 1, static_cast<int>(channels_per_group * chunks),
+                                                             chunks, bl.tx, bl.bx);
+                s = bl.by == 1 ? block_reduce<Norm>(s, scratch) : group_reduce<Norm>(s, bl.bx);
+                if (c >= channels) return;  // no barrier below
+                f = Norm::finalize(s, channels_per_group * spatial, eps);
+                pivot = group_pivot<Norm, A, T, false>(x, cs, n, c);
+                p = STORE::template channel<A>(w, b, c);
+                if (bl.tx == 0 && chunk == 0 && c == g * channels_per_group) {
+                    store_stats(mean_out, rstd_out, n * groups + g, f, pivot);
+                }
+            } else {
+                if (c >= channels) return;  // no barrier below
+                params_of(n, c, f, pivot, p);
+            }
+            // the chunk's vectors by 32-bit indices from its first (a
+            // chunk is under 2**31 vectors): fewer registers than 64-bit
+            // ones, for three blocks an SM without spills
             const long long begin = chunk * chunk_len;
-            const long long end = min(begin + chunk_len, spatial_vecs);
-            const long long mirror = begin + end - 1;  // (v = mirror - u walks the chunk from its end)
-            for_each_batched<4>(
-                begin + bl.tx, end, bl.bx,
-                [&](long long u) { return load_vec_hinted<T, VEC>(x + offset + (mirror - u) * VEC, hints); },
-                [&](long long u, const Vec<T, VEC>& in) {
-                    const long long v = mirror - u;
-                    Vec<Y, VEC> o;
+            const int len = static_cast<int>(min(chunk_len, spatial_vecs - begin));
+            const long long first = (n * channels + c) * spatial + begin * VEC;
+            const T* xs = x + first;
+            Y* ys = y + first;
+            const int last = len - 1;  // (v = last - u walks the chunk from its end)
+#pragma unroll 1
+            for (int u0 = bl.tx; u0 < len; u0 += 4 * bl.bx) {
+                Vec<T, VEC> in[4];
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        STORE::template element<T>(static_cast<A>(widen(in.v[j])) - pivot, f, p, o.v[j]);
+                for (int k = 0; k < 4; ++k) {
+                    if (u0 + k * bl.bx < len) in[k] = load_vec_hinted<T, VEC>(xs + (last - u0 - k * bl.bx) * VEC, hints);
+                }
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    if (u0 + k * bl.bx < len) {
+                        Vec<Y, VEC> o;
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) {
+                            STORE::template element<T>(static_cast<A>(widen(in[k].v[j])) - pivot, f, p, o.v[j]);
+                        }
+                        store_vec_hinted<Y, VEC>(ys + (last - u0 - k * bl.bx) * VEC, o, hints);
                     }
-                    store_vec_hinted<Y, VEC>(y + offset + v * VEC, o, hints);
-                });
+                }
+            }
         });
     } else {
         const int tx = bl.tx, ty = bl.ty, bx = bl.bx, by = bl.by;

@@ -10,7 +10,9 @@ from helpers import RTOL, assert_close, output_scale, random
 
 def run(x, op, *, groups=None, weight=None, bias=None, running=(None, None), axis=1, override=None, out_dtype=None,
         walk="onchip"):
-    """(y, mean, rstd) of the walk ``walk`` with ``override``, as NumPy."""
+    """(y, mean, rstd) of the walk ``walk`` with ``override``, as NumPy:
+    "split" is the three launches, "folded" the apply finalizing each group
+    itself (channels-first, per-sample groups)."""
     import cupy
 
     kw = {"num_groups": groups} if op == "group" else {}
@@ -19,7 +21,8 @@ def run(x, op, *, groups=None, weight=None, bias=None, running=(None, None), axi
     call = channel_norms.ChannelCall(op, x, weight=weight, bias=bias, eps=1e-5, channel_axis=axis, return_stats=True,
                                      out_dtype=out_dtype, **kw)
     prepared = channel_norms.prepare(call)
-    took, _ = channel_norms.execute(call, *prepared, override={"walk": walk, **(override or {})})
+    forced = {"walk": "split", "fold": walk == "folded"} if walk in ("split", "folded") else {"walk": walk}
+    took, _ = channel_norms.execute(call, *prepared, override={**forced, **(override or {})})
     assert took == f"channel_{walk}", took
     y, stats = prepared[1], prepared[3]
     return [cupy.asnumpy(a) for a in (y, *stats)]

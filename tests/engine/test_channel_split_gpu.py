@@ -1,9 +1,11 @@
-"""The three launches (channel_partial, channel_finalize, channel_apply) on
-channels-last x, forced, against the float64 reference: grouped (a thread
-keeps one statistic: each vector's channels in one group; vectors narrower
-than the plan's where a group is not whole vectors of its width; a group
-across a whole tile of 256 vectors) and a statistic per channel (groups of
-odd channel counts; a group across tiles; forced). Positions cut in several
+"""The three launches (channel_partial, channel_finalize, channel_apply),
+forced, against the float64 reference. Channels-first x: plane rows and
+chunked planes, with the finalize launched and folded into the apply.
+Channels-last x: grouped (a thread keeps one statistic: each vector's
+channels in one group; vectors narrower than the plan's where a group is
+not whole vectors of its width; a group across a whole tile of 256
+vectors) and a statistic per channel (groups of odd channel counts; a
+group across tiles; forced). Positions cut in several
 chunks with short tails; tiles of exactly a position's vectors and of a
 power of two; every dtype; parameters of x's and of float32
 dtype; float32 y of 16-bit x; NaN confinement; bitwise reproducibility.
@@ -66,6 +68,42 @@ def test_float32_output_of_16_bit_x(rng, dtype):
     x = random(rng, (2, 6, 5, 64), dtype)
     check(x, "group", groups=8, weight=random(rng, (64,), np.float32), bias=random(rng, (64,), np.float32), axis=-1,
           out_dtype=np.dtype(np.float32), walk="split", rng=rng)
+
+
+# channels-first (NCHW shape, groups, override): plane rows (one chunk, rows
+# of 1-32 threads a plane, a block's rows across groups and past the last
+# channel) and chunks of 256-thread blocks
+CHANNELS_FIRST = [
+    ((3, 12, 5, 7), 4, {}),  # 35 positions: scalar vectors, rows of a few threads
+    ((2, 20, 16, 16), 5, {}),  # 4 channels a group: a block's 8 rows across two groups
+    ((2, 10, 64, 64), 2, {}),  # 5 channels a group, 8 rows a block: the last block past the channels
+    ((2, 6, 128, 96), 3, {"chunks": 5}),  # planes over 1024 vectors: 256-thread blocks, 5 chunks, the last short
+    ((1, 4, 128, 129), 1, {"chunks": 5}),  # one group of every channel, odd positions
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape,groups,override", CHANNELS_FIRST, ids=[str(s) for s, *_ in CHANNELS_FIRST])
+@pytest.mark.parametrize("walk", ["split", "folded"])
+def test_channels_first(rng, dtype, shape, groups, override, walk):
+    """The three launches and the apply that finalizes each group itself
+    (its rows combining the group's partials, the first of them writing the
+    statistics) give y and the statistics of the reference."""
+    x = random(rng, shape, dtype, scale=2.0, offset=0.5)
+    c = shape[1]
+    check(x, "group", groups=groups, weight=random(rng, (c,), dtype), bias=random(rng, (c,), dtype), axis=1,
+          override=override, walk=walk, rng=rng)
+    check(x, "instance", axis=1, override=override, walk=walk, rng=rng)
+
+
+def test_folded_is_bitwise_reproducible(rng):
+    import cupy
+
+    x = cupy.asarray(random(rng, (2, 20, 16, 16), np.float32))
+    first = run(x, "group", groups=5, axis=1, walk="folded")
+    again = run(x, "group", groups=5, axis=1, walk="folded")
+    for a, b in zip(first, again):
+        assert a.tobytes() == b.tobytes()
 
 
 def test_mean_1e4_keeps_precision(rng):

@@ -658,6 +658,32 @@ def test_channels_last_passes_are_one_wave():
                                           H200, override={"vec": 3})
 
 
+def test_channels_first_apply_finalizes_plane_rows():
+    """Channels-first per-sample groups in plane rows of at most
+    channel_apply_finalize_max_members partials skip the finalize launch
+    (two launches, no affine workspace); 256-thread chunks, larger groups
+    and BatchNorm keep it; "fold" forces either way."""
+    bf16 = dtypes.bfloat16
+
+    def launch(norm="group", batch=16, channels=320, spatial=64 * 64, cpg=10, **override):
+        p = channel_plan(norm, dtype=bf16, flags=3, batch=batch, channels=channels, spatial=spatial, cpg=cpg)
+        return dispatch_channels.choose_channels(p, H200, override=override)
+
+    folded = launch()
+    assert folded.tier == "channel_folded" and len(folded.steps) == 2
+    assert folded.steps[1].block == (32, 8) and folded.workspace_words == 3 * 16 * 320
+    assert launch(channels=1280, spatial=32 * 32, cpg=40, batch=2).tier == "channel_folded"  # 40 partials
+    assert launch(cpg=320).tier == "channel_split"  # 320 partials a group
+    assert launch(spatial=128 * 128).steps[0].block == (256,)  # 256-thread chunks
+    assert launch(spatial=128 * 128).tier == "channel_split"
+    assert launch(spatial=128 * 128, fold=True).tier == "channel_folded"
+    assert launch(fold=False).tier == "channel_split"
+    assert launch("batch", cpg=1, fold=True).tier == "channel_split"  # running estimates: one finalize
+    assert dispatch_channels.choose_channels(
+        channel_plan(dtype=bf16, flags=3, last=True, batch=16, channels=320, spatial=64 * 64, cpg=10), H200,
+        override={"fold": True}).tier == "channel_split"
+
+
 def test_channel_apply_hints():
     """Streaming stores always; last-use re-reads for x of L2's size to 8x."""
     def hints(batch):
