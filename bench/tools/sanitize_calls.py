@@ -67,12 +67,17 @@ def main() -> int:
                                      return_stats=True)
     channel_norms.execute(call, *channel_norms.prepare(call),
                           override={"walk": "stream", "tile_vecs": 3, "slab_bytes": 1, "lag": 2})
-    # channel_onchip (the default for these small groups) and, forced, the three launches; clusters of 4
-    # blocks of 32 threads, three of them empty
-    for override in ({"walk": "split"}, {"walk": "onchip", "threads": 32, "elements": 4, "cluster": 4}):
+    # channel_onchip (the default for these small groups) and, forced, the three launches and the two whose
+    # apply finalizes (plane rows); clusters of 4 blocks of 32 threads, three of them empty
+    for override in ({"walk": "split", "fold": False}, {"walk": "split", "fold": True},
+                     {"walk": "onchip", "threads": 32, "elements": 4, "cluster": 4}):
         call = channel_norms.ChannelCall("group", stream_x, num_groups=4, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
                                          return_stats=True)
         channel_norms.execute(call, *channel_norms.prepare(call), override=override)
+    # the apply finalizing in 256-thread chunks (block_reduce's barriers), forced
+    call = channel_norms.ChannelCall("group", arr(1, 4, 64, 80), num_groups=2, weight=arr(4), bias=arr(4), eps=1e-5,
+                                     channel_axis=1, return_stats=True)
+    channel_norms.execute(call, *channel_norms.prepare(call), override={"walk": "split", "fold": True, "chunks": 3})
     # the three launches on channels-last x: grouped (a statistic a thread) and per channel, positions in 3 chunks
     for override in ({"walk": "split", "chunks": 3}, {"walk": "split", "chunks": 3, "grouped": False}):
         call = channel_norms.ChannelCall("group", nhwc, num_groups=2, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
