@@ -16,7 +16,8 @@ import cupy
 import numpy as np
 
 import cunorm
-from cunorm._engine import channel_norms, dtypes, gradients, declarations, loader, row_norms
+from cunorm import backward
+from cunorm._engine import channel_norms, dtypes, gradients, declarations, launches, loader, row_norms, sync_batch
 
 reached: set[str] = set()
 _load = loader.get_function
@@ -122,6 +123,44 @@ def main() -> int:
     for override in ({"walk": "split"}, {"walk": "onchip", "threads": 32, "elements": 1, "cluster": 4}):
         g = gradients.ChannelGradCall("batch", arr(2, 8, 5, 7), nchw, m, s, weight=c8, bias=c8, channel_axis=1)
         gradients.run_channels(g, None, override=override)
+    # ... and in 256-thread chunks (planes over 1024 vectors), its partial sums combined a warp a channel
+    planes = arr(2, 8, 64, 80)
+    _, m, s = cunorm.batch_norm(planes, c8, c8, return_stats=True)
+    g = gradients.ChannelGradCall("batch", arr(2, 8, 64, 80), planes, m, s, weight=c8, bias=c8, channel_axis=1)
+    gradients.run_channels(g, None, override={"walk": "split"})
+    # a strided axis too long for a thread's share: sums, finalize, apply
+    tall = arr(2, 100000, 4)
+    _, t_mean, t_rstd = cunorm.layer_norm(tall, arr(100000), arr(100000), axis=1, return_stats=True)
+    cunorm.layer_norm_backward(arr(2, 100000, 4), tall, t_mean, t_rstd, arr(100000), arr(100000), axis=1)
+    # the conditioned backwards: gated (the gate after and before the norm), modulated (shift, scale and the
+    # gated residual), the float32 residual stream
+    gx, gz, gw = arr(64, 256, dtype=bf16), arr(64, 256, dtype=bf16), arr(256, dtype=bf16)
+    for before in (True, False):
+        _, g_rstd = cunorm.rms_norm(gx, gw, gate=gz, norm_before_gate=before, return_stats=True)
+        backward.rms_norm_gated_backward(arr(64, 256, dtype=bf16), gx, g_rstd, gw, gate=gz, norm_before_gate=before)
+    mx, mr = arr(2, 40, 384), arr(2, 40, 384)
+    mod = {k: arr(2, 1, 384) for k in ("shift", "scale", "residual_gate")}
+    _, mh, m_mean, m_rstd = cunorm.layer_norm(mx, arr(384), arr(384), residual=mr, **mod, return_stats=True)
+    backward.layer_norm_modulated_backward(arr(2, 40, 384), mh, m_mean, m_rstd, arr(384), arr(384), **mod, x=mx,
+                                           dh=arr(2, 40, 384))
+    wx, wr = arr(64, 512, dtype=bf16), arr(64, 512)
+    _, wh, w_rstd = cunorm.rms_norm(wx, arr(512, dtype=bf16), residual=wr, return_stats=True)
+    backward.rms_norm_float32_residual_backward(arr(64, 512, dtype=bf16), wh, w_rstd, arr(512, dtype=bf16),
+                                                dh=arr(64, 512))
+    # SyncBatchNorm's programs over one rank: the count and statistics block, then the combine and the apply
+    device = cupy.cuda.runtime.getDevice()
+    stream, alloc = launches.cupy_stream(), launches.cupy_alloc
+    block = cupy.zeros(10 * 8, np.float32)  # (3, C) this rank's, (1, 3, C) gathered, (4, C) global
+    stats = sync_batch.statistics_program(nchw.dtype, False, nchw.shape, nchw.data.ptr % 32, device)
+    stats.run_named({"x": nchw, "count_row": block[:8], "mean": block[8:16], "rstd": block[16:24]}, stream, alloc)
+    block[24:48] = block[:24]
+    sync_y = cupy.empty_like(nchw)
+    apply = sync_batch.apply_program(nchw.dtype, nchw.dtype, 3, False, nchw.shape, nchw.data.ptr % 32,
+                                     sync_y.data.ptr % 32, 1, 1e-5, 0.1, True, device)
+    apply.run_named({"x": nchw, "y": sync_y, "w": c8, "b": c8, "gathered": block[24:48],
+                     "buffer_mean": cupy.zeros(8, np.float32), "buffer_var": cupy.ones(8, np.float32),
+                     "running_mean": block[48:56], "running_var": block[56:64], "global_rstd": block[64:72],
+                     "count": block[72:80]}, stream, alloc)
     cupy.cuda.Device().synchronize()
 
     missing = sorted({d.name for d in declarations.DECLARATIONS} - reached)
