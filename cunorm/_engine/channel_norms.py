@@ -287,8 +287,9 @@ def execute(call, x, y, last, stats, override: dict | None = None):
     or "rows"} forces a walk (dispatch_channels.choose_channel_walk); {"chunks": n}
     cuts the three launches as told, {"hints": h} sets their L2 hints
     (dispatch_channels.choose_channels), {"fold": bool} whether the apply
-    finalizes each group (dispatch_channels.apply_finalizes); "tile_vecs", "slab_bytes", "lag" and
-    "hints" set channel_stream's schedule (dispatch_channels.choose_channel_stream)."""
+    finalizes each group (dispatch_channels.apply_finalizes); "tile_vecs",
+    "slab_bytes", "lag" and "hints" set channel_stream's schedule
+    (dispatch_channels.choose_channel_stream)."""
     import cupy
 
     shape = x.shape
