@@ -470,33 +470,25 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
                 params_of(n, c, f, pivot, p);
             }
             // the chunk's vectors by 32-bit indices from its first (a
-            // chunk is under 2**31 vectors): fewer registers than 64-bit
-            // ones, for three blocks an SM without spills
+            // chunk is a plane of plane rows or at most
+            // channel_max_chunk_bytes): fewer registers than 64-bit ones,
+            // for three blocks an SM without spills
             const long long begin = chunk * chunk_len;
             const int len = static_cast<int>(min(chunk_len, spatial_vecs - begin));
             const long long first = (n * channels + c) * spatial + begin * VEC;
             const T* xs = x + first;
             Y* ys = y + first;
             const int last = len - 1;  // (v = last - u walks the chunk from its end)
-#pragma unroll 1
-            for (int u0 = bl.tx; u0 < len; u0 += 4 * bl.bx) {
-                Vec<T, VEC> in[4];
+            for_each_batched<4, int>(
+                bl.tx, len, bl.bx, [&](int u) { return load_vec_hinted<T, VEC>(xs + (last - u) * VEC, hints); },
+                [&](int u, const Vec<T, VEC>& in) {
+                    Vec<Y, VEC> o;
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    if (u0 + k * bl.bx < len) in[k] = load_vec_hinted<T, VEC>(xs + (last - u0 - k * bl.bx) * VEC, hints);
-                }
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    if (u0 + k * bl.bx < len) {
-                        Vec<Y, VEC> o;
-#pragma unroll
-                        for (int j = 0; j < VEC; ++j) {
-                            STORE::template element<T>(static_cast<A>(widen(in[k].v[j])) - pivot, f, p, o.v[j]);
-                        }
-                        store_vec_hinted<Y, VEC>(ys + (last - u0 - k * bl.bx) * VEC, o, hints);
+                    for (int j = 0; j < VEC; ++j) {
+                        STORE::template element<T>(static_cast<A>(widen(in.v[j])) - pivot, f, p, o.v[j]);
                     }
-                }
-            }
+                    store_vec_hinted<Y, VEC>(ys + (last - u) * VEC, o, hints);
+                });
         });
     } else {
         const int tx = bl.tx, ty = bl.ty, bx = bl.bx, by = bl.by;

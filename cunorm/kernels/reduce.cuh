@@ -50,12 +50,19 @@ __device__ __forceinline__ typename Norm::Stats fold_one(const typename Norm::St
 // loads are all issued before any is used (memory-level parallelism for the
 // streaming sweeps). Written out instead of `#pragma unroll` on a 64-bit
 // loop, whose trip count would need a 64-bit division: a call, around which
-// ptxas spills to local memory.
-template <int UNROLL, class Load, class Use>
-__device__ __forceinline__ void for_each_batched(long long first, long long end, long long stride, Load load,
-                                                 Use use) {
+// ptxas spills to local memory. INDEX: the index type, named by the caller
+// (not deduced): int where the range is known to stay under 2**31, which
+// takes fewer registers than 64-bit indices.
+template <class T>
+struct Named {
+    using type = T;
+};
+
+template <int UNROLL, class INDEX = long long, class Load, class Use>
+__device__ __forceinline__ void for_each_batched(typename Named<INDEX>::type first, typename Named<INDEX>::type end,
+                                                 typename Named<INDEX>::type stride, Load load, Use use) {
 #pragma unroll 1
-    for (long long v0 = first; v0 < end; v0 += UNROLL * stride) {
+    for (INDEX v0 = first; v0 < end; v0 += UNROLL * stride) {
         decltype(load(v0)) values[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {

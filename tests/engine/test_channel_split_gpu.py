@@ -71,12 +71,12 @@ def test_float32_output_of_16_bit_x(rng, dtype):
 
 
 # channels-first (NCHW shape, groups, override): plane rows (one chunk, rows
-# of 1-32 threads a plane, a block's rows across groups and past the last
+# of 8-32 threads a plane, a block's rows across groups and past the last
 # channel) and chunks of 256-thread blocks
 CHANNELS_FIRST = [
-    ((3, 12, 5, 7), 4, {}),  # 35 positions: scalar vectors, rows of a few threads
-    ((2, 20, 16, 16), 5, {}),  # 4 channels a group: a block's 8 rows across two groups
-    ((2, 10, 64, 64), 2, {}),  # 5 channels a group, 8 rows a block: the last block past the channels
+    ((3, 12, 5, 7), 4, {}),  # 35 positions: vectors of one, rows of 16 threads
+    ((2, 20, 16, 16), 5, {}),  # 4 channels a group: a block's 8-32 rows across groups and past the last
+    ((2, 10, 64, 64), 2, {}),  # 5 channels a group, 8 rows a block, the last past the channels (float64: chunks)
     ((2, 6, 128, 96), 3, {"chunks": 5}),  # planes over 1024 vectors: 256-thread blocks, 5 chunks, the last short
     ((1, 4, 128, 129), 1, {"chunks": 5}),  # one group of every channel, odd positions
 ]
