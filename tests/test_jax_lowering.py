@@ -191,13 +191,15 @@ def _y_param(config):
 
 
 @pytest.mark.parametrize("shape,dtype,tier_skips_y", [((1024, 4096), jnp.float32, True), ((4096, 32768), BF16, True),
-                                                      ((4, 1 << 20), jnp.float32, False)],
-                         ids=["cached", "long rows", "split"])
+                                                      ((4, 1 << 20), jnp.float32, False),
+                                                      ((64, 1 << 20), jnp.float32, "apply")],
+                         ids=["cached", "long rows", "split", "split in tiles"])
 def test_unread_y_is_not_written(lowering, shape, dtype, tier_skips_y):
     """jax.grad of a loss linear in y never reads y: jit's dead-code pass
     (_rows_dce) turns the forward into one that writes rstd alone, and
-    rows_cached takes a null y; the other tiers write it anyway. A loss that
-    reads y keeps it."""
+    rows_cached takes a null y; the split tier's apply in tiles, the one
+    launch that writes y alone, is dropped as dead code; the other tiers
+    write it anyway. A loss that reads y keeps it."""
     jj, lower = lowering
     import cunorm.jax as cj
 
@@ -209,13 +211,19 @@ def test_unread_y_is_not_written(lowering, shape, dtype, tier_skips_y):
     forwards = [[c for c in calls if not re.match(r"cunorm::(rows_grad|column_sum)", c["kernel"])]
                 for calls in (dead, live)]
     assert all(forwards)
-    if tier_skips_y:
+    if tier_skips_y is True:
         (dead_forward,), (live_forward,) = forwards
         assert dead_forward["kernel"].startswith("cunorm::rows_cached<")
         assert _y_param(dead_forward) == ["scalar", 0, "i64"] and _y_param(live_forward) == ["array", 0]
     else:
         assert not any(c["kernel"].startswith("cunorm::rows_cached<") for c in forwards[0])
-    assert len(dead) == len(live)
+    if tier_skips_y == "apply":
+        names = [[c["kernel"].split("<")[0] for c in calls] for calls in forwards]
+        assert names == [["cunorm::rows_split_partial", "cunorm::rows_split_finalize"],
+                         ["cunorm::rows_split_partial", "cunorm::rows_split_finalize", "cunorm::rows_split_apply_tiles"]]
+        assert len(dead) == len(live) - 1
+    else:
+        assert len(dead) == len(live)
 
 
 def _split_template(targs: str) -> list[str]:

@@ -42,12 +42,12 @@ def main() -> int:
     nchw, c8 = arr(2, 8, 5, 7), arr(8)
     nhwc = cupy.ascontiguousarray(nchw.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
 
-    # the row tiers: the dispatch's own choice, then each forced
+    # the row tiers: the dispatch's own choice, then each forced (the split tier both ways)
     y, h, mean, rstd = cunorm.layer_norm(x, w, b, residual=r, return_stats=True)
     cunorm.rms_norm(arr(64, 1000, dtype=bf16), arr(1000, dtype=bf16))
     xs, ws, rs = arr(64, 256), arr(256), arr(64, 256)
     for override in ({"tier": "cached", "threads": 32}, {"tier": "cached", "threads": 256}, {"tier": "uncached"},
-                     {"tier": "split"}, {"tier": "resident"}):
+                     {"tier": "split"}, {"tier": "split", "tiles": True}, {"tier": "resident"}):
         row_norms.launch_on("ln", xs, cupy.empty_like(xs), w=ws, b=ws, r=rs, h=cupy.empty_like(xs), first=1, last=1,
                             eps=1e-5, override=override)
     # strided axes: registers, then two sweeps; the residual added unfused there

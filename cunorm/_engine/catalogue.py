@@ -52,6 +52,8 @@ def all_kernels(norms=None) -> list[Kernel]:
                 vec_bytes = vec * dtype.itemsize
                 for residual in residuals:
                     out.append(K.ROWS_SPLIT_PARTIAL(policy, t, K.row_load(t, residual), vec))
+                    if vec == _vector_widths(dtype)[0]:  # (no vector width in its arguments)
+                        out.append(K.ROWS_SPLIT_FINALIZE(policy, t, K.row_load(t, residual)))
                 for p, flags in affine:
                     for residual in residuals:
                         load = K.row_load(t, residual)
@@ -68,6 +70,7 @@ def all_kernels(norms=None) -> list[Kernel]:
                                     out.append(K.ROWS_CACHED(*cached, True))
                         out.append(K.ROWS_UNCACHED(*common))
                         out.append(K.ROWS_SPLIT_APPLY(*common))
+                        out.append(K.ROWS_SPLIT_APPLY_TILES(*common))
                         if info.residual:  # the norms of the resident tier's experiments
                             out.append(K.ROWS_RESIDENT(*common, cooperative=True))
                     for cpt in (0,) + VECS_PER_THREAD_CHOICES:

@@ -356,8 +356,10 @@ def build_channels(pb, plan, launch, from_running: bool, eps: float, momentum: f
     acc_bytes = dtypes.accumulation(plan.dtype).itemsize
     dims = {"batch": plan.batch, "spatial": plan.spatial, "channels": plan.channels,
             "channels_per_group": plan.channels_per_group, "per_sample": int(plan.per_sample)}
-    apply = {"x": x, "y": pb["y"], "w": w, "b": b, **dims, "chunks": launch.chunks, "chunk_len": launch.chunk_vecs,
-             "eps": eps, "hints": launch.hints}
+    # (the apply's own chunks where the dispatch tiles it)
+    apply = {"x": x, "y": pb["y"], "w": w, "b": b, **dims, "chunks": launch.apply_chunks or launch.chunks,
+             "chunk_len": launch.apply_chunk_vecs or launch.chunk_vecs, "eps": eps, "hints": launch.hints,
+             "partial": None, "mean_out": None, "rstd_out": None}
     if launch.tier == "channel_onchip":
         vecs = plan.spatial // plan.vec
         if plan.channels_last:
@@ -373,9 +375,8 @@ def build_channels(pb, plan, launch, from_running: bool, eps: float, momentum: f
                   group_stride=group_stride, spatial_vecs=vecs, channels_per_group=plan.channels_per_group,
                   groups=plan.groups, eps=eps, momentum=momentum)
         return pb
-    none = {"partial": None, "mean_out": None, "rstd_out": None}
     if not launch.workspace_words:  # eval mode in one launch: the epilogue reads the running buffers
-        pb.launch(launch.steps[0], affine=None, running_mean=rm, running_var=rv, **none, **apply)
+        pb.launch(launch.steps[0], affine=None, running_mean=rm, running_var=rv, **apply)
         return pb
     # the partials, then the (pivot, center, scale) of each statistic group
     affine_words = 0 if launch.tier == "channel_folded" else 3 * plan.statistic_groups
@@ -396,14 +397,14 @@ def build_channels(pb, plan, launch, from_running: bool, eps: float, momentum: f
     else:
         pb.launch(launch.steps[0], x=x, partial=ws, **dims, chunks=launch.chunks, chunk_len=launch.chunk_vecs)
         if launch.tier == "channel_folded":  # the apply finalizes each group itself
-            pb.launch(launch.steps[1], affine=None, running_mean=None, running_var=None, partial=ws, mean_out=mean,
-                      rstd_out=rstd, **apply)
+            pb.launch(launch.steps[1], affine=None, running_mean=None, running_var=None,
+                      **{**apply, "partial": ws, "mean_out": mean, "rstd_out": rstd})
             return pb
         pb.launch(launch.steps[1], x=x, partial=ws, affine=affine, mean_out=mean, rstd_out=rstd, running_mean=rm,
                   running_var=rv, **dims, chunks=launch.chunks, eps=eps, momentum=momentum)
     if launch.tier == "channel_statistics":  # (SyncBatchNorm's per-rank statistics alone, no y: sync_batch.py)
         return pb
-    pb.launch(launch.steps[-1], affine=affine, running_mean=None, running_var=None, **none, **apply)
+    pb.launch(launch.steps[-1], affine=affine, running_mean=None, running_var=None, **apply)
     return pb
 
 

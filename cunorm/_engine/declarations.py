@@ -170,9 +170,14 @@ ROWS_UNCACHED = KernelDecl("rows_streamed", "rows_uncached", _NORM_ROWS,
                                  "x_row_stride:i64 eps:acc stash_vecs scale_row_stride scale_group_stride:i64"))
 ROWS_SPLIT_PARTIAL = KernelDecl("rows_streamed", "rows_split_partial", ("NormT", "T", "LOAD", "VEC"),
                                 _args("x r:in h partial:out rows n x_row_stride chunks:i64"))
+ROWS_SPLIT_FINALIZE = KernelDecl("rows_streamed", "rows_split_finalize", ("NormT", "T", "LOAD"),
+                                 _args("x h partial:in affine center_out scale_out:out rows n x_row_stride chunks:i64 "
+                                       "eps:acc"))
 ROWS_SPLIT_APPLY = KernelDecl("rows_streamed", "rows_split_apply", _NORM_ROWS,
                               _args("x h w b partial:in y center_out scale_out:out rows n x_row_stride chunks:i64 "
                                     "eps:acc"))
+ROWS_SPLIT_APPLY_TILES = KernelDecl("rows_streamed", "rows_split_apply_tiles", _NORM_ROWS,
+                                    _args("x h w b affine:in y:out rows n x_row_stride tile_vecs tiles:i64"))
 ROWS_RESIDENT = KernelDecl("rows_streamed", "rows_resident", _NORM_ROWS,
                            _args(f"{_ROW_ARGS} partial arrived:out rows n x_row_stride chunk_vecs:i64 eps:acc"))
 # strided.cu

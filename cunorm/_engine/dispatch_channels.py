@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from . import declarations as K
 from . import tuning
-from .dispatch_rows import (MAX_GRID_X, MAX_GRID_Y, NORMS, Device, Launch, Step, StreamShape, _ceil_div, next_pow2,
-                            plane_rows_block)
+from .dispatch_rows import (MAX_GRID_X, MAX_GRID_Y, NORMS, Device, Launch, Step, StreamShape, _ceil_div,
+                            balanced_tiles, next_pow2, plane_rows_block)
 from .plans import PARAM_FLAGS, ChannelPlan, kernel_types, output_type
 
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
@@ -304,6 +304,7 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     override = override or {}
     t, p = kernel_types(plan)
     padded = 0  # (Step.padded_threads)
+    apply_grid, apply_chunks, apply_chunk_len = None, 0, 0  # (the apply's own tiles: channels-first chunks)
     if plan.channels_last:
         # A row of threads covers a position's channels (up to 256 vectors),
         # so a block reads whole positions, contiguous: group_norm(32) bf16
@@ -345,29 +346,36 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
             chunk_len = _ceil_div(vecs, override["chunks"])
         chunks = _ceil_div(vecs, chunk_len)
         grid = (min(chunks, MAX_GRID_X), min(plan.channels, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
+        # the apply's own chunks: tiles of about tune.channel_apply_tile_vecs
+        apply_chunks, apply_chunk_len = balanced_tiles(vecs, override.get("apply_tile", tune.channel_apply_tile_vecs))
+        apply_grid = (min(apply_chunks, MAX_GRID_X), grid[1], grid[2])
         partial_shared = 0
     groups = plan.statistic_groups
     if groups >= 2**31 or plan.channels_per_group * chunks >= 2**31 or plan.channels >= 2**31:
         raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
                          f"is over the kernels' 2**31 - 1 index limit")
-    apply = Step(K.CHANNEL_APPLY(t, K.affine_store(p, plan.flags, output_type(plan)), vec, layout), grid, block, 0,
-                 padded)
+    group_partials = (1 if plan.per_sample else plan.batch) * chunks
+    if layout != CHANNELS_LAST_GROUPED:
+        group_partials *= plan.channels_per_group
+    folded = not from_running and apply_finalizes(plan, layout, block, group_partials, device, override)
+    if folded:  # channel_apply, which reads the partials of its own chunks
+        apply_grid, apply_chunks, apply_chunk_len = None, 0, 0
+    apply = Step(K.CHANNEL_APPLY(t, K.affine_store(p, plan.flags, output_type(plan)), vec, layout),
+                 apply_grid or grid, block, 0, padded)
+    tiles = {"apply_chunks": apply_chunks, "apply_chunk_vecs": apply_chunk_len}
     hints = override.get("hints", channel_apply_hints(plan, device))
     if from_running and not returns_stats:
-        return Launch("channel_eval", (apply,), chunks=chunks, chunk_vecs=chunk_len, hints=hints)
+        return Launch("channel_eval", (apply,), chunks=chunks, chunk_vecs=chunk_len, hints=hints, **tiles)
     if from_running:
         a = KERNEL_TYPE[accumulation(plan.dtype)]
         stats = Step(K.CHANNEL_FROM_RUNNING(a),
                      (_ceil_div(plan.channels, CHANNEL_BLOCK_THREADS),), (CHANNEL_BLOCK_THREADS,))
         return Launch("channel_running", (stats, apply), chunks=chunks, chunk_vecs=chunk_len,
-                      workspace_words=3 * groups, hints=hints)
+                      workspace_words=3 * groups, hints=hints, **tiles)
     partial = Step(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, vec, layout), grid, block,
                    partial_shared, padded)
-    group_partials = (1 if plan.per_sample else plan.batch) * chunks
-    if layout != CHANNELS_LAST_GROUPED:
-        group_partials *= plan.channels_per_group
     members = plan.batch * plan.channels * chunks
-    if apply_finalizes(plan, layout, block, group_partials, device, override):
+    if folded:
         return Launch("channel_folded", (partial, apply), chunks=chunks, chunk_vecs=chunk_len,
                       workspace_words=3 * members, hints=hints)
     finalize_block, groups_a_block = (CHANNEL_BLOCK_THREADS,), 1
@@ -377,4 +385,4 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     finalize = Step(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, layout),
                     (min(_ceil_div(groups, groups_a_block), MAX_GRID_X),), finalize_block)
     return Launch("channel_split", (partial, finalize, apply), chunks=chunks, chunk_vecs=chunk_len,
-                  workspace_words=3 * (members + groups), hints=hints)
+                  workspace_words=3 * (members + groups), hints=hints, **tiles)

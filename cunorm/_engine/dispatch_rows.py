@@ -134,6 +134,11 @@ class Launch:
     threads_per_row: int = 0
     chunks: int = 0
     chunk_vecs: int = 0  # resident: vectors a chunk
+    #: the pass that writes y, where it walks its own tiles (the split
+    #: tier; the channels-first chunked walks): their count and vectors
+    #: (0: the partial pass's chunks and chunk_vecs)
+    apply_chunks: int = 0
+    apply_chunk_vecs: int = 0
     stash_vecs: int = 0  # uncached: vectors of each row kept in shared memory
     workspace_words: int = 0  # accumulation-type words of workspace
     #: L2 hints of the pass that writes y (split tiers, channel_stream):
@@ -216,6 +221,25 @@ def next_pow2(n: int) -> int:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def split_apply_lean(plan: Plan) -> bool:
+    """Whether rows_split_apply_tiles runs a vector a thread at eight blocks an SM
+    (rows_streamed.cu's split_apply_lean: no residual, data of at most 4
+    bytes, parameters of at most 32 bytes a vector), its tiles then a
+    block's width of vectors."""
+    params = bin(plan.flags & plans.PARAM_FLAGS).count("1")
+    param_bytes = params * plan.param_dtype.itemsize if params else 0
+    return not plan.residual and plan.dtype.itemsize <= 4 and plan.vec * param_bytes <= 32
+
+
+def balanced_tiles(vecs: int, least: int) -> tuple[int, int]:
+    """(tiles, vectors a tile): ``vecs`` cut into tiles of at least
+    ``least`` vectors (fewer than twice that; one tile where ``vecs`` is
+    less), of sizes as even as whole tiles allow."""
+    tiles = max(1, vecs // least)
+    size = _ceil_div(vecs, tiles)
+    return _ceil_div(vecs, size), size
 
 
 def cached_cost(vecs_per_thread: int, vec_bytes: int, residual: bool, heavy: bool) -> int:
@@ -448,13 +472,20 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         chunks = override.get("chunks", min(want_chunks, _ceil_div(n_vec, block)))
         grid = (min(rows, MAX_GRID_X), min(chunks, MAX_GRID_Y))
         partial = K.ROWS_SPLIT_PARTIAL(policy, t, load, plan.vec)
-        apply = K.ROWS_SPLIT_APPLY(*common)
-        return Launch(
-            "split",
-            (Step(partial, grid, (block,)), Step(apply, grid, (block,))),
-            chunks=chunks,
-            workspace_words=rows * chunks * norm_info(plan.norm).stat_words,
-        )
+        partial_words = rows * chunks * norm_info(plan.norm).stat_words
+        x_bytes = rows * plan.reduced * plan.dtype.itemsize
+        if not override.get("tiles", x_bytes >= tune.split_tiles_min_bytes):
+            # the apply combines each row's partials itself, grid-strided over pass 1's chunks
+            apply = Step(K.ROWS_SPLIT_APPLY(*common), grid, (block,))
+            return Launch("split", (Step(partial, grid, (block,)), apply), chunks=chunks,
+                          workspace_words=partial_words)
+        least = SPLIT_BLOCK_THREADS if split_apply_lean(plan) else tune.split_apply_tile_vecs
+        tiles, tile_vecs = balanced_tiles(n_vec, override.get("apply_tile", least))
+        steps = (Step(partial, grid, (block,)),
+                 Step(K.ROWS_SPLIT_FINALIZE(policy, t, load), (min(rows, MAX_GRID_X),), (block,)),
+                 Step(K.ROWS_SPLIT_APPLY_TILES(*common), (min(rows * tiles, MAX_GRID_X),), (block,)))
+        return Launch("split", steps, chunks=chunks, apply_chunks=tiles, apply_chunk_vecs=tile_vecs,
+                      workspace_words=partial_words + 3 * rows)
     raise ValueError(f"unknown rows tier {tier!r}")
 
 

@@ -578,9 +578,17 @@ def build_rows(pb, plan, launch, eps: float, has_center: bool, has_scale: bool, 
         pb.launch(launch.steps[0], x=x, r=r, h=h, **outputs, partial=partial, arrived=arrived, **rows,
                   chunk_vecs=launch.chunk_vecs, eps=eps)
     elif launch.tier == "split":
-        partial = pb.workspace(launch.workspace_words * acc_bytes)
+        affine_words = 3 * plan.outer if launch.apply_chunks else 0  # (the finalize's, where it runs)
+        partial = pb.workspace((launch.workspace_words - affine_words) * acc_bytes)
         pb.launch(launch.steps[0], x=x, r=r, h=h, partial=partial, **rows, chunks=launch.chunks)
-        pb.launch(launch.steps[1], x=x, h=h, **outputs, partial=partial, **rows, chunks=launch.chunks, eps=eps)
+        if not launch.apply_chunks:  # the apply combines each row's partials itself
+            pb.launch(launch.steps[1], x=x, h=h, **outputs, partial=partial, **rows, chunks=launch.chunks, eps=eps)
+        else:  # the finalize, then the apply in tiles
+            affine = pb.workspace(affine_words * acc_bytes)
+            pb.launch(launch.steps[1], x=x, h=h, partial=partial, affine=affine, center_out=outputs["center_out"],
+                      scale_out=outputs["scale_out"], **rows, chunks=launch.chunks, eps=eps)
+            pb.launch(launch.steps[2], x=x, h=h, w=outputs["w"], b=outputs["b"], affine=affine, y=outputs["y"],
+                      **rows, tile_vecs=launch.apply_chunk_vecs, tiles=launch.apply_chunks)
     else:  # strided
         pb.launch(launch.steps[0], x=x, **outputs, outer=plan.outer, reduced=plan.reduced, inner=plan.inner,
                   x_outer_stride=plan.outer_stride, x_reduced_stride=plan.reduced_stride, eps=eps)

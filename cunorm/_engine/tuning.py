@@ -53,6 +53,17 @@ class Tuning:
     split_max_rows_per_sm: int = 1
     #: ... with this many blocks an SM in each pass
     split_blocks_per_sm: int = 8
+    #: ... its apply in tiles (rows_split_finalize, then
+    #: rows_split_apply_tiles: in blocks' order, tiles sweep memory as a
+    #: copy kernel does) of at least this many vectors a block (four a
+    #: thread) where it cannot run a vector a thread
+    #: (dispatch_rows.split_apply_lean); 512 and 2048-4096 ran slower ...
+    split_apply_tile_vecs: int = 1024
+    #: ... on x of at least this many bytes (rows_split_finalize's launch
+    #: cost 1.4-3 us on x of 64 KB to 28 MB, where the persistent apply
+    #: combining the partials itself ran as fast; the tiles won on 268 MB
+    #: and 7.5 GB; between, not measured)
+    split_tiles_min_bytes: int = 256 << 20
     #: rows_uncached's persistent grid: blocks an SM (0: a block a row) ...
     uncached_blocks_per_sm: int = 1
     #: ... and the bytes of a row it stashes in shared memory (capped by what fits)
@@ -76,6 +87,12 @@ class Tuning:
     #: channels-last groups go grouped (a statistic a thread) with vectors
     #: of at least this many bytes
     grouped_min_vec_bytes: int = 8
+    #: ... channels-first planes beyond plane rows applied in tiles of at
+    #: least this many vectors a block (fewer than twice as many): in
+    #: blocks' order, tiles sweep memory as a copy kernel does, where the
+    #: partial's chunks of up to channel_max_chunk_bytes, a stream a
+    #: block, kept the apply at 91-93% of copy bandwidth
+    channel_apply_tile_vecs: int = 1024
     #: channels-first planes of at most this many vectors run as plane rows
     channel_plane_rows_max_vecs: int = 1024
     #: statistic groups of at most this many partials finalize as rows

@@ -1,7 +1,9 @@
 // rows_streamed.cu: the contiguous-row family's tiers for rows beyond the
 // register cache (rows.cu describes the family, its layout and template
 // arguments, and rows_cached): rows_uncached, rows_split_partial and
-// rows_split_apply, and rows_resident (an override only).
+// rows_split_apply, or on large x (tuning.split_tiles_min_bytes)
+// rows_split_partial, rows_split_finalize and rows_split_apply_tiles; and
+// rows_resident (an override only).
 #include "reduce.cuh"
 
 namespace cunorm {
@@ -304,11 +306,12 @@ rows_uncached(const T* __restrict__ x, const T* __restrict__ r, const typename S
     }
 }
 
-// The split tier's chunks are interleaved: chunk c of a row is its vectors
-// c * blockDim.x + threadIdx.x + k * chunks * blockDim.x, so the blocks of a
-// pass sweep memory together like a copy kernel, one front of addresses,
+// The split tier's pass 1 chunks are interleaved: chunk c of a row is its
+// vectors c * blockDim.x + threadIdx.x + k * chunks * blockDim.x, so the
+// blocks sweep memory together like a copy kernel, one front of addresses,
 // instead of as `chunks` separate streams (problem 37, one row of 7.5 GB:
-// chunk-contiguous, pass 2 ran at 62-76% of its floor; interleaved, 93%).
+// chunk-contiguous, the pass that writes y ran at 62-76% of its floor;
+// interleaved, 93%; tiles in block order, rows_split_apply_tiles', 100%).
 //
 // Pass 1 of the split tier: partial[row * chunks + chunk] = statistic of the
 // chunk's elements (and h written).
@@ -344,6 +347,51 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
         s = block_reduce<Norm>(s, scratch);
         if (threadIdx.x == 0) out[row * chunks + chunk] = s;
     }
+}
+
+// Between the split tier's passes on large x, a block a row
+// (rows_split_apply does this work itself otherwise): combine the row's
+// partials in chunk order (strided over the threads, then the block's
+// fixed reduction: the same bits whatever the grid) into
+// affine[3 row ..] = (pivot, center, scale), and the returned statistics.
+template <template <class> class NormT, class T, class LOAD>
+__global__ void __launch_bounds__(256)
+rows_split_finalize(const T* __restrict__ x, const T* __restrict__ h,
+                    const typename AccOf<T>::type* __restrict__ partial, typename AccOf<T>::type* __restrict__ affine,
+                    typename AccOf<T>::type* center_out, typename AccOf<T>::type* scale_out, long long rows,
+                    long long n, long long x_row_stride, long long chunks, typename AccOf<T>::type eps) {
+    grid_dependency_sync();
+    using A = typename AccOf<T>::type;
+    using Norm = NormT<A>;
+    using Stats = typename Norm::Stats;
+    __shared__ Stats scratch[33];
+    const Stats* parts = reinterpret_cast<const Stats*>(partial);
+#pragma unroll 1
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        Stats s = Norm::init();
+#pragma unroll 1
+        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) s = Norm::combine(s, parts[row * chunks + c]);
+        s = block_reduce<Norm>(s, scratch);
+        if (threadIdx.x == 0) {
+            const Affine<A> f = Norm::finalize(s, n, eps);
+            const T* src = LOAD::kResidual ? h + row * n : x + row * x_row_stride;
+            // h's first element is the rounded x + r pass 1 shifted by.
+            const A pivot = row_pivot<Norm, A, T, XLoad<T>>(src, src, true);
+            affine[3 * row] = pivot;
+            affine[3 * row + 1] = f.center;
+            affine[3 * row + 2] = f.scale;
+            store_stats(center_out, scale_out, row, f, pivot);
+        }
+    }
+}
+
+// rows_split_apply_tiles' vectors a thread (1: every thread of 8 blocks an
+// SM with one vector in flight, as a copy kernel; else write_batch's) and
+// the blocks an SM its bounds ask for. Mirrored by
+// dispatch_rows.split_apply_lean.
+template <class T, class STORE, class LOAD, int VEC>
+__host__ __device__ constexpr bool split_apply_lean() {
+    return !LOAD::kResidual && sizeof(T) <= 4 && VEC * STORE::kParamBytes <= 32;  // (more spilled at 32 registers)
 }
 
 // Pass 2 of the split tier: combine the row's partials (same order in every
@@ -388,6 +436,52 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, const typenam
             },
             [&](long long v, const Loaded<T, STORE, VEC>& in) {
                 store_vec(yr + (n_vec - 1 - v) * VEC, STORE::template apply<T>(in.v, in.p, f, pivot));
+            });
+    }
+}
+
+// Pass 2 of the split tier on large x (rows_split_apply otherwise):
+// y = (x - pivot - center) * scale [* w] [+ b] (of h, with a residual)
+// with rows_split_finalize's (pivot, center, scale), a tile of tile_vecs
+// vectors a block. Blocks run tile-major (every row's tile k, then k - 1:
+// a tile's weight and bias are read from memory once for all rows) from
+// the rows' ends, each tile walked from its end, so the first
+// vectors re-read are the last pass 1 read, still in L2. Tiles in block
+// order sweep memory as a copy kernel does; a vector a thread at eight
+// blocks an SM where 32 registers hold it (split_apply_lean), else tiles
+// of 1024-2047 vectors. rows_split_apply ran this pass at 92-93% of copy
+// bandwidth, 1024-vector tiles at 97%, a vector a thread at 100% (problem
+// 37, H200: docs/notes/rows.md).
+template <template <class> class NormT, class T, class STORE, class LOAD, int VEC>
+__global__ void __launch_bounds__(256, split_apply_lean<T, STORE, LOAD, VEC>() ? 8 : 1)
+rows_split_apply_tiles(const T* __restrict__ x, const T* __restrict__ h, const typename STORE::Param* __restrict__ w,
+                       const typename STORE::Param* __restrict__ b,
+                       const typename AccOf<T>::type* __restrict__ affine, typename STORE::Out* __restrict__ y,
+                       long long rows, long long n, long long x_row_stride, long long tile_vecs, long long tiles) {
+    grid_dependency_sync();
+    using A = typename AccOf<T>::type;
+    const long long n_vec = n / VEC;
+    constexpr int kWriteBatch = split_apply_lean<T, STORE, LOAD, VEC>() ? 1 : write_batch<T, STORE, LOAD, VEC>();
+
+#pragma unroll 1
+    for (long long block = blockIdx.x; block < rows * tiles; block += gridDim.x) {
+        const long long from_last = rows == 1 ? block : block / rows;  // (one row: no 64-bit division)
+        const long long tile = tiles - 1 - from_last;
+        const long long row = block - from_last * rows;
+        const A pivot = affine[3 * row];
+        const Affine<A> f{affine[3 * row + 1], affine[3 * row + 2]};
+        const T* src = LOAD::kResidual ? h + row * n : x + row * x_row_stride;
+        typename STORE::Out* yr = y + row * n;
+        const long long end = min(n_vec, (tile + 1) * tile_vecs);  // (v = end - 1 - u walks the tile from its end)
+        for_each_batched<kWriteBatch>(
+            tile * tile_vecs + threadIdx.x, end, blockDim.x,
+            [&](long long u) {
+                const long long e = (end - 1 - (u - tile * tile_vecs)) * VEC;
+                return Loaded<T, STORE, VEC>{load_vec<T, VEC>(src + e), STORE::template params<VEC>(w, b, e)};
+            },
+            [&](long long u, const Loaded<T, STORE, VEC>& in) {
+                const long long e = (end - 1 - (u - tile * tile_vecs)) * VEC;
+                store_vec(yr + e, STORE::template apply<T>(in.v, in.p, f, pivot));
             });
     }
 }

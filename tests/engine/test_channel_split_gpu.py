@@ -79,6 +79,9 @@ CHANNELS_FIRST = [
     ((2, 10, 64, 64), 2, {}),  # 5 channels a group, 8 rows a block, the last past the channels (float64: chunks)
     ((2, 6, 128, 96), 3, {"chunks": 5}),  # planes over 1024 vectors: 256-thread blocks, 5 chunks, the last short
     ((1, 4, 128, 129), 1, {"chunks": 5}),  # one group of every channel, odd positions
+    # the apply's own tiles (the three launches): fewer vectors than threads, a thread's several and a short last
+    ((2, 6, 128, 96), 3, {"chunks": 5, "apply_tile": 37}),
+    ((1, 4, 128, 129), 1, {"chunks": 2, "apply_tile": 300}),
 ]
 
 
@@ -94,6 +97,9 @@ def test_channels_first(rng, dtype, shape, groups, override, walk):
     check(x, "group", groups=groups, weight=random(rng, (c,), dtype), bias=random(rng, (c,), dtype), axis=1,
           override=override, walk=walk, rng=rng)
     check(x, "instance", axis=1, override=override, walk=walk, rng=rng)
+    if walk == "split":  # (BatchNorm never folds)
+        check(x, "batch", weight=random(rng, (c,), dtype), bias=random(rng, (c,), dtype), axis=1,
+              override=override, walk=walk, rng=rng)
 
 
 def test_folded_is_bitwise_reproducible(rng):

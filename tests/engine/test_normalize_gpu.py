@@ -89,7 +89,8 @@ def test_strided_axes_and_whole(rng, form, dtype, shape, axis):
 
 UNCACHED = [{"tier": "uncached"}, {"tier": "uncached", "stash_bytes": 0}, {"tier": "uncached", "stash_bytes": 4096},
             {"tier": "uncached", "threads": 256}, {"tier": "uncached", "blocks_per_sm": 0},
-            {"tier": "split"}, {"tier": "split", "chunks": 7}]
+            {"tier": "split"}, {"tier": "split", "chunks": 7}, {"tier": "split", "tiles": True},
+            {"tier": "split", "tiles": True, "apply_tile": 300}]
 
 
 @pytest.mark.parametrize("override", UNCACHED, ids=str)

@@ -136,7 +136,26 @@ def test_split_chunks_are_never_empty():
     launch = dispatch_rows.choose(p, H200)
     assert launch.tier == "split"
     assert launch.chunks == dispatch_rows._ceil_div(8 * 132, 3)
-    assert launch.workspace_words == 3 * launch.chunks
+    # x of 256 MB or more (1.2 GB): the finalize, then the apply a tile a block, every row's tile; tiles as even
+    # as they come, of at least a vector a thread (float32 without parameters: split_apply_lean) or four (a residual)
+    partial, finalize, apply = launch.steps
+    assert [s.kernel.name for s in launch.steps] == ["rows_split_partial", "rows_split_finalize",
+                                                     "rows_split_apply_tiles"]
+    assert launch.workspace_words == 3 * launch.chunks + 3 * 3  # the partials, then (pivot, center, scale) a row
+    assert finalize.grid == (3,)
+    tiles, size, vecs = launch.apply_chunks, launch.apply_chunk_vecs, p.reduced // p.vec
+    assert dispatch_rows.split_apply_lean(p)
+    assert 256 <= size < 512 and (tiles - 1) * size < vecs <= tiles * size
+    assert apply.grid == (3 * tiles,) and apply.block == (256,)
+    with_residual = plan_for((3, 100_000_000), -1, residual=True)
+    heavy = dispatch_rows.choose(with_residual, H200)
+    assert heavy.tier == "split" and not dispatch_rows.split_apply_lean(with_residual)
+    assert 1024 <= heavy.apply_chunk_vecs < 2048
+    # forced, or on x under 256 MB: the apply combines each row's partials itself, over pass 1's chunks
+    for small in (dispatch_rows.choose(p, H200, override={"tiles": False}),
+                  dispatch_rows.choose(plan_for((100, 70_000), -1), H200)):
+        assert [s.kernel.name for s in small.steps] == ["rows_split_partial", "rows_split_apply"]
+        assert small.workspace_words == small.steps[0].grid[0] * small.chunks  # the partials alone (a row's grid)
     short = dispatch_rows.choose(plan_for((4, 70_000), -1), H200)
     assert short.tier == "split" and (short.chunks - 1) * 256 < 70_000 // 4
 
@@ -682,6 +701,28 @@ def test_channels_first_apply_finalizes_plane_rows():
     assert dispatch_channels.choose_channels(
         channel_plan(dtype=bf16, flags=3, last=True, batch=16, channels=320, spatial=64 * 64, cpg=10), H200,
         override={"fold": True}).tier == "channel_split"
+
+
+def test_channels_first_apply_tiles():
+    """Past plane rows the apply walks its own tiles of 1024-2047 vectors
+    (the partial keeps chunks of up to channel_max_chunk_bytes); a folded
+    apply keeps the partial's chunks, whose partials it reads."""
+    p33 = channel_plan("batch", flags=3, batch=64, channels=64, spatial=512 * 512, cpg=1)
+    launch = dispatch_channels.choose_channels(p33, H200)
+    partial, _, apply = launch.steps
+    assert launch.chunk_vecs * 16 == tuning.SM90.channel_max_chunk_bytes and partial.grid == (4, 64, 64)
+    assert (launch.apply_chunks, launch.apply_chunk_vecs) == (64, 1024) and apply.grid == (64, 64, 64)
+    # a plane of 1568 vectors: one tile (a second of 544 vectors idled most of its block)
+    resnet = channel_plan("batch", dtype=dtypes.bfloat16, flags=3, batch=32, channels=64, spatial=112 * 112, cpg=1)
+    launch = dispatch_channels.choose_channels(resnet, H200)
+    assert (launch.apply_chunks, launch.apply_chunk_vecs) == (1, 1568) and launch.steps[-1].grid == (1, 64, 32)
+    eval_mode = dispatch_channels.choose_channels(p33, H200, from_running=True, returns_stats=False)
+    assert eval_mode.tier == "channel_eval" and eval_mode.steps[0].grid == (64, 64, 64)
+    gn = channel_plan("group", dtype=dtypes.bfloat16, flags=3, batch=8, channels=512, spatial=128 * 128, cpg=16)
+    folded = dispatch_channels.choose_channels(gn, H200, override={"fold": True, "chunks": 2})
+    assert folded.tier == "channel_folded" and folded.apply_chunks == 0
+    assert folded.steps[1].grid == folded.steps[0].grid == (2, 512, 8)
+    assert dispatch_channels.choose_channels(gn, H200, override={"apply_tile": 300}).apply_chunk_vecs == 342
 
 
 def test_channel_apply_hints():

@@ -107,7 +107,8 @@ def test_non_contiguous_views(rng, dtype):
     run_and_check(None, x_view=nhwc[:, ::-1], axis=-1)  # negative stride on an outer axis
 
 
-TIERS = ["cached-group", "cached-block", "uncached", "split", "split-many-chunks", "resident"]
+TIERS = ["cached-group", "cached-block", "uncached", "split", "split-tiles", "split-many-chunks", "split-odd-tiles",
+         "resident"]
 
 
 def tier_override(name, plan):
@@ -122,6 +123,10 @@ def tier_override(name, plan):
         return {"tier": "cached", "threads": max(64, dispatch_rows.next_pow2(-(-n_vec // per)))}
     if name == "split-many-chunks":
         return {"tier": "split", "chunks": 37}
+    if name == "split-tiles":  # the finalize, then the apply in tiles (x of 256 MB or more unless forced)
+        return {"tier": "split", "tiles": True}
+    if name == "split-odd-tiles":  # the apply's tiles: fewer vectors than threads, and a thread's several
+        return {"tier": "split", "tiles": True, "apply_tile": 37 if n_vec % 2 else 300}
     return {"tier": name}
 
 
