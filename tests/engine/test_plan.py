@@ -136,12 +136,22 @@ def test_split_chunks_are_never_empty():
     launch = dispatch_rows.choose(p, H200)
     assert launch.tier == "split"
     assert launch.chunks == dispatch_rows._ceil_div(8 * 132, 3)
-    # x of 256 MB or more (1.2 GB): the finalize, then the apply a tile a block, every row's tile; tiles as even
-    # as they come, of at least a vector a thread (float32 without parameters: split_apply_lean) or four (a residual)
+    assert launch.workspace_words == 3 * launch.chunks + 3 * 3  # the partials, then (pivot, center, scale) a row
+    short = dispatch_rows.choose(plan_for((4, 70_000), -1), H200)
+    assert short.tier == "split" and (short.chunks - 1) * 256 < 70_000 // 4
+
+
+def test_split_apply_paths():
+    """On x of 256 MB or more (1.2 GB here) the split tier finalizes each
+    row once, then writes y a tile a block, every row's tile; tiles as even
+    as they come, of at least a vector a thread (float32 without
+    parameters: split_apply_lean) or four (a residual). Below, or forced,
+    the apply combines each row's partials itself over pass 1's chunks."""
+    p = plan_for((3, 100_000_003), -1)
+    launch = dispatch_rows.choose(p, H200)
     partial, finalize, apply = launch.steps
     assert [s.kernel.name for s in launch.steps] == ["rows_split_partial", "rows_split_finalize",
                                                      "rows_split_apply_tiles"]
-    assert launch.workspace_words == 3 * launch.chunks + 3 * 3  # the partials, then (pivot, center, scale) a row
     assert finalize.grid == (3,)
     tiles, size, vecs = launch.apply_chunks, launch.apply_chunk_vecs, p.reduced // p.vec
     assert dispatch_rows.split_apply_lean(p)
@@ -151,13 +161,10 @@ def test_split_chunks_are_never_empty():
     heavy = dispatch_rows.choose(with_residual, H200)
     assert heavy.tier == "split" and not dispatch_rows.split_apply_lean(with_residual)
     assert 1024 <= heavy.apply_chunk_vecs < 2048
-    # forced, or on x under 256 MB: the apply combines each row's partials itself, over pass 1's chunks
-    for small in (dispatch_rows.choose(p, H200, override={"tiles": False}),
-                  dispatch_rows.choose(plan_for((100, 70_000), -1), H200)):
+    for small, rows in ((dispatch_rows.choose(p, H200, override={"tiles": False}), 3),
+                        (dispatch_rows.choose(plan_for((100, 70_000), -1), H200), 100)):
         assert [s.kernel.name for s in small.steps] == ["rows_split_partial", "rows_split_apply"]
-        assert small.workspace_words == small.steps[0].grid[0] * small.chunks  # the partials alone (a row's grid)
-    short = dispatch_rows.choose(plan_for((4, 70_000), -1), H200)
-    assert short.tier == "split" and (short.chunks - 1) * 256 < 70_000 // 4
+        assert small.workspace_words == rows * small.chunks  # the partials alone
 
 
 def test_uncached_stash_and_peeled_rows():
