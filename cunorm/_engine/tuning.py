@@ -59,10 +59,10 @@ class Tuning:
     #: thread) where it cannot run a vector a thread
     #: (dispatch_rows.split_apply_lean); 512 and 2048-4096 ran slower ...
     split_apply_tile_vecs: int = 1024
-    #: ... on x of at least this many bytes (rows_split_finalize's launch
-    #: cost 1.4-3 us on x of 64 KB to 28 MB, where the persistent apply
-    #: combining the partials itself ran as fast; the tiles won on 268 MB
-    #: and 7.5 GB; between, not measured)
+    #: ... on x of at least this many bytes; below, two launches, the apply
+    #: combining each row's partials itself (rows_split_finalize's launch
+    #: cost 1.4-3 us on x of 64 KB to 28 MB; the tiles won on 268 MB and
+    #: 7.5 GB; between, not measured)
     split_tiles_min_bytes: int = 256 << 20
     #: rows_uncached's persistent grid: blocks an SM (0: a block a row) ...
     uncached_blocks_per_sm: int = 1
@@ -75,6 +75,11 @@ class Tuning:
     channel_blocks_per_sm: int = 8
     #: ... channels-first chunks of at most this many bytes ...
     channel_max_chunk_bytes: int = 256 * 1024
+    #: ... the apply in its own tiles of at least this many vectors a
+    #: block (fewer than twice as many): in blocks' order, tiles sweep
+    #: memory as a copy kernel does, where the partial's chunks, a stream a
+    #: block, kept it at 91-93% of copy bandwidth ...
+    channel_apply_tile_vecs: int = 1024
     #: ... channels-last passes of a statistic a channel aiming for this
     #: many blocks an SM (those resident: one wave) ...
     channel_last_blocks_per_sm: int = 2
@@ -87,12 +92,6 @@ class Tuning:
     #: channels-last groups go grouped (a statistic a thread) with vectors
     #: of at least this many bytes
     grouped_min_vec_bytes: int = 8
-    #: ... channels-first planes beyond plane rows applied in tiles of at
-    #: least this many vectors a block (fewer than twice as many): in
-    #: blocks' order, tiles sweep memory as a copy kernel does, where the
-    #: partial's chunks of up to channel_max_chunk_bytes, a stream a
-    #: block, kept the apply at 91-93% of copy bandwidth
-    channel_apply_tile_vecs: int = 1024
     #: channels-first planes of at most this many vectors run as plane rows
     channel_plane_rows_max_vecs: int = 1024
     #: statistic groups of at most this many partials finalize as rows
