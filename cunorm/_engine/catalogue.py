@@ -39,7 +39,7 @@ def all_kernels(norms=None) -> list[Kernel]:
     represented by p = REPRESENTATIVE_POWER."""
     if norms is None:
         norms = (*NORMS, power_norm_name(REPRESENTATIVE_POWER))
-    out = []
+    out, tiles_applies = [], set()
     for norm in norms:
         info = norm_info(norm)
         policy = info.policy
@@ -70,7 +70,10 @@ def all_kernels(norms=None) -> list[Kernel]:
                                     out.append(K.ROWS_CACHED(*cached, True))
                         out.append(K.ROWS_UNCACHED(*common))
                         out.append(K.ROWS_SPLIT_APPLY(*common))
-                        out.append(K.ROWS_SPLIT_APPLY_TILES(*common))
+                        tiles_apply = K.ROWS_SPLIT_APPLY_TILES(*common[1:])  # (no norm: one for all norms)
+                        if tiles_apply not in tiles_applies:
+                            tiles_applies.add(tiles_apply)
+                            out.append(tiles_apply)
                         if info.residual:  # the norms of the resident tier's experiments
                             out.append(K.ROWS_RESIDENT(*common, cooperative=True))
                     for cpt in (0,) + VECS_PER_THREAD_CHOICES:

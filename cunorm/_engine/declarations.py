@@ -176,7 +176,7 @@ ROWS_SPLIT_FINALIZE = KernelDecl("rows_streamed", "rows_split_finalize", ("NormT
 ROWS_SPLIT_APPLY = KernelDecl("rows_streamed", "rows_split_apply", _NORM_ROWS,
                               _args("x h w b partial:in y center_out scale_out:out rows n x_row_stride chunks:i64 "
                                     "eps:acc"))
-ROWS_SPLIT_APPLY_TILES = KernelDecl("rows_streamed", "rows_split_apply_tiles", _NORM_ROWS,
+ROWS_SPLIT_APPLY_TILES = KernelDecl("rows_streamed", "rows_split_apply_tiles", ("T", "STORE", "LOAD", "VEC"),
                                     _args("x h w b affine:in y:out rows n x_row_stride tile_vecs tiles:i64"))
 ROWS_RESIDENT = KernelDecl("rows_streamed", "rows_resident", _NORM_ROWS,
                            _args(f"{_ROW_ARGS} partial arrived:out rows n x_row_stride chunk_vecs:i64 eps:acc"))

@@ -483,7 +483,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         tiles, tile_vecs = balanced_tiles(n_vec, override.get("apply_tile", least))
         steps = (Step(partial, grid, (block,)),
                  Step(K.ROWS_SPLIT_FINALIZE(policy, t, load), (min(rows, MAX_GRID_X),), (block,)),
-                 Step(K.ROWS_SPLIT_APPLY_TILES(*common), (min(rows * tiles, MAX_GRID_X),), (block,)))
+                 Step(K.ROWS_SPLIT_APPLY_TILES(*common[1:]), (min(rows * tiles, MAX_GRID_X),), (block,)))
         return Launch("split", steps, chunks=chunks, apply_chunks=tiles, apply_chunk_vecs=tile_vecs,
                       workspace_words=partial_words + 3 * rows)
     raise ValueError(f"unknown rows tier {tier!r}")

@@ -470,9 +470,10 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
                 params_of(n, c, f, pivot, p);
             }
             // the chunk's vectors by 32-bit indices from its first (a
-            // chunk is a plane of plane rows or at most
-            // channel_max_chunk_bytes): fewer registers than 64-bit ones,
-            // for three blocks an SM without spills
+            // chunk is a plane of plane rows, an apply tile of under 2048
+            // vectors or, folded, at most channel_max_chunk_bytes): fewer
+            // registers than 64-bit ones, for three blocks an SM without
+            // spills
             const long long begin = chunk * chunk_len;
             const int len = static_cast<int>(min(chunk_len, spatial_vecs - begin));
             const long long first = (n * channels + c) * spatial + begin * VEC;

@@ -349,10 +349,23 @@ rows_split_partial(const T* __restrict__ x, const T* __restrict__ r, T* __restri
     }
 }
 
+// A row's partials (pass 1's chunks of it) combined in chunk order:
+// strided over the block's threads, then block_reduce's fixed order, the
+// same bits in every block of blockDim.x threads. Every thread of the
+// block calls it (barriers).
+template <class Norm, class A>
+__device__ __forceinline__ typename Norm::Stats row_partials_combined(const A* partial, long long row, long long chunks,
+                                                                      typename Norm::Stats* scratch) {
+    const typename Norm::Stats* parts = reinterpret_cast<const typename Norm::Stats*>(partial);
+    typename Norm::Stats s = Norm::init();
+#pragma unroll 1
+    for (long long c = threadIdx.x; c < chunks; c += blockDim.x) s = Norm::combine(s, parts[row * chunks + c]);
+    return block_reduce<Norm>(s, scratch);
+}
+
 // Between the split tier's passes on large x, a block a row
 // (rows_split_apply does this work itself otherwise): combine the row's
-// partials in chunk order (strided over the threads, then the block's
-// fixed reduction: the same bits whatever the grid) into
+// partials (row_partials_combined: the same bits whatever the grid) into
 // affine[3 row ..] = (pivot, center, scale), and the returned statistics.
 template <template <class> class NormT, class T, class LOAD>
 __global__ void __launch_bounds__(256)
@@ -365,13 +378,9 @@ rows_split_finalize(const T* __restrict__ x, const T* __restrict__ h,
     using Norm = NormT<A>;
     using Stats = typename Norm::Stats;
     __shared__ Stats scratch[33];
-    const Stats* parts = reinterpret_cast<const Stats*>(partial);
 #pragma unroll 1
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        Stats s = Norm::init();
-#pragma unroll 1
-        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) s = Norm::combine(s, parts[row * chunks + c]);
-        s = block_reduce<Norm>(s, scratch);
+        const Stats s = row_partials_combined<Norm>(partial, row, chunks, scratch);
         if (threadIdx.x == 0) {
             const Affine<A> f = Norm::finalize(s, n, eps);
             const T* src = LOAD::kResidual ? h + row * n : x + row * x_row_stride;
@@ -411,17 +420,13 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, const typenam
     using Stats = typename Norm::Stats;
     __shared__ Stats scratch[33];
     const long long n_vec = n / VEC;
-    const Stats* parts = reinterpret_cast<const Stats*>(partial);
     constexpr int kWriteBatch = write_batch<T, STORE, LOAD, VEC>();
 
 #pragma unroll 1
     for (long long chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y)
 #pragma unroll 1
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        Stats s = Norm::init();
-#pragma unroll 1
-        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) s = Norm::combine(s, parts[row * chunks + c]);
-        s = block_reduce<Norm>(s, scratch);
+        const Stats s = row_partials_combined<Norm>(partial, row, chunks, scratch);
         const Affine<A> f = Norm::finalize(s, n, eps);
         const T* src = LOAD::kResidual ? h + row * n : x + row * x_row_stride;
         // h's first element is the rounded x + r pass 1 shifted by.
@@ -452,7 +457,7 @@ rows_split_apply(const T* __restrict__ x, const T* __restrict__ h, const typenam
 // of 1024-2047 vectors. rows_split_apply ran this pass at 92-93% of copy
 // bandwidth, 1024-vector tiles at 97%, a vector a thread at 100% (problem
 // 37, H200: docs/notes/rows.md).
-template <template <class> class NormT, class T, class STORE, class LOAD, int VEC>
+template <class T, class STORE, class LOAD, int VEC>
 __global__ void __launch_bounds__(256, split_apply_lean<T, STORE, LOAD, VEC>() ? 8 : 1)
 rows_split_apply_tiles(const T* __restrict__ x, const T* __restrict__ h, const typename STORE::Param* __restrict__ w,
                        const typename STORE::Param* __restrict__ b,
