@@ -11,7 +11,9 @@ GPU time (busy fill), one call with L2 flushed (cold), floor% of copy
 bandwidth measured in the same run, counting x, the residual and z read, h
 and y written, and the per-sample arrays once.
 
-    PYTHONPATH=. python bench/conditioned.py OUT.json
+    PYTHONPATH=. python bench/conditioned.py OUT.json [TOKENS]
+
+TOKENS: the token counts to run, comma-separated (default 1,4096,32768).
 """
 import json
 import sys
@@ -67,11 +69,11 @@ def rms_res32_torch(x, r, w):
     return (_rms(h) * w.float()).to(x.dtype), h
 
 
-def main(out):
+def main(out, token_counts=(1, 4096, 32768)):
     copy = copy_bandwidth()
     rows = []
     for hidden in (1152, 3072, 4096, 8192):
-        for tokens in (1, 4096, 32768):
+        for tokens in token_counts:
             compiled = {name: compile_static(fn) for name, fn in (
                 ("adaln", adaln_torch), ("rms_mod", rms_mod_torch), ("gated", gated_torch),
                 ("gated_groups", gated_groups_torch), ("rms_res32", rms_res32_torch))}
@@ -127,4 +129,5 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "conditioned.json")
+    main(sys.argv[1] if len(sys.argv) > 1 else "conditioned.json",
+         tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (1, 4096, 32768))

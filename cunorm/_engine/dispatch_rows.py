@@ -366,9 +366,11 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         if plan.flags & (plans.FLAG_GATE_INPUT | plans.FLAG_WIDE_RESIDUAL) and n_vec >= tune.formed_min_vecs:
             target = tune.target_vecs_per_thread_formed
         threads = min(next_pow2(_ceil_div(n_vec, target)), tune.preferred_max_row_threads)
-        # (the gate z is held beside x; the other per-row operands and a
-        # residual: not measured)
-        lean = not plan.residual and plan.quant is None and not plan.flags & plans.CONDITIONED_FLAGS & ~plans.GATE_FLAGS
+        # (and the gate before the norm, x * silu(z); the gate after it
+        # keeps the target, as a residual and the other per-row operands
+        # do: tuning.short_row_max_lanes)
+        halving = plans.GATE_FLAGS if plan.flags & plans.FLAG_GATE_INPUT else 0
+        lean = not plan.residual and plan.quant is None and not plan.flags & plans.CONDITIONED_FLAGS & ~halving
         if lean and 1 < threads and next_pow2(_ceil_div(n_vec, target // 2)) <= tune.short_row_max_lanes:
             # short rows: half the vectors a thread where a group of at
             # most short_row_max_lanes lanes still holds the row (rows of

@@ -39,13 +39,16 @@ class Tuning:
     #: rows_cached's block before a thread takes more vectors
     preferred_max_row_threads: int = 512
     #: rows of more than one lane (no residual, quantized y or per-row
-    #: operand but the gate z) that a group of at most this many lanes
-    #: holds at half the target vectors a thread take it: RMSNorm fp16
-    #: 200000x64 55.0 -> 63.5%, bf16 262144x128 79.0 -> 81.7%, LayerNorm
-    #: bf16 131072x256 64.9 -> 69.6%, 262144x128 61.2 -> 71.3%; at 32 lanes
-    #: RMSNorm bf16 65536x512 lost, 81.3 -> 79.9% (H200, docs/notes/rows.md
-    #: "Short rows"); the gated RMSNorm over heads of 128 1-4% faster (H100,
-    #: docs/notes/conditioned.md "Heads of 128")
+    #: operand but the gate before the norm) that a group of at most this
+    #: many lanes holds at half the target vectors a thread take it: RMSNorm
+    #: fp16 200000x64 55.0 -> 63.5%, bf16 262144x128 79.0 -> 81.7%,
+    #: LayerNorm bf16 131072x256 64.9 -> 69.6%, 262144x128 61.2 -> 71.3%;
+    #: at 32 lanes RMSNorm bf16 65536x512 lost, 81.3 -> 79.9% (H200,
+    #: docs/notes/rows.md "Short rows"). The gate after the norm keeps the
+    #: target: over heads of 128 at 4 lanes against 8, 32768 tokens 4-9%
+    #: faster, 4096 tokens within 2% but hidden 1152 (7% slower) (H200;
+    #: 8 lanes had been 2-4% faster on an H100, docs/notes/conditioned.md
+    #: "Heads of 128 at four lanes")
     short_row_max_lanes: int = 16
     #: the split tier takes rows of at least this many bytes ...
     split_min_row_bytes: int = 64 * 1024

@@ -31,9 +31,16 @@ namespace cunorm {
 // Per-row kernels of at most two vectors a thread ask for two blocks an SM
 // (64 registers): the adaLN-Zero LayerNorm took 72 registers, one
 // 512-thread block an SM (ncu: 25% occupancy, 35% of DRAM bandwidth), and
-// 1.5x the time at 32768x8192 bf16 (docs/notes/conditioned.md). Not where
-// heavy statistics and a residual meet four parameter arrays or a float32
-// residual (PER_ROW_LEAN false): those spilled at 64 on sm_90.
+// 1.5x the time at 32768x8192 bf16 (docs/notes/conditioned.md). 16-bit
+// LayerNorm's of them ask for three (kThreeBlocks: 42 registers, 40 taken
+// with the residual gate loaded at its use, rows.cu): the adaLN-Zero
+// LayerNorm ran bf16 32768x8192 in 536 against 632 us, 32768x3072 in 213
+// against 265; at four (32 registers) it spilled 64 bytes and ran slower
+// than at two; float32 spilled 8 bytes at three (H200,
+// docs/notes/conditioned.md "Three blocks an SM for the adaLN
+// LayerNorm"). Not where heavy statistics and a residual meet four
+// parameter arrays or a float32 residual (PER_ROW_LEAN false): those
+// spilled at 64 on sm_90.
 // LayerNorm of 16-bit rows without a residual asks for two blocks too
 // (64 registers, none spilled for sm_80 or sm_90): bf16 4096x32768 ran at
 // 60% of copy bandwidth with one block of 512 an SM, at 82% with two
@@ -46,10 +53,13 @@ struct RowsCachedBounds {
     static constexpr int kLoads = VECS_PER_THREAD * (RESIDUAL ? 2 : 1);
     static constexpr bool kHeavy = STAT_WORDS > 1 || sizeof(A) == 8;
     static constexpr int kBlockMaxThreads = (!kHeavy && !PER_ROW && kCost <= 64 && kLoads <= 8) ? 1024 : 512;
+    static constexpr bool kThreeBlocks =
+        PER_ROW && PER_ROW_LEAN && !QUANTIZED && VECS_PER_THREAD <= 2 && STAT_WORDS > 1 && sizeof(T) == 2;
     static constexpr int kBlockMinBlocks =
-        ((!kHeavy && !QUANTIZED && !PER_ROW && sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ||
-         (PER_ROW && PER_ROW_LEAN && !QUANTIZED && VECS_PER_THREAD <= 2) ||
-         (STAT_WORDS > 1 && sizeof(T) == 2 && !RESIDUAL && !PER_ROW && !QUANTIZED))
+        kThreeBlocks ? 3
+        : ((!kHeavy && !QUANTIZED && !PER_ROW && sizeof(T) == 2 && kCost > 64 && kCost <= 128 && kLoads <= 8) ||
+           (PER_ROW && PER_ROW_LEAN && !QUANTIZED && VECS_PER_THREAD <= 2) ||
+           (STAT_WORDS > 1 && sizeof(T) == 2 && !RESIDUAL && !PER_ROW && !QUANTIZED))
             ? 2
             : 1;
 };

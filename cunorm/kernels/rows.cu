@@ -100,6 +100,11 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
     // The row held in the accumulation type (the norm's input formed there:
     // x * silu(z), or x + r of the float32 residual stream), else as x.
     constexpr bool kFormed = STORE::kGatedInput || LOAD::kWide;
+    // The residual gate g loaded where h = r + g * x is formed, not beside
+    // x and r: where the kernel asks for three blocks an SM (42 registers),
+    // g's registers held through x's and r's loads spilled.
+    constexpr bool kGateAtUse =
+        BLOCK_PER_ROW && CachedBoundsOf<NormT, T, STORE, LOAD, VEC, VECS_PER_THREAD>::kThreeBlocks;
     __shared__ Stats scratch[33];
 
     const int n_vec = n / VEC;
@@ -175,7 +180,7 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
                 if constexpr (LOAD::kResidual) {
                     residual[k] = load_vec<typename LOAD::Residual, VEC>(r + row * x_row_stride + v * VEC);
                 }
-                if constexpr (LOAD::kScaled) gates[k] = load_vec<typename LOAD::Gate, VEC>(gr + v * VEC);
+                if constexpr (LOAD::kScaled && !kGateAtUse) gates[k] = load_vec<typename LOAD::Gate, VEC>(gr + v * VEC);
                 if constexpr (STORE::kGated) {
                     zs[k] = load_vec<typename STORE::Gate, VEC>(gate + row * n + static_cast<long long>(v) * VEC);
                 }
@@ -192,6 +197,7 @@ rows_cached(const T* __restrict__ x, const typename LOAD::Residual* __restrict__
                     store_vec<A, VEC>(h + row * n + static_cast<long long>(v) * VEC, formed[k]);
                 } else if constexpr (LOAD::kResidual) {
                     if constexpr (LOAD::kScaled) {
+                        if constexpr (kGateAtUse) gates[k] = load_vec<typename LOAD::Gate, VEC>(gr + v * VEC);
                         cache[k] = LOAD::template combine<VEC>(cache[k], residual[k], gates[k]);
                     } else {
                         cache[k] = LOAD::template combine<VEC>(cache[k], residual[k]);

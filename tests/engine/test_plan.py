@@ -60,18 +60,20 @@ def test_vector_width():
     assert vector_width(2, 1024, [1024], [(0, 2), (16, 4)]) == 4  # float32 weight aligned to 16 only
 
 
-def test_short_rows_halve_the_vectors_a_thread_only_when_plain_or_gated():
+def test_short_rows_halve_the_vectors_a_thread_only_when_plain_or_gated_first():
     """Half the target vectors a thread (within 16 lanes) is for plain rows
-    and the gated RMSNorm's: a residual or a modulation keeps the target;
-    LayerNorm's heavier target halves too."""
+    and the gate before the norm: a residual, a modulation or the gate
+    after the norm keeps the target; LayerNorm's heavier target halves
+    too."""
     bf16 = dtypes.bfloat16
     assert dispatch_rows.choose(plan_for((65536, 256), -1, bf16, residual=True), H200).threads_per_row == 8
     assert dispatch_rows.choose(plan_for((65536, 256), -1, bf16), H200).threads_per_row == 16
     assert dispatch_rows.choose(plan_for((65536, 256), -1, bf16, norm="ln"), H200).threads_per_row == 8
     weight = plans.FLAG_WEIGHT
-    for gate in (plans.FLAG_GATE, plans.FLAG_GATE | plans.FLAG_GATE_INPUT):
-        gated = plan_for((131072, 128), -1, bf16, bf16, flags=weight | gate)
-        assert dispatch_rows.choose(gated, H200).threads_per_row == 8  # (4 at the target)
+    gated_first = plan_for((131072, 128), -1, bf16, bf16, flags=weight | plans.FLAG_GATE | plans.FLAG_GATE_INPUT)
+    assert dispatch_rows.choose(gated_first, H200).threads_per_row == 8  # (4 at the target)
+    gated = plan_for((131072, 128), -1, bf16, bf16, flags=weight | plans.FLAG_GATE)
+    assert dispatch_rows.choose(gated, H200).threads_per_row == 4
     modulated = plan_for((131072, 128), -1, bf16, bf16, flags=weight | plans.FLAG_SCALE)
     assert dispatch_rows.choose(modulated, H200).threads_per_row == 4
 
