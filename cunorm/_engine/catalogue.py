@@ -183,7 +183,8 @@ def conditioned_kernels() -> list[Kernel]:
                   plans.FLAG_GATE | plans.FLAG_ROUND_NORMALIZED,
                   plans.FLAG_GATE | plans.FLAG_GATE_INPUT | plans.FLAG_ROUND_NORMALIZED]
     row_flags = [plans.FLAG_PARAM_ROWS | plans.FLAG_SHIFT | plans.FLAG_SCALE, plans.FLAG_SHIFT | plans.FLAG_SCALE,
-                 plans.FLAG_SHIFT | plans.FLAG_SCALE | plans.FLAG_RESIDUAL_GATE, plans.FLAG_PARAM_ROWS]
+                 plans.FLAG_SHIFT | plans.FLAG_SCALE | plans.FLAG_RESIDUAL_GATE, plans.FLAG_RESIDUAL_GATE,
+                 plans.FLAG_PARAM_ROWS]
     out = {}
     for arch in tuning.BY_ARCH:
         device = Device(sm_count=132, compute_capability=arch, max_shared_per_block=227 * 1024,
