@@ -19,6 +19,9 @@ CASES = {
     "dit per sample": ((3, 17, 1152), None, False, {"shift": (3, 1, 1152), "scale": (3, 1, 1152)}, False),
     "dit affine, gated residual": ((2, 9, 384), (384,), True, {"shift": (2, 1, 384), "scale": (2, 1, 384),
                                                                "residual_gate": (2, 1, 384)}, True),
+    # (no affine: LayerNorm's kernel at three blocks an SM, the gate loaded where h is formed)
+    "adaLN-Zero": ((2, 9, 1152), None, False, {"shift": (2, 1, 1152), "scale": (2, 1, 1152),
+                                               "residual_gate": (2, 1, 1152)}, True),
     "per token": ((4, 5, 96), (96,), True, {"shift": (4, 5, 96), "scale": (4, 5, 96)}, False),
     "one for all, scale only": ((6, 40), None, False, {"scale": (40,)}, False),
     "shift only, per position": ((2, 7, 200), (200,), True, {"shift": (7, 200)}, False),

@@ -18,6 +18,7 @@ from .dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHA
                                 ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from .declarations import Kernel
 
+
 def _vector_widths(dtype) -> list[int]:
     """Elements a vector access may move: up to 16 bytes."""
     return [v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16]
