@@ -3,7 +3,7 @@ needed). The default run compiles a representative set (every kernel and
 every norm for every dtype, each at its most work a thread) for sm_80 and
 sm_90, in about 20 s on 2 cores. The full check, every instantiation for
 sm_90, is marked ``full_compile`` and left out of the default run (about
-40 minutes on 2 cores): ``python -m pytest -m full_compile`` runs it, as CI
+15 minutes on 2 cores): ``python -m pytest -m full_compile`` runs it, as CI
 does, one test per kernel declaration so a run shows its progress.
 ``python -m cunorm check --all`` compiles everything for both
 architectures."""
