@@ -366,9 +366,10 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         if plan.flags & (plans.FLAG_GATE_INPUT | plans.FLAG_WIDE_RESIDUAL) and n_vec >= tune.formed_min_vecs:
             target = tune.target_vecs_per_thread_formed
         threads = min(next_pow2(_ceil_div(n_vec, target)), tune.preferred_max_row_threads)
-        # (and the gate before the norm, x * silu(z); the gate after it
-        # keeps the target, as a residual and the other per-row operands
-        # do: tuning.short_row_max_lanes)
+        # Plain rows and the gate before the norm (x * silu(z)) may take
+        # half the target below; the gate after the norm keeps it, as a
+        # residual and the other per-row operands do
+        # (tuning.short_row_max_lanes).
         halving = plans.GATE_FLAGS if plan.flags & plans.FLAG_GATE_INPUT else 0
         lean = not plan.residual and plan.quant is None and not plan.flags & plans.CONDITIONED_FLAGS & ~halving
         if lean and 1 < threads and next_pow2(_ceil_div(n_vec, target // 2)) <= tune.short_row_max_lanes:

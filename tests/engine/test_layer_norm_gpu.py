@@ -139,7 +139,8 @@ def test_layer_norm_axes(rng, dtype, shape, axis):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("override", [{"tier": "cached", "threads": 32}, {"tier": "cached", "threads": 256},
                                       {"tier": "uncached"}, {"tier": "split"}, {"tier": "split", "chunks": 7},
-                                      {"tier": "split", "tiles": True}, {"tier": "split", "tiles": True, "apply_tile": 37},
+                                      {"tier": "split", "tiles": True},
+                                      {"tier": "split", "tiles": True, "apply_tile": 37},
                                       {"tier": "split", "tiles": True, "apply_tile": 300},
                                       {"tier": "resident"}],
                          ids=lambda o: "-".join(map(str, o.values())))
