@@ -182,42 +182,61 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SHARED = re.compile(r"(\d+) bytes smem")
 
 
-def compile_offline(arch: str, kernels, jobs: int | None = None, progress=None) -> list[dict]:
+#: Name expressions an offline NVRTC program compiles at most. The compile
+#: time is linear in them (160 rows_grad_cached instantiations took the same
+#: time as one program and as eight of 20), so small batches cost nothing
+#: and keep every process busy to the end (docs/notes/verification.md).
+OFFLINE_BATCH = 24
+
+
+def offline_batches(arch: str, kernels, jobs: int) -> list[tuple[str, list[str], str]]:
+    """``kernels`` split into (family, name expressions, arch) batches of at
+    most OFFLINE_BATCH, in a multiple of ``jobs`` where there are enough,
+    each taking every n-th expression of its family, so the heavy
+    instantiations (neighbours in the catalogue) spread over the batches."""
+    by_family: dict[str, list[str]] = {}
+    for k in kernels:
+        by_family.setdefault(k.family, []).append(k.expression)
+    batches = []
+    for family, expressions in by_family.items():
+        count = -(-len(expressions) // OFFLINE_BATCH)
+        count = min(len(expressions), -(-count // jobs) * jobs)
+        batches += [(family, expressions[i::count], arch) for i in range(count)]
+    return batches
+
+
+def compile_offline(arch: str, kernels, jobs: int | None = None, progress=None, record=None) -> list[dict]:
     """Compile kernels with NVRTC for ``arch`` (e.g. "sm_90") without a GPU.
 
-    Each family's instantiations are compiled as name expressions of a few
-    NVRTC programs, spread over ``jobs`` processes (default: the CPU count).
-    ``progress(done, total)``, where given, is called as kernels finish.
-    Returns, per kernel: expression, registers, stack frame bytes, spill
-    store and load bytes; and the same for device functions the kernels
-    call, marked ``helper``. Raises RuntimeError with NVRTC's log on an
-    error.
+    The instantiations are compiled as name expressions of small NVRTC
+    programs (offline_batches), spread over ``jobs`` processes (default:
+    the CPU count). ``progress(done, total)``, where given, is called as
+    kernels finish. ``record``, a CompileRecord, answers the instantiations
+    it holds for the same sources and takes the new results. Returns, per
+    kernel: expression, registers, stack frame bytes, spill store and load
+    bytes; and the same for device functions the kernels call, marked
+    ``helper``. Raises RuntimeError with NVRTC's log on an error.
     """
     import concurrent.futures
     import os
 
-    by_family: dict[str, list[str]] = {}
-    for k in kernels:
-        by_family.setdefault(k.family, []).append(k.expression)
-    total = sum(len(e) for e in by_family.values())
+    known: list[dict] = []
+    if record is not None:
+        known, kernels = record.lookup(arch, kernels)
     jobs = jobs or os.cpu_count() or 1
-    batches = []
-    for family, expressions in by_family.items():
-        # batches of at most 200 (a program's compile time grows faster than
-        # its name expressions), at least one per process
-        size = max(1, min(200, -(-len(expressions) // jobs)))
-        batches += [(family, expressions[i : i + size], arch) for i in range(0, len(expressions), size)]
+    batches = offline_batches(arch, kernels, jobs)
+    total = sum(len(b[1]) for b in batches)
     results: list[list[dict]] = [[] for _ in batches]
     done = 0
-    if jobs == 1 or len(batches) == 1:
+    if jobs == 1 or len(batches) <= 1:
         for i, batch in enumerate(batches):
-            results[i] = _compile_batch(*batch)
+            results[i] = compile_batch(*batch)
             done += len(batch[1])
             if progress:
                 progress(done, total)
     else:
         with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(_compile_batch, *batch): i for i, batch in enumerate(batches)}
+            futures = {pool.submit(compile_batch, *batch): i for i, batch in enumerate(batches)}
             try:
                 for future in concurrent.futures.as_completed(futures):
                     i = futures[future]
@@ -228,7 +247,79 @@ def compile_offline(arch: str, kernels, jobs: int | None = None, progress=None) 
             except BaseException:  # an NVRTC error or ^C: the batches not started are not waited for
                 pool.shutdown(cancel_futures=True)
                 raise
-    return [r for part in results for r in part]
+    if record is not None:
+        for (family, _, _), result in zip(batches, results):
+            record.add(arch, family, result)
+    return known + [r for part in results for r in part]
+
+
+class CompileRecord:
+    """Offline compile results kept on disk, so a run does not compile what
+    an earlier one compiled from the same sources (the default test run's
+    sm_90 sets, then the full compile check). One JSON file an architecture
+    and family, keyed by a hash of NVRTC's version, the options and the
+    family's whole source: a changed header, option or NVRTC starts the
+    file afresh, so the files number at most the architectures times the
+    families. Not safe for two processes writing one directory at once."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def _key(family: str) -> str:
+        from cupy_backends.cuda.libs import nvrtc
+
+        h = hashlib.sha256(repr((nvrtc.getVersion(), OPTIONS, _OFFLINE_OPTIONS)).encode())
+        h.update(source(family).encode())
+        return h.hexdigest()
+
+    def _load(self, arch: str, family: str) -> dict:
+        import json
+
+        empty = {"key": self._key(family), "kernels": {}, "helpers": {}}
+        try:
+            held = json.loads((self.directory / f"{arch}-{family}.json").read_text())
+        except (OSError, ValueError):
+            return empty
+        return held if held.get("key") == empty["key"] else empty
+
+    def lookup(self, arch: str, kernels) -> tuple[list[dict], list]:
+        """(the held results of ``kernels``, with the helpers they call; the
+        kernels not held)."""
+        files: dict[str, dict] = {}
+        found: list[dict] = []
+        helpers: dict[str, dict] = {}
+        missing = []
+        for k in kernels:
+            held = files.get(k.family) or files.setdefault(k.family, self._load(arch, k.family))
+            entry = held["kernels"].get(k.expression)
+            if entry is None:
+                missing.append(k)
+                continue
+            entry = dict(entry)
+            for name in entry.pop("helpers", ()):
+                helpers[name] = held["helpers"][name]
+            found.append(entry)
+        return found + list(helpers.values()), missing
+
+    def add(self, arch: str, family: str, results: list[dict]) -> None:
+        """Keep one compiled batch's results (each kernel names the helpers
+        its batch reported)."""
+        import json
+        import os
+
+        held = self._load(arch, family)
+        batch_helpers = {r["expression"]: r for r in results if r.get("helper")}
+        held["helpers"].update(batch_helpers)
+        for r in results:
+            if not r.get("helper"):
+                held["kernels"][r["expression"]] = dict(r, helpers=sorted(batch_helpers))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"{arch}-{family}.json"
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(held))
+        os.replace(temporary, path)
 
 
 @functools.lru_cache(maxsize=512)
@@ -236,18 +327,25 @@ def kernel_resources(family: str, expression: str, arch: int) -> tuple[int, int]
     """(registers a thread, static shared bytes) of one instantiation
     compiled for sm_<arch> without a GPU: what its occupancy follows from
     (targets.Target.resident_per_sm)."""
-    (entry,) = [r for r in _compile_batch(family, [expression], f"sm_{arch}") if not r.get("helper")]
+    (entry,) = [r for r in compile_batch(family, [expression], f"sm_{arch}") if not r.get("helper")]
     return entry["registers"], entry["shared"]
 
 
-def _compile_batch(family: str, expressions: list[str], arch: str) -> list[dict]:
+#: options of the offline compile besides OPTIONS and the architecture
+#: (-ftz=true: CuPy adds it at run time)
+_OFFLINE_OPTIONS = ("-ftz=true", "--ptxas-options=--verbose")
+
+
+def compile_batch(family: str, expressions: list[str], arch: str) -> list[dict]:
+    """One NVRTC program of the family's instantiations ``expressions`` for
+    ``arch``: what compile_offline returns for them."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source(family), f"{family}.cu", [], [])
     try:
         for e in expressions:
             nvrtc.addNameExpression(prog, e)
-        options = [f"--gpu-architecture={arch}", *OPTIONS, "-ftz=true", "--ptxas-options=--verbose"]
+        options = [f"--gpu-architecture={arch}", *OPTIONS, *_OFFLINE_OPTIONS]
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as err:

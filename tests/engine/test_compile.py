@@ -1,18 +1,28 @@
 """The kernels compile with NVRTC, with no local-memory spill (CPU: no GPU
 needed). The default run compiles a representative set (every kernel and
 every norm for every dtype, each at its most work a thread) for sm_80 and
-sm_90, in about 20 s on 2 cores. The full check, every instantiation for
+sm_90, in about 3 minutes on 2 cores. The full check, every instantiation for
 sm_90, is marked ``full_compile`` and left out of the default run (about
-15 minutes on 2 cores): ``python -m pytest -m full_compile`` runs it, as CI
-does, one test per kernel declaration so a run shows its progress.
-``python -m cunorm check --all`` compiles everything for both
-architectures."""
+12 minutes on 2 cores): ``python -m pytest -m full_compile`` runs it, as CI
+does, one test per kernel declaration so a run shows its progress, all of
+them compiling in one pool of processes. ``python -m cunorm check --all``
+compiles everything for both architectures.
+
+The results are kept in build/compile-record (loader.CompileRecord, keyed
+by NVRTC's version, the options and each family's source), so the full
+check does not compile again what the default run compiled, and a second
+run compiles only the families whose sources changed."""
+import concurrent.futures
 import functools
+import os
 import re
+from pathlib import Path
 
 import pytest
 
 from cunorm._engine import catalogue, dispatch_grad, dispatch_rows, dtypes, declarations, loader
+
+RECORD = loader.CompileRecord(Path(__file__).resolve().parents[2] / "build" / "compile-record")
 
 
 @functools.lru_cache(maxsize=None)
@@ -20,8 +30,7 @@ def _all():
     return tuple(catalogue.all_kernels())
 
 
-def _check(arch, kernels):
-    results = loader.compile_offline(arch, kernels)
+def _assert_compiled(arch, kernels, results):
     compiled = [r for r in results if not r.get("helper")]
     assert len(compiled) == len(kernels)
     spilled = [r for r in results if r.get("stack") or r.get("spill_stores") or r.get("spill_loads")]
@@ -29,12 +38,40 @@ def _check(arch, kernels):
     assert all(0 < r["registers"] <= 255 for r in compiled)
 
 
+def _check(arch, kernels):
+    _assert_compiled(arch, kernels, loader.compile_offline(arch, kernels, record=RECORD))
+
+
+@pytest.fixture(scope="module")
+def full_compile(request):
+    """Every selected declaration's sm_90 instantiations the record does not
+    hold, submitted at once to one pool (each test waits for its own, so
+    no test waits on a half-idle pool's last batch): declaration name ->
+    (kernels, [(family, future)])."""
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_every_instantiation_compiles_for_sm_90_without_spills"]
+    jobs = os.cpu_count() or 1
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=jobs)
+    pending = {}
+    for name in selected:
+        kernels = [k for k in _all() if k.name == name]
+        _, missing = RECORD.lookup("sm_90", kernels)
+        pending[name] = (kernels, [(batch[0], pool.submit(loader.compile_batch, *batch))
+                                   for batch in loader.offline_batches("sm_90", missing, jobs)])
+    yield pending
+    pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.full_compile
 @pytest.mark.parametrize("name", [d.name for d in declarations.DECLARATIONS])
-def test_every_instantiation_compiles_for_sm_90_without_spills(name):
-    kernels = [k for k in _all() if k.name == name]
+def test_every_instantiation_compiles_for_sm_90_without_spills(name, full_compile):
+    kernels, batches = full_compile[name]
     assert kernels, f"the catalogue has no instantiation of {name}"
-    _check("sm_90", kernels)
+    for family, future in batches:
+        RECORD.add("sm_90", family, future.result())
+    found, missing = RECORD.lookup("sm_90", kernels)
+    assert not missing
+    _assert_compiled("sm_90", kernels, found)
 
 
 def test_statistics_only_rows_compile_without_spills():
@@ -176,3 +213,45 @@ def test_modulated_backward_compiles_without_spills():
             if key not in heaviest or (flags, vpt) > heaviest[key][0]:
                 heaviest[key] = ((flags, vpt), k)
     _check("sm_80", [k for _, k in heaviest.values()] + [k for k in kernels if k.name == "modulated_grad_sums"])
+
+
+def test_offline_batches_cover_each_kernel_once_in_small_batches():
+    kernels = [k for k in _all() if k.name in ("rows_cached", "residual_add", "channel_from_running")]
+    for jobs in (1, 2, 3):
+        batches = loader.offline_batches("sm_90", kernels, jobs)
+        assert sorted(e for _, expressions, _ in batches for e in expressions) == sorted(k.expression for k in kernels)
+        assert all(0 < len(b[1]) <= loader.OFFLINE_BATCH and b[2] == "sm_90" for b in batches)
+        rows = [b for b in batches if b[0] == "rows"]
+        assert len(rows) % jobs == 0  # (as many batches a process, where a family has enough)
+    assert len(loader.offline_batches("sm_90", [k for k in _all() if k.name == "channel_from_running"], 8)) == 2
+
+
+def test_the_compile_record_answers_what_it_holds_for_the_same_sources(tmp_path, monkeypatch):
+    """compile_offline with a record: what was compiled (and the helpers
+    its batch reported) comes back without compiling; another architecture
+    or a changed source compiles again."""
+    compiled = []
+
+    def compile_batch(family, expressions, arch):
+        compiled.extend(expressions)
+        return ([{"expression": e, "registers": 40 + len(compiled)} for e in expressions]
+                + [{"expression": "_helper", "registers": 8, "helper": True}])
+
+    monkeypatch.setattr(loader, "compile_batch", compile_batch)
+    kernels = [k for k in _all() if k.name == "residual_add"][:5]
+    record = loader.CompileRecord(tmp_path)
+    first = loader.compile_offline("sm_90", kernels, jobs=1, record=record)
+    assert sorted(compiled) == sorted(k.expression for k in kernels)
+    compiled.clear()
+    again = loader.compile_offline("sm_90", kernels[:3], jobs=1, record=record)
+    assert compiled == []
+    kept = {r["expression"]: r["registers"] for r in first if not r.get("helper")}
+    assert {r["expression"]: r["registers"] for r in again if not r.get("helper")} == {
+        k.expression: kept[k.expression] for k in kernels[:3]}
+    assert [r["expression"] for r in again if r.get("helper")] == ["_helper"]
+    loader.compile_offline("sm_80", kernels[:1], jobs=1, record=record)
+    assert compiled == [kernels[0].expression]
+    compiled.clear()
+    monkeypatch.setattr(loader.CompileRecord, "_key", staticmethod(lambda family: "another source"))
+    loader.compile_offline("sm_90", kernels[:2], jobs=1, record=record)
+    assert sorted(compiled) == sorted(k.expression for k in kernels[:2])
