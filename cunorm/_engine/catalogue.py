@@ -3,6 +3,7 @@ precompile step and CI's compile check (derived from the declarations in
 cunorm/_engine/declarations.py and the choices of cunorm/_engine/dispatch_*.py)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from . import dtypes, plans, quantize, tuning
@@ -11,9 +12,10 @@ from .dispatch_rows import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES,
                             cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
 from .dispatch_grad import (GATE_INPUT, GATE_OUTPUT, GRAD_CACHED_MAX_THREADS, GRAD_NORMS, GRAD_STRIDED_MAX_CPT,
                             _vpt_choices, column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes,
-                            grad_cached_multi_row_bounds, grad_onchip_items, grad_onchip_max_elements,
-                            gated_max_vpt, grad_onchip_shapes, grad_policy, strided_grad_cache_bytes, MOD_GATE,
-                            MOD_SCALE, OUT_GATE, OUT_SCALE, OUT_SHIFT, modulated_shapes)
+                            grad_cached_multi_row_bounds, grad_cached_shape, grad_onchip_items,
+                            grad_onchip_max_elements, gated_max_vpt, grad_onchip_shapes, grad_policy,
+                            strided_grad_cache_bytes, MOD_GATE, MOD_SCALE, OUT_GATE, OUT_SCALE, OUT_SHIFT,
+                            modulated_shapes)
 from .dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
                                 ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from .declarations import Kernel
@@ -242,6 +244,22 @@ def modulated_grad_kernels() -> list[Kernel]:
     return list(dict.fromkeys(out))
 
 
+@functools.lru_cache(maxsize=None)
+def _block_threads(vec: int, itemsize: int, vpt: int, tune: tuning.Tuning, max_vpt: int = 8) -> tuple[int, ...]:
+    """The block sizes whose launch bounds (grad_cached_bounds) one
+    rows_grad_cached block of ``vpt`` vectors a thread runs under, over
+    every row length: the preferred block's always; the largest block's
+    only where grad_cached_shape gives some row past the preferred block
+    ``vpt``. A row that no vector count holds in the preferred block is
+    longer than it at the most vectors a thread, so where the preferred
+    block is half the largest or more only that count reaches the largest."""
+    target = tune.grad_cached_target_threads
+    lengths = range(target + 1, GRAD_CACHED_MAX_THREADS * max_vpt + 1)
+    shapes = (grad_cached_shape(n_vec, vec, itemsize, tune, 1, max_vpt) for n_vec in lengths)
+    past = {shape[1] for shape in filter(None, shapes) if shape[0] > target}
+    return (target,) + ((GRAD_CACHED_MAX_THREADS,) if vpt in past else ())
+
+
 def _tunings() -> list[tuning.Tuning]:
     """The distinct Tunings of the architectures cunorm plans for: the
     catalogue holds what the dispatch picks under each."""
@@ -262,7 +280,7 @@ def gated_grad_kernels() -> list[Kernel]:
                     most = gated_max_vpt(vec, dtype.itemsize)
                     for vpt in [v for v in _vpt_choices(vec, dtype.itemsize) if v <= most]:
                         for tune in tunes:
-                            for threads in (tune.grad_cached_target_threads, GRAD_CACHED_MAX_THREADS):
+                            for threads in _block_threads(vec, dtype.itemsize, vpt, tune, most):
                                 out.append(K.ROWS_GRAD_GATED(grad, t, p, flags, gate, vec, vpt,
                                                              *grad_cached_bounds(threads, vpt, tune), 0,
                                                              cooperative=flags != 0, persistent=True))
@@ -288,7 +306,7 @@ def wide_grad_kernels() -> list[Kernel]:
                 for vec in _vector_widths(dtype):
                     for vpt in _vpt_choices(vec, 4):
                         for tune in tunes:
-                            for threads in (tune.grad_cached_target_threads, GRAD_CACHED_MAX_THREADS):
+                            for threads in _block_threads(vec, 4, vpt, tune):
                                 out.append(K.ROWS_GRAD_WIDE(grad, t, p, flags, vec, vpt,
                                                             *grad_cached_bounds(threads, vpt, tune), 0,
                                                             cooperative=flags != 0, persistent=True))
@@ -321,7 +339,7 @@ def backward_kernels() -> list[Kernel]:
                 for p, flags in affine:
                     for vpt in _vpt_choices(vec, dtype.itemsize):
                         for tune in tunes:
-                            for threads in (tune.grad_cached_target_threads, GRAD_CACHED_MAX_THREADS):
+                            for threads in _block_threads(vec, dtype.itemsize, vpt, tune):
                                 out.append(K.ROWS_GRAD_CACHED(grad, t, p, flags, vec, vpt,
                                                               *grad_cached_bounds(threads, vpt, tune), 0,
                                                               cooperative=flags != 0, persistent=True))

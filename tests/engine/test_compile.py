@@ -137,7 +137,7 @@ def test_the_float32_residual_backward_compiles_without_spills(arch):
             if group not in heaviest or (flags, p == "float") > heaviest[group][0]:
                 heaviest[group] = ((flags, p == "float"), k)
     kernels = [k for _, k in heaviest.values()]
-    assert len(kernels) >= 10
+    assert len(kernels) >= 8
     _check(f"sm_{arch}", kernels)
 
 

@@ -820,6 +820,53 @@ def test_every_backward_choice_is_compiled():
     assert clustered > 50
 
 
+def test_random_row_backward_choices_are_compiled():
+    """What the row backward's dispatch picks (rows_grad_cached, the gated
+    and the float32 stream's) over random row lengths, row counts, vector
+    widths, parameter counts and both GPUs is in all_kernels(): the
+    catalogue lists the largest block's bounds only for the vectors a
+    thread that block can take."""
+    import math
+    import random
+
+    from cunorm._engine import wide_grad
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    compiled = {k.expression for k in catalogue.all_kernels()}
+    for _ in range(4000):
+        dtype = np.dtype(rng.choice(list(dtypes.SUPPORTED)))
+        vec = rng.choice([v for v in (1, 2, 4, 8) if v * dtype.itemsize <= 16])
+        n = max(vec, int(math.exp(rng.uniform(0, math.log(70000)))) // vec * vec)
+        rows, cooperative, heads = int(math.exp(rng.uniform(0, 12))), rng.random() < 0.7, rng.choice((1, 1, 2, 8))
+        device = rng.choice((H200, A100))
+        kind = rng.choice(("plain", "gated", "wide"))
+        if kind == "plain":
+            norm = rng.choice(list(dispatch_grad.GRAD_NORMS))
+            flags = rng.choice(list(dispatch_rows.norm_info(norm).flags))
+            pdtype = rng.choice((dtype, np.dtype(dtypes.accumulation(dtype)))) if flags else None
+            launch = dispatch_grad.choose_rows_grad(norm, dtype, pdtype, flags, rows, n, 1, vec, device, cooperative,
+                                                    heads)
+        elif kind == "gated":
+            flags = rng.choice((0, plans.FLAG_WEIGHT))
+            pdtype = rng.choice((dtype, np.dtype(dtypes.accumulation(dtype)))) if flags else None
+            gate = rng.choice((dispatch_grad.GATE_OUTPUT, dispatch_grad.GATE_INPUT))
+            launch = dispatch_grad.choose_rows_grad_gated(dtype, pdtype, flags, rows, n, vec, gate, device,
+                                                          cooperative, heads)
+        else:
+            if dtype.itemsize != 2:
+                continue
+            norm = rng.choice(("rms", "ln"))
+            flags = rng.choice(list(dispatch_rows.norm_info(norm).flags))
+            pdtype = rng.choice((dtype, np.dtype(np.float32))) if flags else None
+            try:
+                launch = wide_grad.choose(norm, dtype, pdtype, flags, rows, n, vec, device, cooperative, heads)
+            except ValueError:  # (a row over the stream's limit)
+                continue
+        for step in (launch.steps if launch is not None else ()):
+            assert step.kernel.expression in compiled, (seed, step.kernel.expression)
+
+
 def test_strided_backward_tiers():
     """A strided axis whose groups a thread can hold runs the one-pass
     strided_grad_cached, its vector narrowed to fit, its shape the same at
