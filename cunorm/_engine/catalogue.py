@@ -37,9 +37,9 @@ REPRESENTATIVE_POWER = 3.0
 
 def all_kernels(norms=None) -> list[Kernel]:
     """Every template instantiation that ``choose`` can return without an
-    override (rows_resident, override-only, for RMSNorm and LayerNorm too),
-    for the precompile step and CI's compile check. The general-p norm is
-    represented by p = REPRESENTATIVE_POWER."""
+    override, for the precompile step and CI's compile check (rows_resident,
+    which only an override reaches, is resident_kernels()). The general-p
+    norm is represented by p = REPRESENTATIVE_POWER."""
     if norms is None:
         norms = (*NORMS, power_norm_name(REPRESENTATIVE_POWER))
     out, tiles_applies = [], set()
@@ -77,8 +77,6 @@ def all_kernels(norms=None) -> list[Kernel]:
                         if tiles_apply not in tiles_applies:
                             tiles_applies.add(tiles_apply)
                             out.append(tiles_apply)
-                        if info.residual:  # the norms of the resident tier's experiments
-                            out.append(K.ROWS_RESIDENT(*common, cooperative=True))
                     for cpt in (0,) + VECS_PER_THREAD_CHOICES:
                         if cpt * vec_bytes <= CACHE_BYTES_STRIDED:
                             out.append(K.STRIDED_NORM(policy, t, K.affine_store(p, flags, t), vec, cpt))
@@ -88,6 +86,25 @@ def all_kernels(norms=None) -> list[Kernel]:
     # (each once: the dtypes that share an accumulation type share its kernels)
     return list(dict.fromkeys(out + channel_kernels() + backward_kernels() + gated_grad_kernels() +
                               wide_grad_kernels() + modulated_grad_kernels()))
+
+
+def resident_kernels() -> list[Kernel]:
+    """rows_resident's instantiations (the resident tier: an override
+    only, never the dispatch's pick) for RMSNorm and LayerNorm, the norms
+    of its experiments."""
+    out = []
+    for norm in [n for n in NORMS if norm_info(n).residual]:
+        info = norm_info(norm)
+        for dtype in dtypes.SUPPORTED:
+            t = dtypes.KERNEL_TYPE[dtype]
+            params = sorted({dtypes.KERNEL_TYPE[dtype], dtypes.KERNEL_TYPE[dtypes.accumulation(dtype)]})
+            affine = [(dtypes.NO_PARAMS, 0)] + [(p, f) for f in info.flags if f for p in params]
+            for vec in _vector_widths(dtype):
+                for p, flags in affine:
+                    for residual in (False, True):
+                        out.append(K.ROWS_RESIDENT(info.policy, t, K.affine_store(p, flags, t), K.row_load(t, residual),
+                                                   vec, cooperative=True))
+    return out
 
 
 def channel_kernels() -> list[Kernel]:

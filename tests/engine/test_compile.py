@@ -125,6 +125,23 @@ def test_conditioned_and_gated_rows_compile_without_spills():
     _check("sm_80", [k for _, k in heaviest.values()])
 
 
+def test_resident_rows_compile_without_spills():
+    """rows_resident (the resident tier, which only an override reaches, so
+    outside the catalogue): the widest vector and the most parameters of
+    each norm, data type and load, for sm_90."""
+    heaviest = {}
+    for k in catalogue.resident_kernels():
+        policy, t, store, load, vec = k.template_args
+        params, flags, _ = store.args
+        group = (policy, t, load.name)
+        work = (vec, flags, params == "float")
+        if group not in heaviest or work > heaviest[group][0]:
+            heaviest[group] = (work, k)
+    kernels = [k for _, k in heaviest.values()]
+    assert len(kernels) == 16 and {k.name for k in kernels} == {"rows_resident"}
+    _check("sm_90", kernels)
+
+
 @pytest.mark.parametrize("arch", [80, 90])
 def test_the_float32_residual_backward_compiles_without_spills(arch):
     """rows_grad_wide (float32 h and dh in registers beside 16-bit dy): the
@@ -199,9 +216,9 @@ def test_modulated_backward_compiles_without_spills():
     """The fused modulated backward's kernels (catalogue.modulated_grad_kernels)
     for sm_80, where registers run out first: of each norm, dtype,
     parameter dtype, modulation, vector width and register bound the one
-    with the most parameters and vectors a thread, and every
-    modulated_grad_sums
-    (-m full_compile compiles them all for sm_90)."""
+    with the most parameters and vectors a thread, and the heaviest
+    modulated_grad_sums of each dtype and column width (-m full_compile
+    compiles them all for sm_90)."""
     kernels = catalogue.modulated_grad_kernels()
     assert len(kernels) >= 1000 and {k.name for k in kernels} == {"rows_grad_modulated", "modulated_grad_sums"}
     heaviest = {}
@@ -212,7 +229,15 @@ def test_modulated_backward_compiles_without_spills():
             key = (grad, t, p, modf, vec, min_blocks == 3)
             if key not in heaviest or (flags, vpt) > heaviest[key][0]:
                 heaviest[key] = ((flags, vpt), k)
-    _check("sm_80", [k for _, k in heaviest.values()] + [k for k in kernels if k.name == "modulated_grad_sums"])
+    # modulated_grad_sums (a tile of column sums, 255 registers allowed): of each accumulation and
+    # parameter dtype and column width, the one with the most parameters, modulation and outputs
+    sums = {}
+    for k in kernels:
+        if k.name == "modulated_grad_sums":
+            a, p, flags, modf, outs, columns = k.template_args
+            if (a, p, columns) not in sums or (flags, modf, outs) > sums[(a, p, columns)][0]:
+                sums[(a, p, columns)] = ((flags, modf, outs), k)
+    _check("sm_80", [k for _, k in heaviest.values()] + [k for _, k in sums.values()])
 
 
 def test_offline_batches_cover_each_kernel_once_in_small_batches():
