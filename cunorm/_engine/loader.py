@@ -257,10 +257,12 @@ class CompileRecord:
     """Offline compile results kept on disk, so a run does not compile what
     an earlier one compiled from the same sources (the default test run's
     sm_90 sets, then the full compile check). One JSON file an architecture
-    and family, keyed by a hash of NVRTC's version, the options and the
-    family's whole source: a changed header, option or NVRTC starts the
-    file afresh, so the files number at most the architectures times the
-    families. Not safe for two processes writing one directory at once."""
+    and family, keyed by a hash of NVRTC's version (major and minor), the
+    options and the family's whole source: a changed header, option or
+    NVRTC starts the file afresh, so the files number at most the
+    architectures times the families. Files are replaced whole: two
+    processes writing one directory at once can lose each other's
+    additions (compiled again later), never mix them."""
 
     def __init__(self, directory):
         self.directory = Path(directory)
