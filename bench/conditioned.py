@@ -24,6 +24,7 @@ import cunorm
 from cunorm.bench._timing import compile_static, copy_bandwidth, time_gpu, time_single
 
 EPS = 1e-6
+TOKENS = (1, 4096, 32768)
 _FLUSH = torch.empty(256 << 20, dtype=torch.float32, device="cuda")
 
 
@@ -69,7 +70,7 @@ def rms_res32_torch(x, r, w):
     return (_rms(h) * w.float()).to(x.dtype), h
 
 
-def main(out, token_counts=(1, 4096, 32768)):
+def main(out, token_counts=TOKENS):
     copy = copy_bandwidth()
     rows = []
     for hidden in (1152, 3072, 4096, 8192):
@@ -130,4 +131,4 @@ def main(out, token_counts=(1, 4096, 32768)):
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "conditioned.json",
-         tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (1, 4096, 32768))
+         tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else TOKENS)

@@ -1,9 +1,9 @@
 """The kernels compile with NVRTC, with no local-memory spill (CPU: no GPU
 needed). The default run compiles a representative set (every kernel and
 every norm for every dtype, each at its most work a thread) for sm_80 and
-sm_90, in about 2 minutes on 2 cores. The full check, every instantiation for
-sm_90, is marked ``full_compile`` and left out of the default run (about
-11 minutes on 2 cores): ``python -m pytest -m full_compile`` runs it, as CI
+sm_90, most of that run's 3 minutes on 2 cores. The full check, every
+instantiation for sm_90, is marked ``full_compile`` and left out of the
+default run (about 11 minutes on 2 cores): ``python -m pytest -m full_compile`` runs it, as CI
 does, one test per kernel declaration so a run shows its progress, all of
 them compiling in one pool of processes. ``python -m cunorm check --all``
 compiles everything for both architectures.
