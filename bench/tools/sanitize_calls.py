@@ -79,14 +79,17 @@ def main() -> int:
     call = channel_norms.ChannelCall("group", arr(1, 4, 64, 80), num_groups=2, weight=arr(4), bias=arr(4), eps=1e-5,
                                      channel_axis=1, return_stats=True)
     channel_norms.execute(call, *channel_norms.prepare(call), override={"walk": "split", "fold": True, "chunks": 3})
-    # the three launches on channels-last x: grouped (a statistic a thread) and per channel, positions in 3 chunks
-    for override in ({"walk": "split", "chunks": 3}, {"walk": "split", "chunks": 3, "grouped": False}):
+    # the three launches on channels-last x: grouped (a statistic a thread), paired and per channel, positions in
+    # 3 chunks
+    unpaired = {"walk": "split", "chunks": 3, "grouped": False, "paired": False}
+    for override in ({"walk": "split", "chunks": 3}, {"walk": "split", "chunks": 3, "grouped": False}, unpaired):
         call = channel_norms.ChannelCall("group", nhwc, num_groups=2, weight=c8, bias=c8, eps=1e-5, channel_axis=1,
                                          return_stats=True)
         channel_norms.execute(call, *channel_norms.prepare(call), override=override)
-    # ... blocks padded to whole warps: 12 rows of 20 vectors (grouped) and 25 rows of 10 (per channel), of 256
+    # ... blocks padded to whole warps: 12 rows of 20 vectors (grouped; the paired apply) and 25 rows of 10
+    # (paired, vectors straddling groups of 10; per channel), of 256
     wide_nhwc, c40 = arr(2, 5, 7, 40), arr(40)
-    for override in ({"walk": "split", "chunks": 3}, {"walk": "split", "chunks": 3, "grouped": False}):
+    for override in ({"walk": "split", "chunks": 3}, {"walk": "split", "chunks": 3, "grouped": False}, unpaired):
         call = channel_norms.ChannelCall("group", wide_nhwc, num_groups=4, weight=c40, bias=c40, eps=1e-5,
                                          channel_axis=-1, return_stats=True)
         channel_norms.execute(call, *channel_norms.prepare(call), override=override)

@@ -49,6 +49,8 @@ CASES = [
      -1),
     ("group_norm(32) channels-last (8,64,64,640) bf16 +w+b", "group_norm", (8, 64, 64, 640), "bfloat16", 32, "wb",
      -1),
+    ("group_norm(32) channels-last (2,64,64,960) bf16 +w+b", "group_norm", (2, 64, 64, 960), "bfloat16", 32, "wb",
+     -1),
     ("instance_norm (16,64,256,256) fp32 +w+b", "instance_norm", (16, 64, 256, 256), "float32", None, "wb"),
     ("instance_norm (4,128,512,512) fp32 +w+b", "instance_norm", (4, 128, 512, 512), "float32", None, "wb"),
     ("instance_norm (4,64,128,128) fp32 +w+b", "instance_norm", (4, 64, 128, 128), "float32", None, "wb"),
@@ -69,10 +71,14 @@ STREAM_VARIANTS = [{}, {"hints": 0}, {"tile_bytes": 16 * KB}, {"tile_bytes": 8 *
                    {"lag": 3, "slab_bytes": 6 * MB, "tile_bytes": 16 * KB}]
 SPLIT_VARIANTS = [{"hints": 0}, {"hints": 1}, {"hints": 2}, {"hints": 3}, {"fold": False}, {"fold": True}]
 #: channels-last: tiles of a power of two (against the position's vectors
-#: exactly), the chunks a sample's positions are cut into, a statistic per
-#: channel, narrower vectors, the blocks a pass aims for an SM
+#: exactly), the chunks a sample's positions are cut into, paired and a
+#: statistic per channel, narrower vectors, the paired apply's own vectors
+#: and blocks (ignored by the other layouts), the blocks a pass aims for
+#: an SM
 TILE_VARIANTS = [{}, {"exact_tile": False}, {"chunks": 66}, {"chunks": 132}, {"chunks": 16}, {"grouped": False},
-                 {"grouped": False, "exact_tile": False}, {"vec": 4}] + [{"blocks_per_sm": k} for k in (1, 2, 3, 4, 6)]
+                 {"grouped": False, "paired": False}, {"grouped": False, "exact_tile": False}, {"vec": 4},
+                 {"vec": 4, "paired": True}, {"apply_vec": 8, "apply_blocks_per_sm": 2}, {"apply_blocks_per_sm": 4}
+                 ] + [{"blocks_per_sm": k} for k in (1, 2, 3, 4, 6)]
 ONCHIP_VARIANTS = [{}] + [{"threads": t, "elements": e, "cluster": k}
                           for t, e, k in ((256, 16, 1), (256, 32, 1), (512, 32, 1), (1024, 32, 1), (256, 32, 2),
                                           (512, 32, 2), (1024, 32, 2), (256, 32, 4), (512, 32, 4), (1024, 32, 4),

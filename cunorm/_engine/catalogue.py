@@ -17,7 +17,7 @@ from .dispatch_grad import (GATE_INPUT, GATE_OUTPUT, GRAD_CACHED_MAX_THREADS, GR
                             strided_grad_cache_bytes, MOD_GATE, MOD_SCALE, OUT_GATE, OUT_SCALE, OUT_SHIFT,
                             modulated_shapes)
 from .dispatch_channels import (CHANNEL_NORM, CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED,
-                                ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
+                                CHANNELS_LAST_PAIRED, ONCHIP_MAX_GROUP_BYTES_16BIT, ONCHIP_SHAPES, onchip_items)
 from .declarations import Kernel
 
 
@@ -114,9 +114,12 @@ def channel_kernels() -> list[Kernel]:
         t = dtypes.KERNEL_TYPE[dtype]
         params = sorted({t, dtypes.KERNEL_TYPE[dtypes.accumulation(dtype)]})
         affine = [(dtypes.NO_PARAMS, 0)] + [(p, f) for f in (1, 2, 3) for p in params]
-        for layout in (CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED):
-            out.append(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, layout))
+        for layout in (CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED, CHANNELS_LAST_PAIRED):
+            if layout != CHANNELS_LAST_PAIRED:  # (paired partials take the grouped finalize)
+                out.append(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, layout))
             for vec in _vector_widths(dtype):
+                if layout == CHANNELS_LAST_PAIRED and vec == 1:  # (a vector of one never straddles)
+                    continue
                 out.append(K.CHANNEL_PARTIAL(CHANNEL_NORM, t, vec, layout))
                 for p, flags in affine:
                     for y in [t] + (["float"] if dtype.itemsize == 2 else []):  # (float32 y: autocast's GroupNorm)

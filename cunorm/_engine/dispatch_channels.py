@@ -23,7 +23,7 @@ from .plans import PARAM_FLAGS, ChannelPlan, kernel_types, output_type
 
 CHANNEL_BLOCK_THREADS = 256  # mirrors kChannelBlockThreads in channels.cu
 #: the three launches' LAYOUT template argument (channels.cu's header)
-CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED = 0, 1, 2
+CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED, CHANNELS_LAST_PAIRED = 0, 1, 2, 3
 STREAM_BLOCK_THREADS = 256
 #: channel_onchip's shapes, (threads, elements a thread, cluster), in the
 #: order tried: the first whose capacity (their product) holds a group
@@ -208,36 +208,69 @@ def choose_channel_onchip(plan: ChannelPlan, device: Device, override: dict | No
     return Launch("channel_onchip", (Step(kernel, (plan.statistic_groups * cluster,), (threads,)),))
 
 
+def channels_last_tiling(channels: int, vec: int, exact: bool = True) -> tuple[int, int]:
+    """(tile_vecs, tiles) of a channels-last pass: a row of threads along a
+    position's vectors, tiles of them across the channels."""
+    vecs = channels // vec
+    # Exactly the position's vectors, not the next power of two: 6 rows
+    # of 40 threads (launched as 256), not 4 of 64 with 24 idle in each.
+    # GroupNorm(32) bf16 +w+b (8,64,64,320): 0.0545 -> 0.0489 ms (apply
+    # 23.4 -> 19.1 us); 4 rows of 40 unpadded 0.0543; 64 and 160 vectors
+    # the same (docs/notes/channel-norms.md).
+    if vecs <= CHANNEL_BLOCK_THREADS and exact:
+        return vecs, 1
+    bx = min(CHANNEL_BLOCK_THREADS, next_pow2(vecs))
+    return bx, _ceil_div(vecs, bx)
+
+
+def channels_last_grid(plan: ChannelPlan, bx: int, tiles: int, blocks: int, tune: tuning.Tuning,
+                       chunks: int | None = None):
+    """(block, padded_threads, chunk_len, chunks, grid) of a channels-last
+    pass of rows of bx threads aiming for ``blocks`` blocks (``chunks``
+    forces the chunks a sample's positions are cut into). The block is
+    launched as whole warps (XLA's launches, the jit path, count threads in
+    warps): the threads past its rows idle."""
+    by = CHANNEL_BLOCK_THREADS // bx
+    padded = -(-bx * by // 32) * 32
+    padded = 0 if padded == bx * by else padded
+    want_chunks = max(1, blocks // (plan.batch * tiles))
+    chunk_len = max(tune.channel_last_min_chunk_rows * by, _ceil_div(plan.spatial, want_chunks))
+    if chunks:
+        chunk_len = _ceil_div(plan.spatial, chunks)
+    chunks = _ceil_div(plan.spatial, chunk_len)
+    grid = (min(chunks, MAX_GRID_X), min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
+    return (bx, by), padded, chunk_len, chunks, grid
+
+
 def channels_last_walk(plan: ChannelPlan, override: dict, tune: tuning.Tuning) -> tuple[int, int, int, int]:
     """(vec, layout, tile_vecs, tiles) of the three launches on channels-last
     x: a row of up to 256 threads along a position's vectors (tile_vecs of
     them), tiles of them across the channels. Grouped (CHANNELS_LAST_GROUPED,
     a thread keeps one statistic) where the statistics are per sample, a
     vector of at least tune.grouped_min_vec_bytes divides the groups (the widest
-    such, up to the plan's) and each group's vectors lie in one tile; else a
+    such, up to the plan's) and each group's vectors lie in one tile; else,
+    per sample, paired (CHANNELS_LAST_PAIRED, a thread keeps the statistics
+    of the two groups its vector may straddle) where the groups are at least
+    the plan's vector wide and a position's vectors make one tile; else a
     statistic per channel, vectors of the plan's width. A tile is a
     position's vectors where they are at most CHANNEL_BLOCK_THREADS, else
     256 of them; the block is CHANNEL_BLOCK_THREADS // tile rows of a tile,
     launched as whole warps (the threads past the rows idle).
-    ``override`` {"grouped": False} forces a statistic per channel,
-    {"exact_tile": False} tiles of a power of two, {"vec": v} a statistic
-    per channel at vectors of v (the tuning script)."""
+    ``override`` {"grouped": False} forbids the grouped layout,
+    {"paired": False} the paired one, {"exact_tile": False} tiles of a power
+    of two, {"vec": v} a statistic per channel at vectors of v (paired with
+    {"paired": True} too) (the tuning script)."""
     def tiling(vec):
-        vecs = plan.channels // vec
-        # Exactly the position's vectors, not the next power of two: 6 rows
-        # of 40 threads (launched as 256), not 4 of 64 with 24 idle in each.
-        # GroupNorm(32) bf16 +w+b (8,64,64,320): 0.0545 -> 0.0489 ms (apply
-        # 23.4 -> 19.1 us); 4 rows of 40 unpadded 0.0543; 64 and 160 vectors
-        # the same (docs/notes/channel-norms.md).
-        if vecs <= CHANNEL_BLOCK_THREADS and override.get("exact_tile", True):
-            return vecs, 1
-        bx = min(CHANNEL_BLOCK_THREADS, next_pow2(vecs))
-        return bx, _ceil_div(vecs, bx)
+        return channels_last_tiling(plan.channels, vec, override.get("exact_tile", True))
 
     if "vec" in override:
         if plan.vec % override["vec"]:
             raise ValueError(f"vectors of {override['vec']} do not divide the plan's {plan.vec}")
-        return (override["vec"], CHANNELS_LAST) + tiling(override["vec"])
+        vec = override["vec"]
+        bx, tiles = tiling(vec)
+        if override.get("paired") and plan.per_sample and 1 < vec <= plan.channels_per_group and tiles == 1:
+            return vec, CHANNELS_LAST_PAIRED, bx, tiles
+        return vec, CHANNELS_LAST, bx, tiles
     vec = plan.vec
     while plan.channels_per_group % vec:
         vec //= 2
@@ -245,7 +278,11 @@ def channels_last_walk(plan: ChannelPlan, override: dict, tune: tuning.Tuning) -
         bx, tiles = tiling(vec)
         if tiles == 1 or bx % (plan.channels_per_group // vec) == 0:
             return vec, CHANNELS_LAST_GROUPED, bx, tiles
-    return (plan.vec, CHANNELS_LAST) + tiling(plan.vec)
+    bx, tiles = tiling(plan.vec)
+    if (plan.per_sample and override.get("paired", True) and plan.vec > 1
+            and plan.channels_per_group >= plan.vec and tiles == 1):
+        return plan.vec, CHANNELS_LAST_PAIRED, bx, tiles
+    return plan.vec, CHANNELS_LAST, bx, tiles
 
 
 def apply_finalizes(plan: ChannelPlan, layout: int, block: tuple, group_partials: int, device: Device,
@@ -270,8 +307,9 @@ def channels_last_blocks(layout: int, threads: int, vec_bytes: int, device: Devi
     """The blocks a channels-last pass of the three launches aims for: at
     most those resident at once, a whole wave (blocks past a wave run as a
     second, whose tail doubled a pass). A statistic a channel
-    (CHANNELS_LAST, 108-127 registers a thread in 16-bit) keeps
-    tune.channel_last_blocks_per_sm blocks an SM; a statistic a thread
+    (CHANNELS_LAST, 108-127 registers a thread in 16-bit) and the paired
+    partial (95-118) keep tune.channel_last_blocks_per_sm blocks an SM; a
+    statistic a thread
     (grouped) threads whose vectors come to
     tune.channel_last_grouped_bytes_per_sm (more blocks of narrower vectors).
     Measurements: docs/notes/channel-norms.md."""
@@ -297,7 +335,9 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     returns its statistics, channel_from_running first (it writes them).
     ``override`` {"chunks": n} forces the chunks a channel's positions are
     cut into, {"blocks_per_sm": k} the blocks a channels-last pass aims for,
-    {"fold": bool} whether the apply finalizes (the tuning script)."""
+    {"apply_vec": v, "apply_blocks_per_sm": k} the paired apply's vectors
+    and blocks an SM, {"fold": bool} whether the apply finalizes (the
+    tuning script)."""
     tune = tuning.of(device)
     from .dtypes import KERNEL_TYPE, accumulation
 
@@ -305,27 +345,35 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     t, p = kernel_types(plan)
     padded = 0  # (Step.padded_threads)
     apply_grid, apply_chunks, apply_chunk_len = None, 0, 0  # (the apply's own tiles: channels-first chunks)
+    apply_geometry = None  # (the apply's own (vec, grid, block, padded): channels-last paired)
     if plan.channels_last:
         # A row of threads covers a position's channels (up to 256 vectors),
         # so a block reads whole positions, contiguous: group_norm(32) bf16
         # (8,128,128,512) channels-last, 64-vector rows: bx 32 (half a
         # position a row) ran the two passes at 16.9% of copy bandwidth.
         vec, layout, bx, tiles = channels_last_walk(plan, override, tune)
-        by = CHANNEL_BLOCK_THREADS // bx
-        # whole warps (XLA's launches, the jit path, count threads in warps):
-        # the threads past the rows idle
-        padded = -(-bx * by // 32) * 32
-        padded = 0 if padded == bx * by else padded
-        block = (bx, by)
-        blocks = channels_last_blocks(layout, bx * by, vec * plan.dtype.itemsize, device, override)
-        want_chunks = max(1, blocks // (plan.batch * tiles))
-        chunk_len = max(tune.channel_last_min_chunk_rows * by, _ceil_div(plan.spatial, want_chunks))
-        if "chunks" in override:
-            chunk_len = _ceil_div(plan.spatial, override["chunks"])
-        chunks = _ceil_div(plan.spatial, chunk_len)
-        grid = (min(chunks, MAX_GRID_X), min(tiles, MAX_GRID_Y), min(plan.batch, MAX_GRID_Y))
+        blocks = channels_last_blocks(layout, bx * (CHANNEL_BLOCK_THREADS // bx), vec * plan.dtype.itemsize, device,
+                                      override)
+        block, padded, chunk_len, chunks, grid = channels_last_grid(plan, bx, tiles, blocks, tune,
+                                                                    override.get("chunks"))
+        by = block[1]
+        if layout == CHANNELS_LAST_PAIRED:
+            # The apply in its own chunks, of narrower vectors and more
+            # blocks an SM (it reads no partial: any vector and grid will
+            # do): GroupNorm(32)+SiLU bf16 (16,64,64,320) channels-last,
+            # its apply 40.0 -> 33.5 us (docs/notes/channel-norms.md).
+            apply_vec = override.get("apply_vec", max(2, min(vec, tune.paired_apply_vec_bytes // plan.dtype.itemsize)))
+            if vec % apply_vec:
+                raise ValueError(f"vectors of {apply_vec} do not divide the plan's {vec}")
+            abx, atiles = channels_last_tiling(plan.channels, apply_vec, override.get("exact_tile", True))
+            per_sm = (tune.paired_apply_blocks_per_sm if apply_vec * plan.dtype.itemsize <= tune.paired_apply_vec_bytes
+                      else tune.channel_last_blocks_per_sm)  # (channel_apply's launch bounds)
+            ablocks = override.get("apply_blocks_per_sm", per_sm) * device.sm_count
+            apply_pass = channels_last_grid(plan, abx, atiles, ablocks, tune)
+            ablock, apadded, apply_chunk_len, apply_chunks, agrid = apply_pass
+            apply_geometry = (apply_vec, agrid, ablock, apadded)
         acc_bytes = accumulation(plan.dtype).itemsize
-        kept = 1 if layout == CHANNELS_LAST_GROUPED else vec  # statistics a thread keeps
+        kept = {CHANNELS_LAST_GROUPED: 1, CHANNELS_LAST_PAIRED: 2}.get(layout, vec)  # statistics a thread keeps
         partial_shared = by * bx * kept * NORMS["ln"].stat_words * acc_bytes
     elif plan.spatial // plan.vec <= tune.channel_plane_rows_max_vecs:
         vec, layout = plan.vec, CHANNELS_FIRST
@@ -355,13 +403,17 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
         raise ValueError(f"{plan.norm}_norm: {groups} statistic groups of {plan.channels_per_group} channels "
                          f"is over the kernels' 2**31 - 1 index limit")
     group_partials = (1 if plan.per_sample else plan.batch) * chunks
-    if layout != CHANNELS_LAST_GROUPED:
+    if layout not in (CHANNELS_LAST_GROUPED, CHANNELS_LAST_PAIRED):
         group_partials *= plan.channels_per_group
     folded = not from_running and apply_finalizes(plan, layout, block, group_partials, device, override)
     if folded:  # channel_apply, which reads the partials of its own chunks
         apply_grid, apply_chunks, apply_chunk_len = None, 0, 0
-    apply = Step(K.CHANNEL_APPLY(t, K.affine_store(p, plan.flags, output_type(plan)), vec, layout),
-                 apply_grid or grid, block, 0, padded)
+    store = K.affine_store(p, plan.flags, output_type(plan))
+    if apply_geometry:
+        apply_vec, agrid, ablock, apadded = apply_geometry
+        apply = Step(K.CHANNEL_APPLY(t, store, apply_vec, layout), agrid, ablock, 0, apadded)
+    else:
+        apply = Step(K.CHANNEL_APPLY(t, store, vec, layout), apply_grid or grid, block, 0, padded)
     tiles = {"apply_chunks": apply_chunks, "apply_chunk_vecs": apply_chunk_len}
     hints = override.get("hints", channel_apply_hints(plan, device))
     if from_running and not returns_stats:
@@ -382,7 +434,9 @@ def choose_channels(plan: ChannelPlan, device: Device, *, from_running: bool = F
     if group_partials <= tune.channel_finalize_rows_max_members:
         finalize_block = plane_rows_block(group_partials, CHANNEL_BLOCK_THREADS)
         groups_a_block = finalize_block[1]
-    finalize = Step(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, layout),
+    # (paired partials are laid out as grouped ones: the grouped finalize)
+    finalize = Step(K.CHANNEL_FINALIZE(CHANNEL_NORM, t, CHANNELS_LAST_GROUPED if layout == CHANNELS_LAST_PAIRED
+                                       else layout),
                     (min(_ceil_div(groups, groups_a_block), MAX_GRID_X),), finalize_block)
     return Launch("channel_split", (partial, finalize, apply), chunks=chunks, chunk_vecs=chunk_len,
                   workspace_words=3 * (members + groups), hints=hints, **tiles)

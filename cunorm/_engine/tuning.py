@@ -83,8 +83,9 @@ class Tuning:
     #: memory as a copy kernel does, where the partial's chunks, a stream a
     #: block, kept it at 91-93% of copy bandwidth ...
     channel_apply_tile_vecs: int = 1024
-    #: ... channels-last passes of a statistic a channel aiming for this
-    #: many blocks an SM (those resident: one wave) ...
+    #: ... channels-last passes of a statistic a channel (and the paired
+    #: partial) aiming for this many blocks an SM (those resident: one
+    #: wave) ...
     channel_last_blocks_per_sm: int = 2
     #: ... those of a statistic a thread (grouped) for threads whose
     #: vectors come to this many bytes an SM ...
@@ -95,6 +96,10 @@ class Tuning:
     #: channels-last groups go grouped (a statistic a thread) with vectors
     #: of at least this many bytes
     grouped_min_vec_bytes: int = 8
+    #: the paired layout's apply (its own chunks): vectors of this many
+    #: bytes, at this many blocks an SM (one wave at its 72 registers)
+    paired_apply_vec_bytes: int = 8
+    paired_apply_blocks_per_sm: int = 3
     #: channels-first planes of at most this many vectors run as plane rows
     channel_plane_rows_max_vecs: int = 1024
     #: statistic groups of at most this many partials finalize as rows

@@ -47,6 +47,14 @@
 //                         group's vectors within one tile of the block): a
 //                         thread keeps one statistic, and the partials are
 //                         per (sample, chunk, group).
+//   kChannelsLastPaired   NHWC, per-sample statistics where a vector may
+//                         straddle two groups (channels_per_group at least
+//                         VEC, not a multiple of it; a position's vectors in
+//                         one tile): a thread keeps the statistics of its
+//                         vector's first group and of the group after it,
+//                         partials as kChannelsLastGrouped's (whose
+//                         channel_finalize combines them). GroupNorm(32) of
+//                         320 or 960 channels, 16-byte vectors.
 //
 // Thread layouts. Channels-first: a 256-thread block per (sample, channel,
 // chunk), walking the chunk's contiguous vectors; or, for planes of few
@@ -56,46 +64,17 @@
 // shuffles. Channels-last: a 2-D layout of 256, tx along the channels in
 // vectors of VEC (up to 256 vectors: a row of threads reads a position's
 // channels, contiguous, and the block several consecutive positions), ty
-// over the chunk's positions; the partials combined across y (then, grouped, across a group's
-// vectors) through shared memory.
+// over the chunk's positions; the partials combined across y (then, grouped
+// or paired, across a group's vectors) through shared memory
+// (channels_last.cuh). The paired apply takes its own chunks and vectors
+// (the dispatch's): it reads no partial.
 // A channels-last block is launched as whole warps (XLA's launches count
 // threads in warps): threads past its by rows idle.
 // Grids are 3-D (x: chunk, y: channel or channel tile, z: sample) walked with
 // strided loops, so no 64-bit division is needed.
-#include "reduce.cuh"
+#include "channels_last.cuh"
 
 namespace cunorm {
-
-constexpr int kChannelBlockThreads = 256;  // mirrors CHANNEL_BLOCK_THREADS in cunorm/_engine/dispatch_rows.py
-// mirror CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED in cunorm/_engine/dispatch_channels.py
-constexpr int kChannelsFirst = 0;
-constexpr int kChannelsLast = 1;
-constexpr int kChannelsLastGrouped = 2;
-
-struct ChannelShape {
-    long long batch;
-    long long spatial;
-    int channels;
-    int channels_per_group;
-    int groups;
-    int per_sample;
-};
-
-// Offset of the pivot (first element) of the statistic group of channel c of
-// sample n.
-template <bool CHANNELS_LAST>
-__device__ __forceinline__ long long pivot_offset(const ChannelShape& cs, long long n, int c) {
-    const long long first_channel = static_cast<long long>(c / cs.channels_per_group) * cs.channels_per_group;
-    const long long sample = cs.per_sample ? n : 0;
-    return CHANNELS_LAST ? sample * cs.spatial * cs.channels + first_channel
-                         : (sample * cs.channels + first_channel) * cs.spatial;
-}
-
-template <class Norm, class A, class T, bool CHANNELS_LAST>
-__device__ __forceinline__ A group_pivot(const T* x, const ChannelShape& cs, long long n, int c) {
-    if constexpr (!Norm::kShifted) return A(0);
-    else return static_cast<A>(widen(x[pivot_offset<CHANNELS_LAST>(cs, n, c)]));
-}
 
 // Every (sample, first channel of the block's `rows`, chunk) of a
 // channels-first grid, grid-strided; the block's row y takes channel c0 + y
@@ -112,26 +91,24 @@ __device__ __forceinline__ void for_each_channel_chunk(long long batch, int chan
             for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) f(n, c0, chunk);
 }
 
-__device__ __forceinline__ ChannelShape channel_shape(long long batch, long long spatial, int channels,
-                                                      int channels_per_group, int per_sample) {
-    return ChannelShape{batch, spatial, channels, channels_per_group, channels / channels_per_group, per_sample};
-}
-
 // Partial statistics. Channels-first: partial[(n * channels + c) * chunks +
 // chunk]; channels-last: partial[(n * chunks + chunk) * channels + c];
-// grouped: partial[(n * chunks + chunk) * groups + g]. A chunk is chunk_len
-// positions (vectors of VEC positions when channels-first). Dynamic shared
-// memory (channels-last): by * bx * (grouped ? 1 : VEC) Stats.
+// grouped and paired: partial[(n * chunks + chunk) * groups + g]. A chunk is
+// chunk_len positions (vectors of VEC positions when channels-first).
+// Dynamic shared memory (channels-last): by * bx * (grouped ? 1 : paired ? 2
+// : VEC) Stats.
 // Five blocks an SM channels-first (48 registers, no spills): GroupNorm(32)
 // bf16 (16,320,64,64) is 640 plane-row blocks, one wave at five, 1.21 at
 // the four that 62 registers allowed (docs/notes/channel-norms.md).
-template <int LAYOUT>
+// float64 at four: its LayerNorm statistics of two-element vectors need more
+// than five blocks' 48 registers on sm_80 (they spilled there).
+template <class T, int LAYOUT>
 __host__ __device__ constexpr int partial_min_blocks() {
-    return LAYOUT == kChannelsFirst ? 5 : 2;
+    return LAYOUT != kChannelsFirst ? 2 : sizeof(T) == 8 ? 4 : 5;
 }
 
 template <template <class> class NormT, class T, int VEC, int LAYOUT>
-__global__ void __launch_bounds__(256, partial_min_blocks<LAYOUT>())
+__global__ void __launch_bounds__(256, partial_min_blocks<T, LAYOUT>())
 channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ partial, long long batch,
                 long long spatial, int channels, int channels_per_group, int per_sample, long long chunks,
                 long long chunk_len, int block_x) {
@@ -165,101 +142,7 @@ channel_partial(const T* __restrict__ x, typename AccOf<T>::type* __restrict__ p
             if (active && bl.tx == 0) out[(n * channels + c) * chunks + chunk] = s;
         });
     } else {
-        constexpr bool kGrouped = LAYOUT == kChannelsLastGrouped;
-        constexpr int kKept = kGrouped ? 1 : VEC;  // statistics a thread keeps
-        extern __shared__ __align__(16) unsigned char shared_raw[];
-        Stats* partials = reinterpret_cast<Stats*>(shared_raw);
-        const int tx = bl.tx, ty = bl.ty, bx = bl.bx, by = bl.by;
-        const int channel_vecs = channels / VEC;
-        const int group_vecs = channels_per_group / VEC;  // (grouped)
-#pragma unroll 1
-        for (long long n = blockIdx.z; n < batch; n += gridDim.z)
-#pragma unroll 1
-        for (int tile = blockIdx.y; tile * bx < channel_vecs; tile += gridDim.y)
-#pragma unroll 1
-        for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
-            const int cv = tile * bx + tx;
-            const bool row = ty < by;  // (threads past the rows, padding the block to whole warps, idle)
-            const bool active = row && cv < channel_vecs;
-            Stats s[kKept];
-            A pivot[kKept];
-#pragma unroll
-            for (int j = 0; j < kKept; ++j) {
-                s[j] = Norm::init();
-                pivot[j] = active ? group_pivot<Norm, A, T, true>(x, cs, n, cv * VEC + j) : A(0);
-            }
-            const long long begin = chunk * chunk_len;
-            const long long end = min(begin + chunk_len, spatial);
-            const T* base = x + n * spatial * channels + cv * VEC;
-            if constexpr (kGrouped) {
-                // Four positions in flight, each vector folded into the
-                // thread's one statistic.
-                if (active) {
-                    for_each_batched<4>(
-                        begin + ty, end, by, [&](long long p) { return load_vec<T, VEC>(base + p * channels); },
-                        [&](long long, const Vec<T, VEC>& in) { s[0] = fold<Norm, A, T, VEC>(s[0], in, pivot[0]); });
-                }
-            } else if (active) {
-                // Four positions in flight; each channel's four values are
-                // folded together (one combine per four values: the combine
-                // is what bounds a 16-bit channels-last pass otherwise).
-#pragma unroll 1
-                for (long long p0 = begin + ty; p0 < end; p0 += 4 * by) {
-                    Vec<T, VEC> in[4];
-#pragma unroll
-                    for (int u = 0; u < 4; ++u) {
-                        if (p0 + u * by < end) in[u] = load_vec<T, VEC>(base + (p0 + u * by) * channels);
-                    }
-                    if (p0 + 3 * by < end) {
-#pragma unroll
-                        for (int j = 0; j < VEC; ++j) {
-                            const A v[4] = {static_cast<A>(widen(in[0].v[j])) - pivot[j],
-                                            static_cast<A>(widen(in[1].v[j])) - pivot[j],
-                                            static_cast<A>(widen(in[2].v[j])) - pivot[j],
-                                            static_cast<A>(widen(in[3].v[j])) - pivot[j]};
-                            s[j] = Norm::combine(s[j], Norm::of_values(v));
-                        }
-                    } else {
-#pragma unroll
-                        for (int u = 0; u < 3; ++u) {
-                            if (p0 + u * by < end) {
-#pragma unroll
-                                for (int j = 0; j < VEC; ++j) {
-                                    s[j] = fold_one<Norm>(s[j], static_cast<A>(widen(in[u].v[j])) - pivot[j]);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            // Combine the by partials of each statistic in y order (layout
-            // [y][j][x]: a warp's accesses on distinct banks).
-            __syncthreads();
-            if (row) {
-#pragma unroll
-                for (int j = 0; j < kKept; ++j) partials[(ty * kKept + j) * bx + tx] = s[j];
-            }
-            __syncthreads();
-            if (ty == 0 && active) {
-#pragma unroll
-                for (int j = 0; j < kKept; ++j) {
-                    Stats total = partials[j * bx + tx];
-                    for (int yy = 1; yy < by; ++yy) total = Norm::combine(total, partials[(yy * kKept + j) * bx + tx]);
-                    if constexpr (kGrouped) partials[tx] = total;  // the column's total (each thread its own)
-                    else out[(n * chunks + chunk) * channels + cv * VEC + j] = total;
-                }
-            }
-            if constexpr (kGrouped) {
-                // then a group's columns in order, by the thread of its first
-                // vector (the dispatch keeps a group's vectors in one tile)
-                __syncthreads();
-                if (ty == 0 && active && cv % group_vecs == 0) {
-                    Stats total = partials[tx];
-                    for (int k = 1; k < group_vecs; ++k) total = Norm::combine(total, partials[tx + k]);
-                    out[(n * chunks + chunk) * cs.groups + cv / group_vecs] = total;
-                }
-            }
-        }
+        channels_last_partial<Norm, T, VEC, LAYOUT>(x, out, cs, chunks, chunk_len, bl);
     }
 }
 
@@ -399,14 +282,16 @@ channel_from_running(const A* __restrict__ running_mean, const A* __restrict__ r
 // and first chunk writes mean_out and rstd_out; affine is not read.
 // Three blocks an SM channels-first (80 registers, 32-bit indices within a
 // chunk): at two, GroupNorm(32) + SiLU bf16 (16,320,64,64) spent 42 us in
-// this launch against 33 (docs/notes/channel-norms.md).
-template <int LAYOUT>
+// this launch against 33 (docs/notes/channel-norms.md). Paired, vectors of
+// up to 8 bytes (the dispatch's choice: tuning.paired_apply_vec_bytes) at
+// three too, the dispatch's one wave (GELU took 88-90 registers at two).
+template <class T, int VEC, int LAYOUT>
 __host__ __device__ constexpr int apply_min_blocks() {
-    return LAYOUT == kChannelsFirst ? 3 : 2;
+    return LAYOUT == kChannelsFirst || (LAYOUT == kChannelsLastPaired && VEC * sizeof(T) <= 8) ? 3 : 2;
 }
 
 template <class T, class STORE, int VEC, int LAYOUT>
-__global__ void __launch_bounds__(256, apply_min_blocks<LAYOUT>())
+__global__ void __launch_bounds__(256, apply_min_blocks<T, VEC, LAYOUT>())
 channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__ w,
               const typename STORE::Param* __restrict__ b, const typename AccOf<T>::type* __restrict__ affine,
               const typename AccOf<T>::type* __restrict__ running_mean,
@@ -504,9 +389,12 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
             const int cv = tile * bx + tx;
             if (cv >= channel_vecs || ty >= by) continue;  // (ty >= by: a padding thread) no barrier below
             // grouped (per-sample statistics, no running buffers): one
-            // group's (pivot, center, scale) for the vector's channels
+            // group's (pivot, center, scale) for the vector's channels;
+            // paired: two groups', the first `split` channels' and the rest's
             constexpr bool kGrouped = LAYOUT == kChannelsLastGrouped;
-            constexpr int kGroupParams = kGrouped ? 1 : VEC;
+            constexpr bool kPaired = LAYOUT == kChannelsLastPaired;
+            constexpr int kGroupParams = kGrouped ? 1 : kPaired ? 2 : VEC;
+            const int split = kPaired ? paired_split<VEC>(cv * VEC, channels_per_group) : VEC;
             Affine<A> f[kGroupParams];
             A pivot[kGroupParams];
             Scalars params[VEC];
@@ -515,7 +403,15 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
                 Affine<A> fj;
                 A pj;
                 params_of(n, cv * VEC + j, fj, pj, params[j]);
-                if (j < kGroupParams) {
+                if constexpr (kPaired) {
+                    if (j == 0) {  // (split == VEC: the second is the first group's too, unused)
+                        f[0] = f[1] = fj;
+                        pivot[0] = pivot[1] = pj;
+                    } else if (j == split) {
+                        f[1] = fj;
+                        pivot[1] = pj;
+                    }
+                } else if (j < kGroupParams) {
                     f[j] = fj;
                     pivot[j] = pj;
                 }
@@ -537,9 +433,15 @@ channel_apply(const T* __restrict__ x, const typename STORE::Param* __restrict__
                         Vec<Y, VEC> o;
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
-                            const int k = kGrouped ? 0 : j;
-                            const A shifted = static_cast<A>(widen(in.v[j])) - pivot[k];
-                            STORE::template element<T>(shifted, f[k], params[j], o.v[j]);
+                            if constexpr (kPaired) {
+                                const bool first = j < split;
+                                const A shifted = static_cast<A>(widen(in.v[j])) - (first ? pivot[0] : pivot[1]);
+                                STORE::template element<T>(shifted, first ? f[0] : f[1], params[j], o.v[j]);
+                            } else {
+                                const int k = kGrouped ? 0 : j;
+                                const A shifted = static_cast<A>(widen(in.v[j])) - pivot[k];
+                                STORE::template element<T>(shifted, f[k], params[j], o.v[j]);
+                            }
                         }
                         store_vec_hinted<Y, VEC>(ys + p * channels, o, hints);
                     });

@@ -11,7 +11,8 @@
 //   init()                     the identity of combine
 //   of_values<N>(v)            the statistic of N values held in registers
 //                              (a loaded vector): the kernels fold vectors,
-//                              not single elements
+//                              not single elements; LayerNorm, the channel
+//                              family's statistic, has of_split too
 //   combine(a, b)              merge two partials; the callers fix the order
 //                              of combination, so results are bitwise
 //                              reproducible run to run
@@ -144,6 +145,37 @@ struct LayerNorm {
 #pragma unroll
         for (int j = 0; j < N; ++j) m2 = fma(v[j] - mean, v[j] - mean, m2);
         return Stats{A(N), mean, m2};
+    }
+    // The statistics of columns 0 .. split - 1 of v (first, ROWS * split
+    // values; first_rcp is 1 / that) and of the columns after them (second,
+    // when split < COLS): the same two passes, summed down each column, then
+    // across the columns (the channels-last groups that straddle a vector).
+    template <int ROWS, int COLS>
+    __device__ static __forceinline__ void of_split(const A (&v)[ROWS][COLS], int split, A first_rcp, A second_rcp,
+                                                    Stats& first, Stats& second) {
+        A column[COLS];
+        A sum_first = A(0), sum_second = A(0);
+#pragma unroll
+        for (int j = 0; j < COLS; ++j) {
+            column[j] = v[0][j];
+#pragma unroll
+            for (int u = 1; u < ROWS; ++u) column[j] += v[u][j];
+            sum_first += j < split ? column[j] : A(0);
+            sum_second += j < split ? A(0) : column[j];
+        }
+        const A mean_first = sum_first * first_rcp, mean_second = sum_second * second_rcp;
+        A m2_first = A(0), m2_second = A(0);
+#pragma unroll
+        for (int j = 0; j < COLS; ++j) {
+            const A mean = j < split ? mean_first : mean_second;
+            A m2 = A(0);
+#pragma unroll
+            for (int u = 0; u < ROWS; ++u) m2 = fma(v[u][j] - mean, v[u][j] - mean, m2);
+            m2_first += j < split ? m2 : A(0);
+            m2_second += j < split ? A(0) : m2;
+        }
+        first = Stats{static_cast<A>(ROWS * split), mean_first, m2_first};
+        second = Stats{static_cast<A>(ROWS * (COLS - split)), mean_second, m2_second};
     }
     __device__ static __forceinline__ Stats combine(const Stats& a, const Stats& b) {
         const A n = a.count + b.count;

@@ -4,8 +4,10 @@ chunked planes, with the finalize launched and folded into the apply.
 Channels-last x: grouped (a thread keeps one statistic: each vector's
 channels in one group; vectors narrower than the plan's where a group is
 not whole vectors of its width; a group across a whole tile of 256
-vectors) and a statistic per channel (groups of odd channel counts; a
-group across tiles; forced). Positions cut in several
+vectors), paired (a thread keeps two, a vector straddling two groups; odd
+and 2-mod-4 group sizes; forced on groups of whole vectors) and a
+statistic per channel (groups narrower than a vector; a group across
+tiles; forced). Positions cut in several
 chunks with short tails; tiles of exactly a position's vectors and of a
 power of two; every dtype; parameters of x's and of float32
 dtype; float32 y of 16-bit x; NaN confinement; bitwise reproducibility.
@@ -33,18 +35,22 @@ SHAPES = [
     ((2, 9, 5, 40), 2, "cpg20"),  # grouped, 16-bit: vectors of 4
     ((2, 3, 5, 4096), 16, "cpg256 tiles"),  # grouped across 2-8 tiles
     ((2, 7, 5, 24), 8, "cpg3"),  # a statistic per channel (float64: grouped, vectors of 1)
+    ((2, 5, 7, 72), 8, "cpg9"),  # paired (float64: grouped, vectors of 1)
+    ((2, 3, 5, 960), 32, "cpg30"),  # paired, 2 rows of 120 vectors (16-bit), 240 (float32); float64 per channel
     ((1, 3, 5, 6144), 2, "cpg3072"),  # a group's vectors across tiles: a statistic per channel
     ((4, 1, 1, 32), 32, "cpg1"),  # InstanceNorm-like, one position
-    ((2, 5, 7, 320), 32, "cpg10"),  # a statistic per channel, 6 rows of 40 vectors (16-bit), padded to 256 threads
-    ((1, 3, 5, 1020), 4, "cpg255"),  # a row of 255 vectors (16-bit, float32), padded to 256 threads
+    ((2, 5, 7, 320), 32, "cpg10"),  # paired, 6 rows of 40 vectors (16-bit), padded to 256 threads; float32 grouped
+    ((1, 3, 5, 1020), 4, "cpg255"),  # paired, a row of 255 vectors (16-bit, float32), padded to 256 threads
 ]
 # (tiles of a power of two: with idle threads past the last vector)
-CHUNKS = [{}, {"chunks": 3}, {"chunks": 7, "grouped": False}, {"chunks": 2, "exact_tile": False}]
+CHUNKS = [{}, {"chunks": 3}, {"chunks": 7, "grouped": False, "paired": False}, {"chunks": 5, "grouped": False},
+          {"chunks": 2, "exact_tile": False}]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("shape,groups,what", SHAPES, ids=[w for *_, w in SHAPES])
-@pytest.mark.parametrize("override", CHUNKS, ids=["default", "3 chunks", "7 chunks per channel", "pow2 tiles"])
+@pytest.mark.parametrize("override", CHUNKS,
+                         ids=["default", "3 chunks", "7 chunks per channel", "5 chunks paired", "pow2 tiles"])
 def test_group_norm(rng, dtype, shape, groups, what, override):
     x = random(rng, shape, dtype, scale=2.0, offset=0.5)
     c = shape[-1]
@@ -112,30 +118,38 @@ def test_folded_is_bitwise_reproducible(rng):
         assert a.tobytes() == b.tobytes()
 
 
-def test_mean_1e4_keeps_precision(rng):
-    x = random(rng, (2, 64, 64, 64), np.float32, scale=1.0, offset=1e4)
-    check(x, "group", groups=4, axis=-1, override={"chunks": 5}, walk="split", rng=rng)
+@pytest.mark.parametrize("channels,groups", [(64, 4), (40, 8)], ids=["grouped", "paired"])
+def test_mean_1e4_keeps_precision(rng, channels, groups):
+    x = random(rng, (2, 64, 64, channels), np.float32, scale=1.0, offset=1e4)
+    check(x, "group", groups=groups, axis=-1, override={"chunks": 5}, walk="split", rng=rng)
 
 
-@pytest.mark.parametrize("override", [{}, {"grouped": False}], ids=["grouped", "per channel"])
-def test_nan_stays_in_its_group(rng, override):
+NAN_CASES = [(32, 4, {}), (32, 4, {"grouped": False, "paired": False}), (40, 8, {}), (40, 8, {"paired": False})]
+
+
+@pytest.mark.parametrize("channels,groups,override", NAN_CASES,
+                         ids=["grouped", "per channel", "paired", "paired per channel"])
+def test_nan_stays_in_its_group(rng, channels, groups, override):
     import cupy
 
-    x = random(rng, (3, 5, 8, 32), np.float32)
-    x[1, 2, 3, 13] = np.nan  # sample 1, group 1 (channels 8 to 15)
-    y, mean, rstd = run(cupy.asarray(x), "group", groups=4, axis=-1, override={"chunks": 3, **override},
+    x = random(rng, (3, 5, 8, channels), np.float32)
+    cpg = channels // groups
+    x[1, 2, 3, 13] = np.nan  # sample 1, channel 13 (groups of 5: channels 10 to 14, straddling two vectors)
+    y, mean, rstd = run(cupy.asarray(x), "group", groups=groups, axis=-1, override={"chunks": 3, **override},
                         walk="split")
+    g = 13 // cpg
     bad = np.zeros(y.shape, bool)
-    bad[1, ..., 8:16] = True
+    bad[1, ..., g * cpg:(g + 1) * cpg] = True
     assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
-    assert np.isnan(mean[1, 1]) and np.isfinite(np.delete(mean.ravel(), 1 * 4 + 1)).all()
+    assert np.isnan(mean[1, g]) and np.isfinite(np.delete(mean.ravel(), 1 * groups + g)).all()
 
 
-@pytest.mark.parametrize("override", [{}, {"chunks": 9}, {"grouped": False}])
-def test_bitwise_reproducible(rng, override):
+@pytest.mark.parametrize("channels,override", [(64, {}), (64, {"chunks": 9}), (64, {"grouped": False}),
+                                               (64, {"grouped": False, "paired": False}), (40, {})])
+def test_bitwise_reproducible(rng, channels, override):
     import cupy
 
-    x = cupy.asarray(random(rng, (4, 32, 32, 64), np.float32))
+    x = cupy.asarray(random(rng, (4, 32, 32, channels), np.float32))
     first = run(x, "group", groups=8, axis=-1, override=override, walk="split")
     again = run(x, "group", groups=8, axis=-1, override=override, walk="split")
     for a, b in zip(first, again):

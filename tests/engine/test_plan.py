@@ -332,18 +332,21 @@ def test_channels_last_grouped_walk():
     grouped (a statistic a thread: channel_partial's, channel_finalize's and
     channel_apply's LAYOUT 2) where a vector of at least
     grouped_min_vec_bytes divides the groups and a group's vectors lie in one
-    tile, with the widest such vector; else a statistic per channel (LAYOUT
-    1) at the plan's vector. BatchNorm, channels-first x and the override
-    {"grouped": False} never group. A tile is a position's vectors exactly
-    (up to 256), its rows launched as whole warps. The cases are
-    tests/engine/test_channel_split_gpu.py's."""
+    tile, with the widest such vector; else paired (LAYOUT 3, a thread keeps
+    the statistics of the two groups its vector may straddle; the grouped
+    finalize) where the groups are at least the plan's vector wide and a
+    position's vectors make one tile; else a statistic per channel (LAYOUT
+    1) at the plan's vector. BatchNorm, channels-first x and the overrides
+    {"grouped": False, "paired": False} never group. A tile is a position's
+    vectors exactly (up to 256), its rows launched as whole warps. The cases
+    are tests/engine/test_channel_split_gpu.py's."""
     compiled = {k.expression for k in catalogue.all_kernels()}
     bf16, f32, f64 = (np.dtype(d) for d in (dtypes.bfloat16, np.float32, np.float64))
     cases = {  # (channels, groups) -> (vec, layout) for bf16, float32, float64
         (64, 4): ((8, 2), (4, 2), (2, 2)), (40, 2): ((4, 2), (4, 2), (2, 2)),
         (4096, 16): ((8, 2), (4, 2), (2, 2)), (24, 8): ((8, 1), (4, 1), (1, 2)),
-        (6144, 2): ((8, 1), (4, 1), (2, 1)), (32, 32): ((8, 1), (4, 1), (1, 2)), (320, 32): ((8, 1), (2, 2), (2, 2)),
-        (1020, 4): ((4, 1), (4, 1), (2, 1))}
+        (6144, 2): ((8, 1), (4, 1), (2, 1)), (32, 32): ((8, 1), (4, 1), (1, 2)), (320, 32): ((8, 3), (2, 2), (2, 2)),
+        (1020, 4): ((4, 3), (4, 3), (2, 1)), (72, 8): ((8, 3), (4, 3), (1, 2)), (960, 32): ((8, 3), (4, 3), (2, 1))}
     for (channels, groups), wants in cases.items():
         for dtype, (vec, layout) in zip((bf16, f32, f64), wants):
             p = make_channel_plan("group", dtype, dtype, 3, True, 2, channels, 35, channels // groups, True, 0, 0)
@@ -361,14 +364,17 @@ def test_channels_last_grouped_walk():
                 assert s.threads % 32 == 0 and np.prod(s.block) <= s.threads <= max(256, np.prod(s.block))
                 assert s.threads - np.prod(s.block) < 32 and (s.padded_threads == 0) == (np.prod(s.block) % 32 == 0)
             layouts = [s.kernel.template_args[-1] for s in launch.steps]
-            assert layouts == [layout] * 3
+            assert layouts == [layout, 2 if layout == 3 else layout, layout]  # (paired partials: grouped finalize)
             assert all(s.kernel.expression in compiled for s in launch.steps)
             partial = launch.steps[0]
-            kept = 1 if layout == 2 else vec
+            kept = {2: 1, 3: 2}.get(layout, vec)
             assert partial.kernel.template_args[2] == vec
             assert partial.shared_bytes == np.prod(partial.block) * kept * 3 * dtypes.accumulation(dtype).itemsize
-            forced = dispatch_channels.choose_channels(p, H200, override={"grouped": False})
+            forced = dispatch_channels.choose_channels(p, H200, override={"grouped": False, "paired": False})
             assert forced.steps[0].kernel.template_args[2:] == (p.vec, 1)
+            unpaired = dispatch_channels.choose_channels(p, H200, override={"grouped": False})
+            pairs = p.vec > 1 and p.channels_per_group >= p.vec and p.channels // p.vec <= 256
+            assert unpaired.steps[0].kernel.template_args[2:] == (p.vec, 3 if pairs else 1)
     batch = make_channel_plan("batch", f64, None, 0, True, 4, 16, 35, 1, False, 0, 0)
     assert dispatch_channels.channels_last_walk(batch, {}, tuning.SM90)[:2] == (2, 1)
     first = dispatch_channels.choose_channels(channel_plan(flags=3), H200)
@@ -654,36 +660,45 @@ def test_channel_stream_schedule():
 def test_channels_last_passes_are_one_wave():
     """The three launches on channels-last x cut a sample's positions into
     chunks whose blocks fill one wave at most: two blocks an SM for a
-    statistic a channel, and for a statistic a thread as many as bring the
-    block's vectors to channel_last_grouped_bytes_per_sm (a block of 160
-    threads of 8-byte vectors: six); chunks of at least
-    channel_last_min_chunk_rows positions a row of threads."""
+    statistic a channel or two (paired), and for a statistic a thread as
+    many as bring the block's vectors to channel_last_grouped_bytes_per_sm
+    (a block of 160 threads of 8-byte vectors: six); chunks of at least
+    channel_last_min_chunk_rows positions a row of threads. The paired
+    layout's apply takes its own chunks: vectors of paired_apply_vec_bytes
+    at paired_apply_blocks_per_sm."""
     tune = tuning.SM90
     bf16 = dtypes.bfloat16
-    cases = {  # (batch, spatial, channels) -> (grid, chunk positions) of GroupNorm(32) bf16 on H200
-        (16, 64 * 64, 320): ((16, 1, 16), 256),  # 10 channels a group: a statistic a channel, 40 x 6 threads
-        (8, 64 * 64, 320): ((33, 1, 8), 125),
-        (2, 64 * 64, 320): ((86, 1, 2), 48),  # (not 132 chunks: at least 8 positions a row of 6)
-        (8, 64 * 64, 640): ((98, 1, 8), 42),  # 8-byte vectors, 160 x 1 threads: 6 blocks an SM
-        (8, 128 * 128, 512): ((33, 1, 8), 497),  # 16-byte vectors, 64 x 4 threads: 2 blocks an SM
-        (2, 32 * 32, 1280): ((128, 1, 2), 8)}  # 16-byte vectors, 160 threads: 3 an SM, chunks of 8 positions
-    for (batch, spatial, channels), (grid, chunk) in cases.items():
+    cases = {  # (batch, spatial, channels) -> (grid, chunk positions, the apply's grid and chunk or None)
+        # 10 channels a group: paired, 40 x 6 threads; the apply 80 x 3 of 8-byte vectors, 3 blocks an SM
+        (16, 64 * 64, 320): ((16, 1, 16), 256, ((24, 1, 16), 171)),
+        (8, 64 * 64, 320): ((33, 1, 8), 125, ((49, 1, 8), 84)),
+        (2, 64 * 64, 320): ((86, 1, 2), 48, ((171, 1, 2), 24)),  # (not 132 chunks: at least 8 positions a row of 6)
+        (2, 64 * 64, 960): ((128, 1, 2), 32, ((196, 1, 2), 21)),  # 30 a group: 120 x 2 threads, the apply 240 x 1
+        (8, 64 * 64, 640): ((98, 1, 8), 42, None),  # grouped: 8-byte vectors, 160 x 1 threads: 6 blocks an SM
+        (8, 128 * 128, 512): ((33, 1, 8), 497, None),  # 16-byte vectors, 64 x 4 threads: 2 blocks an SM
+        (2, 32 * 32, 1280): ((128, 1, 2), 8, None)}  # 16-byte vectors, 160 threads: 3 an SM, chunks of 8 positions
+    for (batch, spatial, channels), (grid, chunk, apply) in cases.items():
         p = channel_plan(dtype=bf16, flags=3, last=True, batch=batch, channels=channels, spatial=spatial,
                          cpg=channels // 32)
         launch = dispatch_channels.choose_channels(p, H200)
         assert (launch.steps[0].grid, launch.chunk_vecs) == (grid, chunk), (batch, spatial, channels)
-        assert launch.steps[-1].grid == grid
-        blocks = grid[0] * grid[1] * grid[2]
-        threads = launch.steps[0].threads
-        assert blocks * threads <= 2048 * 132
-        assert chunk >= tune.channel_last_min_chunk_rows * launch.steps[0].block[1]
+        for step, per_sm in ((launch.steps[0], 2048), (launch.steps[-1], 768 if apply else 2048)):
+            assert np.prod(step.grid) * step.threads <= per_sm * 132
+        assert launch.chunk_vecs >= tune.channel_last_min_chunk_rows * launch.steps[0].block[1]
+        if apply is None:
+            assert launch.steps[-1].grid == grid and launch.apply_chunks == 0
+        else:
+            assert (launch.steps[-1].grid, launch.apply_chunk_vecs) == apply and launch.apply_chunks == apply[0][0]
+            assert launch.steps[-1].kernel.template_args[2:] == (4, 3) and launch.steps[0].kernel.template_args[2:] == (8, 3)
+            assert launch.apply_chunk_vecs >= tune.channel_last_min_chunk_rows * launch.steps[-1].block[1]
     forced = dispatch_channels.choose_channels(
         channel_plan(dtype=bf16, flags=3, last=True, batch=8, channels=640, spatial=64 * 64, cpg=20), H200,
         override={"blocks_per_sm": 2, "vec": 4})
     assert forced.steps[0].grid == (33, 1, 8) and forced.steps[0].kernel.template_args[2:] == (4, 1)
-    with pytest.raises(ValueError, match="do not divide"):
-        dispatch_channels.choose_channels(channel_plan(dtype=bf16, flags=3, last=True, channels=320, cpg=10),
-                                          H200, override={"vec": 3})
+    for bad in ({"vec": 3}, {"apply_vec": 16}):
+        with pytest.raises(ValueError, match="do not divide"):
+            dispatch_channels.choose_channels(channel_plan(dtype=bf16, flags=3, last=True, channels=320, cpg=10),
+                                              H200, override=bad)
 
 
 def test_channels_first_apply_finalizes_plane_rows():
