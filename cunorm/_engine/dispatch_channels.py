@@ -308,7 +308,7 @@ def channels_last_blocks(layout: int, threads: int, vec_bytes: int, device: Devi
     most those resident at once, a whole wave (blocks past a wave run as a
     second, whose tail doubled a pass). A statistic a channel
     (CHANNELS_LAST, 108-127 registers a thread in 16-bit) and the paired
-    partial (95-118) keep tune.channel_last_blocks_per_sm blocks an SM; a
+    partial (95-127) keep tune.channel_last_blocks_per_sm blocks an SM; a
     statistic a thread
     (grouped) threads whose vectors come to
     tune.channel_last_grouped_bytes_per_sm (more blocks of narrower vectors).
