@@ -8,8 +8,8 @@ from dataclasses import replace
 
 from . import dtypes, plans, quantize, tuning
 from . import declarations as K
-from .dispatch_rows import (CACHE_BYTES_STRIDED, NORMS, VECS_PER_THREAD_CHOICES, block_cache_limit, cached_cost,
-                            cached_loads, group_fits, is_heavy, norm_info, power_norm_name)
+from .dispatch_rows import (CACHE_BYTES_STRIDED, MAX_VECS_PER_THREAD, NORMS, VECS_PER_THREAD_CHOICES, RowShape,
+                            cache_fits, is_heavy, next_pow2, norm_info, power_norm_name, row_threads)
 from .dispatch_grad import (GATE_INPUT, GATE_OUTPUT, GRAD_CACHED_MAX_THREADS, GRAD_NORMS, GRAD_STRIDED_MAX_CPT,
                             _vpt_choices, column_sum_width, grad_cached_bounds, grad_cached_cluster_shapes,
                             grad_cached_multi_row_bounds, grad_cached_shape, grad_onchip_items,
@@ -63,14 +63,13 @@ def all_kernels(norms=None) -> list[Kernel]:
                         common = (policy, t, K.affine_store(p, flags, t), load, vec)
                         # y in x's type; float32 too for LayerNorm of 16-bit x (autocast's output)
                         outputs = [t] + (["float"] if norm == "ln" and dtype.itemsize == 2 and not residual else [])
+                        reach = cached_reach(RowShape(vec_bytes, residual, is_heavy(norm, dtype), lean=not residual))
                         for vpt in VECS_PER_THREAD_CHOICES:
-                            cost = cached_cost(vpt, vec_bytes, residual, is_heavy(norm, dtype))
                             for y in outputs:
                                 cached = (policy, t, K.affine_store(p, flags, y), load, vec, vpt)
-                                if group_fits(cost):
-                                    out.append(K.ROWS_CACHED(*cached, False))
-                                if block_cache_limit(cost, cached_loads(vpt, residual), is_heavy(norm, dtype)):
-                                    out.append(K.ROWS_CACHED(*cached, True))
+                                for block_per_row in (False, True):
+                                    if (vpt, block_per_row) in reach:
+                                        out.append(K.ROWS_CACHED(*cached, block_per_row))
                         out.append(K.ROWS_UNCACHED(*common))
                         out.append(K.ROWS_SPLIT_APPLY(*common))
                         tiles_apply = K.ROWS_SPLIT_APPLY_TILES(*common[1:])  # (no norm: one for all norms)
@@ -86,6 +85,22 @@ def all_kernels(norms=None) -> list[Kernel]:
     # (each once: the dtypes that share an accumulation type share its kernels)
     return list(dict.fromkeys(out + channel_kernels() + backward_kernels() + gated_grad_kernels() +
                               wide_grad_kernels() + modulated_grad_kernels()))
+
+
+@functools.lru_cache(maxsize=None)
+def cached_reach(shape: RowShape) -> frozenset[tuple[int, bool]]:
+    """The (vectors a thread, a block per row) rows_cached takes under each
+    architecture's tuning for rows of any length (dispatch_rows.row_threads
+    over every row rows_cached can hold: at most 1024 threads of
+    MAX_VECS_PER_THREAD vectors). A block per row of one vector a thread,
+    for one, is never picked: the target is 4 or more."""
+    out = set()
+    for tune in _tunings():
+        for n_vec in range(1, 1024 * MAX_VECS_PER_THREAD + 1):
+            threads = row_threads(shape, n_vec, tune)
+            if cache_fits(shape, n_vec, threads):
+                out.add((next_pow2(-(-n_vec // threads)), threads > 32))
+    return frozenset(out)
 
 
 def resident_kernels() -> list[Kernel]:

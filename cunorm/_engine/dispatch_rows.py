@@ -334,18 +334,78 @@ def group_lanes(plan: Plan, group: int) -> int:
     return lanes
 
 
+@dataclass(frozen=True)
+class RowShape:
+    """What rows_cached's thread count follows besides the row's length:
+    the vector's bytes, whether a second operand is held beside x (a
+    residual, the gate z), a heavy statistic (LayerNorm, float64), per-row
+    operands (they keep 128 registers, as heavy statistics:
+    RowsCachedBounds), whether short rows may take half the target
+    (`lean`), rows formed in float32 under 16-bit x (`formed`) and the
+    lanes a quantization group needs (0: none)."""
+    vec_bytes: int
+    held: bool
+    heavy: bool
+    per_row_operands: bool = False
+    lean: bool = True
+    formed: bool = False
+    group_lanes: int = 0
+
+
+def row_shape(plan: Plan) -> RowShape:
+    halving = plans.GATE_FLAGS if plan.flags & plans.FLAG_GATE_INPUT else 0
+    group = quantize.by_key(plan.quant).group if plan.quant is not None else 0
+    return RowShape(plan.vec * plan.dtype.itemsize, plan.residual or bool(plan.flags & plans.FLAG_GATE),
+                    is_heavy(plan.norm, plan.dtype), bool(plan.flags & plans.CONDITIONED_FLAGS),
+                    not plan.residual and plan.quant is None and not plan.flags & plans.CONDITIONED_FLAGS & ~halving,
+                    bool(plan.flags & (plans.FLAG_GATE_INPUT | plans.FLAG_WIDE_RESIDUAL)), group // plan.vec)
+
+
+def cache_fits(shape: RowShape, n_vec: int, threads: int) -> bool:
+    """Whether rows_cached with ``threads`` per row holds a row of n_vec
+    vectors within the register budget."""
+    vpt = next_pow2(_ceil_div(n_vec, threads))
+    if vpt > MAX_VECS_PER_THREAD:
+        return False
+    cost = cached_cost(vpt, shape.vec_bytes, shape.held, shape.heavy)
+    limit = block_cache_limit(cost, cached_loads(vpt, shape.held), shape.heavy or shape.per_row_operands)
+    return group_fits(cost) if threads <= 32 else threads <= limit
+
+
 def rows_cache_fits(plan: Plan, threads: int) -> bool:
     """Whether rows_cached with ``threads`` per row holds the row within
     the register budget (what a forced cached tier is checked against)."""
-    vpt = next_pow2(_ceil_div(plan.reduced // plan.vec, threads))
-    if vpt > MAX_VECS_PER_THREAD:
-        return False
-    heavy = is_heavy(plan.norm, plan.dtype)
-    held = plan.residual or bool(plan.flags & plans.FLAG_GATE)  # (the gate z is held beside x, as r is)
-    cost = cached_cost(vpt, plan.vec * plan.dtype.itemsize, held, heavy)
-    # (per-row operands keep 128 registers, as heavy statistics: RowsCachedBounds)
-    limit = block_cache_limit(cost, cached_loads(vpt, held), heavy or bool(plan.flags & plans.CONDITIONED_FLAGS))
-    return group_fits(cost) if threads <= 32 else threads <= limit
+    return cache_fits(row_shape(plan), plan.reduced // plan.vec, threads)
+
+
+def row_threads(shape: RowShape, n_vec: int, tune: tuning.Tuning) -> int:
+    """rows_cached's threads a row of n_vec vectors (the dispatch's choice;
+    a pure function of the row, so the catalogue can list what it picks)."""
+    target = tune.target_vecs_per_thread_heavy if shape.heavy else tune.target_vecs_per_thread
+    if shape.formed and n_vec >= tune.formed_min_vecs:
+        target = tune.target_vecs_per_thread_formed
+    threads = min(next_pow2(_ceil_div(n_vec, target)), tune.preferred_max_row_threads)
+    # Plain rows and the gate before the norm (x * silu(z)) may take
+    # half the target below; the gate after the norm keeps it, as a
+    # residual and the other per-row operands do
+    # (tuning.short_row_max_lanes).
+    if shape.lean and 1 < threads and next_pow2(_ceil_div(n_vec, target // 2)) <= tune.short_row_max_lanes:
+        # short rows: half the vectors a thread where a group of at
+        # most short_row_max_lanes lanes still holds the row (rows of
+        # one lane keep it: not measured)
+        threads = next_pow2(_ceil_div(n_vec, target // 2))
+    if shape.heavy and n_vec >= 64 * tune.target_vecs_per_thread:
+        threads = max(threads, 64)
+    if _ceil_div(n_vec, threads) > MAX_VECS_PER_THREAD:
+        threads = 1024
+    threads = max(threads, shape.group_lanes)  # a group's lanes in one row's threads
+    if threads > 32:
+        threads = max(threads, 64)  # a block per row: at least two warps
+    # Spread the row over more threads while a thread's cache is over
+    # the register budget (residual, LayerNorm, float64 cost more).
+    while not cache_fits(shape, n_vec, threads) and threads < 1024:
+        threads = 64 if threads == 32 else threads * 2
+    return threads
 
 
 def _quant_store(plan: Plan, params: str):
@@ -359,38 +419,15 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     n_vec = plan.reduced // plan.vec
     rows = plan.outer
     row_bytes = plan.reduced * plan.dtype.itemsize
-    threads = override.get("threads")
-    heavy = is_heavy(plan.norm, plan.dtype)
-    if threads is None:
-        target = tune.target_vecs_per_thread_heavy if heavy else tune.target_vecs_per_thread
-        if plan.flags & (plans.FLAG_GATE_INPUT | plans.FLAG_WIDE_RESIDUAL) and n_vec >= tune.formed_min_vecs:
-            target = tune.target_vecs_per_thread_formed
-        threads = min(next_pow2(_ceil_div(n_vec, target)), tune.preferred_max_row_threads)
-        # Plain rows and the gate before the norm (x * silu(z)) may take
-        # half the target below; the gate after the norm keeps it, as a
-        # residual and the other per-row operands do
-        # (tuning.short_row_max_lanes).
-        halving = plans.GATE_FLAGS if plan.flags & plans.FLAG_GATE_INPUT else 0
-        lean = not plan.residual and plan.quant is None and not plan.flags & plans.CONDITIONED_FLAGS & ~halving
-        if lean and 1 < threads and next_pow2(_ceil_div(n_vec, target // 2)) <= tune.short_row_max_lanes:
-            # short rows: half the vectors a thread where a group of at
-            # most short_row_max_lanes lanes still holds the row (rows of
-            # one lane keep it: not measured)
-            threads = next_pow2(_ceil_div(n_vec, target // 2))
-        if heavy and n_vec >= 64 * tune.target_vecs_per_thread:
-            threads = max(threads, 64)
-        if _ceil_div(n_vec, threads) > MAX_VECS_PER_THREAD:
-            threads = 1024
     group = quantize.by_key(plan.quant).group if plan.quant is not None else 0
-    if group and "threads" not in override:
-        threads = max(threads, group_lanes(plan, group))  # a group's lanes in one row's threads
-    if threads > 32:
-        threads = max(threads, 64)  # a block per row: at least two warps
-    if "threads" not in override:
-        # Spread the row over more threads while a thread's cache is over
-        # the register budget (residual, LayerNorm, float64 cost more).
-        while not rows_cache_fits(plan, threads) and threads < 1024:
-            threads = 64 if threads == 32 else threads * 2
+    if "threads" in override:
+        threads = override["threads"]
+        if threads > 32:
+            threads = max(threads, 64)  # a block per row: at least two warps
+    else:
+        if group:
+            group_lanes(plan, group)  # (raises for a group over a warp's lanes)
+        threads = row_threads(row_shape(plan), n_vec, tune)
     vpt = next_pow2(_ceil_div(n_vec, threads))
     tier = override.get("tier")
     if tier is None and plan.quant is not None:

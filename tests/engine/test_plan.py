@@ -218,6 +218,37 @@ def test_every_choice_is_compiled():
                                             assert step.kernel.expression in compiled, step.kernel.expression
 
 
+def test_random_row_choices_are_compiled():
+    """What the row forward's dispatch picks over random row lengths, row
+    counts, alignments (vector widths), parameters, residuals and both GPUs
+    is in all_kernels(): the catalogue lists rows_cached only for the
+    (vectors a thread, block per row) dispatch_rows.row_threads reaches
+    (catalogue.cached_reach)."""
+    import math
+    import random
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    compiled = {k.expression for k in catalogue.all_kernels()}
+    tiers = set()
+    for _ in range(4000):
+        norm = rng.choice(list(dispatch_rows.NORMS))
+        info = dispatch_rows.norm_info(norm)
+        dtype = np.dtype(rng.choice(list(dtypes.SUPPORTED)))
+        flags = rng.choice(list(info.flags))
+        pdtype = rng.choice((dtype, np.dtype(dtypes.accumulation(dtype)))) if flags else None
+        residual = info.residual and rng.random() < 0.5
+        n = max(1, int(math.exp(rng.uniform(0, math.log(70000)))))
+        rows = int(math.exp(rng.uniform(0, 12)))
+        ptr = rng.choice((0, 2, 4, 8, 16)) * dtype.itemsize // 2
+        p = plan_for((rows, n), -1, dtype, pdtype, ptr=ptr, norm=norm, flags=flags, residual=residual)
+        launch = dispatch_rows.choose(p, rng.choice((H200, A100)))
+        tiers.add(launch.tier)
+        for step in launch.steps:
+            assert step.kernel.expression in compiled, (seed, step.kernel.expression)
+    assert {"cached", "uncached", "split"} <= tiers, (seed, tiers)
+
+
 def test_float32_output_of_16_bit_layer_norm():
     """LayerNorm of 16-bit rows with a float32 y (autocast's result): the
     plan carries y's dtype, its vector counts y's alignment (16-byte x
