@@ -129,7 +129,7 @@ def check_compile(jobs=None, everything=False) -> int:
               f"at most {regs} registers, {status}")
         bad += bool(spilled)
     if not everything:
-        print(f"all {len(kernels)}: python -m cunorm check --all (about 21 minutes on 2 cores)")
+        print(f"all {len(kernels)}: python -m cunorm check --all (about 20 minutes on 2 cores)")
     return 1 if bad else 0
 
 
