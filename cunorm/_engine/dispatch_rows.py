@@ -420,6 +420,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     rows = plan.outer
     row_bytes = plan.reduced * plan.dtype.itemsize
     group = quantize.by_key(plan.quant).group if plan.quant is not None else 0
+    shape = row_shape(plan)
     if "threads" in override:
         threads = override["threads"]
         if threads > 32:
@@ -427,7 +428,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     else:
         if group:
             group_lanes(plan, group)  # (raises for a group over a warp's lanes)
-        threads = row_threads(row_shape(plan), n_vec, tune)
+        threads = row_threads(shape, n_vec, tune)
     vpt = next_pow2(_ceil_div(n_vec, threads))
     tier = override.get("tier")
     if tier is None and plan.quant is not None:
@@ -435,13 +436,13 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         # in registers (rows_cached) or, for rows over their budget, by
         # sweeps re-reading the row from L2 (rows_uncached); never split
         # across blocks, so the tier follows the row alone.
-        tier = "cached" if rows_cache_fits(plan, threads) else "uncached"
+        tier = "cached" if cache_fits(shape, n_vec, threads) else "uncached"
     if plan.quant is not None and tier not in ("cached", "uncached"):
         raise ValueError(f"quantize= runs in the cached or uncached tier, not {tier!r}")
     if tier is None and plan.flags & plans.CONDITIONED_FLAGS:
         # per-row operands: rows_cached whatever the rows (choose() returns
         # None for the rest), so the tier follows the row alone
-        tier = "cached" if rows_cache_fits(plan, threads) else "uncached"
+        tier = "cached" if cache_fits(shape, n_vec, threads) else "uncached"
     if group and tier == "cached" and threads < group_lanes(plan, group):  # (only a forced thread count gets here)
         raise ValueError(f"rows_cached: {threads} threads a row are fewer than a {group}-element group's lanes")
     if tier is None:
@@ -452,7 +453,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
         few_rows = rows < tune.split_max_rows_per_sm * device.sm_count
         if few_rows and row_bytes >= tune.split_min_row_bytes:
             tier = "split"
-        elif rows_cache_fits(plan, threads):
+        elif cache_fits(shape, n_vec, threads):
             tier = "cached"
         else:
             tier = "uncached"
@@ -464,7 +465,7 @@ def _choose_rows(plan: Plan, device: Device, override: dict) -> Launch:
     store_flags = plan.flags & plans.STORE_FLAGS
     common = (policy, t, K.affine_store(p, store_flags, t), load, plan.vec)
     if tier == "cached":
-        if not rows_cache_fits(plan, threads):  # only a forced tier or thread count gets here
+        if not cache_fits(shape, n_vec, threads):  # only a forced tier or thread count gets here
             raise ValueError(f"rows_cached: {threads} threads of {vpt} vectors are over the register budget")
         store = K.affine_store(p, store_flags, output_type(plan)) if plan.quant is None else _quant_store(plan, p)
         cached = (policy, t, store, load, plan.vec, vpt)

@@ -6,7 +6,7 @@
 
 namespace cunorm {
 
-constexpr int kChannelBlockThreads = 256;  // mirrors CHANNEL_BLOCK_THREADS in cunorm/_engine/dispatch_rows.py
+constexpr int kChannelBlockThreads = 256;  // mirrors CHANNEL_BLOCK_THREADS in cunorm/_engine/dispatch_channels.py
 // mirror CHANNELS_FIRST, CHANNELS_LAST, CHANNELS_LAST_GROUPED, CHANNELS_LAST_PAIRED in
 // cunorm/_engine/dispatch_channels.py
 constexpr int kChannelsFirst = 0;
